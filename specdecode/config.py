@@ -1,0 +1,106 @@
+"""Configuration dataclasses, validated at construction.
+
+Every invalid value raises ``ConfigError`` naming the field, so a bad flag or request
+never reaches the tensor code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SpecDecodeError(Exception):
+    """Base class of every error specdecode raises on purpose (bad input, bad model)."""
+
+
+class ConfigError(SpecDecodeError, ValueError):
+    """A configuration field holds an invalid value."""
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+METHODS = ("none", "ngram", "draft")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen. temperature == 0 means greedy (argmax).
+
+    The same transformation (temperature, then top-k, then top-p) is applied to target
+    and draft logits, which is what keeps speculative sampling lossless.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop):
+            raise ConfigError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Which drafter proposes tokens and how many per step.
+
+    method: "none" (plain decoding), "ngram" (prompt lookup) or "draft" (a draft model;
+    ``draft`` is a model path/name, or ``self:L`` for the target's first L layers).
+    """
+
+    method: str = "ngram"
+    k: int = 5
+    draft: str | None = None
+    ngram_sizes: tuple[int, ...] = (3, 2, 1)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.k < 1:
+            raise ConfigError(f"k (draft tokens per step) must be >= 1, got {self.k}")
+        if self.method == "draft" and not self.draft:
+            raise ConfigError("method 'draft' needs a draft model: --draft PATH or --draft self:L")
+        if not self.ngram_sizes or any(n < 1 for n in self.ngram_sizes):
+            raise ConfigError(f"ngram_sizes must be positive integers, got {self.ngram_sizes}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Where the target comes from and how it runs."""
+
+    model: str = "default"
+    dtype: str = "bf16"
+    chat_template: bool = True
+    num_threads: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.dtype)
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)

