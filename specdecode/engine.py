@@ -1,0 +1,182 @@
+"""The speculation loop: propose -> score -> verify -> commit.
+
+Cache convention (target and draft alike): the cache holds keys and values for every
+committed token but the last one, which is fed at the start of the next step together with
+the draft tokens. Scoring ``[last, d_1 .. d_k]`` is one target pass that yields k+1
+distributions; after ``n`` drafts are accepted the cache is rolled back to keep
+``last, d_1 .. d_n`` and the bonus token becomes the new last token.
+
+Plain decoding is the same loop with no proposer (k = 0): one token scored, one produced.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .config import ConfigError, SamplingParams, SpecDecodeError
+from .metrics import GenerationStats
+from .proposers.base import Proposal, Proposer
+from .text import TextTracker
+from .verify.chain import greedy_verify, rejection_sample
+from .verify.sampling import logits_to_probs
+
+
+class PromptError(SpecDecodeError, ValueError):
+    """The prompt cannot be run: empty, or longer than the model's context."""
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]  # new tokens only, EOS and anything past a stop excluded
+    text: str
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    stats: GenerationStats
+
+
+class SpeculativeEngine:
+    def __init__(
+        self,
+        target,
+        tokenizer=None,
+        proposer: Proposer | None = None,
+        k: int = 5,
+        eos_token_ids: tuple[int, ...] = (),
+    ):
+        if proposer is not None and k < 1:
+            raise ConfigError(f"k (draft tokens per step) must be >= 1, got {k}")
+        self.target = target
+        self.tokenizer = tokenizer
+        self.proposer = proposer
+        self.k = k if proposer is not None else 0
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    @property
+    def method(self) -> str:
+        return self.proposer.name if self.proposer is not None else "none"
+
+    def encode(self, prompt: str, chat_template: bool = True) -> list[int]:
+        """Prompt text -> token ids, through the chat template when asked and available."""
+        if not prompt or not prompt.strip():
+            raise PromptError("prompt is empty")
+        if self.tokenizer is None:
+            raise SpecDecodeError("this model has no tokenizer; pass token ids instead of text")
+        if chat_template and self.tokenizer.chat_template:
+            messages = [{"role": "user", "content": prompt}]
+            encoded = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=True
+            )
+            return list(encoded["input_ids"])
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def _check_prompt(self, prompt_ids: list[int]) -> None:
+        if len(prompt_ids) == 0:
+            raise PromptError("prompt is empty")
+        if len(prompt_ids) >= self.target.max_positions:
+            raise PromptError(
+                f"prompt has {len(prompt_ids)} tokens but the model's context is "
+                f"{self.target.max_positions} tokens; shorten the prompt"
+            )
+        bad = [t for t in prompt_ids if not 0 <= t < self.target.vocab_size]
+        if bad:
+            raise PromptError(f"prompt holds token ids outside the vocabulary (size {self.target.vocab_size}): {bad[:5]}")
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Generation:
+        """Generate from ``prompt_ids``; ``on_text`` receives text as it is accepted."""
+        self._check_prompt(prompt_ids)
+        stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        max_positions = self.target.max_positions
+        capacity = min(len(prompt_ids) + params.max_new_tokens + self.k + 1, max_positions)
+        generator = torch.Generator().manual_seed(
+            params.seed if params.seed is not None else secrets.randbits(63)
+        )
+        tracker = TextTracker(self.tokenizer, params.stop)
+        tokens, generated, finish = list(prompt_ids), [], None
+
+        started = time.perf_counter()
+        self.target.reset(capacity)
+        if self.proposer is not None:
+            self.proposer.start(tokens, capacity)
+        if len(tokens) > 1:
+            self.target(torch.tensor([tokens[:-1]]), last_only=True)
+        stats.prefill_seconds = time.perf_counter() - started
+
+        while finish is None:
+            # never draft past the token budget or the context
+            k = min(self.k, params.max_new_tokens - len(generated) - 1, capacity - len(tokens))
+            new_tokens = self._step(tokens, max(k, 0), params, generator, stats)
+            for token in new_tokens:
+                if token in self.eos_token_ids and not params.ignore_eos:
+                    finish = "stop"
+                    break
+                tokens.append(token)
+                generated.append(token)
+                if tracker.add(token):
+                    finish = "stop"
+                elif len(generated) >= params.max_new_tokens or len(tokens) >= max_positions:
+                    finish = "length"
+                if finish:
+                    break  # accepted drafts past a stop are dropped
+            if on_text is not None and (piece := tracker.delta()):
+                on_text(piece)
+
+        if on_text is not None and (piece := tracker.delta(final=True)):
+            on_text(piece)
+        stats.new_tokens = len(generated)
+        stats.wall_seconds = time.perf_counter() - started
+        text = tracker.text if self.tokenizer is not None else ""
+        return Generation(generated, text, finish, stats)
+
+    def _step(
+        self,
+        tokens: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        stats: GenerationStats,
+    ) -> list[int]:
+        """One speculative step; returns the accepted tokens plus the bonus token."""
+        # 1. propose
+        started = time.perf_counter()
+        proposal = (
+            self.proposer.propose(tokens, k, params, generator)
+            if k > 0 and self.proposer is not None
+            else Proposal.empty()
+        )
+        draft_ids = proposal.draft_ids[None, :k]  # [1, k']
+        num_drafted = draft_ids.shape[1]
+        scored = time.perf_counter()
+        stats.draft_seconds += scored - started
+
+        # 2. score: the last committed token and every draft, one target pass
+        context = len(tokens)
+        inputs = torch.cat([torch.tensor([[tokens[-1]]]), draft_ids], dim=1)
+        target_logits = self.target(inputs)  # [1, k'+1, V]
+
+        # 3. verify
+        if params.greedy:
+            output_ids, num_accepted = greedy_verify(draft_ids, target_logits)
+        else:
+            target_probs = logits_to_probs(target_logits, params)  # [1, k'+1, V]
+            if proposal.draft_probs is not None:
+                draft_probs = proposal.draft_probs[None, :num_drafted]
+            else:  # deterministic drafter: its distribution is one-hot
+                draft_probs = F.one_hot(draft_ids, target_probs.shape[-1]).float()
+            output_ids, num_accepted = rejection_sample(draft_ids, draft_probs, target_probs, generator)
+
+        # 4. commit: keep the last token and the accepted drafts in the cache
+        accepted = int(num_accepted[0])
+        self.target.rollback(context + accepted)
+        stats.observe_step(num_drafted, accepted)
+        stats.verify_seconds += time.perf_counter() - scored
+        return output_ids[0, : accepted + 1].tolist()

@@ -1,0 +1,112 @@
+"""From configuration to a ready engine: resolve models, load runtimes, build the proposer."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from .config import ConfigError, EngineConfig, SpecDecodeError, SpeculativeConfig
+from .engine import SpeculativeEngine
+from .models.hf import load_hf
+from .models.llama import load_native
+from .models.loading import ModelSource, resolve_model
+from .proposers.draft_model import DraftModelProposer
+from .proposers.ngram import NgramProposer
+
+RUNTIMES = ("auto", "native", "hf")
+
+
+class VocabularyMismatchError(SpecDecodeError, ValueError):
+    """Draft and target do not share a vocabulary, so draft ids mean nothing to the target."""
+
+
+@dataclass
+class LoadedModel:
+    source: ModelSource
+    runtime: object  # NativeRuntime or HFRuntime
+    tokenizer: object | None
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids: set[int] = set()
+        for config_name in ("generation_config.json", "config.json"):
+            path = self.source.path / config_name
+            if path.is_file():
+                eos = json.loads(path.read_text()).get("eos_token_id")
+                ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+
+def _load_tokenizer(source: ModelSource):
+    from transformers import AutoTokenizer
+
+    has_tokenizer = any(
+        (source.path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")
+    )
+    return AutoTokenizer.from_pretrained(source.path) if has_tokenizer else None
+
+
+def load_model(name: str, dtype: torch.dtype, runtime: str = "auto") -> LoadedModel:
+    if runtime not in RUNTIMES:
+        raise ConfigError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
+    source = resolve_model(name)
+    if runtime == "native" and not source.native:
+        raise ConfigError(f"the native runtime supports llama, mistral and qwen2, not {source.model_type!r}")
+    use_native = runtime == "native" or (runtime == "auto" and source.native)
+    model = load_native(source.path, dtype) if use_native else load_hf(source.path, dtype)
+    return LoadedModel(source, model, _load_tokenizer(source))
+
+
+def check_vocabularies(target: LoadedModel, draft: LoadedModel) -> None:
+    if draft.runtime.vocab_size != target.runtime.vocab_size:
+        raise VocabularyMismatchError(
+            f"vocabulary mismatch: target {target.source.name!r} has {target.runtime.vocab_size} "
+            f"tokens, draft {draft.source.name!r} has {draft.runtime.vocab_size}; a draft model "
+            "must share the target's tokenizer"
+        )
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+            raise VocabularyMismatchError(
+                f"vocabulary mismatch: target {target.source.name!r} and draft "
+                f"{draft.source.name!r} map tokens to different ids"
+            )
+
+
+def build_proposer(spec: SpeculativeConfig, target: LoadedModel, dtype: torch.dtype):
+    if spec.method == "none":
+        return None
+    if spec.method == "ngram":
+        return NgramProposer(spec.ngram_sizes)
+    if spec.draft.startswith("self:"):
+        try:
+            num_layers = int(spec.draft.split(":", 1)[1])
+        except ValueError:
+            raise ConfigError(f"--draft self:L needs an integer layer count, got {spec.draft!r}") from None
+        if not hasattr(target.runtime, "layer_skip_view"):
+            raise ConfigError("--draft self:L needs the native runtime")
+        total = target.runtime.cfg.num_layers
+        if not 1 <= num_layers < total:
+            raise ConfigError(f"--draft self:L needs 1 <= L < {total} (the target's layers), got {num_layers}")
+        return DraftModelProposer(target.runtime.layer_skip_view(num_layers))
+    draft = load_model(spec.draft, dtype)
+    check_vocabularies(target, draft)
+    return DraftModelProposer(draft.runtime)
+
+
+def build_engine(engine: EngineConfig, spec: SpeculativeConfig, runtime: str = "auto",
+                 target: LoadedModel | None = None) -> SpeculativeEngine:
+    if engine.num_threads:
+        torch.set_num_threads(engine.num_threads)
+    if target is None:
+        target = load_model(engine.model, engine.torch_dtype, runtime)
+    proposer = build_proposer(spec, target, engine.torch_dtype)
+    return SpeculativeEngine(target.runtime, target.tokenizer, proposer, spec.k, target.eos_token_ids)
+
+
+def log(message: str) -> None:
+    print(f"specdecode: {message}", file=sys.stderr, flush=True)

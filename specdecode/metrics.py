@@ -1,0 +1,78 @@
+"""Counters for one generation. Sinks (CLI line, JSON, later Prometheus) read these.
+
+Definitions, stated once:
+- drafted: draft tokens offered to the verifier; accepted: those it kept.
+- alpha (acceptance rate) = accepted / drafted.
+- tau (mean accepted length) = tokens produced per target forward pass *including the
+  bonus token* = (accepted + passes) / passes. Plain decoding has tau = 1.
+- tokens_per_s = new tokens / wall time of the whole request, prefill included;
+  decode_tokens_per_s excludes the prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    target_forwards: int = 0  # decoding passes after the prefill; each yields accepted + 1
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    wall_seconds: float = 0.0
+
+    def observe_step(self, num_drafted: int, num_accepted: int) -> None:
+        self.target_forwards += 1
+        self.draft_tokens += num_drafted
+        self.accepted_tokens += num_accepted
+        grow = num_drafted - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for position in range(num_drafted):
+            self.drafted_per_position[position] += 1
+            self.accepted_per_position[position] += position < num_accepted
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tau(self) -> float:
+        passes = self.target_forwards
+        return (self.accepted_tokens + passes) / passes if passes else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_seconds if self.wall_seconds else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        decode = self.wall_seconds - self.prefill_seconds
+        return self.new_tokens / decode if decode > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        record = asdict(self)
+        for name in ("alpha", "tau", "acceptance_per_position", "tokens_per_s", "decode_tokens_per_s"):
+            record[name] = getattr(self, name)
+        return record
+
+    def summary(self) -> str:
+        return (
+            f"{self.new_tokens} tokens in {self.wall_seconds:.2f}s ({self.tokens_per_s:.1f} tok/s, "
+            f"decode {self.decode_tokens_per_s:.1f} tok/s) | drafted {self.draft_tokens}, "
+            f"accepted {self.accepted_tokens}, alpha {self.alpha:.2f}, tau {self.tau:.2f}, "
+            f"target passes {self.target_forwards} | draft {self.draft_seconds:.2f}s, "
+            f"verify {self.verify_seconds:.2f}s, prefill {self.prefill_seconds:.2f}s"
+        )

@@ -1,0 +1,66 @@
+"""Adapter over transformers' AutoModelForCausalLM, for architectures without a native runtime.
+
+Same interface as ``NativeRuntime`` (reset / forward / rollback / length), chain drafts
+only: transformers' cache cannot take an arbitrary tree mask over new tokens. Rollback
+crops the DynamicCache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import SpecDecodeError
+
+
+class HFRuntime:
+    def __init__(self, model):
+        self.model = model.eval().requires_grad_(False)
+        config = model.config
+        self.vocab_size = config.vocab_size
+        self.max_positions = getattr(config, "max_position_embeddings", None) or 2048
+        self.dtype = next(model.parameters()).dtype
+        self.cache = None
+        self.length = 0
+        self.capacity = 0
+
+    def reset(self, capacity: int, batch: int = 1) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
+        self.capacity = min(capacity, self.max_positions)
+        self.length = 0
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length}; cache holds {self.length}")
+        if length < self.length:
+            self.cache.crop(length - self.length)  # transformers 5: negative = tokens to drop
+        self.length = length
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions=None, tree_mask=None, last_only=False, return_hidden=False):
+        if tree_mask is not None or positions is not None:
+            raise SpecDecodeError("the transformers adapter supports chain drafts only (no token trees)")
+        num_new = input_ids.shape[1]
+        if self.length + num_new > self.capacity:
+            raise SpecDecodeError(f"sequence of {self.length + num_new} tokens exceeds the context {self.capacity}")
+        out = self.model(
+            input_ids=input_ids,
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=return_hidden,
+            logits_to_keep=1 if last_only else 0,
+        )
+        self.length += num_new
+        if return_hidden:
+            hidden = out.hidden_states[-1][:, -1:] if last_only else out.hidden_states[-1]
+            return out.logits, hidden
+        return out.logits
+
+    __call__ = forward
+
+
+def load_hf(model_dir, dtype: torch.dtype) -> HFRuntime:
+    from transformers import AutoModelForCausalLM
+
+    return HFRuntime(AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype))

@@ -1,0 +1,43 @@
+"""The Proposer protocol: what every drafter implements, and what it hands the verifier."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..config import SamplingParams
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for one step of one sequence."""
+
+    # [k'] int64, 0 <= k' <= k: a drafter may offer fewer tokens than asked, or none
+    draft_ids: torch.Tensor
+    # [k', V] float32: the distribution each draft token was drawn from, when sampling
+    # with a stochastic drafter; None means the drafts are deterministic (one-hot).
+    draft_probs: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.draft_ids.numel()
+
+    @classmethod
+    def empty(cls) -> "Proposal":
+        return cls(torch.empty(0, dtype=torch.int64))
+
+
+class Proposer(Protocol):
+    """A drafter. The engine calls ``start`` once per request, then ``propose`` each step."""
+
+    name: str
+
+    def start(self, prompt_ids: list[int], capacity: int) -> None:
+        """Prepare for a new request whose sequence may grow to ``capacity`` tokens."""
+
+    def propose(
+        self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
+        """Offer up to ``k`` tokens to follow ``tokens`` (the committed sequence)."""

@@ -1,0 +1,60 @@
+"""A draft model: a smaller causal LM with the target's vocabulary, drafting autoregressively.
+
+Its KV cache follows the committed sequence. Each step it feeds whatever the cache lacks —
+normally the bonus token, and after a fully accepted step also the last draft token,
+which it proposed but never ran — then drafts k tokens, k-1 of them through the cache.
+Rejected drafts leave its cache by a pointer rollback, as in the target.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import SamplingParams
+from ..verify.sampling import logits_to_probs, sample
+from .base import Proposal
+
+
+class DraftModelProposer:
+    name = "draft"
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self.cached: list[int] = []  # tokens whose keys and values are in the draft cache
+        self.committed = 0  # length of the committed sequence at the previous step
+
+    def start(self, prompt_ids: list[int], capacity: int) -> None:
+        self.runtime.reset(capacity)
+        self.cached, self.committed = [], 0
+
+    def _sync(self, tokens: list[int]) -> torch.Tensor:
+        """Roll the cache back to its longest prefix shared with ``tokens`` (keeping at
+        least the last token to feed), feed the rest, return logits after the last."""
+        limit = min(len(self.cached), len(tokens) - 1)
+        common = min(self.committed, limit)  # committed tokens never change
+        while common < limit and self.cached[common] == tokens[common]:
+            common += 1
+        self.runtime.rollback(common)
+        self.cached, self.committed = list(tokens), len(tokens)
+        return self.runtime(torch.tensor([tokens[common:]]), last_only=True)[0, -1]
+
+    def propose(
+        self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
+        logits = self._sync(tokens)  # [V]
+        draft_ids, draft_probs = [], []
+        for position in range(k):
+            if params.greedy:
+                token = int(logits.argmax())
+            else:
+                probs = logits_to_probs(logits, params)
+                token = int(sample(probs, generator))
+                draft_probs.append(probs)
+            draft_ids.append(token)
+            if position < k - 1:
+                logits = self.runtime(torch.tensor([[token]]))[0, -1]
+                self.cached.append(token)
+        return Proposal(
+            torch.tensor(draft_ids, dtype=torch.int64),
+            torch.stack(draft_probs) if draft_probs else None,
+        )

@@ -1,0 +1,42 @@
+"""N-gram prompt lookup (Saxena 2023): copy what followed the last n tokens earlier on.
+
+Summaries, extraction, code edits and templates repeat spans of the prompt or of their
+own output; a match of the sequence's last n tokens earlier in the same sequence (prompt
+and generated text alike) proposes the tokens that followed it. Longer n-grams are tried
+first; the most recent match wins. Costs no model call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..config import SamplingParams
+from .base import Proposal
+
+
+class NgramProposer:
+    name = "ngram"
+
+    def __init__(self, ngram_sizes: tuple[int, ...] = (3, 2, 1)):
+        self.ngram_sizes = tuple(sorted(set(ngram_sizes), reverse=True))
+
+    def start(self, prompt_ids: list[int], capacity: int) -> None:
+        pass
+
+    def propose(
+        self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
+        sequence = np.asarray(tokens, dtype=np.int64)
+        for n in self.ngram_sizes:
+            if len(sequence) <= n:
+                continue
+            pattern = sequence[-n:]
+            # every window that starts early enough to have at least one token after it
+            windows = np.lib.stride_tricks.sliding_window_view(sequence[:-1], n)  # [L-n, n]
+            matches = np.flatnonzero((windows == pattern).all(axis=1))
+            if matches.size:
+                follow = matches[-1] + n
+                continuation = sequence[follow : follow + k]
+                return Proposal(torch.from_numpy(continuation.copy()))
+        return Proposal.empty()

@@ -1,0 +1,78 @@
+"""Verification of chain drafts: pure, batched tensor functions.
+
+Terms, for a batch of B sequences each with k draft tokens:
+
+- accepted tokens: the longest prefix of the draft tokens the verifier keeps;
+- bonus token: the one token the target adds after the accepted prefix — the recovered
+  (corrected) token at the first rejection, or a free extra token when all k pass.
+
+Every function returns ``(output_ids [B, k+1], num_accepted [B])``: row b holds
+``num_accepted[b]`` accepted draft tokens, then the bonus token, then ``PAD_ID``.
+So every sequence gains ``num_accepted + 1`` tokens per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sampling import sample
+
+PAD_ID = -1
+
+
+def _accepted_prefix_length(accepted: torch.Tensor) -> torch.Tensor:
+    """``[B, k]`` bool -> ``[B]`` length of the all-True prefix (cumprod, no loop)."""
+    return accepted.to(torch.int64).cumprod(dim=-1).sum(dim=-1)
+
+
+def _assemble(draft_ids: torch.Tensor, num_accepted: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+    batch, k = draft_ids.shape
+    slots = torch.arange(k + 1).expand(batch, k + 1)  # [B, k+1]
+    padded = torch.cat([draft_ids, torch.full((batch, 1), PAD_ID)], dim=1)
+    output = torch.where(slots < num_accepted[:, None], padded, PAD_ID)
+    return output.scatter_(1, num_accepted[:, None], bonus[:, None])
+
+
+def greedy_verify(
+    draft_ids: torch.Tensor,  # [B, k]
+    target_logits: torch.Tensor,  # [B, k+1, V]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept drafts while they equal the target's argmax; the bonus is the argmax after."""
+    target_ids = target_logits.argmax(dim=-1)  # [B, k+1]
+    num_accepted = _accepted_prefix_length(draft_ids == target_ids[:, :-1])  # [B]
+    bonus = target_ids.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
+    return _assemble(draft_ids, num_accepted, bonus), num_accepted
+
+
+def rejection_sample(
+    draft_ids: torch.Tensor,  # [B, k]
+    draft_probs: torch.Tensor,  # [B, k, V] distribution each draft token was drawn from
+    target_probs: torch.Tensor,  # [B, k+1, V] processed target distributions
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling (Leviathan et al. 2023, Alg. 1; Chen et al. 2023, Alg. 2).
+
+    Draft token x_i is accepted with probability min(1, target_probs_i(x) / draft_probs_i(x)).
+    At the first rejection the bonus token is drawn from the residual
+    norm(max(0, target_probs_i - draft_probs_i)); if all k pass, from target_probs_k.
+    The output is distributed exactly as tokens drawn from the target one by one.
+    Deterministic drafters (n-gram) pass one-hot draft_probs.
+    """
+    batch, k = draft_ids.shape
+    index = draft_ids[..., None]
+    target_at_draft = target_probs[:, :k].gather(-1, index).squeeze(-1)  # [B, k]
+    draft_at_draft = draft_probs.gather(-1, index).squeeze(-1)  # [B, k]
+    uniform = torch.rand(batch, k, generator=generator, dtype=target_probs.dtype)
+    # u < target/draft, written without the division (draft_at_draft > 0 for drawn tokens)
+    accepted = uniform * draft_at_draft < target_at_draft
+    num_accepted = _accepted_prefix_length(accepted)  # [B]
+
+    rows = torch.arange(batch)
+    bonus_target = target_probs[rows, num_accepted]  # [B, V]
+    padded_draft = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)
+    residual = (bonus_target - padded_draft[rows, num_accepted]).clamp_(min=0.0)  # [B, V]
+    mass = residual.sum(-1, keepdim=True)
+    # mass == 0 only if target == draft at that position, where rejection has probability 0
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), bonus_target)
+    bonus = sample(residual, generator)
+    return _assemble(draft_ids, num_accepted, bonus), num_accepted
