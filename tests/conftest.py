@@ -58,3 +58,28 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     """Unit tests never write to the user's cache; the slow tests share one conversion."""
     if "SPECDECODE_CACHE" not in os.environ:
         monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def save_char_tokenizer(path):
+    """A 97-token character tokenizer (3 specials + the 94 printable ASCII characters),
+    so tiny models can be driven by text: stop strings, chat-less prompts."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({chr(c): 3 + i for i, c in enumerate(range(33, 127))})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    tokenizer.save_pretrained(path)
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_text_model_dir(tmp_path_factory):
+    path = save_tiny_model(tmp_path_factory.mktemp("tiny-text"), "llama", seed=7)
+    save_char_tokenizer(path)
+    return path

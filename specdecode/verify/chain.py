@@ -69,7 +69,7 @@ def rejection_sample(
 
     rows = torch.arange(batch)
     bonus_target = target_probs[rows, num_accepted]  # [B, V]
-    padded_draft = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)
+    padded_draft = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, draft_probs.shape[-1])], dim=1)
     residual = (bonus_target - padded_draft[rows, num_accepted]).clamp_(min=0.0)  # [B, V]
     mass = residual.sum(-1, keepdim=True)
     # mass == 0 only if target == draft at that position, where rejection has probability 0

@@ -1,0 +1,139 @@
+"""The verifiers as pure functions: table-driven cases and the distribution they sample."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdecode.config import SamplingParams
+from specdecode.verify.chain import PAD_ID, greedy_verify, rejection_sample
+from specdecode.verify.sampling import logits_to_probs, sample
+
+
+def one_hot_logits(ids: list[int], vocab: int = 6) -> torch.Tensor:
+    """[1, len(ids), vocab] logits whose argmax at position i is ids[i]."""
+    return torch.nn.functional.one_hot(torch.tensor([ids]), vocab).float() * 5
+
+
+@pytest.mark.parametrize(
+    "draft, target_argmax, expected, num_accepted",
+    [
+        ([1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4], 3),  # all accepted + free bonus token
+        ([5, 2, 3], [1, 2, 3, 4], [1, PAD_ID, PAD_ID, PAD_ID], 0),  # first rejected
+        ([1, 5, 3], [1, 2, 3, 4], [1, 2, PAD_ID, PAD_ID], 1),  # later rejection ends the prefix
+        ([1], [1, 0], [1, 0], 1),
+    ],
+)
+def test_greedy_verify_table(draft, target_argmax, expected, num_accepted):
+    output, accepted = greedy_verify(torch.tensor([draft]), one_hot_logits(target_argmax))
+    assert output.tolist() == [expected]
+    assert accepted.tolist() == [num_accepted]
+
+
+def test_greedy_verify_batched_rows_are_independent():
+    drafts = torch.tensor([[1, 2], [3, 3]])
+    logits = torch.cat([one_hot_logits([1, 2, 0]), one_hot_logits([3, 1, 4])])
+    output, accepted = greedy_verify(drafts, logits)
+    assert output.tolist() == [[1, 2, 0], [3, 1, PAD_ID]]
+    assert accepted.tolist() == [2, 1]
+
+
+def test_rejection_sample_certain_cases():
+    vocab = 4
+    gen = torch.Generator().manual_seed(0)
+    target = torch.tensor([[[0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1.0]]])
+    # drafts equal to the only tokens the target allows: always accepted, bonus = 3
+    draft_probs = torch.nn.functional.one_hot(torch.tensor([[1, 2]]), vocab).float()
+    output, accepted = rejection_sample(torch.tensor([[1, 2]]), draft_probs, target, gen)
+    assert output.tolist() == [[1, 2, 3]] and accepted.tolist() == [2]
+    # first draft has target probability 0: always rejected, recovered token = 1
+    draft_probs = torch.nn.functional.one_hot(torch.tensor([[0, 2]]), vocab).float()
+    output, accepted = rejection_sample(torch.tensor([[0, 2]]), draft_probs, target, gen)
+    assert output.tolist() == [[1, PAD_ID, PAD_ID]] and accepted.tolist() == [0]
+
+
+def test_rejection_sample_is_seeded():
+    probs = torch.softmax(torch.randn(8, 4, 10, generator=torch.Generator().manual_seed(1)), -1)
+    drafts = torch.randint(0, 10, (8, 3), generator=torch.Generator().manual_seed(2))
+    runs = [
+        rejection_sample(drafts, probs[:, :3], probs.flip(-1), torch.Generator().manual_seed(7))[0]
+        for _ in range(2)
+    ]
+    assert torch.equal(runs[0], runs[1])
+
+
+SAMPLING_CASES = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.3, top_k=3),
+    SamplingParams(temperature=1.0, top_p=0.8),
+]
+
+
+@pytest.mark.parametrize("params", SAMPLING_CASES, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+def test_speculative_sampling_reproduces_target_distribution(params):
+    """Joint distribution of the first two tokens of a step equals the target's.
+
+    Toy models over a 5-token vocabulary whose next-token logits depend on the previous
+    token (tables [V, V]). Each of N rows: the draft samples d1 from draft_table[x0] and
+    d2 from draft_table[d1]; the target scores them; the verifier runs. If the step ends
+    after one token, the second comes from the target directly (as the next step would,
+    by the same argument). The pair (y1, y2) must follow target(y1|x0)·target(y2|y1).
+    """
+    vocab, rows, x0 = 5, 200_000, 0
+    gen = torch.Generator().manual_seed(1234)
+    target_logits = torch.randn(vocab, vocab, generator=gen) * 1.5
+    draft_logits = target_logits + torch.randn(vocab, vocab, generator=gen)  # a related, wrong draft
+    target_table = logits_to_probs(target_logits, params)  # [V, V] row = previous token
+    draft_table = logits_to_probs(draft_logits, params)
+
+    d1 = sample(draft_table[x0].expand(rows, vocab), gen)  # [N]
+    d2 = sample(draft_table[d1], gen)  # [N]
+    draft_ids = torch.stack([d1, d2], dim=1)  # [N, 2]
+    draft_probs = torch.stack([draft_table[x0].expand(rows, vocab), draft_table[d1]], dim=1)
+    target_probs = torch.stack(
+        [target_table[x0].expand(rows, vocab), target_table[d1], target_table[d2]], dim=1
+    )  # [N, 3, V]
+    output, accepted = rejection_sample(draft_ids, draft_probs, target_probs, gen)
+
+    y1 = output[:, 0]
+    y2 = torch.where(accepted >= 1, output[:, 1], sample(target_table[y1], gen))
+    observed = torch.bincount(y1 * vocab + y2, minlength=vocab * vocab).double()
+    joint = target_table[x0].double()[:, None] * target_table.double()
+    expected = (joint / joint.sum()).flatten() * rows
+    support = expected > 0
+    assert observed[~support].sum() == 0, "sampled a token the processed target forbids"
+    assert 0 < accepted.float().mean() < 2, "the test must exercise both acceptance and rejection"
+    _, p_value = chisquare(observed[support].numpy(), expected[support].numpy())
+    assert p_value > 1e-3, p_value
+
+
+def test_wrong_verifier_would_be_caught():
+    """Sanity of the statistical test itself: accepting every draft is detected."""
+    vocab, rows = 5, 200_000
+    gen = torch.Generator().manual_seed(5)
+    target = torch.softmax(torch.randn(vocab, generator=gen) * 1.5, -1)
+    draft = torch.softmax(torch.randn(vocab, generator=gen) * 1.5, -1)
+    observed = torch.bincount(sample(draft.expand(rows, vocab), gen), minlength=vocab).double()
+    _, p_value = chisquare(observed.numpy(), (target.double() / target.double().sum() * rows).numpy())
+    assert p_value < 1e-3
+
+
+def test_top_k_and_top_p_truncate():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    assert (logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2)) > 0).tolist() == [True, True, False, False]
+    probs = logits.softmax(-1)  # ~[0.64, 0.24, 0.09, 0.03]
+    kept = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.8)) > 0
+    assert kept.tolist() == [True, True, False, False]
+    assert probs[0] < 0.8 < probs[:2].sum()
+    greedy = logits_to_probs(logits, SamplingParams())
+    assert greedy.tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_rejection_sample_with_no_drafts_samples_the_target():
+    target = torch.tensor([[[0.0, 0.0, 1.0]]])
+    output, accepted = rejection_sample(
+        torch.empty(1, 0, dtype=torch.int64), torch.empty(1, 0, 3), target, torch.Generator().manual_seed(0)
+    )
+    assert output.tolist() == [[2]] and accepted.tolist() == [0]
