@@ -1,0 +1,184 @@
+"""``specdecode bench``: every prompt with every method, same prompts, same output lengths.
+
+Methods: ``none`` (plain decoding, our runtime; the baseline every ratio divides by),
+``ngram``, ``draft`` (speculative, our engine) and ``hf`` (transformers ``generate()``
+greedy on the same weights and dtype: the peer to beat). tokens/s counts new tokens over
+the wall time of the whole request, prefill included; medians per category.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections import defaultdict
+from importlib import resources
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..config import EngineConfig, SpecDecodeError, SpeculativeConfig
+
+KNOWN_METHODS = ("none", "ngram", "draft", "hf")
+
+
+def load_prompts(path: str | None, limit: int | None = None) -> list[dict]:
+    """Read Spec-Bench ``{question_id, category, turns}`` or ``{prompt, category}`` lines."""
+    if path is None:
+        text = resources.files("specdecode.data").joinpath("prompts.jsonl").read_text()
+        origin = "the built-in suite"
+    else:
+        file = Path(path)
+        if not file.is_file():
+            raise SpecDecodeError(f"prompts file {path!r} not found")
+        text, origin = file.read_text(), path
+    prompts, per_category = [], defaultdict(int)
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            prompt = row["turns"][0] if "turns" in row else row["prompt"]
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+            raise SpecDecodeError(
+                f"{origin} line {number}: expected {{'question_id', 'category', 'turns'}} or {{'prompt', 'category'}}"
+            ) from None
+        category = row.get("category", "general")
+        if limit is not None and per_category[category] >= limit:
+            continue
+        per_category[category] += 1
+        prompts.append({"question_id": row.get("question_id", f"{category}-{per_category[category]}"), "category": category, "prompt": prompt})
+    if not prompts:
+        raise SpecDecodeError(f"{origin} holds no prompts")
+    return prompts
+
+
+def _hf_generate(model, prompt_ids: list[int], params, eos_ids: tuple[int, ...]) -> tuple[list[int], float]:
+    started = time.perf_counter()
+    with torch.inference_mode():
+        output = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=params.max_new_tokens, do_sample=False,
+            eos_token_id=list(eos_ids) or None, pad_token_id=eos_ids[0] if eos_ids else 0,
+        )
+    seconds = time.perf_counter() - started
+    new = output[0, len(prompt_ids):].tolist()
+    while new and new[-1] in eos_ids:
+        new.pop()
+    return new, seconds
+
+
+def run_bench(args, methods: list[str], spec_config, params) -> int:
+    from ..factory import build_engine, load_model, log
+
+    unknown = [m for m in methods if m not in KNOWN_METHODS]
+    if unknown:
+        raise SpecDecodeError(f"unknown bench method(s) {unknown}; choose from {KNOWN_METHODS}")
+    if "none" not in methods:
+        methods = ["none", *methods]  # the baseline every ratio needs
+    methods = ["none", *[m for m in methods if m != "none"]]
+    prompts = load_prompts(args.prompts, args.limit)
+    engine_config = EngineConfig(model=args.model, dtype=args.dtype, chat_template=not args.no_chat_template, num_threads=args.threads)
+    log(f"loading {args.model} ({args.dtype}); {len(prompts)} prompts x {len(methods)} methods")
+    target = load_model(engine_config.model, engine_config.torch_dtype, args.runtime)
+    engines = {m: build_engine(engine_config, spec_config(args, m), args.runtime, target=target) for m in methods if m != "hf"}
+    hf_model = None
+    if "hf" in methods:
+        from transformers import AutoModelForCausalLM
+
+        hf_model = AutoModelForCausalLM.from_pretrained(target.source.path, dtype=engine_config.torch_dtype).eval()
+
+    encode = engines["none"].encode
+    encoded = [encode(p["prompt"], engine_config.chat_template) for p in prompts]
+    warm = encoded[0][:16]
+    for engine in engines.values():  # first calls allocate and warm kernels
+        engine.generate(warm, params.__class__(max_new_tokens=8, ignore_eos=True))
+
+    records, plain_tokens = [], {}
+    progress = tqdm(total=len(prompts) * len(methods), desc="bench", unit="gen")
+    for method in methods:
+        for prompt, prompt_ids in zip(prompts, encoded):
+            record = {"question_id": prompt["question_id"], "category": prompt["category"], "method": method, "k": 0 if method in ("none", "hf") else args.k}
+            if method == "hf":
+                token_ids, seconds = _hf_generate(hf_model, prompt_ids, params, target.eos_token_ids)
+                record.update(alpha=None, tau=1.0)
+            else:
+                result = engines[method].generate(prompt_ids, params)
+                token_ids, seconds = result.token_ids, result.stats.wall_seconds
+                record.update(
+                    alpha=result.stats.alpha if method != "none" else None, tau=result.stats.tau,
+                    draft_seconds=result.stats.draft_seconds, verify_seconds=result.stats.verify_seconds,
+                    prefill_seconds=result.stats.prefill_seconds,
+                    draft_tokens=result.stats.draft_tokens, accepted_tokens=result.stats.accepted_tokens,
+                    target_forwards=result.stats.target_forwards,
+                    acceptance_per_position=result.stats.acceptance_per_position,
+                )
+            if method == "none":
+                plain_tokens[prompt["question_id"]] = token_ids
+            record.update(
+                prompt_tokens=len(prompt_ids), new_tokens=len(token_ids), seconds=seconds,
+                tokens_per_s=len(token_ids) / seconds if seconds else 0.0,
+                identical_to_plain=token_ids == plain_tokens[prompt["question_id"]],
+            )
+            records.append(record)
+            progress.update()
+    progress.close()
+
+    summary = summarize(records)
+    print_summary(summary, methods)
+    if args.out:
+        payload = {
+            "config": {"model": args.model, "dtype": args.dtype, "k": args.k, "max_new_tokens": params.max_new_tokens,
+                       "temperature": params.temperature, "methods": methods, "draft": args.draft,
+                       "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+                       "prompts": args.prompts or "builtin"},
+            "summary": summary,
+            "records": records,
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(payload, indent=2))
+        log(f"wrote {args.out}")
+    return 0
+
+
+def summarize(records: list[dict]) -> dict:
+    """Per category (and 'overall') and method: medians of tokens/s and of the per-prompt
+    speedup against plain; pooled alpha and tau; share identical to plain."""
+    plain = {r["question_id"]: r["tokens_per_s"] for r in records if r["method"] == "none"}
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for r in records:
+        groups[(r["category"], r["method"])].append(r)
+        groups[("overall", r["method"])].append(r)
+    summary: dict[str, dict] = defaultdict(dict)
+    for (category, method), rows in groups.items():
+        drafted = sum(r.get("draft_tokens", 0) for r in rows)
+        accepted = sum(r.get("accepted_tokens", 0) for r in rows)
+        passes = sum(r.get("target_forwards", 0) for r in rows)
+        summary[category][method] = {
+            "prompts": len(rows),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows),
+            "speedup": statistics.median(r["tokens_per_s"] / plain[r["question_id"]] for r in rows if plain.get(r["question_id"])),
+            "alpha": accepted / drafted if drafted else None,
+            "tau": (accepted + passes) / passes if passes else 1.0,
+            "identical_to_plain": sum(r["identical_to_plain"] for r in rows) / len(rows),
+            "new_tokens": statistics.median(r["new_tokens"] for r in rows),
+        }
+    return dict(summary)
+
+
+def print_summary(summary: dict, methods: list[str]) -> None:
+    header = f"{'category':<14}{'method':<8}{'n':>4}{'tok/s':>8}{'speedup':>9}{'alpha':>7}{'tau':>6}{'same':>6}{'len':>6}"
+    print(header)
+    print("-" * len(header))
+    categories = sorted(c for c in summary if c != "overall") + ["overall"]
+    for category in categories:
+        for method in methods:
+            row = summary[category].get(method)
+            if row is None:
+                continue
+            alpha = f"{row['alpha']:.2f}" if row["alpha"] is not None else "-"
+            print(
+                f"{category:<14}{method:<8}{row['prompts']:>4}{row['tokens_per_s']:>8.1f}{row['speedup']:>8.2f}x"
+                f"{alpha:>7}{row['tau']:>6.2f}{row['identical_to_plain']:>6.0%}{row['new_tokens']:>6.0f}"
+            )

@@ -1,0 +1,132 @@
+"""One entry point: ``specdecode <verb>``.
+
+    specdecode generate "PROMPT" [--method none|ngram|draft] [--draft M|self:L] [--k N] ...
+    specdecode bench [--prompts FILE.jsonl] [--methods none,ngram,...] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from .config import EngineConfig, SamplingParams, SpecDecodeError, SpeculativeConfig
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a HF directory or a .gguf file")
+    parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"], help="default bf16 (measured faster here; docs/performance.md)")
+    parser.add_argument("--runtime", default="auto", choices=["auto", "native", "hf"], help="native Llama-family runtime or the transformers adapter")
+    parser.add_argument("--k", type=int, default=5, help="draft tokens per step")
+    parser.add_argument("--draft", default="self:8", help="draft model for --method draft: a path, or self:L (the target's first L layers)")
+    parser.add_argument("--ngram-sizes", default="3,2,1", help="n-gram sizes tried by --method ngram, longest first")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
+
+
+def _int_tuple(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise SpecDecodeError(f"{flag} takes comma-separated integers, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdecode", description=__doc__.split("\n")[0])
+    verbs = parser.add_subparsers(dest="verb", required=True)
+
+    gen = verbs.add_parser("generate", help="generate text, speculatively")
+    gen.add_argument("prompt")
+    gen.add_argument("--method", default="ngram", choices=["none", "ngram", "draft"])
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
+    gen.add_argument("--compare", action="store_true", help="also run plain decoding and report speedup and identity")
+    _add_model_args(gen)
+    _add_sampling_args(gen)
+
+    bench = verbs.add_parser("bench", help="plain vs speculative on the same prompts")
+    bench.add_argument("--prompts", default=None, help="JSONL: Spec-Bench question.jsonl or {prompt, category}; default: our suite")
+    bench.add_argument("--methods", default="none,ngram", help="comma list of none, ngram, draft, hf (transformers generate)")
+    bench.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
+    bench.add_argument("--out", default=None, help="write per-prompt records and the summary as JSON")
+    _add_model_args(bench)
+    _add_sampling_args(bench)
+    return parser
+
+
+def _spec_config(args, method: str) -> SpeculativeConfig:
+    return SpeculativeConfig(
+        method=method, k=args.k, draft=args.draft, ngram_sizes=_int_tuple(args.ngram_sizes, "--ngram-sizes")
+    )
+
+
+def _sampling(args, stop=()) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        max_new_tokens=args.max_new_tokens, seed=args.seed, stop=tuple(stop),
+    )
+
+
+def cmd_generate(args) -> int:
+    from .factory import build_engine, load_model, log
+
+    engine_config = EngineConfig(model=args.model, dtype=args.dtype, chat_template=not args.no_chat_template, num_threads=args.threads)
+    spec = _spec_config(args, args.method)
+    params = _sampling(args, args.stop)
+    log(f"loading {args.model} ({args.dtype})")
+    target = load_model(engine_config.model, engine_config.torch_dtype, args.runtime)
+    engine = build_engine(engine_config, spec, args.runtime, target=target)
+    prompt_ids = engine.encode(args.prompt, engine_config.chat_template)
+    stream = None if args.json else (lambda text: print(text, end="", flush=True))
+    result = engine.generate(prompt_ids, params, on_text=stream)
+    record = {"text": result.text, "finish_reason": result.finish_reason, "method": engine.method, "k": engine.k, "stats": result.stats.to_dict()}
+    if args.compare:
+        plain = build_engine(engine_config, SpeculativeConfig(method="none"), args.runtime, target=target)
+        baseline = plain.generate(prompt_ids, params)
+        record["plain"] = {"tokens_per_s": baseline.stats.tokens_per_s, "new_tokens": baseline.stats.new_tokens}
+        record["speedup"] = result.stats.tokens_per_s / baseline.stats.tokens_per_s
+        record["identical_to_plain"] = baseline.token_ids == result.token_ids
+    if args.json:
+        print(json.dumps(record, indent=2))
+        return 0
+    print()
+    print(f"[{engine.method} k={engine.k}] {result.stats.summary()}", file=sys.stderr)
+    if args.compare:
+        print(
+            f"[plain] {record['plain']['new_tokens']} tokens at {record['plain']['tokens_per_s']:.1f} tok/s | "
+            f"speedup {record['speedup']:.2f}x | identical to plain: {record['identical_to_plain']}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench.runner import run_bench
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    return run_bench(args, methods, _spec_config, _sampling(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="specdecode: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return {"generate": cmd_generate, "bench": cmd_bench}[args.verb](args)
+    except SpecDecodeError as error:
+        print(f"specdecode: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
