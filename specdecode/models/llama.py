@@ -171,6 +171,29 @@ def _fuse_hf_state(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str
     return fused
 
 
+def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """``layer(x)``, through a matrix-vector product when x is a single row.
+
+    Measured here: a bf16 [3072, 576] product with one row takes 157 us through torch.mv
+    and 247 us through F.linear; the [49152, 576] head 1.7 ms against 3.3 ms. A decode
+    step of one token is all single rows.
+    """
+    if x.numel() != x.shape[-1]:
+        return F.linear(x, layer.weight, layer.bias)
+    out = torch.mv(layer.weight, x.reshape(-1))
+    if layer.bias is not None:
+        out = out + layer.bias
+    return out.view(*x.shape[:-1], -1)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32 and cast back, as transformers' Llama does.
+    (F.rms_norm takes ~43 us per call on a bf16 row here; this takes a few.)"""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -267,8 +290,8 @@ class NativeRuntime:
         num_heads, num_kv = cfg.num_heads, cfg.num_kv_heads
         hidden = w.embed(input_ids)  # [B, T, H]
         for index, layer in enumerate(self.layers):
-            normed = F.rms_norm(hidden, (cfg.hidden_size,), layer.input_norm, cfg.rms_norm_eps)
-            qkv = layer.qkv(normed).view(batch, num_new, num_heads + 2 * num_kv, cfg.head_dim)
+            normed = _rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            qkv = _linear(normed, layer.qkv).view(batch, num_new, num_heads + 2 * num_kv, cfg.head_dim)
             qk = qkv[:, :, : num_heads + num_kv]
             qk = qk * cos + _rotate_half(qk) * sin
             q = qk[:, :, :num_heads].transpose(1, 2)  # [B, heads, T, D]
@@ -281,16 +304,16 @@ class NativeRuntime:
                 attn_mask=mask,
                 enable_gqa=num_heads != num_kv,
             )  # [B, heads, T, D]
-            hidden = hidden + layer.o(attn.transpose(1, 2).reshape(batch, num_new, -1))
-            normed = F.rms_norm(hidden, (cfg.hidden_size,), layer.post_norm, cfg.rms_norm_eps)
-            gate, up = layer.gate_up(normed).chunk(2, dim=-1)
-            hidden = hidden + layer.down(F.silu(gate) * up)
+            hidden = hidden + _linear(attn.transpose(1, 2).reshape(batch, num_new, -1), layer.o)
+            normed = _rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = _linear(normed, layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + _linear(F.silu(gate) * up, layer.down)
         self.length = end
 
         if last_only:
             hidden = hidden[:, -1:]
-        hidden = F.rms_norm(hidden, (cfg.hidden_size,), w.norm, cfg.rms_norm_eps)
-        logits = w.lm_head(hidden)
+        hidden = _rms_norm(hidden, w.norm, cfg.rms_norm_eps)
+        logits = _linear(hidden, w.lm_head)
         return (logits, hidden) if return_hidden else logits
 
     __call__ = forward

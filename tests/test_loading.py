@@ -1,0 +1,73 @@
+"""Model sources: HF directories, GGUF conversion and its cache, and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdecode.models import loading
+from specdecode.models.loading import ModelNotFoundError, resolve_model
+
+
+def test_hf_directory_resolves(tiny_llama_dir):
+    source = resolve_model(str(tiny_llama_dir))
+    assert source.native and source.config["vocab_size"] == 97
+
+
+def test_directory_without_config_is_refused(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="has no config.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_non_gguf_file_is_refused(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ModelNotFoundError, match="not a .gguf file"):
+        resolve_model(str(tmp_path / "weights.bin"))
+
+
+def test_unreadable_gguf_gets_a_clear_error(tmp_path):
+    (tmp_path / "broken.gguf").write_bytes(b"not a gguf at all")
+    with pytest.raises(ModelNotFoundError, match="transformers cannot read this GGUF"):
+        resolve_model(str(tmp_path / "broken.gguf"))
+
+
+def test_cache_dir_follows_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "a"))
+    assert loading.cache_dir() == tmp_path / "a"
+    monkeypatch.delenv("SPECDECODE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert loading.cache_dir() == tmp_path / "xdg" / "specdecode"
+
+
+def test_conversion_is_checked_and_rebuilt(tmp_path):
+    """A manifest with sha256s validates the cached conversion; corruption invalidates it."""
+    target = tmp_path / "conv"
+    target.mkdir()
+    (target / "model.safetensors").write_bytes(b"weights")
+    manifest = {"version": loading.CONVERSION_VERSION, "source_sha256": "abc",
+                "files": {"model.safetensors": loading.sha256_file(target / "model.safetensors")}}
+    (target / loading.MANIFEST).write_text(json.dumps(manifest))
+    assert loading._conversion_valid(target, "abc")
+    assert not loading._conversion_valid(target, "other-source")
+    (target / "model.safetensors").write_bytes(b"weights, truncated or flipped")
+    assert not loading._conversion_valid(target, "abc")
+    (target / "model.safetensors").unlink()
+    assert not loading._conversion_valid(target, "abc")
+
+
+@pytest.mark.slow
+def test_default_model_converts_once_and_loads(monkeypatch, tmp_path):
+    """Cold conversion into an empty cache, then a warm load, then repair of a corrupt file."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    source = resolve_model("default")
+    assert source.config["num_hidden_layers"] == 30 and source.config["vocab_size"] == 49152
+    weights = source.path / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert resolve_model("default").path == source.path and weights.stat().st_mtime_ns == stamp
+    with open(weights, "r+b") as handle:  # corrupt one byte
+        handle.seek(1000)
+        handle.write(b"\x00" if handle.read(1) != b"\x00" else b"\x01")
+    repaired = resolve_model("default")
+    assert loading._conversion_valid(repaired.path, loading.sha256_file(loading.default_gguf_path()))
