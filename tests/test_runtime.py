@@ -109,3 +109,15 @@ def test_layer_skip_view_shares_weights(tiny_llama_dir):
     ids = torch.tensor([[3, 4, 5]])
     assert view(ids).shape == runtime(ids).shape
     assert view.k_cache.data_ptr() != runtime.k_cache.data_ptr()
+
+
+def test_bf16_runtime_stays_close_to_fp32_reference(tiny_llama_dir):
+    """bf16 (prepacked oneDNN weights where available) against transformers in fp32.
+    bf16 keeps 8 bits of mantissa: relative error ~0.4% per op, so a loose bound."""
+    ids = torch.randint(0, 97, (1, 11), generator=torch.Generator().manual_seed(6))
+    runtime = load_native(tiny_llama_dir, torch.bfloat16)
+    runtime.reset(32)
+    ours = runtime(ids).float()
+    reference = hf_logits(tiny_llama_dir, ids)
+    assert (ours - reference).abs().max() < 0.05 * reference.abs().max()
+    assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() > 0.8
