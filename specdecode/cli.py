@@ -19,7 +19,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"], help="default bf16 (measured faster here; docs/performance.md)")
     parser.add_argument("--runtime", default="auto", choices=["auto", "native", "hf"], help="native Llama-family runtime or the transformers adapter")
     parser.add_argument("--k", type=int, default=5, help="draft tokens per step")
-    parser.add_argument("--draft", default="self:8", help="draft model for --method draft: a path, or self:L (the target's first L layers)")
+    parser.add_argument("--draft", default="self:4", help="draft model for --method draft: a path, or self:L (the target's first L layers; untrained, it loses here: docs/performance.md)")
     parser.add_argument("--ngram-sizes", default="3,2,1", help="n-gram sizes tried by --method ngram, longest first")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 

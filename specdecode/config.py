@@ -6,7 +6,7 @@ never reaches the tensor code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -94,7 +94,6 @@ class EngineConfig:
     dtype: str = "bf16"
     chat_template: bool = True
     num_threads: int | None = None
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)

@@ -12,7 +12,7 @@ from .config import ConfigError, EngineConfig, SpecDecodeError, SpeculativeConfi
 from .engine import SpeculativeEngine
 from .models.hf import load_hf
 from .models.llama import load_native
-from .models.loading import ModelSource, resolve_model
+from .models.loading import ModelSource, load_tokenizer, resolve_model
 from .proposers.draft_model import DraftModelProposer
 from .proposers.ngram import NgramProposer
 
@@ -42,15 +42,6 @@ class LoadedModel:
         return tuple(sorted(ids))
 
 
-def _load_tokenizer(source: ModelSource):
-    from transformers import AutoTokenizer
-
-    has_tokenizer = any(
-        (source.path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")
-    )
-    return AutoTokenizer.from_pretrained(source.path) if has_tokenizer else None
-
-
 def load_model(name: str, dtype: torch.dtype, runtime: str = "auto") -> LoadedModel:
     if runtime not in RUNTIMES:
         raise ConfigError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
@@ -59,7 +50,7 @@ def load_model(name: str, dtype: torch.dtype, runtime: str = "auto") -> LoadedMo
         raise ConfigError(f"the native runtime supports llama, mistral and qwen2, not {source.model_type!r}")
     use_native = runtime == "native" or (runtime == "auto" and source.native)
     model = load_native(source.path, dtype) if use_native else load_hf(source.path, dtype)
-    return LoadedModel(source, model, _load_tokenizer(source))
+    return LoadedModel(source, model, load_tokenizer(source))
 
 
 def check_vocabularies(target: LoadedModel, draft: LoadedModel) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -86,7 +87,7 @@ def test_engine_sampling_matches_target_distribution(tmp_path):
     counts = torch.zeros(vocab * vocab)
     accepted = 0
     for seed in range(runs):
-        result = engine.generate(prompt, SamplingParams(**{**params.__dict__, "seed": seed}))
+        result = engine.generate(prompt, dataclasses.replace(params, seed=seed))
         counts[result.token_ids[0] * vocab + result.token_ids[1]] += 1
         accepted += result.stats.accepted_tokens
     runtime = target.runtime

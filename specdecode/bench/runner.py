@@ -8,6 +8,7 @@ the wall time of the whole request, prefill included; medians per category.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import statistics
@@ -75,9 +76,7 @@ def run_bench(args, methods: list[str], spec_config, params) -> int:
     unknown = [m for m in methods if m not in KNOWN_METHODS]
     if unknown:
         raise SpecDecodeError(f"unknown bench method(s) {unknown}; choose from {KNOWN_METHODS}")
-    if "none" not in methods:
-        methods = ["none", *methods]  # the baseline every ratio needs
-    methods = ["none", *[m for m in methods if m != "none"]]
+    methods = ["none", *[m for m in methods if m != "none"]]  # the baseline every ratio needs, first
     prompts = load_prompts(args.prompts, args.limit)
     engine_config = EngineConfig(model=args.model, dtype=args.dtype, chat_template=not args.no_chat_template, num_threads=args.threads)
     log(f"loading {args.model} ({args.dtype}); {len(prompts)} prompts x {len(methods)} methods")
@@ -93,7 +92,7 @@ def run_bench(args, methods: list[str], spec_config, params) -> int:
     encoded = [encode(p["prompt"], engine_config.chat_template) for p in prompts]
     warm = encoded[0][:16]
     for engine in engines.values():  # first calls allocate and warm kernels
-        engine.generate(warm, params.__class__(max_new_tokens=8, ignore_eos=True))
+        engine.generate(warm, dataclasses.replace(params, max_new_tokens=8, ignore_eos=True))
 
     records, plain_tokens = [], {}
     progress = tqdm(total=len(prompts) * len(methods), desc="bench", unit="gen")

@@ -196,7 +196,13 @@ def _convert_gguf(gguf_path: Path, source_sha: str, target: Path) -> None:
             shutil.rmtree(staging, ignore_errors=True)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(source: ModelSource):
+    """The checkpoint's tokenizer, or None when it ships none (bare test checkpoints)."""
     from transformers import AutoTokenizer
 
+    if not any((source.path / name).is_file() for name in TOKENIZER_FILES):
+        return None
     return AutoTokenizer.from_pretrained(source.path)
