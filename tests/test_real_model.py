@@ -89,3 +89,4 @@ def test_bench_writes_records(tmp_path, capsys):
         assert set(record) >= {"question_id", "category", "method", "new_tokens", "seconds", "tokens_per_s", "alpha", "tau", "identical_to_plain"}
         assert record["identical_to_plain"]
     assert "overall" in payload["summary"] and "speedup" in capsys.readouterr().out
+    assert out.with_suffix(".png").stat().st_size > 10_000  # the speedup/acceptance picture

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..config import EngineConfig, SpecDecodeError, SpeculativeConfig
+from ..config import EngineConfig, SpecDecodeError
+from .plots import plot_bench
 
 KNOWN_METHODS = ("none", "ngram", "draft", "hf")
 
@@ -137,7 +138,8 @@ def run_bench(args, methods: list[str], spec_config, params) -> int:
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(payload, indent=2))
-        log(f"wrote {args.out}")
+        picture = plot_bench(summary, records, Path(args.out).with_suffix(".png"))
+        log(f"wrote {args.out} and {picture}")
     return 0
 
 
