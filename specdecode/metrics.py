@@ -5,6 +5,9 @@ Definitions, stated once:
 - alpha (acceptance rate) = accepted / drafted.
 - tau (mean accepted length) = tokens produced per target forward pass *including the
   bonus token* = (accepted + passes) / passes. Plain decoding has tau = 1.
+- acceptance at draft position i = share of the steps that drafted position i in which
+  the i-th draft token was accepted; acceptance is a prefix, so that needs every earlier
+  position accepted too (vLLM's definition).
 - tokens_per_s = new tokens / wall time of the whole request, prefill included;
   decode_tokens_per_s excludes the prefill.
 """

@@ -101,3 +101,24 @@ def test_transformers_adapter_greedy_equality(tiny_llama_dir, tiny_draft_dir):
         engine = SpeculativeEngine(target.runtime, proposer=proposer, k=3)
         for prompt in ([4, 5, 6, 4, 5], [9, 9, 9, 10, 11, 12, 9, 9]):
             assert engine.generate(prompt, GREEDY).token_ids == plain.generate(prompt, GREEDY).token_ids
+
+
+def test_other_architecture_goes_through_transformers(tmp_path):
+    """A GPT-2 checkpoint has no native runtime: 'auto' picks the adapter, speculation holds."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdecode.config import ConfigError
+    from specdecode.models.hf import HFRuntime
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("gpt2", vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                  initializer_range=0.2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gpt2")
+    target = load_model(tmp_path / "gpt2", torch.float32)
+    assert isinstance(target.runtime, HFRuntime) and target.runtime.max_positions == 128
+    plain = SpeculativeEngine(target.runtime)
+    engine = SpeculativeEngine(target.runtime, proposer=NgramProposer(), k=4)
+    for prompt in ([4, 5, 6, 4, 5], [9, 10, 11, 9, 10, 11, 9]):
+        assert engine.generate(prompt, GREEDY).token_ids == plain.generate(prompt, GREEDY).token_ids
+    with pytest.raises(ConfigError, match="native runtime supports llama, mistral and qwen2, not 'gpt2'"):
+        load_model(tmp_path / "gpt2", torch.float32, runtime="native")

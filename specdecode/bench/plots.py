@@ -38,6 +38,7 @@ def plot_bench(summary: dict, records: list[dict], path: Path) -> Path:
             positions = sorted(rates)
             means = [sum(rates[p]) / len(rates[p]) for p in positions]
             right.plot([p + 1 for p in positions], means, marker="o", label=method)
+    right.xaxis.get_major_locator().set_params(integer=True)
     right.set_xlabel("draft position")
     right.set_ylabel("acceptance rate (mean over prompts)")
     right.set_ylim(0, 1)
