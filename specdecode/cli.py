@@ -69,6 +69,10 @@ def _spec_config(args, method: str) -> SpeculativeConfig:
     )
 
 
+def _engine_config(args) -> EngineConfig:
+    return EngineConfig(model=args.model, dtype=args.dtype, chat_template=not args.no_chat_template, num_threads=args.threads)
+
+
 def _sampling(args, stop=()) -> SamplingParams:
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -79,7 +83,7 @@ def _sampling(args, stop=()) -> SamplingParams:
 def cmd_generate(args) -> int:
     from .factory import build_engine, load_model, log
 
-    engine_config = EngineConfig(model=args.model, dtype=args.dtype, chat_template=not args.no_chat_template, num_threads=args.threads)
+    engine_config = _engine_config(args)
     spec = _spec_config(args, args.method)
     params = _sampling(args, args.stop)
     log(f"loading {args.model} ({args.dtype})")
@@ -113,7 +117,7 @@ def cmd_bench(args) -> int:
     from .bench.runner import run_bench
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    return run_bench(args, methods, _spec_config, _sampling(args))
+    return run_bench(args, methods, _engine_config(args), _spec_config, _sampling(args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -29,8 +30,9 @@ class LoadedModel:
     runtime: object  # NativeRuntime or HFRuntime
     tokenizer: object | None
 
-    @property
+    @cached_property
     def eos_token_ids(self) -> tuple[int, ...]:
+        """EOS ids from generation_config.json, config.json and the tokenizer (read once)."""
         ids: set[int] = set()
         for config_name in ("generation_config.json", "config.json"):
             path = self.source.path / config_name

@@ -71,7 +71,7 @@ def _hf_generate(model, prompt_ids: list[int], params, eos_ids: tuple[int, ...])
     return new, seconds
 
 
-def run_bench(args, methods: list[str], spec_config, params) -> int:
+def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config, params) -> int:
     from ..factory import build_engine, load_model, log
 
     unknown = [m for m in methods if m not in KNOWN_METHODS]
@@ -79,7 +79,6 @@ def run_bench(args, methods: list[str], spec_config, params) -> int:
         raise SpecDecodeError(f"unknown bench method(s) {unknown}; choose from {KNOWN_METHODS}")
     methods = ["none", *[m for m in methods if m != "none"]]  # the baseline every ratio needs, first
     prompts = load_prompts(args.prompts, args.limit)
-    engine_config = EngineConfig(model=args.model, dtype=args.dtype, chat_template=not args.no_chat_template, num_threads=args.threads)
     log(f"loading {args.model} ({args.dtype}); {len(prompts)} prompts x {len(methods)} methods")
     target = load_model(engine_config.model, engine_config.torch_dtype, args.runtime)
     engines = {m: build_engine(engine_config, spec_config(args, m), args.runtime, target=target) for m in methods if m != "hf"}
