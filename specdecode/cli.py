@@ -11,14 +11,16 @@ import json
 import logging
 import sys
 
-from .config import EngineConfig, SamplingParams, SpecDecodeError, SpeculativeConfig
+from .config import EngineConfig, SamplingParams, SpecDecodeError, SpeculativeConfig, parse_k
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a HF directory or a .gguf file")
     parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"], help="default bf16 (measured faster here; docs/performance.md)")
     parser.add_argument("--runtime", default="auto", choices=["auto", "native", "hf"], help="native Llama-family runtime or the transformers adapter")
-    parser.add_argument("--k", type=int, default=5, help="draft tokens per step")
+    parser.add_argument("--k", default="auto", help="draft tokens per step: 'auto' (default: chosen per step from measured acceptance and costs, 0 = plain when speculation would lose) or an integer")
+    parser.add_argument("--k-policy", default="cost", choices=["cost", "threshold"], help="with --k auto: 'cost' (expected speedup, cost profile) or 'threshold' (the literature's acceptance thresholds)")
+    parser.add_argument("--k-max", type=int, default=10, help="with --k auto: the most draft tokens per step")
     parser.add_argument("--draft", default="self:4", help="draft model for --method draft: a path, or self:L (the target's first L layers; untrained, it loses here: docs/performance.md)")
     parser.add_argument("--ngram-sizes", default="3,2,1", help="n-gram sizes tried by --method ngram, longest first")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -63,9 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _spec_config(args, method: str) -> SpeculativeConfig:
+def _spec_config(args, method: str, k: str | None = None) -> SpeculativeConfig:
+    """The speculative config from flags; ``k`` overrides --k ('threshold' = --k auto
+    --k-policy threshold), for bench specs like ngram@3."""
+    k = args.k if k is None else k
+    policy = "threshold" if k == "threshold" else args.k_policy
     return SpeculativeConfig(
-        method=method, k=args.k, draft=args.draft, ngram_sizes=_int_tuple(args.ngram_sizes, "--ngram-sizes")
+        method=method, k=parse_k("auto" if k == "threshold" else k), draft=args.draft,
+        ngram_sizes=_int_tuple(args.ngram_sizes, "--ngram-sizes"), k_policy=policy, k_max=args.k_max,
     )
 
 
@@ -92,7 +99,9 @@ def cmd_generate(args) -> int:
     prompt_ids = engine.encode(args.prompt, engine_config.chat_template)
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
     result = engine.generate(prompt_ids, params, on_text=stream)
-    record = {"text": result.text, "finish_reason": result.finish_reason, "method": engine.method, "k": engine.k, "stats": result.stats.to_dict()}
+    record = {"text": result.text, "finish_reason": result.finish_reason, "method": engine.method, "k": engine.k_label, "stats": result.stats.to_dict()}
+    if engine.policy is not None and hasattr(engine.policy, "chosen"):
+        record["k_per_step"] = engine.policy.chosen
     if args.compare:
         plain = build_engine(engine_config, SpeculativeConfig(method="none"), args.runtime, target=target)
         baseline = plain.generate(prompt_ids, params)
@@ -103,7 +112,7 @@ def cmd_generate(args) -> int:
         print(json.dumps(record, indent=2))
         return 0
     print()
-    print(f"[{engine.method} k={engine.k}] {result.stats.summary()}", file=sys.stderr)
+    print(f"[{engine.method} k={engine.k_label}] {result.stats.summary()}", file=sys.stderr)
     if args.compare:
         print(
             f"[plain] {record['plain']['new_tokens']} tokens at {record['plain']['tokens_per_s']:.1f} tok/s | "

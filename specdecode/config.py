@@ -21,6 +21,17 @@ class ConfigError(SpecDecodeError, ValueError):
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 METHODS = ("none", "ngram", "draft")
+K_POLICIES = ("cost", "threshold")
+
+
+def parse_k(text: str | int) -> int | str:
+    """'auto' or a positive integer, from a flag or a config file."""
+    if isinstance(text, int) or text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"k must be 'auto' or an integer >= 1, got {text!r}") from None
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -68,18 +79,27 @@ class SpeculativeConfig:
 
     method: "none" (plain decoding), "ngram" (prompt lookup) or "draft" (a draft model;
     ``draft`` is a model path/name, or ``self:L`` for the target's first L layers).
+    k: draft tokens per step, or "auto" (the default): chosen per step by ``k_policy`` —
+    "cost" (expected speedup from measured acceptance and the cost profile, 0 included)
+    or "threshold" (the acceptance-threshold rule from the literature), at most ``k_max``.
     """
 
     method: str = "ngram"
-    k: int = 5
+    k: int | str = "auto"
     draft: str | None = None
     ngram_sizes: tuple[int, ...] = (3, 2, 1)
+    k_policy: str = "cost"
+    k_max: int = 10
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"method must be one of {METHODS}, got {self.method!r}")
-        if self.k < 1:
-            raise ConfigError(f"k (draft tokens per step) must be >= 1, got {self.k}")
+        if self.k != "auto" and not (isinstance(self.k, int) and self.k >= 1):
+            raise ConfigError(f"k (draft tokens per step) must be 'auto' or an integer >= 1, got {self.k!r}")
+        if self.k_policy not in K_POLICIES:
+            raise ConfigError(f"k_policy must be one of {K_POLICIES}, got {self.k_policy!r}")
+        if self.k_max < 1:
+            raise ConfigError(f"k_max must be >= 1, got {self.k_max}")
         if self.method == "draft" and not self.draft:
             raise ConfigError("method 'draft' needs a draft model: --draft PATH or --draft self:L")
         if not self.ngram_sizes or any(n < 1 for n in self.ngram_sizes):

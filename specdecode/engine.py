@@ -19,7 +19,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .config import ConfigError, SamplingParams, SpecDecodeError
+from .config import SamplingParams, SpecDecodeError
+from .control.policies import FixedK, KPolicy
 from .metrics import GenerationStats
 from .proposers.base import Proposal, Proposer
 from .text import TextTracker
@@ -45,16 +46,25 @@ class SpeculativeEngine:
         target,
         tokenizer=None,
         proposer: Proposer | None = None,
-        k: int = 5,
+        k: "int | KPolicy" = 5,
         eos_token_ids: tuple[int, ...] = (),
     ):
-        if proposer is not None and k < 1:
-            raise ConfigError(f"k (draft tokens per step) must be >= 1, got {k}")
+        """``k``: a fixed number of draft tokens per step, or a policy that chooses it
+        per step (``control.policies``: CostAwareK for ``--k auto``, ThresholdK)."""
         self.target = target
         self.tokenizer = tokenizer
         self.proposer = proposer
-        self.k = k if proposer is not None else 0
+        self.policy = None if proposer is None else (FixedK(k) if isinstance(k, int) else k)
         self.eos_token_ids = frozenset(eos_token_ids)
+
+    @property
+    def k(self) -> int:
+        """The most draft tokens a step may offer (0 for plain decoding)."""
+        return 0 if self.policy is None else self.policy.k_max
+
+    @property
+    def k_label(self) -> str:
+        return "0" if self.policy is None else self.policy.describe()
 
     @property
     def method(self) -> str:
@@ -91,8 +101,11 @@ class SpeculativeEngine:
         prompt_ids: list[int],
         params: SamplingParams,
         on_text: Callable[[str], None] | None = None,
+        prior_alpha: float | None = None,
     ) -> Generation:
-        """Generate from ``prompt_ids``; ``on_text`` receives text as it is accepted."""
+        """Generate from ``prompt_ids``; ``on_text`` receives text as it is accepted.
+        ``prior_alpha``: the acceptance rate expected for this kind of request (router),
+        which seeds an adaptive k policy."""
         self._check_prompt(prompt_ids)
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         max_positions = self.target.max_positions
@@ -107,14 +120,18 @@ class SpeculativeEngine:
         self.target.reset(capacity)
         if self.proposer is not None:
             self.proposer.start(tokens, capacity)
+            self.policy.start(prior_alpha)
         if len(tokens) > 1:
             self.target(torch.tensor([tokens[:-1]]), last_only=True)
         stats.prefill_seconds = time.perf_counter() - started
 
         while finish is None:
             # never draft past the token budget or the context
-            k = min(self.k, params.max_new_tokens - len(generated) - 1, capacity - len(tokens))
-            new_tokens = self._step(tokens, max(k, 0), params, generator, stats)
+            wanted = self.policy.choose(len(tokens)) if self.policy is not None else 0
+            k = max(min(wanted, params.max_new_tokens - len(generated) - 1, capacity - len(tokens)), 0)
+            new_tokens = self._step(tokens, k, params, generator, stats)
+            if self.policy is not None:
+                self.policy.observe(stats.last_drafted, len(new_tokens) - 1)
             for token in new_tokens:
                 if token in self.eos_token_ids and not params.ignore_eos:
                     finish = "stop"

@@ -10,6 +10,7 @@ from functools import cached_property
 import torch
 
 from .config import ConfigError, EngineConfig, SpecDecodeError, SpeculativeConfig
+from .control.policies import CostAwareK, CostModel, ThresholdK
 from .engine import SpeculativeEngine
 from .models.hf import load_hf
 from .models.llama import load_native
@@ -91,6 +92,34 @@ def build_proposer(spec: SpeculativeConfig, target: LoadedModel, dtype: torch.dt
     return DraftModelProposer(draft.runtime)
 
 
+def drafter_key(spec: SpeculativeConfig) -> str:
+    """How a drafter is named in cost profiles and reports."""
+    return "ngram" if spec.method == "ngram" else f"draft:{spec.draft}"
+
+
+def model_key(model: LoadedModel) -> str:
+    return str(model.source.path.resolve())
+
+
+def cost_profile(target: LoadedModel, dtype: str, drafters: dict | None = None, force: bool = False):
+    """The target's cost profile on this machine (measured once, then cached)."""
+    from .analysis.profile import get_profile, load_profile
+
+    if not force and load_profile(model_key(target), dtype) is None:
+        log("measuring the cost profile of this model on this machine (once; cached)")
+    return get_profile(model_key(target), dtype, target.runtime, drafters, force=force)
+
+
+def build_policy(spec: SpeculativeConfig, target: LoadedModel, proposer, dtype: str):
+    """A fixed k, or the adaptive policy ``spec.k_policy`` when ``spec.k == 'auto'``."""
+    if proposer is None or spec.k != "auto":
+        return spec.k if isinstance(spec.k, int) else 1
+    if spec.k_policy == "threshold":
+        return ThresholdK(start_k=min(5, spec.k_max), k_max=max(spec.k_max, 2))
+    profile = cost_profile(target, dtype, {drafter_key(spec): proposer})
+    return CostAwareK(CostModel(profile, drafter_key(spec)), k_max=spec.k_max)
+
+
 def build_engine(engine: EngineConfig, spec: SpeculativeConfig, runtime: str = "auto",
                  target: LoadedModel | None = None) -> SpeculativeEngine:
     if engine.num_threads:
@@ -98,7 +127,8 @@ def build_engine(engine: EngineConfig, spec: SpeculativeConfig, runtime: str = "
     if target is None:
         target = load_model(engine.model, engine.torch_dtype, runtime)
     proposer = build_proposer(spec, target, engine.torch_dtype)
-    return SpeculativeEngine(target.runtime, target.tokenizer, proposer, spec.k, target.eos_token_ids)
+    policy = build_policy(spec, target, proposer, engine.dtype)
+    return SpeculativeEngine(target.runtime, target.tokenizer, proposer, policy, target.eos_token_ids)
 
 
 def log(message: str) -> None:

@@ -24,15 +24,20 @@ class GenerationStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     target_forwards: int = 0  # decoding passes after the prefill; each yields accepted + 1
+    # steps by the number of draft tokens scored: {d: steps that scored d drafts + 1}
+    steps_by_drafted: dict[int, int] = field(default_factory=dict)
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     wall_seconds: float = 0.0
+    last_drafted: int = field(default=0, repr=False)
 
     def observe_step(self, num_drafted: int, num_accepted: int) -> None:
         self.target_forwards += 1
+        self.last_drafted = num_drafted
+        self.steps_by_drafted[num_drafted] = self.steps_by_drafted.get(num_drafted, 0) + 1
         self.draft_tokens += num_drafted
         self.accepted_tokens += num_accepted
         grow = num_drafted - len(self.drafted_per_position)
@@ -67,6 +72,7 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         record = asdict(self)
+        del record["last_drafted"]
         for name in ("alpha", "tau", "acceptance_per_position", "tokens_per_s", "decode_tokens_per_s"):
             record[name] = getattr(self, name)
         return record

@@ -71,64 +71,103 @@ def _hf_generate(model, prompt_ids: list[int], params, eos_ids: tuple[int, ...])
     return new, seconds
 
 
-def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config, params) -> int:
-    from ..factory import build_engine, load_model, log
+def parse_method(spec: str) -> tuple[str, str | None]:
+    """'ngram' -> ('ngram', None: --k applies); 'ngram@3', 'draft@auto', 'ngram@threshold'."""
+    name, _, k = spec.partition("@")
+    if name not in KNOWN_METHODS:
+        raise SpecDecodeError(f"unknown bench method {name!r} in {spec!r}; choose from {KNOWN_METHODS}")
+    if k and name in ("none", "hf"):
+        raise SpecDecodeError(f"{spec!r}: {name} takes no k")
+    return name, (k or None)
 
-    unknown = [m for m in methods if m not in KNOWN_METHODS]
-    if unknown:
-        raise SpecDecodeError(f"unknown bench method(s) {unknown}; choose from {KNOWN_METHODS}")
-    methods = ["none", *[m for m in methods if m != "none"]]  # the baseline every ratio needs, first
-    prompts = load_prompts(args.prompts, args.limit)
-    log(f"loading {args.model} ({args.dtype}); {len(prompts)} prompts x {len(methods)} methods")
-    target = load_model(engine_config.model, engine_config.torch_dtype, args.runtime)
-    engines = {m: build_engine(engine_config, spec_config(args, m), args.runtime, target=target) for m in methods if m != "hf"}
-    hf_model = None
-    if "hf" in methods:
-        from transformers import AutoModelForCausalLM
 
-        hf_model = AutoModelForCausalLM.from_pretrained(target.source.path, dtype=engine_config.torch_dtype).eval()
+def build_engines(args, methods: list[str], engine_config: EngineConfig, spec_config, target) -> dict:
+    """One engine per method spec (sharing the target), 'hf' -> a transformers model."""
+    from ..factory import build_engine
 
-    encode = engines["none"].encode
-    encoded = [encode(p["prompt"], engine_config.chat_template) for p in prompts]
-    warm = encoded[0][:16]
-    for engine in engines.values():  # first calls allocate and warm kernels
-        engine.generate(warm, dataclasses.replace(params, max_new_tokens=8, ignore_eos=True))
+    engines = {}
+    for spec in methods:
+        name, k = parse_method(spec)
+        if name == "hf":
+            from transformers import AutoModelForCausalLM
 
+            engines[spec] = AutoModelForCausalLM.from_pretrained(target.source.path, dtype=engine_config.torch_dtype).eval()
+        else:
+            engines[spec] = build_engine(engine_config, spec_config(args, name, k), args.runtime, target=target)
+    return engines
+
+
+def warm_up(engines: dict, prompt_ids: list[int], params) -> None:
+    """First calls allocate and warm kernels; keep them out of the measurements."""
+    warm = prompt_ids[:16]
+    for engine in engines.values():
+        if hasattr(engine, "generate") and hasattr(engine, "policy"):
+            engine.generate(warm, dataclasses.replace(params, max_new_tokens=8, ignore_eos=True))
+
+
+def run_records(engines: dict, prompts: list[dict], encoded: list[list[int]], params, eos_ids,
+                priors: dict | None = None, desc: str = "bench") -> list[dict]:
+    """Every prompt through every engine; the first engine ('none') is the baseline that
+    'identical_to_plain' compares with. ``priors``: category -> alpha prior for adaptive k."""
     records, plain_tokens = [], {}
-    progress = tqdm(total=len(prompts) * len(methods), desc="bench", unit="gen")
-    for method in methods:
+    progress = tqdm(total=len(prompts) * len(engines), desc=desc, unit="gen")
+    for label, engine in engines.items():
+        name, _ = parse_method(label)
         for prompt, prompt_ids in zip(prompts, encoded):
-            record = {"question_id": prompt["question_id"], "category": prompt["category"], "method": method, "k": 0 if method in ("none", "hf") else args.k}
-            if method == "hf":
-                token_ids, seconds = _hf_generate(hf_model, prompt_ids, params, target.eos_token_ids)
-                record.update(alpha=None, tau=1.0)
+            record = {"question_id": prompt["question_id"], "category": prompt["category"], "method": label}
+            if name == "hf":
+                token_ids, seconds = _hf_generate(engine, prompt_ids, params, eos_ids)
+                record.update(alpha=None, tau=1.0, k=0)
             else:
-                result = engines[method].generate(prompt_ids, params)
-                token_ids, seconds = result.token_ids, result.stats.wall_seconds
+                prior = (priors or {}).get(prompt["category"])
+                result = engine.generate(prompt_ids, params, prior_alpha=prior)
+                stats = result.stats
+                token_ids, seconds = result.token_ids, stats.wall_seconds
+                chosen = getattr(engine.policy, "chosen", None)
                 record.update(
-                    alpha=result.stats.alpha if method != "none" else None, tau=result.stats.tau,
-                    draft_seconds=result.stats.draft_seconds, verify_seconds=result.stats.verify_seconds,
-                    prefill_seconds=result.stats.prefill_seconds,
-                    draft_tokens=result.stats.draft_tokens, accepted_tokens=result.stats.accepted_tokens,
-                    target_forwards=result.stats.target_forwards,
-                    acceptance_per_position=result.stats.acceptance_per_position,
+                    k=engine.k_label, alpha=stats.alpha if name != "none" else None, tau=stats.tau,
+                    draft_seconds=stats.draft_seconds, verify_seconds=stats.verify_seconds,
+                    prefill_seconds=stats.prefill_seconds, draft_tokens=stats.draft_tokens,
+                    accepted_tokens=stats.accepted_tokens, target_forwards=stats.target_forwards,
+                    acceptance_per_position=stats.acceptance_per_position,
+                    steps_by_drafted=dict(sorted(stats.steps_by_drafted.items())),
+                    k_chosen_mean=sum(chosen) / len(chosen) if chosen else None,
+                    plain_steps_share=sum(k == 0 for k in chosen) / len(chosen) if chosen else None,
                 )
-            if method == "none":
+            if name == "none":
                 plain_tokens[prompt["question_id"]] = token_ids
             record.update(
                 prompt_tokens=len(prompt_ids), new_tokens=len(token_ids), seconds=seconds,
                 tokens_per_s=len(token_ids) / seconds if seconds else 0.0,
-                identical_to_plain=token_ids == plain_tokens[prompt["question_id"]],
+                identical_to_plain=token_ids == plain_tokens.get(prompt["question_id"]),
             )
             records.append(record)
             progress.update()
     progress.close()
+    return records
+
+
+def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config, params) -> int:
+    from ..factory import load_model, log
+
+    for spec in methods:
+        parse_method(spec)  # fail on a typo before loading anything
+    methods = ["none", *[m for m in dict.fromkeys(methods) if m != "none"]]  # the baseline first
+    prompts = load_prompts(args.prompts, args.limit)
+    log(f"loading {args.model} ({args.dtype}); {len(prompts)} prompts x {len(methods)} methods")
+    target = load_model(engine_config.model, engine_config.torch_dtype, args.runtime)
+    engines = build_engines(args, methods, engine_config, spec_config, target)
+    encode = engines["none"].encode
+    encoded = [encode(p["prompt"], engine_config.chat_template) for p in prompts]
+    warm_up(engines, encoded[0], params)
+    records = run_records(engines, prompts, encoded, params, target.eos_token_ids)
 
     summary = summarize(records)
     print_summary(summary, methods)
     if args.out:
         payload = {
-            "config": {"model": args.model, "dtype": args.dtype, "k": args.k, "max_new_tokens": params.max_new_tokens,
+            "config": {"model": args.model, "dtype": args.dtype, "k": args.k, "k_policy": args.k_policy,
+                       "k_max": args.k_max, "max_new_tokens": params.max_new_tokens,
                        "temperature": params.temperature, "methods": methods, "draft": args.draft,
                        "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
                        "prompts": args.prompts or "builtin"},
@@ -163,12 +202,19 @@ def summarize(records: list[dict]) -> dict:
             "tau": (accepted + passes) / passes if passes else 1.0,
             "identical_to_plain": sum(r["identical_to_plain"] for r in rows) / len(rows),
             "new_tokens": statistics.median(r["new_tokens"] for r in rows),
+            "k_chosen_mean": _mean(r.get("k_chosen_mean") for r in rows),
+            "plain_steps_share": _mean(r.get("plain_steps_share") for r in rows),
         }
     return dict(summary)
 
 
+def _mean(values) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
 def print_summary(summary: dict, methods: list[str]) -> None:
-    header = f"{'category':<14}{'method':<8}{'n':>4}{'tok/s':>8}{'speedup':>9}{'alpha':>7}{'tau':>6}{'same':>6}{'len':>6}"
+    header = f"{'category':<14}{'method':<17}{'n':>4}{'tok/s':>8}{'speedup':>9}{'alpha':>7}{'tau':>6}{'same':>6}{'len':>6}{'mean k':>8}"
     print(header)
     print("-" * len(header))
     categories = sorted(c for c in summary if c != "overall") + ["overall"]
@@ -179,6 +225,7 @@ def print_summary(summary: dict, methods: list[str]) -> None:
                 continue
             alpha = f"{row['alpha']:.2f}" if row["alpha"] is not None else "-"
             print(
-                f"{category:<14}{method:<8}{row['prompts']:>4}{row['tokens_per_s']:>8.1f}{row['speedup']:>8.2f}x"
+                f"{category:<14}{method:<17}{row['prompts']:>4}{row['tokens_per_s']:>8.1f}{row['speedup']:>8.2f}x"
                 f"{alpha:>7}{row['tau']:>6.2f}{row['identical_to_plain']:>6.0%}{row['new_tokens']:>6.0f}"
+                f"{row['k_chosen_mean'] if row['k_chosen_mean'] is not None else float('nan'):>8.2f}"
             )

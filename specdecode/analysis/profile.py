@@ -1,0 +1,221 @@
+"""The cost profile: what scoring n tokens and drafting one token cost on this machine.
+
+``specdecode profile`` (and the first engine that needs it) times the target's forward
+pass for n = 1..64 new tokens at several context lengths, and each drafter's cost per
+draft token, all relative to one target decode step (n = 1) at the same context:
+
+    v(k) = time(score k+1 tokens) / time(score 1 token)
+    c    = time(one draft token)  / time(score 1 token)
+
+Profiles are cached as JSON in ``<cache>/profiles/`` keyed by model, dtype, CPU and thread
+count, and reused by adaptive k, the analyzer, ``check`` and the router. ``--remeasure``
+(``measure_profile(..., force=True)``) replaces a cached profile.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..models.loading import cache_dir
+
+PROFILE_VERSION = 1
+SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 16, 24, 32, 48, 64)
+CONTEXTS = (128, 512, 1024)
+
+
+def machine_id() -> str:
+    """CPU model name and core count: costs measured on one machine do not carry over."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import os
+
+    return f"{name} x{os.cpu_count()}"
+
+
+@dataclass
+class CostProfile:
+    model: str
+    dtype: str
+    machine: str
+    threads: int
+    contexts: list[int]
+    sizes: list[int]
+    step_ms: list[list[float]]  # [context][size]: median ms to score `size` tokens
+    drafters: dict[str, float] = field(default_factory=dict)  # drafter -> c
+    version: int = PROFILE_VERSION
+
+    # -- lookups --------------------------------------------------------------------
+    def _at_context(self, row_values, context: int) -> float:
+        """Linear interpolation over context length, clamped at the measured ends."""
+        contexts = self.contexts
+        if context <= contexts[0] or len(contexts) == 1:
+            return row_values(0)
+        if context >= contexts[-1]:
+            return row_values(len(contexts) - 1)
+        right = bisect.bisect_left(contexts, context)
+        left = right - 1
+        share = (context - contexts[left]) / (contexts[right] - contexts[left])
+        return row_values(left) * (1 - share) + row_values(right) * share
+
+    def time_ms(self, num_tokens: int, context: int = 256) -> float:
+        """Milliseconds to score ``num_tokens`` tokens after ``context`` cached ones."""
+        sizes = self.sizes
+        num_tokens = max(1, num_tokens)
+
+        def row(index: int) -> float:
+            values = self.step_ms[index]
+            if num_tokens >= sizes[-1]:  # beyond the table: extend the last slope
+                slope = (values[-1] - values[-2]) / (sizes[-1] - sizes[-2]) if len(sizes) > 1 else 0.0
+                return values[-1] + slope * (num_tokens - sizes[-1])
+            return float(np.interp(num_tokens, sizes, values))
+
+        return self._at_context(row, context)
+
+    def v(self, k: int, context: int = 256) -> float:
+        """Cost of scoring k+1 tokens relative to one decode step, at ``context``."""
+        return self.time_ms(k + 1, context) / self.time_ms(1, context)
+
+    def c(self, drafter: str) -> float:
+        if drafter not in self.drafters:
+            raise KeyError(f"the profile holds no cost for drafter {drafter!r}; run specdecode profile --draft {drafter}")
+        return self.drafters[drafter]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CostProfile":
+        return cls(**data)
+
+
+# -- storage ------------------------------------------------------------------------
+def profile_path(model_key: str, dtype: str) -> Path:
+    key = f"{model_key}|{dtype}|{machine_id()}|{torch.get_num_threads()}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_dir() / "profiles" / f"{dtype}-{digest}.json"
+
+
+def load_profile(model_key: str, dtype: str) -> CostProfile | None:
+    path = profile_path(model_key, dtype)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") != PROFILE_VERSION:
+            return None
+        return CostProfile.from_dict(data)
+    except (json.JSONDecodeError, TypeError):
+        return None  # a corrupt profile is re-measured
+
+
+def save_profile(profile: CostProfile, model_key: str) -> Path:
+    path = profile_path(model_key, profile.dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(profile.to_dict(), indent=1))
+    tmp.replace(path)
+    return path
+
+
+# -- measurement --------------------------------------------------------------------
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up: first calls allocate
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def _fill_context(runtime, context: int, capacity: int, generator: torch.Generator) -> None:
+    runtime.reset(capacity)
+    if context > 0:
+        tokens = torch.randint(0, runtime.vocab_size, (1, context), generator=generator)
+        for start in range(0, context, 256):  # chunked prefill keeps activations small
+            runtime(tokens[:, start : start + 256], last_only=True)
+
+
+def measure_target(runtime, contexts=CONTEXTS, sizes=SIZES, repeats: int = 5,
+                   progress: bool = True) -> tuple[list[int], list[int], list[list[float]]]:
+    """Median forward time for each (context, size) the model's context allows."""
+    limit = runtime.max_positions
+    sizes = [s for s in sizes if s < limit // 2]
+    contexts = [c for c in contexts if c + max(sizes) <= limit] or [max(0, limit - max(sizes) - 1)]
+    generator = torch.Generator().manual_seed(0)
+    table = []
+    bar = tqdm(total=len(contexts) * len(sizes), desc="profile target", unit="shape", disable=not progress)
+    for context in contexts:
+        _fill_context(runtime, context, context + max(sizes) + 1, generator)
+        row = []
+        for size in sizes:
+            ids = torch.randint(0, runtime.vocab_size, (1, size), generator=generator)
+
+            def score():
+                runtime(ids)
+                runtime.rollback(context)
+
+            row.append(_median_ms(score, repeats))
+            bar.update()
+        table.append(row)
+    bar.close()
+    return list(contexts), list(sizes), table
+
+
+def measure_drafter(proposer, context: int, vocab_size: int, repeats: int = 5, k: int = 4) -> float:
+    """Milliseconds per draft token: ``propose(k)`` on a random context, divided by k.
+
+    The proposer's cache is re-synced each time to the same sequence, so each call runs
+    one sync forward plus k-1 draft forwards (k model calls), as in a decoding step.
+    """
+    from ..config import SamplingParams
+
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab_size, (context,), generator=generator).tolist()
+    proposer.start(tokens, context + k + 2)
+    params = SamplingParams()
+    proposer.propose(tokens, k, params, None)  # prefill its cache once
+
+    def draft():
+        proposer.propose(tokens, k, params, None)
+
+    return _median_ms(draft, repeats) / k
+
+
+def get_profile(model_key: str, dtype: str, runtime, drafters: dict | None = None,
+                force: bool = False, progress: bool = True) -> CostProfile:
+    """The cached profile for (model, dtype, machine, threads), measured if missing or
+    ``force``; drafters it lacks are measured and added. ``drafters``: name -> proposer."""
+    profile = None if force else load_profile(model_key, dtype)
+    changed = False
+    if profile is None:
+        contexts, sizes, table = measure_target(runtime, progress=progress)
+        profile = CostProfile(model_key, dtype, machine_id(), torch.get_num_threads(), contexts, sizes, table)
+        changed = True
+    for name, proposer in (drafters or {}).items():
+        if name in profile.drafters and not force:
+            continue
+        context = profile.contexts[len(profile.contexts) // 2]
+        per_token = measure_drafter(proposer, min(context, runtime.max_positions // 2), runtime.vocab_size)
+        profile.drafters[name] = per_token / profile.time_ms(1, context)
+        changed = True
+    if changed:
+        save_profile(profile, model_key)
+    return profile

@@ -1,0 +1,85 @@
+"""Expected tokens per step and expected speedup: the arithmetic every decision uses.
+
+Terms (docs/architecture.md): alpha = acceptance rate, tau = tokens per target pass
+including the bonus token, v(k) = cost of scoring k+1 tokens / one target decode step,
+c = draft cost per token / one target decode step.
+
+- With independent acceptance at rate alpha and k draft tokens (Leviathan et al. 2023,
+  eq. 1): tau = (1 - alpha^(k+1)) / (1 - alpha).
+- From measured per-position acceptance p_i (the share of steps that drafted position i
+  in which the first i drafts were all accepted, ``GenerationStats.acceptance_per_position``):
+  tau = 1 + sum_i p_i.
+- Expected speedup of decoding (prefill excluded) = tau / (v(k) + k * c); plain decoding
+  (k = 0) has speedup 1 by definition.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from ..config import ConfigError
+
+
+def expected_tau(alpha: float, k: int) -> float:
+    """Mean tokens per target pass with k drafts accepted independently at rate alpha."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ConfigError(f"alpha must be in [0, 1], got {alpha}")
+    if k < 0:
+        raise ConfigError(f"k must be >= 0, got {k}")
+    if alpha == 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def tau_from_positions(acceptance_per_position: Sequence[float]) -> float:
+    """Mean tokens per pass from measured per-position (prefix) acceptance rates."""
+    if any(not 0.0 <= p <= 1.0 for p in acceptance_per_position):
+        raise ConfigError(f"acceptance rates must be in [0, 1], got {list(acceptance_per_position)}")
+    return 1.0 + sum(acceptance_per_position)
+
+
+def expected_speedup(tau: float, v: float, c: float, k: int) -> float:
+    """tau / (v(k) + k c): tokens per unit of target-step time, relative to plain."""
+    cost = v + k * c
+    if cost <= 0:
+        raise ConfigError(f"step cost must be positive, got v={v}, c={c}, k={k}")
+    return tau / cost
+
+
+def best_k(alpha: float, v: Callable[[int], float], c: float, k_max: int) -> tuple[int, float]:
+    """The k in 0..k_max with the highest expected speedup, and that speedup.
+
+    k = 0 (plain decoding, speedup 1) wins whenever no k beats it: speculation that would
+    lose is not chosen.
+    """
+    best, best_speedup = 0, 1.0
+    for k in range(1, k_max + 1):
+        speedup = expected_speedup(expected_tau(alpha, k), v(k), c, k)
+        if speedup > best_speedup:
+            best, best_speedup = k, speedup
+    return best, best_speedup
+
+
+def break_even_alpha(k: int, v: float, c: float, tolerance: float = 1e-6) -> float | None:
+    """The alpha at which k drafts exactly pay for themselves (speedup 1); None if even
+    alpha = 1 loses. Bisection: expected_tau is increasing in alpha."""
+    cost = v + k * c
+    if expected_tau(1.0, k) < cost:
+        return None
+    low, high = 0.0, 1.0
+    while high - low > tolerance:
+        middle = (low + high) / 2
+        if expected_tau(middle, k) < cost:
+            low = middle
+        else:
+            high = middle
+    return high
+
+
+def wall_speedup(new_tokens: int, prefill_steps: float, tau: float, step_cost: float) -> float:
+    """Whole-request speedup, prefill included, in units of one target decode step:
+    plain takes prefill + new_tokens steps; speculation takes prefill + (new_tokens / tau)
+    passes of ``step_cost`` (= mean v + mean k * c) each."""
+    if new_tokens <= 0 or tau <= 0:
+        return 1.0
+    return (prefill_steps + new_tokens) / (prefill_steps + new_tokens / tau * step_cost)

@@ -1,0 +1,188 @@
+"""How many draft tokens to offer at each step: fixed, cost-aware adaptive, or threshold.
+
+A policy lives for one request: ``start`` at its beginning, ``choose(context)`` before each
+step (0 = plain decoding for that step), ``observe(drafted, accepted)`` after each step
+that drafted.
+
+``CostAwareK`` (``--k auto``, the default) estimates the acceptance rate alpha online and
+picks the k that maximises expected speedup tau(alpha, k) / (v(k) + k c) with the measured
+cost profile, k = 0 included. Acceptance is modelled as independent per position, so a
+step that drafted d tokens and accepted n is n successes followed by one failure (none
+if n == d). Counts decay geometrically, so the estimate follows the request: copying a
+span of the prompt and writing new text have very different acceptance. A prior (per task
+type, from the router or a preset) seeds the counts. When plain decoding wins, a probe
+step (a few drafts) is spent after ``probe_interval`` plain steps; the interval doubles
+after each failed probe and drops to zero after a fully accepted one, so a request can
+come back to speculation at little cost.
+
+``ThresholdK`` (``--k-policy threshold``) is the simple rule from the literature, kept for
+comparison: start at 5, +1 when the mean acceptance of the last 10 steps exceeds 0.8, -1
+when it is below 0.5, bounded to 2..10, and no speculation once the mean is below 0.3
+after 10 observations.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..analysis.theory import best_k
+from ..config import ConfigError
+
+DEFAULT_PRIOR_ALPHA = 0.5
+
+
+class KPolicy(Protocol):
+    name: str
+    k_max: int  # the most draft tokens a step may get (sizes the KV cache)
+
+    def start(self, prior_alpha: float | None = None) -> None: ...
+    def choose(self, context: int) -> int: ...
+    def observe(self, drafted: int, accepted: int) -> None: ...
+    def describe(self) -> str: ...
+
+
+class FixedK:
+    name = "fixed"
+
+    def __init__(self, k: int):
+        if k < 1:
+            raise ConfigError(f"k (draft tokens per step) must be >= 1, got {k}")
+        self.k = self.k_max = k
+
+    def start(self, prior_alpha: float | None = None) -> None:
+        pass
+
+    def choose(self, context: int) -> int:
+        return self.k
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        pass
+
+    def describe(self) -> str:
+        return str(self.k)
+
+
+@dataclass
+class CostModel:
+    """The two functions of cost the policy needs, from a CostProfile."""
+
+    profile: object  # CostProfile
+    drafter: str
+
+    def v(self, k: int, context: int) -> float:
+        return self.profile.v(k, context)
+
+    @property
+    def c(self) -> float:
+        return self.profile.c(self.drafter)
+
+
+class CostAwareK:
+    name = "auto"
+
+    def __init__(self, costs: CostModel, k_max: int = 10, decay: float = 0.85,
+                 prior_strength: float = 4.0, probe_interval: int = 8, max_probe_interval: int = 64,
+                 margin: float = 0.02):
+        if k_max < 1:
+            raise ConfigError(f"k_max must be >= 1, got {k_max}")
+        if not 0.0 < decay <= 1.0:
+            raise ConfigError(f"decay must be in (0, 1], got {decay}")
+        self.costs, self.k_max, self.decay = costs, k_max, decay
+        self.prior_strength, self.margin = prior_strength, margin
+        self.base_probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
+        self._c = costs.c
+        self.start()
+
+    def start(self, prior_alpha: float | None = None) -> None:
+        alpha = DEFAULT_PRIOR_ALPHA if prior_alpha is None else min(max(prior_alpha, 0.0), 0.99)
+        self.successes = alpha * self.prior_strength
+        self.trials = self.prior_strength
+        self.plain_steps = 0
+        self.probe_interval = self.base_probe_interval
+        self.probing = False
+        self.context = 0
+        self.chosen: list[int] = []  # k per step, for reports
+
+    @property
+    def alpha(self) -> float:
+        return self.successes / self.trials if self.trials else 0.0
+
+    def _best(self, context: int) -> int:
+        k, speedup = best_k(min(self.alpha, 0.999), lambda n: self.costs.v(n, context), self._c, self.k_max)
+        return k if speedup > 1.0 + self.margin else 0
+
+    def choose(self, context: int) -> int:
+        self.context = context
+        k = self._best(context)
+        self.probing = False
+        if k == 0:
+            self.plain_steps += 1
+            if self.plain_steps > self.probe_interval:  # time to look again
+                self.plain_steps = 0
+                self.probing = True
+                k = self._probe_k(context)
+        self.chosen.append(k)
+        return k
+
+    def _probe_k(self, context: int) -> int:
+        """What a probe drafts: the best k if acceptance were good (alpha 0.8), at most 4,
+        so one probe can show a change of regime without costing much."""
+        k, _ = best_k(0.8, lambda n: self.costs.v(n, context), self._c, min(self.k_max, 4))
+        return max(k, 1)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        self.successes = self.successes * self.decay + accepted
+        self.trials = self.trials * self.decay + accepted + (1 if accepted < drafted else 0)
+        if self.probing:
+            if accepted == drafted:  # the drafts were right: look again at once
+                self.probe_interval = 0
+            elif self._best(self.context) == 0:  # still losing: look less often
+                self.probe_interval = min(max(self.probe_interval * 2, self.base_probe_interval),
+                                          self.max_probe_interval)
+            else:
+                self.probe_interval = self.base_probe_interval
+
+    def describe(self) -> str:
+        return f"auto(<= {self.k_max})"
+
+
+class ThresholdK:
+    name = "threshold"
+
+    def __init__(self, start_k: int = 5, k_min: int = 2, k_max: int = 10, window: int = 10,
+                 raise_above: float = 0.8, lower_below: float = 0.5, stop_below: float = 0.3):
+        self.start_k, self.k_min, self.k_max, self.window = start_k, k_min, k_max, window
+        self.raise_above, self.lower_below, self.stop_below = raise_above, lower_below, stop_below
+        self.start()
+
+    def start(self, prior_alpha: float | None = None) -> None:
+        self.k = self.start_k
+        self.recent: deque[float] = deque(maxlen=self.window)
+        self.observations = 0
+        self.off = False
+        self.chosen: list[int] = []
+
+    def choose(self, context: int) -> int:
+        k = 0 if self.off else self.k
+        self.chosen.append(k)
+        return k
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        self.recent.append(accepted / drafted)
+        self.observations += 1
+        mean = sum(self.recent) / len(self.recent)
+        if self.observations >= self.window and mean < self.stop_below:
+            self.off = True
+        elif mean > self.raise_above:
+            self.k = min(self.k + 1, self.k_max)
+        elif mean < self.lower_below:
+            self.k = max(self.k - 1, self.k_min)
+
+    def describe(self) -> str:
+        return "threshold"

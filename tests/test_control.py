@@ -1,0 +1,171 @@
+"""Theory, cost profile and k policies: hand-computed values and lossless adaptive decoding."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import save_tiny_model
+from specdecode.analysis import profile as profile_module
+from specdecode.analysis.profile import CostProfile, get_profile, load_profile
+from specdecode.analysis.theory import (
+    best_k, break_even_alpha, expected_speedup, expected_tau, tau_from_positions, wall_speedup,
+)
+from specdecode.config import ConfigError, SamplingParams, SpeculativeConfig
+from specdecode.control.policies import CostAwareK, CostModel, ThresholdK
+from specdecode.engine import SpeculativeEngine
+from specdecode.factory import build_engine, load_model
+from specdecode.config import EngineConfig
+from specdecode.proposers.draft_model import DraftModelProposer
+from specdecode.proposers.ngram import NgramProposer
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=48, ignore_eos=True)
+
+
+# -- theory --------------------------------------------------------------------------
+def test_expected_tau_hand_values():
+    assert expected_tau(0.5, 3) == pytest.approx(1.875)  # 1 + .5 + .25 + .125
+    assert expected_tau(0.8, 6) == pytest.approx(3.951424)  # (1 - .8^7) / .2
+    assert expected_tau(0.0, 5) == 1.0
+    assert expected_tau(1.0, 4) == 5.0
+    assert expected_tau(0.3, 0) == 1.0
+    # per-position prefix acceptance of an i.i.d. alpha = 0.5 drafter gives the same tau
+    assert tau_from_positions([0.5, 0.25, 0.125]) == pytest.approx(1.875)
+    with pytest.raises(ConfigError, match="alpha must be in"):
+        expected_tau(1.5, 2)
+
+
+def test_speedup_and_best_k_hand_values():
+    assert expected_speedup(1.875, 1.2, 0.05, 3) == pytest.approx(1.875 / 1.35)
+    linear = lambda k: 1 + 0.1 * k  # noqa: E731
+    # alpha .8: k=5 3.68928/1.5 = 2.4595, k=6 3.951424/1.6 = 2.4696, k=7 4.16114/1.7 = 2.4477
+    k, speedup = best_k(0.8, linear, 0.0, 10)
+    assert k == 6 and speedup == pytest.approx(2.46964, abs=1e-5)
+    assert best_k(0.8, linear, 0.0, 4)[0] == 4  # bounded by k_max
+    # alpha .1 with expensive verification: every k loses, so plain decoding (k = 0)
+    assert best_k(0.1, lambda k: 1.2 + 0.1 * k, 0.0, 10) == (0, 1.0)
+    # a costly drafter moves the optimum down: c = .3 at alpha .8 -> k=2: 2.44/1.8 = 1.356
+    assert best_k(0.8, linear, 0.3, 10)[0] == 2
+    assert break_even_alpha(1, 1.1, 0.0) == pytest.approx(0.1, abs=1e-5)
+    assert break_even_alpha(2, 3.5, 0.0) is None  # tau <= 3 can never pay 3.5
+    assert wall_speedup(100, 20, 2.0, 1.25) == pytest.approx(120 / 82.5)
+
+
+# -- cost profile --------------------------------------------------------------------
+def synthetic_profile(c: float = 0.05) -> CostProfile:
+    return CostProfile("m", "fp32", "cpu", 2, contexts=[100, 300], sizes=[1, 2, 4],
+                       step_ms=[[10, 12, 16], [20, 22, 30]], drafters={"ngram": c})
+
+
+def test_profile_interpolates_over_sizes_and_contexts():
+    profile = synthetic_profile()
+    assert profile.time_ms(3, 100) == pytest.approx(14)
+    assert profile.time_ms(3, 200) == pytest.approx(20)  # halfway between 14 and 26
+    assert profile.time_ms(1, 50) == 10  # clamped below the first context
+    assert profile.v(2, 200) == pytest.approx(20 / 15)
+    assert profile.time_ms(6, 100) == pytest.approx(20)  # last slope (2 ms/token) extended
+    with pytest.raises(KeyError, match="no cost for drafter 'draft:x'"):
+        profile.c("draft:x")
+
+
+def test_profile_is_measured_once_cached_and_remeasured_on_request(tiny_llama_dir, monkeypatch):
+    model = load_model(tiny_llama_dir, torch.float32)
+    first = get_profile("tiny", "fp32", model.runtime, {"ngram": NgramProposer()}, progress=False)
+    assert first.sizes[0] == 1 and first.sizes[-1] == 64 and all(t > 0 for row in first.step_ms for t in row)
+    assert first.drafters["ngram"] >= 0
+    assert load_profile("tiny", "fp32").step_ms == first.step_ms
+
+    calls = []
+    original = profile_module.measure_target
+    monkeypatch.setattr(profile_module, "measure_target", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    again = get_profile("tiny", "fp32", model.runtime, {"ngram": NgramProposer()}, progress=False)
+    assert calls == [] and again.step_ms == first.step_ms  # reused, not re-measured
+    get_profile("tiny", "fp32", model.runtime, progress=False, force=True)
+    assert calls == [1]
+    # a drafter the profile lacks is measured and added, the target is not re-measured
+    draft = DraftModelProposer(model.runtime.layer_skip_view(1))
+    added = get_profile("tiny", "fp32", model.runtime, {"draft:self:1": draft}, progress=False)
+    assert calls == [1] and added.drafters["draft:self:1"] > 0
+
+
+# -- policies ------------------------------------------------------------------------
+def test_cost_aware_k_rises_with_acceptance_and_falls_to_plain():
+    policy = CostAwareK(CostModel(synthetic_profile(), "ngram"), k_max=8)
+    policy.start(prior_alpha=0.5)
+    first = policy.choose(100)
+    assert first >= 1
+    for _ in range(30):  # every draft accepted
+        k = policy.choose(100)
+        policy.observe(k, k)
+    assert policy.choose(100) == 8 and policy.alpha > 0.95
+    policy.start(prior_alpha=0.5)
+    chosen = []
+    for _ in range(200):  # every draft rejected
+        k = policy.choose(300)
+        chosen.append(k)
+        policy.observe(k, 0)
+    assert chosen.count(0) > 150
+    probes = [i for i, k in enumerate(chosen) if k > 0 and i > 20]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps and gaps == sorted(gaps) and gaps[-1] > gaps[0]  # probes grow rarer
+    assert max(gaps) <= 64 + 1
+
+
+def test_cost_aware_k_returns_to_speculation_after_a_good_probe():
+    policy = CostAwareK(CostModel(synthetic_profile(), "ngram"), k_max=6, probe_interval=4)
+    policy.start(prior_alpha=0.0)
+    chosen = [policy.choose(100) for _ in range(5)]
+    assert chosen[:4] == [0, 0, 0, 0] and chosen[4] >= 1  # the probe
+    for _ in range(6):  # the workload turns copyable: probes and drafts all pass
+        policy.observe(policy.chosen[-1], policy.chosen[-1])
+        k = policy.choose(100)
+    assert k > 1 and policy.chosen[-6:].count(0) <= 1
+
+
+def test_threshold_policy_follows_the_literature_rule():
+    policy = ThresholdK()
+    assert policy.choose(0) == 5
+    policy.observe(5, 5)  # mean 1.0 > .8: +1
+    assert policy.choose(0) == 6
+    for _ in range(3):
+        policy.observe(6, 0)  # window means .5 (no change), .33, .25: -1 twice
+    assert policy.choose(0) == 4
+    for _ in range(10):
+        policy.observe(3, 0)
+    assert policy.k == 2  # bounded below
+    assert policy.choose(0) == 0  # mean < .3 after 10 observations: off
+    fresh = ThresholdK()
+    for _ in range(20):
+        fresh.observe(5, 5)
+    assert fresh.choose(0) == 10  # bounded above
+
+
+# -- lossless with every policy ------------------------------------------------------
+def test_adaptive_policies_are_token_identical_to_plain(tmp_path):
+    target = load_model(save_tiny_model(tmp_path / "t", seed=30, num_layers=3), torch.float32)
+    plain = SpeculativeEngine(target.runtime)
+    rng = random.Random(3)
+    policies = [ThresholdK(), CostAwareK(CostModel(synthetic_profile(c=0.02), "ngram"), k_max=7, probe_interval=2)]
+    chosen = []
+    for policy in policies:
+        for proposer in (NgramProposer(), DraftModelProposer(target.runtime.layer_skip_view(2))):
+            engine = SpeculativeEngine(target.runtime, proposer=proposer, k=policy)
+            for _ in range(4):
+                base = [rng.randrange(3, 97) for _ in range(rng.randint(2, 6))]
+                prompt = (base * 4)[:30]
+                assert engine.generate(prompt, GREEDY).token_ids == plain.generate(prompt, GREEDY).token_ids
+                chosen += policy.chosen
+    assert 0 in chosen and max(chosen) >= 3  # both plain steps and long drafts happened
+
+
+def test_k_auto_is_the_default_and_builds_a_cost_aware_policy(tiny_llama_dir):
+    assert SpeculativeConfig().k == "auto"
+    engine = build_engine(EngineConfig(model=str(tiny_llama_dir), dtype="fp32"), SpeculativeConfig(method="ngram"))
+    assert isinstance(engine.policy, CostAwareK) and engine.k == 10
+    threshold = build_engine(EngineConfig(model=str(tiny_llama_dir), dtype="fp32"),
+                             SpeculativeConfig(method="ngram", k_policy="threshold"))
+    assert isinstance(threshold.policy, ThresholdK)
+    with pytest.raises(ConfigError, match="k_policy must be one of"):
+        SpeculativeConfig(k_policy="magic")
