@@ -1,7 +1,8 @@
 """One entry point: ``specdecode <verb>``.
 
     specdecode generate "PROMPT" [--method none|ngram|draft] [--draft M|self:L] [--k N] ...
-    specdecode bench [--prompts FILE.jsonl] [--methods none,ngram,...] [--out results.json]
+    specdecode bench [--prompts FILE.jsonl] [--methods none,ngram,ngram@3,...] [--out results.json]
+    specdecode profile [--model M] [--draft D] [--dtype bf16|fp32] [--remeasure]
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
     gen.add_argument("--compare", action="store_true", help="also run plain decoding and report speedup and identity")
+    gen.add_argument("--route", action="store_true", help="classify the prompt's task type and choose the method from acceptance measured on past requests of that type")
+    gen.add_argument("--preset", default=None, help="a named configuration (specdecode presets lists them); flags override it")
     _add_model_args(gen)
     _add_sampling_args(gen)
 
@@ -62,7 +65,33 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default=None, help="write per-prompt records and the summary as JSON")
     _add_model_args(bench)
     _add_sampling_args(bench)
+
+    prof = verbs.add_parser("profile", help="measure what scoring n tokens and drafting cost on this machine (cached)")
+    prof.add_argument("--methods", default="ngram,draft", help="drafters to cost: ngram and/or draft (the --draft model)")
+    prof.add_argument("--remeasure", action="store_true", help="measure again even if a cached profile exists")
+    prof.add_argument("--json", action="store_true", help="print the profile as JSON")
+    _add_model_args(prof)
+
+    verbs.add_parser("presets", help="list the named configurations for --preset")
+    parser.verb_parsers = verbs.choices
     return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parse; a --preset supplies defaults that explicit flags still override."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "preset", None):
+        from .config import preset
+
+        values = preset(args.preset)
+        verb_parser = parser.verb_parsers[args.verb]
+        unknown = [key for key in values if not hasattr(args, key)]
+        if unknown:
+            raise SpecDecodeError(f"preset {args.preset!r} sets {unknown}, which {args.verb} does not take")
+        verb_parser.set_defaults(**{key: str(v) if key == "k" else v for key, v in values.items()})
+        args = parser.parse_args(argv)
+    return args
 
 
 def _spec_config(args, method: str, k: str | None = None) -> SpeculativeConfig:
@@ -77,7 +106,7 @@ def _spec_config(args, method: str, k: str | None = None) -> SpeculativeConfig:
 
 
 def _engine_config(args) -> EngineConfig:
-    return EngineConfig(model=args.model, dtype=args.dtype, chat_template=not args.no_chat_template, num_threads=args.threads)
+    return EngineConfig(model=args.model, dtype=args.dtype, chat_template=not getattr(args, "no_chat_template", False), num_threads=args.threads)
 
 
 def _sampling(args, stop=()) -> SamplingParams:
@@ -91,17 +120,32 @@ def cmd_generate(args) -> int:
     from .factory import build_engine, load_model, log
 
     engine_config = _engine_config(args)
-    spec = _spec_config(args, args.method)
     params = _sampling(args, args.stop)
+    route, router = None, None
+    if args.route:
+        from .control.router import Router, router_state_path
+
+        router = Router().load(router_state_path())
+        route = router.route(args.prompt)
+        log(f"route: {route.reason} -> {route.method}")
+    spec = _spec_config(args, route.method if route else args.method)
     log(f"loading {args.model} ({args.dtype})")
     target = load_model(engine_config.model, engine_config.torch_dtype, args.runtime)
     engine = build_engine(engine_config, spec, args.runtime, target=target)
     prompt_ids = engine.encode(args.prompt, engine_config.chat_template)
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
-    result = engine.generate(prompt_ids, params, on_text=stream)
+    result = engine.generate(prompt_ids, params, on_text=stream, prior_alpha=route.prior_alpha if route else None)
+    if router is not None and engine.policy is not None and hasattr(engine.policy, "costs"):
+        from .control.router import router_state_path, speedup_from_stats
+
+        measured = speedup_from_stats(result.stats, engine.policy.costs.profile, len(prompt_ids))
+        router.observe(route.task, spec.method, result.stats.alpha, measured)
+        router.save(router_state_path())
     record = {"text": result.text, "finish_reason": result.finish_reason, "method": engine.method, "k": engine.k_label, "stats": result.stats.to_dict()}
     if engine.policy is not None and hasattr(engine.policy, "chosen"):
         record["k_per_step"] = engine.policy.chosen
+    if route is not None:
+        record["route"] = {"task": route.task, "method": route.method, "reason": route.reason}
     if args.compare:
         plain = build_engine(engine_config, SpeculativeConfig(method="none"), args.runtime, target=target)
         baseline = plain.generate(prompt_ids, params)
@@ -129,11 +173,52 @@ def cmd_bench(args) -> int:
     return run_bench(args, methods, _engine_config(args), _spec_config, _sampling(args))
 
 
+def cmd_profile(args) -> int:
+    from .factory import build_proposer, cost_profile, drafter_key, load_model, log
+
+    engine_config = _engine_config(args)
+    if engine_config.num_threads:
+        import torch
+
+        torch.set_num_threads(engine_config.num_threads)
+    log(f"loading {args.model} ({args.dtype})")
+    target = load_model(engine_config.model, engine_config.torch_dtype, args.runtime)
+    drafters = {}
+    for method in [m.strip() for m in args.methods.split(",") if m.strip()]:
+        spec = _spec_config(args, method, k="1")
+        drafters[drafter_key(spec)] = build_proposer(spec, target, engine_config.torch_dtype)
+    profile = cost_profile(target, args.dtype, drafters, force=args.remeasure)
+    if args.json:
+        print(json.dumps(profile.to_dict(), indent=1))
+        return 0
+    print(f"cost profile: {args.model} {args.dtype} on {profile.machine}, {profile.threads} threads")
+    print(f"{'n tokens':>9}" + "".join(f"{f'ctx {c} ms':>14}{'v':>6}" for c in profile.contexts))
+    for index, size in enumerate(profile.sizes):
+        cells = "".join(
+            f"{profile.step_ms[row][index]:>14.2f}{profile.step_ms[row][index] / profile.step_ms[row][0]:>6.2f}"
+            for row in range(len(profile.contexts))
+        )
+        print(f"{size:>9}{cells}")
+    print("v = time to score n tokens / one decode step (n = 1); speculation with k drafts scores k+1")
+    for name, c in profile.drafters.items():
+        print(f"drafter {name}: c = {c:.3f} of a target step per draft token")
+    return 0
+
+
+def cmd_presets(args) -> int:
+    from .config import load_presets
+
+    for name, values in load_presets().items():
+        settings = ", ".join(f"{k}={v}" for k, v in values.items() if k != "description")
+        print(f"{name}\n    {values.get('description', '')}\n    {settings}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="specdecode: %(message)s")
-    args = build_parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "bench": cmd_bench}[args.verb](args)
+        args = parse_args(argv)
+        return {"generate": cmd_generate, "bench": cmd_bench, "profile": cmd_profile, "presets": cmd_presets}[args.verb](args)
     except SpecDecodeError as error:
         print(f"specdecode: error: {error}", file=sys.stderr)
         return 2

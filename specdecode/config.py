@@ -123,3 +123,18 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
+
+
+def load_presets() -> dict[str, dict]:
+    """The named presets shipped in ``specdecode/data/presets.toml``."""
+    import tomllib
+    from importlib import resources
+
+    return tomllib.loads(resources.files("specdecode.data").joinpath("presets.toml").read_text())
+
+
+def preset(name: str) -> dict:
+    presets = load_presets()
+    if name not in presets:
+        raise ConfigError(f"unknown preset {name!r}; choose from {sorted(presets)}")
+    return {key: value for key, value in presets[name].items() if key != "description"}

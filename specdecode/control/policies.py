@@ -11,7 +11,7 @@ step that drafted d tokens and accepted n is n successes followed by one failure
 if n == d). Counts decay geometrically, so the estimate follows the request: copying a
 span of the prompt and writing new text have very different acceptance. A prior (per task
 type, from the router or a preset) seeds the counts. When plain decoding wins, a probe
-step (a few drafts) is spent after ``probe_interval`` plain steps; the interval doubles
+step (one draft token) is spent after ``probe_interval`` plain steps; the interval doubles
 after each failed probe and drops to zero after a fully accepted one, so a request can
 come back to speculation at little cost.
 
@@ -93,6 +93,7 @@ class CostAwareK:
         self.prior_strength, self.margin = prior_strength, margin
         self.base_probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
         self._c = costs.c
+        self._tables: dict[int, list[float]] = {}
         self.start()
 
     def start(self, prior_alpha: float | None = None) -> None:
@@ -109,8 +110,18 @@ class CostAwareK:
     def alpha(self) -> float:
         return self.successes / self.trials if self.trials else 0.0
 
+    def _v_table(self, context: int) -> list[float]:
+        """v(0..k_max) at this context, rounded to 64 tokens: a step's decision must cost
+        microseconds, not a profile interpolation per k."""
+        bucket = context // 64 * 64 + 32
+        table = self._tables.get(bucket)
+        if table is None:
+            table = self._tables[bucket] = [self.costs.v(k, bucket) for k in range(self.k_max + 1)]
+        return table
+
     def _best(self, context: int) -> int:
-        k, speedup = best_k(min(self.alpha, 0.999), lambda n: self.costs.v(n, context), self._c, self.k_max)
+        table = self._v_table(context)
+        k, speedup = best_k(min(self.alpha, 0.999), table.__getitem__, self._c, self.k_max)
         return k if speedup > 1.0 + self.margin else 0
 
     def choose(self, context: int) -> int:
@@ -122,15 +133,9 @@ class CostAwareK:
             if self.plain_steps > self.probe_interval:  # time to look again
                 self.plain_steps = 0
                 self.probing = True
-                k = self._probe_k(context)
+                k = 1  # the cheapest look; a fully accepted probe is followed at once by another
         self.chosen.append(k)
         return k
-
-    def _probe_k(self, context: int) -> int:
-        """What a probe drafts: the best k if acceptance were good (alpha 0.8), at most 4,
-        so one probe can show a change of regime without costing much."""
-        k, _ = best_k(0.8, lambda n: self.costs.v(n, context), self._c, min(self.k_max, 4))
-        return max(k, 1)
 
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:

@@ -1,0 +1,185 @@
+"""Route each request by task type: classify the prompt, track acceptance per task with
+decay, choose method and k per task, and turn speculation off where it loses.
+
+The classifier scores weighted features of the prompt, not single keywords: code syntax
+(``def``, braces and semicolons, indented blocks, backticks), JSON and form structure
+(quoted keys, brackets, ``[placeholders]``), a long passage followed or preceded by a short
+instruction (summaries and answers drawn from a text, which copy it), creative verbs
+with creative nouns. ``docs/routing.md`` compares it with plain keyword matching on a
+labelled set written apart from the benchmark suite.
+
+Tasks: code, structured (JSON, templates, forms), summarization (summaries and extraction
+from a given passage), creative, general (questions, math, translation, chat).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+TASKS = ("code", "structured", "summarization", "creative", "general")
+
+# weighted evidence per task: (pattern, weight); patterns are case-insensitive
+_FEATURES: dict[str, list[tuple[re.Pattern, float]]] = {
+    "code": [
+        (r"\b(def|class|return|import|lambda|function|const|let|var|public|static|void|fn|impl)\b[^.?!]*[(:{=]", 2.0),
+        (r"```", 2.0),
+        (r"^\s{2,}\S.*$", 0.5),  # indented lines
+        (r"[;{}]\s*$", 1.0),
+        (r"\b(python|javascript|typescript|rust|java|c\+\+|golang|sql|bash|regex|html|css)\b", 1.5),
+        (r"\b(function|method|script|snippet|refactor|debug|compile|unit tests?|docstring|type hints?|bug)\b", 1.5),
+        (r"`[A-Za-z_][\w.]*\(.*?\)`", 1.5),  # `name(args)`
+        (r"\b(select|insert|update|delete)\b .* \b(from|into|set|where)\b", 1.5),
+        (r"\b(query|implementation|class|algorithm|linked list|stack|queue|api|endpoint|regex|recursion)\b", 1.0),
+    ],
+    "structured": [
+        (r"\bjson\b|\byaml\b|\bcsv\b|\bxml\b|\btoml\b", 3.0),
+        (r"\"\w+\"\s*:", 1.5),  # "key":
+        (r"[\[{]\s*\"", 1.0),
+        (r"\[[a-z][a-z ]{1,20}\]", 1.5),  # [placeholder]
+        (r"\b(template|fill in|form|fields?|keys?|schema|table|columns?|array of|list of objects)\b", 1.5),
+        (r"^\s*\w[\w ]{0,20}:\s*(\[|$)", 1.0),  # "Name: [name]" lines
+        (r"(\b\w[\w ]{0,15}:\s+){3,}", 1.5),  # inline blank fields "Name: Age: Town:"
+    ],
+    "summarization": [
+        (r"\b(summari[sz]e|summary|tl;?dr|condense|key points|main points|in \w+ sentences)\b", 3.0),
+        (r"\b(passage|article|text|document|transcript|report|excerpt)\b", 1.0),
+        (r"\b(according to|from the (passage|text|article)|using words from|quote|extract)\b", 2.0),
+    ],
+    "creative": [
+        (r"\b(poem|haiku|limerick|sonnet|story|tale|fable|lyrics|song|verse|fiction|scene|dialogue|monologue)\b", 2.5),
+        (r"\b(imagine|invent|creative|whimsical|fantasy|once upon)\b", 2.0),
+        (r"\b(point of view|first person|letter from)\b", 1.5),
+        (r"\b(write|compose|draft|tell)\b[^.?!]{0,40}\b(poem|story|tale|song|letter from|opening|scene)\b", 1.5),
+        (r"\b(character|protagonist|narrator|plot)\b", 1.0),
+    ],
+}
+_COMPILED = {task: [(re.compile(p, re.IGNORECASE | re.MULTILINE), w) for p, w in feats] for task, feats in _FEATURES.items()}
+_THRESHOLD = 2.0  # evidence below this is "general"
+
+
+def _passage_bonus(prompt: str) -> float:
+    """A long block of prose (>= 60 words) beside a short instruction is a text to work from."""
+    blocks = [b for b in re.split(r"\n\s*\n|(?<=:)\s+(?=[A-Z])", prompt) if b.strip()]
+    longest = max((len(b.split()) for b in blocks), default=0)
+    prose = longest >= 60 and not re.search(r"[{};]\s*$|```|\"\w+\"\s*:", prompt, re.MULTILINE)
+    return 1.5 if prose else 0.0
+
+
+def task_scores(prompt: str) -> dict[str, float]:
+    scores = {}
+    for task, features in _COMPILED.items():
+        score = 0.0
+        for pattern, weight in features:
+            hits = len(pattern.findall(prompt))
+            score += weight * min(hits, 3) ** 0.5  # repeated evidence counts, sub-linearly
+        scores[task] = score
+    scores["summarization"] += _passage_bonus(prompt)
+    return scores
+
+
+def classify(prompt: str) -> str:
+    """The task type of a prompt: the best-scoring task, or 'general' on weak evidence."""
+    scores = task_scores(prompt)
+    task, score = max(scores.items(), key=lambda item: item[1])
+    return task if score >= _THRESHOLD else "general"
+
+
+def keyword_classify(prompt: str) -> str:
+    """The baseline the classifier is compared with: first keyword hit wins."""
+    text = prompt.lower()
+    for task, words in (("code", ("code", "python", "function")), ("structured", ("json", "template")),
+                        ("summarization", ("summar",)), ("creative", ("poem", "story"))):
+        if any(word in text for word in words):
+            return task
+    return "general"
+
+
+@dataclass
+class TaskRecord:
+    """Decayed averages of what speculation achieved on one task with one method."""
+
+    alpha: float = 0.0
+    speedup: float = 1.0
+    weight: float = 0.0  # decayed number of observations
+
+    def update(self, alpha: float, speedup: float, decay: float) -> None:
+        self.weight = self.weight * decay + 1.0
+        share = 1.0 / self.weight
+        self.alpha += (alpha - self.alpha) * share
+        self.speedup += (speedup - self.speedup) * share
+
+
+@dataclass
+class Route:
+    task: str
+    method: str  # "none" when speculation is off for this task
+    prior_alpha: float | None
+    reason: str
+
+
+@dataclass
+class Router:
+    """Per-task method choice from acceptance and speedup measured on past requests.
+
+    ``methods``: task -> preferred speculative method (default ngram). A task is routed to
+    plain decoding once its decayed mean speedup, over at least ``min_observations``
+    requests, is below 1; it is retried every ``retry_every`` requests so that the
+    decision follows the workload.
+    """
+
+    methods: dict[str, str] = field(default_factory=dict)
+    decay: float = 0.9
+    min_observations: float = 3.0
+    retry_every: int = 20
+    records: dict[str, TaskRecord] = field(default_factory=dict)
+    requests: dict[str, int] = field(default_factory=dict)
+
+    def route(self, prompt: str) -> Route:
+        task = classify(prompt)
+        method = self.methods.get(task, "ngram")
+        key = f"{task}/{method}"
+        record = self.records.get(key)
+        self.requests[task] = self.requests.get(task, 0) + 1
+        if method == "none":
+            return Route(task, "none", None, f"{task}: preset disables speculation")
+        if record is None or record.weight < self.min_observations:
+            return Route(task, method, record.alpha if record else None, f"{task}: learning ({0 if record is None else record.weight:.1f} observations)")
+        if record.speedup < 1.0 and self.requests[task] % self.retry_every:
+            return Route(task, "none", None, f"{task}: {method} measured {record.speedup:.2f}x (< 1), plain decoding")
+        return Route(task, method, record.alpha, f"{task}: {method} measured {record.speedup:.2f}x, alpha {record.alpha:.2f}")
+
+    def observe(self, task: str, method: str, alpha: float, speedup: float) -> None:
+        if method == "none":
+            return
+        self.records.setdefault(f"{task}/{method}", TaskRecord()).update(alpha, speedup, self.decay)
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"records": {k: asdict(v) for k, v in self.records.items()},
+                                    "requests": self.requests}, indent=1))
+
+    def load(self, path: Path) -> "Router":
+        if path.is_file():
+            data = json.loads(path.read_text())
+            self.records = {k: TaskRecord(**v) for k, v in data.get("records", {}).items()}
+            self.requests = dict(data.get("requests", {}))
+        return self
+
+
+def router_state_path() -> Path:
+    """Where the CLI keeps per-task measurements between requests."""
+    from ..models.loading import cache_dir
+
+    return cache_dir() / "router-state.json"
+
+
+def speedup_from_stats(stats, profile, context: int) -> float:
+    """A request's measured speedup without a plain run beside it: the plain decoding time
+    the profile predicts for its tokens (one step each) over its measured decode time."""
+    decode = stats.wall_seconds - stats.prefill_seconds
+    if decode <= 0 or stats.new_tokens == 0:
+        return 1.0
+    return stats.new_tokens * profile.time_ms(1, context) / 1e3 / decode
