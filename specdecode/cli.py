@@ -72,7 +72,36 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--json", action="store_true", help="print the profile as JSON")
     _add_model_args(prof)
 
+    ana = verbs.add_parser("analyze", help="per prompt and category: acceptance, predicted and measured speedup, recommendations")
+    ana.add_argument("--prompts", default=None, help="JSONL (Spec-Bench or {prompt, category}); default: our suite")
+    ana.add_argument("--methods", default="ngram", help="comma list of method specs: ngram, draft, ngram@3, draft@auto ...")
+    ana.add_argument("--temperatures", default="0,0.7,1.0", help="comma list; each runs plain and every method")
+    ana.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
+    ana.add_argument("--out", default="results/analysis", help="directory for summary.md, analysis.json, PNGs, report.html")
+    ana.add_argument("--serving", default="latency", choices=["latency", "throughput"], help="throughput: add the batch-serving skip check")
+    ana.add_argument("--batch", type=int, default=8, help="batch size for the throughput and memory checks")
+    ana.add_argument("--budget", type=float, default=None, help="memory budget in GiB (default: this machine's RAM)")
+    _add_model_args(ana)
+    _add_sampling_args(ana)
+
     verbs.add_parser("presets", help="list the named configurations for --preset")
+
+    check = verbs.add_parser("check", help="is DRAFT a usable drafter for TARGET, and what speedup to expect")
+    check.add_argument("target", help="model name, HF directory or .gguf")
+    check.add_argument("draft", help="model name, HF directory, .gguf, self:L or ngram")
+    check.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    check.add_argument("--k", type=int, default=5, help="k for the calibration")
+    check.add_argument("--no-calibration", action="store_true", help="tokenizer and architecture checks only")
+
+    mem = verbs.add_parser("memory", help="weights, KV cache and activation memory of target + drafter")
+    mem.add_argument("--target", default="default", help="model name, HF directory, config.json, or a named size (135M, 360M, 1B, 3B, 7B, 8B, 13B, 70B)")
+    mem.add_argument("--draft", default=None, help="same forms, or self:L, or ngram")
+    mem.add_argument("--batch", type=int, default=1)
+    mem.add_argument("--context", type=int, default=2048)
+    mem.add_argument("--k", type=int, default=5)
+    mem.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16", "int8", "int4"])
+    mem.add_argument("--budget", type=float, default=None, help="GiB available (default: this machine's RAM)")
+    mem.add_argument("--json", action="store_true")
     parser.verb_parsers = verbs.choices
     return parser
 
@@ -121,31 +150,32 @@ def cmd_generate(args) -> int:
 
     engine_config = _engine_config(args)
     params = _sampling(args, args.stop)
-    route, router = None, None
-    if args.route:
-        from .control.router import Router, router_state_path
+    from .control.router import Router, router_state_path
+    from .factory import drafter_key
 
-        router = Router().load(router_state_path())
-        route = router.route(args.prompt)
+    configured = _spec_config(args, args.method)
+    router = Router().load(router_state_path())
+    route = router.route(args.prompt, args.method, drafter_key(configured))
+    if args.route:
         log(f"route: {route.reason} -> {route.method}")
-    spec = _spec_config(args, route.method if route else args.method)
+    spec = _spec_config(args, route.method if args.route else args.method)
     log(f"loading {args.model} ({args.dtype})")
     target = load_model(engine_config.model, engine_config.torch_dtype, args.runtime)
     engine = build_engine(engine_config, spec, args.runtime, target=target)
     prompt_ids = engine.encode(args.prompt, engine_config.chat_template)
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
-    result = engine.generate(prompt_ids, params, on_text=stream, prior_alpha=route.prior_alpha if route else None)
-    if router is not None and engine.policy is not None and hasattr(engine.policy, "costs"):
-        from .control.router import router_state_path, speedup_from_stats
+    result = engine.generate(prompt_ids, params, on_text=stream, prior_alpha=route.prior_alpha)
+    if args.route and engine.policy is not None and hasattr(engine.policy, "costs"):
+        from .control.router import speedup_from_stats
 
         measured = speedup_from_stats(result.stats, engine.policy.costs.profile, len(prompt_ids))
-        router.observe(route.task, spec.method, result.stats.alpha, measured)
+        router.observe(route.task, engine.drafter, result.stats.trial_alpha, measured)
         router.save(router_state_path())
     record = {"text": result.text, "finish_reason": result.finish_reason, "method": engine.method, "k": engine.k_label, "stats": result.stats.to_dict()}
     if engine.policy is not None and hasattr(engine.policy, "chosen"):
         record["k_per_step"] = engine.policy.chosen
-    if route is not None:
-        record["route"] = {"task": route.task, "method": route.method, "reason": route.reason}
+    record["route"] = {"task": route.task, "prior_alpha": route.prior_alpha, "routed": args.route,
+                       "method": spec.method, "reason": route.reason}
     if args.compare:
         plain = build_engine(engine_config, SpeculativeConfig(method="none"), args.runtime, target=target)
         baseline = plain.generate(prompt_ids, params)
@@ -205,6 +235,49 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def _float_list(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise SpecDecodeError(f"{flag} takes comma-separated numbers, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise SpecDecodeError(f"{flag} needs at least one value, none negative, got {text!r}")
+    return values
+
+
+def cmd_analyze(args) -> int:
+    from pathlib import Path
+
+    from .analysis.analyzer import analyze
+    from .factory import log
+
+    temperatures = _float_list(args.temperatures, "--temperatures")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    result = analyze(args, _engine_config(args), _spec_config, _sampling(args), temperatures, methods, Path(args.out))
+    print((Path(args.out) / "summary.md").read_text())
+    log(f"wrote {args.out}: summary.md, analysis.json, report.html and 4 PNG plots")
+    return 0
+
+
+def cmd_check(args) -> int:
+    from .analysis.compat import calibrate, check_static, format_check
+
+    result = check_static(args.target, args.draft)
+    calibration = None
+    if result.compatible and not args.no_calibration:
+        calibration = calibrate(args.target, args.draft, args.dtype, args.k)
+    print(format_check(result, calibration))
+    return 0 if result.compatible else 1
+
+
+def cmd_memory(args) -> int:
+    from .analysis.memory import deployment_memory, format_report
+
+    report = deployment_memory(args.target, args.draft, args.dtype, args.batch, args.context, args.k, args.budget)
+    print(json.dumps(report, indent=1) if args.json else format_report(report))
+    return 0 if report["fits"] else 1
+
+
 def cmd_presets(args) -> int:
     from .config import load_presets
 
@@ -218,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="specdecode: %(message)s")
     try:
         args = parse_args(argv)
-        return {"generate": cmd_generate, "bench": cmd_bench, "profile": cmd_profile, "presets": cmd_presets}[args.verb](args)
+        return {"generate": cmd_generate, "bench": cmd_bench, "profile": cmd_profile, "presets": cmd_presets,
+                "check": cmd_check, "memory": cmd_memory, "analyze": cmd_analyze}[args.verb](args)
     except SpecDecodeError as error:
         print(f"specdecode: error: {error}", file=sys.stderr)
         return 2

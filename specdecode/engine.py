@@ -56,6 +56,7 @@ class SpeculativeEngine:
         self.proposer = proposer
         self.policy = None if proposer is None else (FixedK(k) if isinstance(k, int) else k)
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.drafter: str | None = None  # the drafter's name in profiles and router records
 
     @property
     def k(self) -> int:

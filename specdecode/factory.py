@@ -110,14 +110,52 @@ def cost_profile(target: LoadedModel, dtype: str, drafters: dict | None = None, 
     return get_profile(model_key(target), dtype, target.runtime, drafters, force=force)
 
 
+CALIBRATION_PROMPTS = ("code-03", "summarization-03", "open_qa-03")
+
+
+def calibration_runs(target: LoadedModel, proposer, k: int = 4, max_new_tokens: int = 32) -> list:
+    """Greedy generations with a fixed k on three built-in prompts (code, summary,
+    question); their GenerationStats. Empty without a tokenizer."""
+    from .bench.runner import load_prompts
+    from .config import SamplingParams
+
+    if target.tokenizer is None:
+        return []
+    prompts = {p["question_id"]: p["prompt"] for p in load_prompts(None)}
+    engine = SpeculativeEngine(target.runtime, target.tokenizer, proposer, k, target.eos_token_ids)
+    room = target.runtime.max_positions - max_new_tokens - k - 2
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    return [engine.generate(engine.encode(prompts[q])[-room:], params).stats for q in CALIBRATION_PROMPTS]
+
+
+def calibrate_acceptance(target: LoadedModel, proposer) -> float | None:
+    """Per-trial acceptance of ``proposer`` over the calibration runs; None if none ran."""
+    runs = calibration_runs(target, proposer)
+    accepted = sum(s.accepted_tokens for s in runs)
+    trials = accepted + sum(s.rejections for s in runs)
+    return accepted / trials if runs and trials else (0.0 if runs else None)
+
+
 def build_policy(spec: SpeculativeConfig, target: LoadedModel, proposer, dtype: str):
-    """A fixed k, or the adaptive policy ``spec.k_policy`` when ``spec.k == 'auto'``."""
+    """A fixed k, or the adaptive policy ``spec.k_policy`` when ``spec.k == 'auto'``.
+
+    The cost-aware policy gets the cost profile and, as its default prior, the drafter's
+    acceptance calibrated once on this target (cached in the profile)."""
+    from .analysis.profile import record_acceptance
+
     if proposer is None or spec.k != "auto":
         return spec.k if isinstance(spec.k, int) else 1
     if spec.k_policy == "threshold":
         return ThresholdK(start_k=min(5, spec.k_max), k_max=max(spec.k_max, 2))
-    profile = cost_profile(target, dtype, {drafter_key(spec): proposer})
-    return CostAwareK(CostModel(profile, drafter_key(spec)), k_max=spec.k_max)
+    name = drafter_key(spec)
+    profile = cost_profile(target, dtype, {name: proposer})
+    if name not in profile.acceptance:
+        log(f"calibrating the acceptance of {name} on 3 built-in prompts (once; cached)")
+        alpha = calibrate_acceptance(target, proposer)
+        if alpha is not None:
+            profile.acceptance[name] = alpha
+            record_acceptance(model_key(target), dtype, name, alpha)
+    return CostAwareK(CostModel(profile, name), k_max=spec.k_max, default_prior=profile.acceptance.get(name))
 
 
 def build_engine(engine: EngineConfig, spec: SpeculativeConfig, runtime: str = "auto",
@@ -128,7 +166,9 @@ def build_engine(engine: EngineConfig, spec: SpeculativeConfig, runtime: str = "
         target = load_model(engine.model, engine.torch_dtype, runtime)
     proposer = build_proposer(spec, target, engine.torch_dtype)
     policy = build_policy(spec, target, proposer, engine.dtype)
-    return SpeculativeEngine(target.runtime, target.tokenizer, proposer, policy, target.eos_token_ids)
+    engine = SpeculativeEngine(target.runtime, target.tokenizer, proposer, policy, target.eos_token_ids)
+    engine.drafter = drafter_key(spec) if proposer is not None else None
+    return engine
 
 
 def log(message: str) -> None:

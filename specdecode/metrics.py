@@ -2,7 +2,8 @@
 
 Definitions, stated once:
 - drafted: draft tokens offered to the verifier; accepted: those it kept.
-- alpha (acceptance rate) = accepted / drafted.
+- alpha (acceptance rate) = accepted / drafted; trial_alpha = accepted / (accepted +
+  rejections), the per-position rate of the independent-acceptance model.
 - tau (mean accepted length) = tokens produced per target forward pass *including the
   bonus token* = (accepted + passes) / passes. Plain decoding has tau = 1.
 - acceptance at draft position i = share of the steps that drafted position i in which
@@ -23,6 +24,7 @@ class GenerationStats:
     new_tokens: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    rejections: int = 0  # steps in which a draft token was rejected
     target_forwards: int = 0  # decoding passes after the prefill; each yields accepted + 1
     # steps by the number of draft tokens scored: {d: steps that scored d drafts + 1}
     steps_by_drafted: dict[int, int] = field(default_factory=dict)
@@ -40,6 +42,7 @@ class GenerationStats:
         self.steps_by_drafted[num_drafted] = self.steps_by_drafted.get(num_drafted, 0) + 1
         self.draft_tokens += num_drafted
         self.accepted_tokens += num_accepted
+        self.rejections += num_accepted < num_drafted
         grow = num_drafted - len(self.drafted_per_position)
         if grow > 0:
             self.drafted_per_position += [0] * grow
@@ -51,6 +54,14 @@ class GenerationStats:
     @property
     def alpha(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def trial_alpha(self) -> float:
+        """Acceptance per draft *trial*: accepted / (accepted + rejections). Drafts after a
+        rejection are never tried, so this is the alpha of the independent-acceptance
+        model (theory.expected_tau), and higher than ``alpha`` at large k."""
+        trials = self.accepted_tokens + self.rejections
+        return self.accepted_tokens / trials if trials else 0.0
 
     @property
     def tau(self) -> float:
@@ -73,7 +84,7 @@ class GenerationStats:
     def to_dict(self) -> dict:
         record = asdict(self)
         del record["last_drafted"]
-        for name in ("alpha", "tau", "acceptance_per_position", "tokens_per_s", "decode_tokens_per_s"):
+        for name in ("alpha", "trial_alpha", "tau", "acceptance_per_position", "tokens_per_s", "decode_tokens_per_s"):
             record[name] = getattr(self, name)
         return record
 

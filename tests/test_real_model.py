@@ -70,7 +70,9 @@ def test_cli_reports_bad_input_cleanly(capsys):
     assert main(["generate", "hi", "--model", "/nowhere/model"]) == 2
     assert "error: model '/nowhere/model' not found" in capsys.readouterr().err
     assert main(["generate", "hi", "--k", "0"]) == 2
-    assert "k (draft tokens per step) must be >= 1, got 0" in capsys.readouterr().err
+    assert "k (draft tokens per step) must be 'auto' or an integer >= 1, got 0" in capsys.readouterr().err
+    assert main(["generate", "hi", "--k", "many"]) == 2
+    assert "k must be 'auto' or an integer >= 1, got 'many'" in capsys.readouterr().err
 
 
 def test_bench_writes_records(tmp_path, capsys):
@@ -90,3 +92,38 @@ def test_bench_writes_records(tmp_path, capsys):
         assert record["identical_to_plain"]
     assert "overall" in payload["summary"] and "speedup" in capsys.readouterr().out
     assert out.with_suffix(".png").stat().st_size > 10_000  # the speedup/acceptance picture
+
+
+@pytest.mark.parametrize("policy", ["cost", "threshold"])
+def test_real_model_adaptive_k_is_lossless(real_fp32, policy):
+    """--k auto (cost-aware, measured profile of the real model) and the threshold rule:
+    token-identical to plain decoding in fp32, on a copyable prompt and on open text."""
+    from specdecode.control.policies import CostAwareK, ThresholdK
+
+    config = EngineConfig(dtype="fp32")
+    plain = build_engine(config, SpeculativeConfig(method="none"), target=real_fp32)
+    engine = build_engine(config, SpeculativeConfig(method="ngram", k="auto", k_policy=policy), target=real_fp32)
+    assert isinstance(engine.policy, CostAwareK if policy == "cost" else ThresholdK)
+    params = SamplingParams(max_new_tokens=64)
+    chosen = []
+    for prompt in PROMPTS + ["Write a short poem about the sea at night."]:
+        ids = plain.encode(prompt)
+        assert engine.generate(ids, params).token_ids == plain.generate(ids, params).token_ids, prompt
+        chosen += engine.policy.chosen
+    assert max(chosen) >= 2  # it did speculate
+
+
+def test_real_model_memory_counts_its_parameters(real_fp32):
+    from specdecode.analysis.memory import resolve_shape
+
+    weights = real_fp32.runtime.weights
+    counted = sum(p.numel() for name, p in weights.named_parameters())
+    assert resolve_shape("default").parameters == counted == 134_515_008
+
+
+def test_real_model_check(capsys):
+    from specdecode.cli import main
+
+    assert main(["check", "default", "self:4", "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "verdict: COMPATIBLE" in out and "calibration (greedy, 3 prompts): per-trial alpha" in out

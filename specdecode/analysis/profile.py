@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from ..models.loading import cache_dir
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 16, 24, 32, 48, 64)
 CONTEXTS = (128, 512, 1024)
 
@@ -59,6 +59,9 @@ class CostProfile:
     sizes: list[int]
     step_ms: list[list[float]]  # [context][size]: median ms to score `size` tokens
     drafters: dict[str, float] = field(default_factory=dict)  # drafter -> c
+    # drafter -> per-trial acceptance on a few built-in prompts (greedy): the adaptive-k
+    # prior when nothing better is known (factory.calibrate_acceptance)
+    acceptance: dict[str, float] = field(default_factory=dict)
     version: int = PROFILE_VERSION
 
     # -- lookups --------------------------------------------------------------------
@@ -197,6 +200,13 @@ def measure_drafter(proposer, context: int, vocab_size: int, repeats: int = 5, k
         proposer.propose(tokens, k, params, None)
 
     return _median_ms(draft, repeats) / k
+
+
+def record_acceptance(model_key: str, dtype: str, drafter: str, alpha: float) -> None:
+    profile = load_profile(model_key, dtype)
+    if profile is not None:
+        profile.acceptance[drafter] = alpha
+        save_profile(profile, model_key)
 
 
 def get_profile(model_key: str, dtype: str, runtime, drafters: dict | None = None,

@@ -106,9 +106,13 @@ def warm_up(engines: dict, prompt_ids: list[int], params) -> None:
 
 
 def run_records(engines: dict, prompts: list[dict], encoded: list[list[int]], params, eos_ids,
-                priors: dict | None = None, desc: str = "bench") -> list[dict]:
+                desc: str = "bench") -> list[dict]:
     """Every prompt through every engine; the first engine ('none') is the baseline that
-    'identical_to_plain' compares with. ``priors``: category -> alpha prior for adaptive k."""
+    'identical_to_plain' compares with. Adaptive k starts from the built-in prior for the
+    prompt's task type (router.DEFAULT_PRIORS), never from state left by earlier runs."""
+    from ..control.router import Router, classify
+
+    router = Router()
     records, plain_tokens = [], {}
     progress = tqdm(total=len(prompts) * len(engines), desc=desc, unit="gen")
     for label, engine in engines.items():
@@ -119,13 +123,15 @@ def run_records(engines: dict, prompts: list[dict], encoded: list[list[int]], pa
                 token_ids, seconds = _hf_generate(engine, prompt_ids, params, eos_ids)
                 record.update(alpha=None, tau=1.0, k=0)
             else:
-                prior = (priors or {}).get(prompt["category"])
+                task = classify(prompt["prompt"])
+                prior = router.prior(task, engine.drafter) if engine.drafter else None
                 result = engine.generate(prompt_ids, params, prior_alpha=prior)
                 stats = result.stats
                 token_ids, seconds = result.token_ids, stats.wall_seconds
                 chosen = getattr(engine.policy, "chosen", None)
                 record.update(
-                    k=engine.k_label, alpha=stats.alpha if name != "none" else None, tau=stats.tau,
+                    k=engine.k_label, task=task, alpha=stats.alpha if name != "none" else None,
+                    trial_alpha=stats.trial_alpha if name != "none" else None, tau=stats.tau,
                     draft_seconds=stats.draft_seconds, verify_seconds=stats.verify_seconds,
                     prefill_seconds=stats.prefill_seconds, draft_tokens=stats.draft_tokens,
                     accepted_tokens=stats.accepted_tokens, target_forwards=stats.target_forwards,
@@ -164,6 +170,9 @@ def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config
 
     summary = summarize(records)
     print_summary(summary, methods)
+    sweep = k_sweep(summary, methods)
+    if sweep:
+        print_k_sweep(sweep)
     if args.out:
         payload = {
             "config": {"model": args.model, "dtype": args.dtype, "k": args.k, "k_policy": args.k_policy,
@@ -172,6 +181,7 @@ def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config
                        "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
                        "prompts": args.prompts or "builtin"},
             "summary": summary,
+            "k_sweep": sweep,
             "records": records,
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -229,3 +239,42 @@ def print_summary(summary: dict, methods: list[str]) -> None:
                 f"{alpha:>7}{row['tau']:>6.2f}{row['identical_to_plain']:>6.0%}{row['new_tokens']:>6.0f}"
                 f"{row['k_chosen_mean'] if row['k_chosen_mean'] is not None else float('nan'):>8.2f}"
             )
+
+
+def k_sweep(summary: dict, methods: list[str]) -> dict:
+    """For each method run with several fixed k and adaptively (method@auto, @threshold):
+    per category, the best fixed k and how each adaptive policy compares with it."""
+    result = {}
+    for base in dict.fromkeys(parse_method(m)[0] for m in methods):
+        fixed = [m for m in methods if parse_method(m)[0] == base and (parse_method(m)[1] or "").isdigit()]
+        adaptive = [m for m in methods if parse_method(m)[0] == base and m not in fixed]
+        if not fixed or not adaptive or base in ("none", "hf"):
+            continue
+        for category, rows in summary.items():
+            speedups = {m: rows[m]["speedup"] for m in fixed if m in rows}
+            if not speedups:
+                continue
+            best = max(speedups, key=speedups.get)
+            entry = {"best_fixed": best, "best_fixed_speedup": speedups[best]}
+            for m in adaptive:
+                if m in rows:
+                    entry[m] = {"speedup": rows[m]["speedup"], "vs_best_fixed": rows[m]["speedup"] / speedups[best] - 1.0}
+            result.setdefault(base, {})[category] = entry
+    return result
+
+
+def print_k_sweep(sweep: dict) -> None:
+    for base, categories in sweep.items():
+        adaptive = sorted({key for entry in categories.values() for key in entry if "@" in key or key == base})
+        print(f"\n{base}: adaptive k against the best fixed k (median speedup vs plain)")
+        print(f"{'category':<14}{'best fixed':>14}" + "".join(f"{m:>26}" for m in adaptive))
+        order = sorted(c for c in categories if c != "overall") + ["overall"]
+        for category in order:
+            entry = categories.get(category)
+            if entry is None:
+                continue
+            cells = "".join(
+                f"{entry[m]['speedup']:>17.2f}x ({entry[m]['vs_best_fixed']:+.0%})" if m in entry else f"{'-':>26}"
+                for m in adaptive
+            )
+            print(f"{category:<14}{entry['best_fixed'] + ' ' + format(entry['best_fixed_speedup'], '.2f') + 'x':>14}{cells}")

@@ -10,10 +10,11 @@ cost profile, k = 0 included. Acceptance is modelled as independent per position
 step that drafted d tokens and accepted n is n successes followed by one failure (none
 if n == d). Counts decay geometrically, so the estimate follows the request: copying a
 span of the prompt and writing new text have very different acceptance. A prior (per task
-type, from the router or a preset) seeds the counts. When plain decoding wins, a probe
-step (one draft token) is spent after ``probe_interval`` plain steps; the interval doubles
-after each failed probe and drops to zero after a fully accepted one, so a request can
-come back to speculation at little cost.
+type from the router; else the drafter's acceptance calibrated once on this target) seeds
+the counts. When plain decoding wins, a probe step (one draft token) is spent after
+``probe_interval`` plain steps — by default spaced so probes cost about 1% of the time,
+v(1) - 1 + c steps each — the interval doubling after each failed probe and dropping to
+zero after a fully accepted one, so a request can come back to speculation cheaply.
 
 ``ThresholdK`` (``--k-policy threshold``) is the simple rule from the literature, kept for
 comparison: start at 5, +1 when the mean acceptance of the last 10 steps exceeds 0.8, -1
@@ -23,6 +24,7 @@ after 10 observations.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -83,21 +85,28 @@ class CostAwareK:
     name = "auto"
 
     def __init__(self, costs: CostModel, k_max: int = 10, decay: float = 0.85,
-                 prior_strength: float = 4.0, probe_interval: int = 8, max_probe_interval: int = 64,
-                 margin: float = 0.02):
+                 prior_strength: float = 4.0, probe_interval: int | None = None, max_probe_interval: int = 128,
+                 margin: float = 0.02, default_prior: float | None = None, probe_budget: float = 0.01):
         if k_max < 1:
             raise ConfigError(f"k_max must be >= 1, got {k_max}")
         if not 0.0 < decay <= 1.0:
             raise ConfigError(f"decay must be in (0, 1], got {decay}")
         self.costs, self.k_max, self.decay = costs, k_max, decay
         self.prior_strength, self.margin = prior_strength, margin
-        self.base_probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
         self._c = costs.c
         self._tables: dict[int, list[float]] = {}
+        self.default_prior = DEFAULT_PRIOR_ALPHA if default_prior is None else default_prior
+        if probe_interval is None:
+            # a probe costs v(1) - 1 + c target steps; space probes so that they spend
+            # about ``probe_budget`` of the time while speculation is off
+            probe_cost = max(self._v_table(256)[1] - 1.0, 0.0) + self._c
+            probe_interval = min(max(8, math.ceil(probe_cost / probe_budget)), max_probe_interval)
+        self.base_probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
         self.start()
 
     def start(self, prior_alpha: float | None = None) -> None:
-        alpha = DEFAULT_PRIOR_ALPHA if prior_alpha is None else min(max(prior_alpha, 0.0), 0.99)
+        alpha = self.default_prior if prior_alpha is None else prior_alpha
+        alpha = min(max(alpha, 0.0), 0.99)
         self.successes = alpha * self.prior_strength
         self.trials = self.prior_strength
         self.plain_steps = 0

@@ -59,6 +59,15 @@ _FEATURES: dict[str, list[tuple[re.Pattern, float]]] = {
 _COMPILED = {task: [(re.compile(p, re.IGNORECASE | re.MULTILINE), w) for p, w in feats] for task, feats in _FEATURES.items()}
 _THRESHOLD = 2.0  # evidence below this is "general"
 
+# Starting guesses of the per-trial acceptance rate (StatsGeneration.trial_alpha) per task
+# type, used as the adaptive-k prior until this machine has measured its own
+# (router-state.json; ``specdecode analyze`` and ``generate --route`` record them).
+# ngram: acceptance at draft position 1 with fixed k = 5, greedy, fp32, on the built-in
+# suite (docs/adaptive.md); other drafters start from the policy's neutral 0.5.
+DEFAULT_PRIORS = {
+    "ngram": {"code": 0.2, "structured": 0.35, "summarization": 0.35, "creative": 0.25, "general": 0.25},
+}
+
 
 def _passage_bonus(prompt: str) -> float:
     """A long block of prose (>= 60 words) beside a short instruction is a text to work from."""
@@ -137,24 +146,36 @@ class Router:
     records: dict[str, TaskRecord] = field(default_factory=dict)
     requests: dict[str, int] = field(default_factory=dict)
 
-    def route(self, prompt: str) -> Route:
-        task = classify(prompt)
-        method = self.methods.get(task, "ngram")
-        key = f"{task}/{method}"
-        record = self.records.get(key)
-        self.requests[task] = self.requests.get(task, 0) + 1
-        if method == "none":
-            return Route(task, "none", None, f"{task}: preset disables speculation")
-        if record is None or record.weight < self.min_observations:
-            return Route(task, method, record.alpha if record else None, f"{task}: learning ({0 if record is None else record.weight:.1f} observations)")
-        if record.speedup < 1.0 and self.requests[task] % self.retry_every:
-            return Route(task, "none", None, f"{task}: {method} measured {record.speedup:.2f}x (< 1), plain decoding")
-        return Route(task, method, record.alpha, f"{task}: {method} measured {record.speedup:.2f}x, alpha {record.alpha:.2f}")
+    def prior(self, task: str, drafter: str) -> float | None:
+        """The acceptance to expect from ``drafter`` on ``task``: measured here if known,
+        else the built-in starting guess, else None (the policy's neutral prior)."""
+        record = self.records.get(f"{task}/{drafter}")
+        if record is not None and record.weight >= 1.0:
+            return record.alpha
+        return DEFAULT_PRIORS.get(drafter, {}).get(task)
 
-    def observe(self, task: str, method: str, alpha: float, speedup: float) -> None:
+    def route(self, prompt: str, method: str = "ngram", drafter: str = "ngram") -> Route:
+        """Method and prior for ``prompt``. ``method``/``drafter``: the configured
+        speculative method and its drafter's name; ``methods`` may override per task."""
+        task = classify(prompt)
+        method = self.methods.get(task, method)
         if method == "none":
+            return Route(task, "none", None, f"{task}: speculation disabled for this task type")
+        record = self.records.get(f"{task}/{drafter}")
+        prior = self.prior(task, drafter)
+        self.requests[task] = self.requests.get(task, 0) + 1
+        if record is None or record.weight < self.min_observations:
+            seen = 0.0 if record is None else record.weight
+            return Route(task, method, prior, f"{task}: learning ({seen:.1f} observations of {drafter})")
+        if record.speedup < 1.0 and self.requests[task] % self.retry_every:
+            return Route(task, "none", None, f"{task}: {drafter} measured {record.speedup:.2f}x (< 1), plain decoding")
+        return Route(task, method, prior, f"{task}: {drafter} measured {record.speedup:.2f}x, alpha {record.alpha:.2f}")
+
+    def observe(self, task: str, drafter: str | None, alpha: float, speedup: float) -> None:
+        """Record one request: per-trial acceptance and speedup of ``drafter`` on ``task``."""
+        if drafter is None:
             return
-        self.records.setdefault(f"{task}/{method}", TaskRecord()).update(alpha, speedup, self.decay)
+        self.records.setdefault(f"{task}/{drafter}", TaskRecord()).update(alpha, speedup, self.decay)
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

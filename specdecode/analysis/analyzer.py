@@ -1,0 +1,285 @@
+"""``specdecode analyze``: where does speculation pay on this workload, on this machine, and why.
+
+Runs every prompt with plain decoding and with each method, at each temperature, then per
+prompt and per category reports: alpha (mean and variance across prompts), tau,
+acceptance by draft position, the speedup predicted from the measured acceptance and the
+cost profile, the measured speedup, and recommendations:
+
+- by acceptance: HIGHLY_RECOMMENDED (mean alpha > 0.7 and variance < 0.05), RECOMMENDED
+  (> 0.5), CONDITIONAL (> 0.3), NOT_RECOMMENDED;
+- by cost: whether speculation wins on this machine at that acceptance, with the numbers;
+- skip checks: short outputs, high variance across prompts, memory, throughput serving.
+
+Writes summary.md, analysis.json, PNG plots and one self-contained report.html.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from ..bench.runner import build_engines, load_prompts, parse_method, run_records, warm_up
+
+SHORT_OUTPUT = 20  # tokens
+HIGH_VARIANCE = 0.05
+
+
+def acceptance_recommendation(mean_alpha: float, variance: float) -> str:
+    if mean_alpha > 0.7 and variance < HIGH_VARIANCE:
+        return "HIGHLY_RECOMMENDED"
+    if mean_alpha > 0.5:
+        return "RECOMMENDED"
+    if mean_alpha > 0.3:
+        return "CONDITIONAL"
+    return "NOT_RECOMMENDED"
+
+
+def _context(record: dict) -> int:
+    return record["prompt_tokens"] + record["new_tokens"] // 2
+
+
+def predicted_seconds(record: dict, profile, c: float, prefill: float) -> float:
+    """Wall time the cost profile predicts for a run with this step structure: each step
+    that scored d drafts costs time(d+1); each draft token c target steps; plus prefill."""
+    context = _context(record)
+    decode_ms = sum(int(steps) * profile.time_ms(int(d) + 1, context) for d, steps in record["steps_by_drafted"].items())
+    decode_ms += record.get("draft_tokens", 0) * c * profile.time_ms(1, context)
+    return prefill + decode_ms / 1e3
+
+
+def predict_record(record: dict, plain: dict, profile, c: float) -> float:
+    """Predicted speedup (tokens/s ratio) of ``record`` over ``plain`` on the same prompt,
+    from the record's measured acceptance (its steps) and the cost profile."""
+    prefill = plain["prefill_seconds"]
+    spec = predicted_seconds(record, profile, c, prefill)
+    base = predicted_seconds(plain, profile, 0.0, prefill)
+    if not record["new_tokens"] or not plain["new_tokens"]:
+        return 1.0
+    return (base / plain["new_tokens"]) / (spec / record["new_tokens"])
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def summarize_group(rows: list[dict], profile, c: float, serving: str, batch: int) -> dict:
+    alphas = [r["alpha"] for r in rows if r["alpha"] is not None and r["draft_tokens"]]
+    mean_alpha = _mean(alphas)
+    variance = statistics.pvariance(alphas) if len(alphas) > 1 else 0.0
+    drafted = sum(r["draft_tokens"] for r in rows)
+    accepted = sum(r["accepted_tokens"] for r in rows)
+    passes = sum(r["target_forwards"] for r in rows)
+    tau = (accepted + passes) / passes if passes else 1.0
+    depth = max((len(r["acceptance_per_position"]) for r in rows), default=0)
+    per_position = []
+    for i in range(depth):
+        rates = [r["acceptance_per_position"][i] for r in rows if len(r["acceptance_per_position"]) > i]
+        per_position.append(_mean(rates))
+    measured = statistics.median(r["speedup"] for r in rows)
+    predicted = statistics.median(r["predicted_speedup"] for r in rows)
+    new_tokens = statistics.median(r["new_tokens"] for r in rows)
+    context = int(statistics.median(_context(r) for r in rows))
+    k_mean = drafted / passes if passes else 0.0  # drafts per target pass, plain steps included
+    step_cost = _mean([r["step_cost"] for r in rows])
+    plain_share = _mean([r["plain_steps_share"] for r in rows if r.get("plain_steps_share") is not None])
+
+    balance = (f"tau = {tau:.2f} tokens per pass {'exceeds' if tau > step_cost else 'does not exceed'} the mean step "
+               f"cost v + k c = {step_cost:.2f} (mean {k_mean:.1f} drafts per pass)")
+    cost = f"{'wins' if measured >= 1.0 else 'loses'}: {balance} -> predicted {predicted:.2f}x, measured {measured:.2f}x"
+    if measured < 1.0 <= predicted:
+        cost += " (the model's cost alone would win; per-step work outside the forward pass eats the margin)"
+    if plain_share:
+        cost += f"; adaptive k ran {plain_share:.0%} of steps as plain decoding"
+    skips = []
+    if new_tokens < SHORT_OUTPUT:
+        skips.append(f"skip: outputs are short (median {new_tokens:.0f} tokens < {SHORT_OUTPUT}); prefill dominates")
+    if variance > HIGH_VARIANCE:
+        skips.append(f"high variance of alpha across prompts ({variance:.3f} > {HIGH_VARIANCE}): route selectively, per request")
+    if serving == "throughput":
+        k = max(1, round(k_mean))
+        v_batch = profile.time_ms(batch * (k + 1), context) / profile.time_ms(batch, context)
+        if v_batch >= tau:
+            skips.append(f"skip for throughput serving: at batch {batch}, scoring {batch}x{k + 1} tokens costs "
+                         f"{v_batch:.2f}x a batch step, more than tau = {tau:.2f}")
+        else:
+            skips.append(f"throughput serving at batch {batch}: v = {v_batch:.2f} < tau = {tau:.2f}, still pays")
+    return {
+        "prompts": len(rows), "alpha_mean": mean_alpha, "alpha_variance": variance, "tau": tau,
+        "acceptance_per_position": per_position, "predicted_speedup": predicted, "measured_speedup": measured,
+        "prediction_error": predicted / measured - 1.0 if measured else None, "new_tokens": new_tokens,
+        "drafts_per_pass": k_mean, "step_cost": step_cost, "plain_steps_share": plain_share or None,
+        "recommendation": acceptance_recommendation(mean_alpha, variance), "cost_verdict": cost, "skip_checks": skips,
+    }
+
+
+def annotate(records: list[dict], profile, costs: dict[str, float]) -> None:
+    """Add per record: speedup over plain, predicted speedup, mean step cost."""
+    plain = {(r["temperature"], r["question_id"]): r for r in records if r["method"] == "none"}
+    for r in records:
+        base = plain[(r["temperature"], r["question_id"])]
+        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else 0.0
+        if r["method"] == "none":
+            continue
+        c = costs[r["method"]]
+        r["predicted_speedup"] = predict_record(r, base, profile, c)
+        context = _context(r)
+        steps = sum(int(s) for s in r["steps_by_drafted"].values())
+        cost = sum(int(s) * profile.v(int(d), context) for d, s in r["steps_by_drafted"].items())
+        r["step_cost"] = (cost + r["draft_tokens"] * c) / steps if steps else 1.0
+
+
+def analyze(args, engine_config, spec_config, params, temperatures: list[float], methods: list[str],
+            out_dir: Path) -> dict:
+    from ..analysis.memory import deployment_memory
+    from ..factory import build_engine, cost_profile, drafter_key, load_model, log
+
+    for spec in methods:
+        parse_method(spec)
+    methods = ["none", *[m for m in dict.fromkeys(methods) if m != "none"]]
+    prompts = load_prompts(args.prompts, args.limit)
+    log(f"loading {args.model} ({args.dtype}); {len(prompts)} prompts x {len(methods)} methods x {len(temperatures)} temperatures")
+    target = load_model(engine_config.model, engine_config.torch_dtype, args.runtime)
+    engines = build_engines(args, methods, engine_config, spec_config, target)
+    drafters, drafter_names = {}, {}
+    for label in methods[1:]:
+        name, k = parse_method(label)
+        drafter_names[label] = drafter_key(spec_config(args, name, k))
+        drafters[drafter_names[label]] = engines[label].proposer
+    profile = cost_profile(target, engine_config.dtype, drafters)
+    costs = {label: profile.c(key) for label, key in drafter_names.items()}
+    encoded = [engines["none"].encode(p["prompt"], engine_config.chat_template) for p in prompts]
+    warm_up(engines, encoded[0], params)
+
+    records = []
+    for temperature in temperatures:
+        run_params = dataclasses.replace(params, temperature=temperature, seed=params.seed if params.seed is not None else 0)
+        batch = run_records(engines, prompts, encoded, run_params, target.eos_token_ids, desc=f"analyze T={temperature:g}")
+        for record in batch:
+            record["temperature"] = temperature
+        records += batch
+    annotate(records, profile, costs)
+
+    groups = defaultdict(list)
+    for r in records:
+        if r["method"] != "none":
+            groups[(r["temperature"], r["method"], r["category"])].append(r)
+            groups[(r["temperature"], r["method"], "overall")].append(r)
+    table = []
+    for (temperature, method, category), rows in sorted(groups.items(), key=lambda item: (item[0][0], item[0][1], item[0][2] == "overall", item[0][2])):
+        row = summarize_group(rows, profile, costs[method], args.serving, args.batch)
+        table.append({"temperature": temperature, "method": method, "category": category, **row})
+
+    memory = {}
+    for label in methods[1:]:
+        name, _ = parse_method(label)
+        draft = "ngram" if name == "ngram" else args.draft
+        report = deployment_memory(args.model, draft, engine_config.dtype, args.batch, 2048, 10, args.budget)
+        memory[label] = {"total_gib": report["total"] / 2**30, "budget_gib": report["budget"] / 2**30, "fits": report["fits"]}
+    result = {
+        "config": {"model": args.model, "dtype": args.dtype, "methods": methods, "temperatures": temperatures,
+                   "max_new_tokens": params.max_new_tokens, "prompts": args.prompts or "builtin",
+                   "serving": args.serving, "batch": args.batch, "draft": args.draft},
+        "profile": {"machine": profile.machine, "threads": profile.threads, "drafter_costs": costs,
+                    "v": {str(k): profile.v(k, 256) for k in (1, 2, 4, 6, 8, 10)}},
+        "memory": memory,
+        "categories": table,
+        "records": records,
+    }
+    write_reports(result, out_dir)
+    learn(records, drafter_names)
+    return result
+
+
+def learn(records: list[dict], drafter_names: dict[str, str]) -> None:
+    """Hand what was measured to the router, so later requests start from it."""
+    from ..control.router import Router, router_state_path
+
+    router = Router().load(router_state_path())
+    for r in records:
+        if r["method"] != "none" and r.get("draft_tokens"):
+            router.observe(r["task"], drafter_names[r["method"]], r["trial_alpha"], r["speedup"])
+    router.save(router_state_path())
+
+
+# -- reports --------------------------------------------------------------------------
+def _table_rows(result: dict) -> list[list[str]]:
+    rows = []
+    for row in result["categories"]:
+        error = f"{row['prediction_error']:+.0%}" if row["prediction_error"] is not None else "-"
+        rows.append([
+            f"{row['temperature']:g}", row["method"], row["category"], str(row["prompts"]),
+            f"{row['alpha_mean']:.2f}", f"{row['alpha_variance']:.3f}", f"{row['tau']:.2f}",
+            " ".join(f"{p:.2f}" for p in row["acceptance_per_position"][:6]),
+            f"{row['predicted_speedup']:.2f}x", f"{row['measured_speedup']:.2f}x", error, row["recommendation"],
+        ])
+    return rows
+
+
+HEADER = ["T", "method", "category", "n", "alpha", "var", "tau", "acceptance by position 1..6",
+          "predicted", "measured", "error", "by acceptance"]
+
+
+def markdown(result: dict) -> str:
+    config, profile = result["config"], result["profile"]
+    lines = [
+        "# Workload analysis", "",
+        f"Model {config['model']} ({config['dtype']}), {profile['machine']}, {profile['threads']} threads; "
+        f"{config['max_new_tokens']} new tokens; prompts: {config['prompts']}.",
+        "Cost profile: v(k) at 256 tokens of context " + ", ".join(f"v({k}) = {v:.2f}" for k, v in profile["v"].items())
+        + "; drafter cost per token c: " + ", ".join(f"{m} {c:.3f}" for m, c in profile["drafter_costs"].items()) + ".",
+        "Speedups are medians over prompts of tokens/s against plain decoding of the same prompt at the same "
+        "temperature (prefill included). Predicted = from the run's measured acceptance and the cost profile.", "",
+        "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER),
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in _table_rows(result)]
+    lines += ["", "## Verdicts by cost, and skip checks", ""]
+    for row in result["categories"]:
+        lines.append(f"- **T={row['temperature']:g} {row['method']} {row['category']}** — {row['recommendation']}; {row['cost_verdict']}")
+        lines += [f"  - {skip}" for skip in row["skip_checks"]]
+    lines += ["", "## Memory", ""]
+    for method, m in result["memory"].items():
+        verdict = "fits" if m["fits"] else "DOES NOT FIT: skip"
+        lines.append(f"- {method}: target + drafter {m['total_gib']:.2f} GiB of {m['budget_gib']:.1f} GiB (context 2048): {verdict}")
+    return "\n".join(lines) + "\n"
+
+
+def write_reports(result: dict, out_dir: Path) -> list[Path]:
+    from .plots import plot_analysis
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "analysis.json").write_text(json.dumps(result, indent=1))
+    (out_dir / "summary.md").write_text(markdown(result))
+    pictures = plot_analysis(result, out_dir)
+    html_report(result, pictures, out_dir / "report.html")
+    return [out_dir / "analysis.json", out_dir / "summary.md", *pictures, out_dir / "report.html"]
+
+
+def html_report(result: dict, pictures: list[Path], path: Path) -> None:
+    from jinja2 import Environment
+
+    template = Environment(autoescape=True).from_string(
+        """<!doctype html><html><head><meta charset="utf-8"><title>specdecode workload analysis</title>
+<style>body{font-family:sans-serif;margin:2em;max-width:1400px}table{border-collapse:collapse;font-size:13px}
+td,th{border:1px solid #ccc;padding:3px 6px;text-align:right}td:nth-child(-n+3){text-align:left}
+.HIGHLY_RECOMMENDED{background:#b7e4b7}.RECOMMENDED{background:#d9f2d9}.CONDITIONAL{background:#fff3c4}
+.NOT_RECOMMENDED{background:#f6d0d0}img{max-width:100%;border:1px solid #eee;margin:8px 0}</style></head><body>
+<h1>Workload analysis</h1>
+<p>Model {{ c.model }} ({{ c.dtype }}) on {{ p.machine }}, {{ p.threads }} threads; {{ c.max_new_tokens }} new tokens;
+temperatures {{ c.temperatures|join(", ") }}. Cost profile at 256 tokens of context:
+{% for k, v in p.v.items() %}v({{ k }}) = {{ "%.2f"|format(v) }}{{ ", " if not loop.last }}{% endfor %};
+drafter cost per token: {% for m, cost in p.drafter_costs.items() %}{{ m }} {{ "%.3f"|format(cost) }}{{ ", " if not loop.last }}{% endfor %}.</p>
+<table><tr>{% for h in header %}<th>{{ h }}</th>{% endfor %}</tr>
+{% for row in rows %}<tr>{% for cell in row %}<td class="{{ cell }}">{{ cell }}</td>{% endfor %}</tr>{% endfor %}</table>
+<h2>Verdicts by cost, and skip checks</h2><ul>
+{% for row in cats %}<li><b>T={{ row.temperature }} {{ row.method }} {{ row.category }}</b>: {{ row.recommendation }}; {{ row.cost_verdict }}
+{% if row.skip_checks %}<ul>{% for s in row.skip_checks %}<li>{{ s }}</li>{% endfor %}</ul>{% endif %}</li>{% endfor %}</ul>
+<h2>Memory</h2><ul>{% for m, v in memory.items() %}<li>{{ m }}: {{ "%.2f"|format(v.total_gib) }} GiB of {{ "%.1f"|format(v.budget_gib) }} GiB: {{ "fits" if v.fits else "does not fit" }}</li>{% endfor %}</ul>
+<h2>Plots</h2>{% for name, data in images %}<h3>{{ name }}</h3><img alt="{{ name }}" src="data:image/png;base64,{{ data }}">{% endfor %}
+</body></html>""")
+    images = [(p.stem.replace("_", " "), base64.b64encode(p.read_bytes()).decode()) for p in pictures]
+    path.write_text(template.render(c=result["config"], p=result["profile"], header=HEADER, rows=_table_rows(result),
+                                    cats=result["categories"], memory=result["memory"], images=images))

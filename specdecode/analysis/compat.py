@@ -1,0 +1,135 @@
+"""``specdecode check TARGET DRAFT``: can this drafter serve this target, and will it pay?
+
+Checks, in order, each with a verdict line:
+1. vocabulary size (config and tokenizer), 2. the same ids for a test text mixing prose,
+code, numbers, whitespace and non-ASCII, 3. special tokens (BOS, EOS, PAD, UNK), 4. chat
+template, 5. architecture family. Failing 1-2 makes the pair incompatible (draft ids
+would mean other tokens to the target); 3-5 are warnings. A compatible pair then gets a
+quick acceptance calibration on a few built-in prompts and the expected speedup from the
+cost profile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..models.loading import load_tokenizer, resolve_model
+
+TEST_TEXT = (
+    "The quick brown fox — naïve café, 東京, Ünïcödé!\n"
+    "def f(x):\n    return {'a': [1, 2.5, -3e4]}  # comment\n\t\tindent  double  spaces\n"
+    "SELECT * FROM t WHERE id = 42; <html><b>bold</b></html> https://example.org/a?b=c"
+)
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+@dataclass
+class CheckResult:
+    target: str
+    draft: str
+    lines: list[tuple[str, str, str]] = field(default_factory=list)  # (check, status, detail)
+
+    def add(self, check: str, status: str, detail: str) -> None:
+        self.lines.append((check, status, detail))
+
+    @property
+    def compatible(self) -> bool:
+        return not any(status == "FAIL" for _, status, _ in self.lines)
+
+    @property
+    def verdict(self) -> str:
+        if not self.compatible:
+            return "INCOMPATIBLE"
+        return "COMPATIBLE (with warnings)" if any(s == "WARN" for _, s, _ in self.lines) else "COMPATIBLE"
+
+
+def check_static(target: str, draft: str) -> CheckResult:
+    """Tokenizer and architecture checks; reads configs and tokenizers, not weights."""
+    result = CheckResult(target, draft)
+    target_source = resolve_model(target)
+    if draft.startswith("self:") or draft == "ngram":
+        result.add("drafter", "OK", f"{draft} uses the target's own tokenizer and weights")
+        return result
+    draft_source = resolve_model(draft)
+    target_tok, draft_tok = load_tokenizer(target_source), load_tokenizer(draft_source)
+
+    t_vocab, d_vocab = target_source.config.get("vocab_size"), draft_source.config.get("vocab_size")
+    if t_vocab != d_vocab:
+        result.add("vocabulary size", "FAIL", f"target {t_vocab}, draft {d_vocab}")
+    else:
+        result.add("vocabulary size", "OK", f"{t_vocab} in both configs")
+
+    if target_tok is None or draft_tok is None:
+        missing = "target" if target_tok is None else "draft"
+        result.add("tokenizer", "WARN", f"the {missing} ships no tokenizer; ids cannot be compared on text")
+    else:
+        same_vocab = target_tok.get_vocab() == draft_tok.get_vocab()
+        t_ids, d_ids = target_tok(TEST_TEXT)["input_ids"], draft_tok(TEST_TEXT)["input_ids"]
+        if t_ids != d_ids:
+            first = next((i for i, (a, b) in enumerate(zip(t_ids, d_ids)) if a != b), min(len(t_ids), len(d_ids)))
+            result.add("token ids on a test text", "FAIL",
+                       f"differ from token {first} ({len(t_ids)} vs {len(d_ids)} tokens)")
+        elif not same_vocab:
+            result.add("token ids on a test text", "WARN", "same ids on the test text, but the vocabularies differ elsewhere")
+        else:
+            result.add("token ids on a test text", "OK", f"identical ({len(t_ids)} tokens) and identical vocabularies")
+        differing = [
+            f"{name} {getattr(target_tok, name)!r} vs {getattr(draft_tok, name)!r}"
+            for name in SPECIAL_TOKENS if getattr(target_tok, name, None) != getattr(draft_tok, name, None)
+        ]
+        result.add("special tokens", "WARN" if differing else "OK",
+                   "; ".join(differing) if differing else ", ".join(f"{n}={getattr(target_tok, n)!r}" for n in SPECIAL_TOKENS))
+        same_template = target_tok.chat_template == draft_tok.chat_template
+        result.add("chat template", "OK" if same_template else "WARN",
+                   "identical" if same_template else "differs: the draft sees the target's template, which it was not trained on")
+
+    t_type, d_type = target_source.model_type, draft_source.model_type
+    result.add("architecture", "OK" if t_type == d_type else "WARN",
+               f"target {t_type}, draft {d_type}" + ("" if draft_source.native else " (draft runs through transformers: slower)"))
+    return result
+
+
+def calibrate(target: str, draft: str, dtype: str = "bf16", k: int = 5) -> dict:
+    """Greedy acceptance of the drafter on the built-in calibration prompts, and the
+    speedup the cost profile predicts from it (at this k and at the best k)."""
+    from ..analysis.theory import best_k, expected_speedup, tau_from_positions
+    from ..config import EngineConfig, SpeculativeConfig
+    from ..factory import build_proposer, calibration_runs, cost_profile, drafter_key, load_model
+
+    method = "ngram" if draft == "ngram" else "draft"
+    spec = SpeculativeConfig(method=method, k=k, draft=None if method == "ngram" else draft)
+    config = EngineConfig(model=target, dtype=dtype)
+    loaded = load_model(target, config.torch_dtype)
+    proposer = build_proposer(spec, loaded, config.torch_dtype)
+    runs = calibration_runs(loaded, proposer, k, max_new_tokens=48)
+    if not runs:
+        return {"skipped": "the target has no tokenizer to encode the calibration prompts"}
+    positions = [sum(s.acceptance_per_position[i] for s in runs if len(s.acceptance_per_position) > i) / len(runs)
+                 for i in range(k)]
+    accepted = sum(s.accepted_tokens for s in runs)
+    trials = accepted + sum(s.rejections for s in runs)
+    alpha = accepted / trials if trials else 0.0
+    profile = cost_profile(loaded, dtype, {drafter_key(spec): proposer})
+    c = profile.c(drafter_key(spec))
+    tau = tau_from_positions(positions)
+    k_best, best = best_k(alpha, lambda n: profile.v(n, 256), c, 10)
+    return {"prompts": len(runs), "alpha": alpha, "acceptance_per_position": positions, "tau": tau, "c": c,
+            "v_k": profile.v(k, 256), "k": k, "expected_speedup_fixed_k": expected_speedup(tau, profile.v(k, 256), c, k),
+            "best_k": k_best, "expected_speedup_best_k": best}
+
+
+def format_check(result: CheckResult, calibration: dict | None) -> str:
+    lines = [f"check: target {result.target!r}, draft {result.draft!r}"]
+    lines += [f"  [{status:>4}] {check}: {detail}" for check, status, detail in result.lines]
+    if calibration is not None and "skipped" in calibration:
+        lines.append(f"  calibration skipped: {calibration['skipped']}")
+    elif calibration is not None:
+        c = calibration
+        per_position = " ".join(f"{p:.2f}" for p in c["acceptance_per_position"])
+        lines.append(f"  calibration (greedy, {c['prompts']} prompts): per-trial alpha {c['alpha']:.2f}, "
+                     f"acceptance by position {per_position}, tau {c['tau']:.2f} at k={c['k']}")
+        lines.append(f"  cost profile: c = {c['c']:.3f}, v({c['k']}) = {c['v_k']:.2f} -> expected speedup "
+                     f"{c['expected_speedup_fixed_k']:.2f}x at k={c['k']}; best k = {c['best_k']} "
+                     f"({c['expected_speedup_best_k']:.2f}x{', plain decoding wins' if c['best_k'] == 0 else ''})")
+    lines.append(f"verdict: {result.verdict}")
+    return "\n".join(lines)

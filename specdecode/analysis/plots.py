@@ -1,0 +1,97 @@
+"""The analyzer's pictures: acceptance by position, speedup by category (measured and
+predicted), the distribution of alpha over prompts, and alpha against temperature."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _grid(plt, panels: int, width: float = 6.0, height: float = 4.2):
+    figure, axes = plt.subplots(1, panels, figsize=(width * panels, height), squeeze=False)
+    return figure, list(axes[0])
+
+
+def plot_analysis(result: dict, out_dir: Path) -> list[Path]:
+    plt = _pyplot()
+    cats = result["categories"]
+    methods = [m for m in result["config"]["methods"] if m != "none"]
+    temperatures = result["config"]["temperatures"]
+    first = temperatures[0]
+    categories = sorted({r["category"] for r in cats if r["category"] != "overall"}) + ["overall"]
+    by_key = {(r["temperature"], r["method"], r["category"]): r for r in cats}
+    paths = []
+
+    # 1. acceptance by draft position, one line per category
+    figure, axes = _grid(plt, len(methods))
+    for axis, method in zip(axes, methods):
+        for category in categories:
+            row = by_key.get((first, method, category))
+            if row and row["acceptance_per_position"]:
+                rates = row["acceptance_per_position"]
+                style = dict(color="black", linewidth=2.5) if category == "overall" else {}
+                axis.plot(range(1, len(rates) + 1), rates, marker="o", markersize=3, label=category, **style)
+        axis.set(title=f"{method}, T={first:g}", xlabel="draft position", ylabel="acceptance (mean over prompts)", ylim=(0, 1))
+        axis.xaxis.get_major_locator().set_params(integer=True)
+        axis.legend(fontsize=7)
+    paths.append(_save(plt, figure, out_dir / "acceptance_by_position.png"))
+
+    # 2. speedup by category: measured bars per temperature, predicted as markers
+    figure, axes = _grid(plt, len(methods), width=7.0)
+    width = 0.8 / len(temperatures)
+    for axis, method in zip(axes, methods):
+        for t_index, temperature in enumerate(temperatures):
+            xs = [i + t_index * width for i in range(len(categories))]
+            rows = [by_key.get((temperature, method, c)) for c in categories]
+            axis.bar(xs, [r["measured_speedup"] if r else 0 for r in rows], width, label=f"measured T={temperature:g}")
+            axis.scatter(xs, [r["predicted_speedup"] if r else 0 for r in rows], color="black", marker="_", s=120,
+                         zorder=3, label="predicted" if t_index == 0 else None)
+        axis.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
+        axis.set_xticks([i + width * (len(temperatures) - 1) / 2 for i in range(len(categories))], categories,
+                        rotation=35, ha="right")
+        axis.set(title=f"{method}: speedup vs plain", ylabel="median tokens/s ratio")
+        axis.legend(fontsize=7)
+    paths.append(_save(plt, figure, out_dir / "speedup_by_category.png"))
+
+    # 3. distribution of per-prompt alpha per category
+    figure, axes = _grid(plt, len(methods))
+    for axis, method in zip(axes, methods):
+        alphas = defaultdict(list)
+        for r in result["records"]:
+            if r["method"] == method and r["temperature"] == first and r.get("draft_tokens"):
+                alphas[r["category"]].append(r["alpha"])
+        names = [c for c in categories if alphas.get(c)]
+        if names:
+            axis.boxplot([alphas[c] for c in names], showmeans=True)
+            axis.set_xticks(range(1, len(names) + 1), names, rotation=35, ha="right")
+        axis.set(title=f"{method}, T={first:g}: alpha per prompt", ylabel="alpha", ylim=(0, 1))
+    paths.append(_save(plt, figure, out_dir / "alpha_distribution.png"))
+
+    # 4. alpha against temperature
+    figure, axes = _grid(plt, len(methods))
+    for axis, method in zip(axes, methods):
+        for category in categories:
+            values = [by_key[(t, method, category)]["alpha_mean"] for t in temperatures if (t, method, category) in by_key]
+            if len(values) == len(temperatures):
+                style = dict(color="black", linewidth=2.5) if category == "overall" else {}
+                axis.plot(temperatures, values, marker="o", label=category, **style)
+        axis.set(title=f"{method}: alpha against temperature", xlabel="temperature", ylabel="mean alpha", ylim=(0, 1))
+        axis.legend(fontsize=7)
+    paths.append(_save(plt, figure, out_dir / "alpha_vs_temperature.png"))
+    return paths
+
+
+def _save(plt, figure, path: Path) -> Path:
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path

@@ -1,0 +1,166 @@
+"""Analyzer, router, presets, memory and compatibility checks (tiny models; no timing asserts)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import save_char_tokenizer, save_tiny_model
+from specdecode.analysis.analyzer import acceptance_recommendation, predict_record
+from specdecode.analysis.compat import check_static
+from specdecode.analysis.memory import deployment_memory, resolve_shape
+from specdecode.analysis.profile import CostProfile
+from specdecode.cli import main, parse_args
+from specdecode.config import ConfigError, preset
+from specdecode.control.router import Router, classify, keyword_classify
+
+SUITE_TASKS = {"code": "code", "json": "structured", "template": "structured", "summarization": "summarization",
+               "extraction": "summarization", "creative": "creative", "open_qa": "general",
+               "translation": "general", "math": "general"}
+
+
+# -- recommendations and prediction --------------------------------------------------
+@pytest.mark.parametrize("alpha, variance, expected", [
+    (0.75, 0.01, "HIGHLY_RECOMMENDED"), (0.75, 0.08, "RECOMMENDED"), (0.55, 0.0, "RECOMMENDED"),
+    (0.35, 0.0, "CONDITIONAL"), (0.3, 0.0, "NOT_RECOMMENDED"), (0.1, 0.2, "NOT_RECOMMENDED"),
+])
+def test_acceptance_recommendation_thresholds(alpha, variance, expected):
+    assert acceptance_recommendation(alpha, variance) == expected
+
+
+def test_predicted_speedup_from_steps_and_profile():
+    # scoring 1 token 10 ms, 4 tokens 12 ms; plain: 100 steps; speculation: 25 passes of 4
+    profile = CostProfile("m", "fp32", "cpu", 2, [0], [1, 4], [[10.0, 12.0]], {"x": 0.0})
+    plain = {"prompt_tokens": 10, "new_tokens": 100, "prefill_seconds": 0.5, "steps_by_drafted": {0: 100}}
+    spec = {"prompt_tokens": 10, "new_tokens": 100, "draft_tokens": 75, "steps_by_drafted": {3: 25}}
+    # plain 0.5 + 1.0 s, speculative 0.5 + 0.3 s (+ drafting 75 * 0.1 * 10 ms = 0.075 s with c = .1)
+    assert predict_record(spec, plain, profile, 0.0) == pytest.approx(1.5 / 0.8)
+    assert predict_record(spec, plain, profile, 0.1) == pytest.approx(1.5 / 0.875)
+
+
+# -- router --------------------------------------------------------------------------
+def test_classifier_beats_keywords_on_a_labelled_set(request):
+    rows = [json.loads(line) for line in open(request.path.parent / "data" / "router_labelled.jsonl")]
+    ours = sum(classify(r["prompt"]) == r["task"] for r in rows) / len(rows)
+    keywords = sum(keyword_classify(r["prompt"]) == r["task"] for r in rows) / len(rows)
+    assert ours >= 0.9 and ours > keywords + 0.2
+
+
+def test_classifier_on_the_suite():
+    from specdecode.bench.runner import load_prompts
+
+    prompts = load_prompts(None)
+    right = sum(classify(p["prompt"]) == SUITE_TASKS[p["category"]] for p in prompts)
+    assert right / len(prompts) >= 0.9
+
+
+def test_router_turns_speculation_off_where_it_loses_and_retries(tmp_path):
+    router = Router(methods={"creative": "ngram"}, min_observations=3, retry_every=5)
+    prompt = "Write a short poem about a lighthouse."
+    first = router.route(prompt)
+    assert first.task == "creative" and first.method == "ngram"
+    assert first.prior_alpha == 0.25  # the built-in starting guess for ngram on creative text
+    for _ in range(4):
+        router.observe("creative", "ngram", alpha=0.05, speedup=0.9)
+    routes = [router.route(prompt) for _ in range(10)]
+    assert sum(r.method == "none" for r in routes) == 8  # every 5th request retries
+    assert "measured 0.90x (< 1)" in routes[0].reason
+    code = router.route("Fix this Python function:\ndef f(x):\n    return x +")
+    assert code.task == "code" and code.method == "ngram"
+    for _ in range(3):
+        router.observe("code", "ngram", alpha=0.6, speedup=1.8)
+    assert router.route("def g(): pass  # refactor this Python function").prior_alpha == pytest.approx(0.6)
+    router.save(tmp_path / "state.json")
+    again = Router().load(tmp_path / "state.json")
+    assert again.records.keys() == router.records.keys()
+
+
+def test_presets_are_named_configurations():
+    assert preset("code-assistant")["method"] == "ngram"
+    args = parse_args(["generate", "hi", "--preset", "creative-writing"])
+    assert args.temperature == 0.9 and args.k_max == 4
+    args = parse_args(["generate", "hi", "--preset", "creative-writing", "--temperature", "0.2"])
+    assert args.temperature == 0.2  # a flag overrides the preset
+    assert parse_args(["generate", "hi", "--preset", "chat-assistant"]).route is True
+    with pytest.raises(ConfigError, match="unknown preset 'nope'; choose from"):
+        preset("nope")
+
+
+# -- memory --------------------------------------------------------------------------
+def test_parameter_counts_of_named_sizes():
+    assert resolve_shape("135M").parameters == 134_515_008  # SmolLM2-135M, tied head
+    assert resolve_shape("7B").parameters == 6_738_415_616  # Llama-2-7B
+    assert abs(resolve_shape("70B").parameters / 1e9 - 70.55) < 0.01
+
+
+def test_memory_of_target_and_draft(tiny_llama_dir):
+    report = deployment_memory("7B", "135M", "bf16", batch=2, context=1000, k=4, budget_gib=13)
+    target = report["models"]["target"]
+    assert target["weights"] == 6_738_415_616 * 2
+    assert target["kv_cache"] == 2 * 32 * 32 * 128 * 1000 * 2 * 2  # K and V, layers, kv heads, dim, ctx, batch, bytes
+    assert not report["fits"] and report["total"] > 13 * 2**30
+    shared = deployment_memory(str(tiny_llama_dir), "self:1", "fp32", context=100)
+    assert shared["models"]["draft"]["weights"] == 0 and shared["fits"]
+    assert deployment_memory("135M", "ngram")["models"]["draft"]["kv_cache"] == 0
+    with pytest.raises(ConfigError, match="named size: 135M"):
+        resolve_shape("/no/such/model")
+
+
+def test_memory_cli_exit_code(capsys):
+    assert main(["memory", "--target", "70B", "--draft", "8B", "--budget", "64"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    assert main(["memory", "--target", "135M", "--draft", "self:4", "--budget", "2"]) == 0
+
+
+# -- compatibility -------------------------------------------------------------------
+def test_check_refuses_a_different_vocabulary(tmp_path, capsys):
+    target = save_tiny_model(tmp_path / "t", seed=1)
+    save_char_tokenizer(target)
+    other = save_tiny_model(tmp_path / "o", seed=2, vocab_size=50)
+    assert main(["check", str(target), str(other)]) == 1
+    out = capsys.readouterr().out
+    assert "[FAIL] vocabulary size: target 97, draft 50" in out and "verdict: INCOMPATIBLE" in out
+
+
+def test_check_compatible_pair_calibrates(tmp_path, capsys):
+    target = save_tiny_model(tmp_path / "t", seed=1, num_layers=2)
+    draft = save_tiny_model(tmp_path / "d", seed=1, num_layers=1)
+    for path in (target, draft):
+        save_char_tokenizer(path)
+    result = check_static(str(target), str(draft))
+    assert result.compatible and result.verdict == "COMPATIBLE"
+    assert main(["check", str(target), str(draft), "--dtype", "fp32", "--k", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "calibration (greedy, 3 prompts): per-trial alpha" in out and "expected speedup" in out
+
+
+# -- the analyzer end to end ---------------------------------------------------------
+def test_analyze_writes_every_report(tiny_text_model_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "abcabcabcabc", "category": "copy"}, {"prompt": "abababab xyz", "category": "copy"},
+        {"prompt": "q w e r t y", "category": "other"},
+    ]))
+    out = tmp_path / "analysis"
+    code = main(["analyze", "--model", str(tiny_text_model_dir), "--dtype", "fp32", "--prompts", str(prompts),
+                 "--methods", "ngram,draft@2", "--draft", "self:1", "--temperatures", "0,1",
+                 "--max-new-tokens", "12", "--no-chat-template", "--serving", "throughput", "--out", str(out)])
+    assert code == 0
+    names = {p.name for p in out.iterdir()}
+    assert {"summary.md", "analysis.json", "report.html", "acceptance_by_position.png", "speedup_by_category.png",
+            "alpha_distribution.png", "alpha_vs_temperature.png"} <= names
+    result = json.loads((out / "analysis.json").read_text())
+    rows = result["categories"]
+    assert {(r["temperature"], r["method"], r["category"]) for r in rows} == {
+        (t, m, c) for t in (0.0, 1.0) for m in ("ngram", "draft@2") for c in ("copy", "other", "overall")}
+    for row in rows:
+        assert row["recommendation"] in ("HIGHLY_RECOMMENDED", "RECOMMENDED", "CONDITIONAL", "NOT_RECOMMENDED")
+        assert row["cost_verdict"].startswith(("wins", "loses")) and "tau =" in row["cost_verdict"]
+        assert row["predicted_speedup"] > 0 and row["measured_speedup"] > 0
+        assert any("throughput serving" in s for s in row["skip_checks"])
+        assert any("outputs are short" in s for s in row["skip_checks"])  # 12 tokens < 20
+    html = (out / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 4 and "<table>" in html
+    assert "| T | method | category |" in capsys.readouterr().out
