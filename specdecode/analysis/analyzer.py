@@ -22,7 +22,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from ..bench.runner import build_engines, load_prompts, parse_method, run_records, warm_up
+from ..bench.runner import build_engines, k_sweep, load_prompts, parse_method, run_records, summarize, warm_up
 
 SHORT_OUTPUT = 20  # tokens
 HIGH_VARIANCE = 0.05
@@ -179,7 +179,13 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
         draft = "ngram" if name == "ngram" else args.draft
         report = deployment_memory(args.model, draft, engine_config.dtype, args.batch, 2048, 10, args.budget)
         memory[label] = {"total_gib": report["total"] / 2**30, "budget_gib": report["budget"] / 2**30, "fits": report["fits"]}
+    sweeps = {}
+    for temperature in temperatures:
+        sweep = k_sweep(summarize([r for r in records if r["temperature"] == temperature]), methods)
+        if sweep:
+            sweeps[str(temperature)] = sweep
     result = {
+        "k_sweep": sweeps,
         "config": {"model": args.model, "dtype": args.dtype, "methods": methods, "temperatures": temperatures,
                    "max_new_tokens": params.max_new_tokens, "prompts": args.prompts or "builtin",
                    "serving": args.serving, "batch": args.batch, "draft": args.draft},
@@ -236,6 +242,15 @@ def markdown(result: dict) -> str:
         "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER),
     ]
     lines += ["| " + " | ".join(row) + " |" for row in _table_rows(result)]
+    for temperature, sweep in result.get("k_sweep", {}).items():
+        for base, categories in sweep.items():
+            adaptive = sorted({key for entry in categories.values() for key in entry if key not in ("best_fixed", "best_fixed_speedup")})
+            lines += ["", f"## {base} at T={float(temperature):g}: adaptive k against the best fixed k", "",
+                      "| category | best fixed k | " + " | ".join(adaptive) + " |", "|---|---|" + "---|" * len(adaptive)]
+            for category in sorted(c for c in categories if c != "overall") + ["overall"]:
+                entry = categories[category]
+                cells = [f"{entry[m]['speedup']:.2f}x ({entry[m]['vs_best_fixed']:+.0%})" if m in entry else "-" for m in adaptive]
+                lines.append(f"| {category} | {entry['best_fixed']} {entry['best_fixed_speedup']:.2f}x | " + " | ".join(cells) + " |")
     lines += ["", "## Verdicts by cost, and skip checks", ""]
     for row in result["categories"]:
         lines.append(f"- **T={row['temperature']:g} {row['method']} {row['category']}** — {row['recommendation']}; {row['cost_verdict']}")
