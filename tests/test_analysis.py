@@ -164,3 +164,16 @@ def test_analyze_writes_every_report(tiny_text_model_dir, tmp_path, capsys):
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 4 and "<table>" in html
     assert "| T | method | category |" in capsys.readouterr().out
+
+
+def test_k_sweep_compares_adaptive_with_the_best_fixed_k():
+    from specdecode.bench.runner import k_sweep
+
+    summary = {"code": {"none": {"speedup": 1.0}, "ngram@2": {"speedup": 1.2}, "ngram@5": {"speedup": 1.1},
+                        "ngram@auto": {"speedup": 1.14}, "ngram@threshold": {"speedup": 0.9}}}
+    sweep = k_sweep(summary, ["none", "ngram@auto", "ngram@threshold", "ngram@2", "ngram@5"])
+    entry = sweep["ngram"]["code"]
+    assert entry["best_fixed"] == "ngram@2" and entry["best_fixed_speedup"] == 1.2
+    assert entry["ngram@auto"]["vs_best_fixed"] == pytest.approx(1.14 / 1.2 - 1)
+    assert entry["ngram@threshold"]["vs_best_fixed"] == pytest.approx(0.9 / 1.2 - 1)
+    assert k_sweep(summary, ["none", "ngram@2", "ngram@5"]) == {}  # nothing adaptive to compare

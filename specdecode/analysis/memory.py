@@ -8,9 +8,11 @@ takes a named size (135M ... 70B: reference Llama-family shapes). Counts, per mo
   counted once);
 - KV cache: 2 (keys, values) x layers x KV heads x head dim x context x batch, at the
   activation dtype (bf16 for int8/int4 weights);
-- activations: the larger of the prefill of ``context`` tokens (hidden states, MLP
-  intermediates, attention scores in fp32, last-token logits) and a verification step of
-  k+1 tokens per sequence (logits in fp32 for every scored token).
+- activations: the larger of one prefill chunk (``prefill_chunk`` tokens, default 512:
+  hidden states, MLP intermediates, fp32 attention scores against the whole context,
+  last-token logits) and a verification step of k+1 tokens per sequence (fp32 logits for
+  every scored token). An unchunked prefill of a long context needs far more: pass
+  ``prefill_chunk=context`` to see it.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def resolve_shape(name: str) -> Shape:
 
 
 def model_memory(shape: Shape, dtype: str, batch: int, context: int, k: int,
-                 shares_weights: bool = False, layers: int | None = None) -> dict[str, float]:
+                 shares_weights: bool = False, layers: int | None = None, prefill_chunk: int = 512) -> dict[str, float]:
     """Bytes of weights, KV cache and peak activations. ``shares_weights``: a layer-skip
     drafter (``self:L``) reuses the target's weights and keeps only its own KV cache."""
     if dtype not in BYTES:
@@ -101,8 +103,9 @@ def model_memory(shape: Shape, dtype: str, batch: int, context: int, k: int,
     layers = shape.layers if layers is None else layers
     weights = 0.0 if shares_weights else shape.parameters * BYTES[dtype]
     kv = 2 * layers * shape.kv_heads * shape.head_dim * context * batch * act
-    prefill = batch * context * (4 * shape.hidden + 2 * shape.intermediate) * act \
-        + batch * shape.heads * context * context * 4 + batch * shape.vocab * 4
+    chunk = min(prefill_chunk, context)
+    prefill = batch * chunk * (4 * shape.hidden + 2 * shape.intermediate) * act \
+        + batch * shape.heads * chunk * context * 4 + batch * shape.vocab * 4
     verify = batch * (k + 1) * (shape.vocab * 4 + (4 * shape.hidden + 2 * shape.intermediate) * act)
     return {"weights": weights, "kv_cache": kv, "activations": max(prefill, verify)}
 
