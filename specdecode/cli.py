@@ -169,7 +169,7 @@ def cmd_generate(args) -> int:
         from .control.router import speedup_from_stats
 
         measured = speedup_from_stats(result.stats, engine.policy.costs.profile, len(prompt_ids))
-        router.observe(route.task, engine.drafter, result.stats.trial_alpha, measured)
+        router.observe(route.task, engine.drafter, result.stats.first_alpha, measured)
         router.save(router_state_path())
     record = {"text": result.text, "finish_reason": result.finish_reason, "method": engine.method, "k": engine.k_label, "stats": result.stats.to_dict()}
     if engine.policy is not None and hasattr(engine.policy, "chosen"):

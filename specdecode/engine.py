@@ -105,7 +105,7 @@ class SpeculativeEngine:
         prior_alpha: float | None = None,
     ) -> Generation:
         """Generate from ``prompt_ids``; ``on_text`` receives text as it is accepted.
-        ``prior_alpha``: the acceptance rate expected for this kind of request (router),
+        ``prior_alpha``: the acceptance at draft position 1 expected for this kind of request (router),
         which seeds an adaptive k policy."""
         self._check_prompt(prompt_ids)
         stats = GenerationStats(prompt_tokens=len(prompt_ids))

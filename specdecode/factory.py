@@ -12,6 +12,7 @@ import torch
 from .config import ConfigError, EngineConfig, SpecDecodeError, SpeculativeConfig
 from .control.policies import CostAwareK, CostModel, ThresholdK
 from .engine import SpeculativeEngine
+from .metrics import acceptance_rates
 from .models.hf import load_hf
 from .models.llama import load_native
 from .models.loading import ModelSource, load_tokenizer, resolve_model
@@ -128,19 +129,18 @@ def calibration_runs(target: LoadedModel, proposer, k: int = 4, max_new_tokens: 
     return [engine.generate(engine.encode(prompts[q])[-room:], params).stats for q in CALIBRATION_PROMPTS]
 
 
-def calibrate_acceptance(target: LoadedModel, proposer) -> float | None:
-    """Per-trial acceptance of ``proposer`` over the calibration runs; None if none ran."""
+def calibrate_acceptance(target: LoadedModel, proposer) -> tuple[float, float] | None:
+    """(first, later) acceptance of ``proposer`` over the calibration runs
+    (metrics.acceptance_rates); None if none ran."""
     runs = calibration_runs(target, proposer)
-    accepted = sum(s.accepted_tokens for s in runs)
-    trials = accepted + sum(s.rejections for s in runs)
-    return accepted / trials if runs and trials else (0.0 if runs else None)
+    return acceptance_rates(runs) if runs else None
 
 
 def build_policy(spec: SpeculativeConfig, target: LoadedModel, proposer, dtype: str):
     """A fixed k, or the adaptive policy ``spec.k_policy`` when ``spec.k == 'auto'``.
 
-    The cost-aware policy gets the cost profile and, as its default prior, the drafter's
-    acceptance calibrated once on this target (cached in the profile)."""
+    The cost-aware policy gets the cost profile and, as its default priors, the drafter's
+    two acceptance rates calibrated once on this target (cached in the profile)."""
     from .analysis.profile import record_acceptance
 
     if proposer is None or spec.k != "auto":
@@ -151,11 +151,12 @@ def build_policy(spec: SpeculativeConfig, target: LoadedModel, proposer, dtype: 
     profile = cost_profile(target, dtype, {name: proposer})
     if name not in profile.acceptance:
         log(f"calibrating the acceptance of {name} on 3 built-in prompts (once; cached)")
-        alpha = calibrate_acceptance(target, proposer)
-        if alpha is not None:
-            profile.acceptance[name] = alpha
-            record_acceptance(model_key(target), dtype, name, alpha)
-    return CostAwareK(CostModel(profile, name), k_max=spec.k_max, default_prior=profile.acceptance.get(name))
+        rates = calibrate_acceptance(target, proposer)
+        if rates is not None:
+            profile.acceptance[name] = list(rates)
+            record_acceptance(model_key(target), dtype, name, list(rates))
+    first, later = profile.acceptance.get(name) or (None, None)
+    return CostAwareK(CostModel(profile, name), k_max=spec.k_max, default_prior=first, default_later=later)
 
 
 def build_engine(engine: EngineConfig, spec: SpeculativeConfig, runtime: str = "auto",

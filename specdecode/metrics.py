@@ -4,6 +4,8 @@ Definitions, stated once:
 - drafted: draft tokens offered to the verifier; accepted: those it kept.
 - alpha (acceptance rate) = accepted / drafted; trial_alpha = accepted / (accepted +
   rejections), the per-position rate of the independent-acceptance model.
+- first_alpha = acceptance at draft position 1; later_alpha = acceptance at a position
+  given the one before it was accepted (the two rates of theory.tau_two_rates).
 - tau (mean accepted length) = tokens produced per target forward pass *including the
   bonus token* = (accepted + passes) / passes. Plain decoding has tau = 1.
 - acceptance at draft position i = share of the steps that drafted position i in which
@@ -64,6 +66,15 @@ class GenerationStats:
         return self.accepted_tokens / trials if trials else 0.0
 
     @property
+    def first_alpha(self) -> float:
+        drafted = self.drafted_per_position[0] if self.drafted_per_position else 0
+        return self.accepted_per_position[0] / drafted if drafted else 0.0
+
+    @property
+    def later_alpha(self) -> float:
+        return acceptance_rates([self])[1]
+
+    @property
     def tau(self) -> float:
         passes = self.target_forwards
         return (self.accepted_tokens + passes) / passes if passes else 0.0
@@ -84,7 +95,7 @@ class GenerationStats:
     def to_dict(self) -> dict:
         record = asdict(self)
         del record["last_drafted"]
-        for name in ("alpha", "trial_alpha", "tau", "acceptance_per_position", "tokens_per_s", "decode_tokens_per_s"):
+        for name in ("alpha", "trial_alpha", "first_alpha", "later_alpha", "tau", "acceptance_per_position", "tokens_per_s", "decode_tokens_per_s"):
             record[name] = getattr(self, name)
         return record
 
@@ -96,3 +107,17 @@ class GenerationStats:
             f"target passes {self.target_forwards} | draft {self.draft_seconds:.2f}s, "
             f"verify {self.verify_seconds:.2f}s, prefill {self.prefill_seconds:.2f}s"
         )
+
+
+def acceptance_rates(runs: list[GenerationStats]) -> tuple[float, float]:
+    """(first, later) acceptance pooled over runs. Position 1 is tried in every step that
+    drafted; later positions only after an accepted one, and a step ends its run with at
+    most one rejection, so the later rejections are all rejections but those at position 1.
+    With no later position tried, later = first (independent acceptance, eq. 1)."""
+    drafted = sum(s.drafted_per_position[0] for s in runs if s.drafted_per_position)
+    first_accepted = sum(s.accepted_per_position[0] for s in runs if s.drafted_per_position)
+    later_accepted = sum(s.accepted_tokens for s in runs) - first_accepted
+    later_rejected = sum(s.rejections for s in runs) - (drafted - first_accepted)
+    later_trials = later_accepted + later_rejected
+    first = first_accepted / drafted if drafted else 0.0
+    return first, later_accepted / later_trials if later_trials else first

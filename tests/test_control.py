@@ -11,7 +11,7 @@ from conftest import save_tiny_model
 from specdecode.analysis import profile as profile_module
 from specdecode.analysis.profile import CostProfile, get_profile, load_profile
 from specdecode.analysis.theory import (
-    best_k, break_even_alpha, expected_speedup, expected_tau, tau_from_positions, wall_speedup,
+    best_k, break_even_alpha, expected_speedup, expected_tau, tau_from_positions, tau_two_rates, wall_speedup,
 )
 from specdecode.config import ConfigError, SamplingParams, SpeculativeConfig
 from specdecode.control.policies import CostAwareK, CostModel, ThresholdK
@@ -35,6 +35,12 @@ def test_expected_tau_hand_values():
     assert tau_from_positions([0.5, 0.25, 0.125]) == pytest.approx(1.875)
     with pytest.raises(ConfigError, match="alpha must be in"):
         expected_tau(1.5, 2)
+    # two rates: 1 + .4 * (1 + .9 + .81) = 2.084; equal rates give eq. 1 back
+    assert tau_two_rates(0.4, 0.9, 3) == pytest.approx(2.084)
+    assert tau_two_rates(0.5, 0.5, 3) == pytest.approx(expected_tau(0.5, 3))
+    assert tau_two_rates(0.3, 1.0, 4) == pytest.approx(2.2)
+    with pytest.raises(ConfigError, match="later acceptance rate must be in"):
+        tau_two_rates(0.5, -0.1, 2)
 
 
 def test_speedup_and_best_k_hand_values():
@@ -51,6 +57,12 @@ def test_speedup_and_best_k_hand_values():
     assert break_even_alpha(1, 1.1, 0.0) == pytest.approx(0.1, abs=1e-5)
     assert break_even_alpha(2, 3.5, 0.0) is None  # tau <= 3 can never pay 3.5
     assert wall_speedup(100, 20, 2.0, 1.25) == pytest.approx(120 / 82.5)
+    # runs of acceptance make long drafts pay where independent acceptance would not:
+    # alpha .4 independent: k=1 1.4/1.1 = 1.273, k=2 1.56/1.2 = 1.3, k=3 1.624/1.3 = 1.249;
+    # first .4, later .9: k=8 1 + .4 * 5.6953 = 3.2781 / 1.8 = 1.8212, k=9 3.4459 / 1.9 = 1.8160
+    assert best_k(0.4, linear, 0.0, 10) == (2, pytest.approx(1.3))
+    k, speedup = best_k(0.4, linear, 0.0, 10, tau=lambda k: tau_two_rates(0.4, 0.9, k))
+    assert k == 8 and speedup == pytest.approx(1.82118, abs=1e-4)
 
 
 # -- cost profile --------------------------------------------------------------------
@@ -111,6 +123,22 @@ def test_cost_aware_k_rises_with_acceptance_and_falls_to_plain():
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps and gaps == sorted(gaps) and gaps[-1] > gaps[0]  # probes grow rarer
     assert max(gaps) <= 64 + 1
+
+
+def test_cost_aware_k_values_runs_of_acceptance():
+    """A drafter that is either wrong at once or right for the whole draft (an n-gram
+    copying a span) earns long drafts even though fewer than half its steps accept."""
+    profile = synthetic_profile(c=0.0)
+    policy = CostAwareK(CostModel(profile, "ngram"), k_max=8, margin=0.0, default_later=0.7)
+    policy.start(prior_alpha=0.3)
+    for step in range(60):
+        k = policy.choose(100)
+        policy.observe(k, k if step % 5 in (0, 3) else 0)  # 40% of steps right throughout
+    assert policy.first == pytest.approx(0.4, abs=0.1) and policy.later > 0.9
+    assert policy.choose(100) == 8
+    # one independent rate with the same pooled acceptance would stop well short of 8
+    pooled_k, _ = best_k(policy.alpha, lambda k: profile.v(k, 100), 0.0, 8)
+    assert pooled_k < 8
 
 
 def test_cost_aware_k_returns_to_speculation_after_a_good_probe():

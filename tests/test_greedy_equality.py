@@ -120,5 +120,13 @@ def test_other_architecture_goes_through_transformers(tmp_path):
     engine = SpeculativeEngine(target.runtime, proposer=NgramProposer(), k=4)
     for prompt in ([4, 5, 6, 4, 5], [9, 10, 11, 9, 10, 11, 9]):
         assert engine.generate(prompt, GREEDY).token_ids == plain.generate(prompt, GREEDY).token_ids
+    # --k auto through the adapter: the cost profile is measured on the transformers model
+    from specdecode.config import EngineConfig, SpeculativeConfig
+    from specdecode.factory import build_engine
+
+    auto = build_engine(EngineConfig(model=str(tmp_path / "gpt2"), dtype="fp32"), SpeculativeConfig(method="ngram"),
+                        target=target)
+    for prompt in ([4, 5, 6, 4, 5], [9, 10, 11, 9, 10, 11, 9]):
+        assert auto.generate(prompt, GREEDY).token_ids == plain.generate(prompt, GREEDY).token_ids
     with pytest.raises(ConfigError, match="native runtime supports llama, mistral and qwen2, not 'gpt2'"):
         load_model(tmp_path / "gpt2", torch.float32, runtime="native")

@@ -207,7 +207,7 @@ def learn(records: list[dict], drafter_names: dict[str, str]) -> None:
     router = Router().load(router_state_path())
     for r in records:
         if r["method"] != "none" and r.get("draft_tokens"):
-            router.observe(r["task"], drafter_names[r["method"]], r["trial_alpha"], r["speedup"])
+            router.observe(r["task"], drafter_names[r["method"]], r["first_alpha"], r["speedup"])
     router.save(router_state_path())
 
 

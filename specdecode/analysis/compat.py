@@ -92,7 +92,8 @@ def check_static(target: str, draft: str) -> CheckResult:
 def calibrate(target: str, draft: str, dtype: str = "bf16", k: int = 5) -> dict:
     """Greedy acceptance of the drafter on the built-in calibration prompts, and the
     speedup the cost profile predicts from it (at this k and at the best k)."""
-    from ..analysis.theory import best_k, expected_speedup, tau_from_positions
+    from ..analysis.theory import best_k, expected_speedup, tau_from_positions, tau_two_rates
+    from ..metrics import acceptance_rates
     from ..config import EngineConfig, SpeculativeConfig
     from ..factory import build_proposer, calibration_runs, cost_profile, drafter_key, load_model
 
@@ -112,8 +113,10 @@ def calibrate(target: str, draft: str, dtype: str = "bf16", k: int = 5) -> dict:
     profile = cost_profile(loaded, dtype, {drafter_key(spec): proposer})
     c = profile.c(drafter_key(spec))
     tau = tau_from_positions(positions)
-    k_best, best = best_k(alpha, lambda n: profile.v(n, 256), c, 10)
-    return {"prompts": len(runs), "alpha": alpha, "acceptance_per_position": positions, "tau": tau, "c": c,
+    first, later = acceptance_rates(runs)
+    k_best, best = best_k(alpha, lambda n: profile.v(n, 256), c, 10, tau=lambda n: tau_two_rates(first, later, n))
+    return {"prompts": len(runs), "alpha": alpha, "first": first, "later": later,
+            "acceptance_per_position": positions, "tau": tau, "c": c,
             "v_k": profile.v(k, 256), "k": k, "expected_speedup_fixed_k": expected_speedup(tau, profile.v(k, 256), c, k),
             "best_k": k_best, "expected_speedup_best_k": best}
 
@@ -126,7 +129,8 @@ def format_check(result: CheckResult, calibration: dict | None) -> str:
     elif calibration is not None:
         c = calibration
         per_position = " ".join(f"{p:.2f}" for p in c["acceptance_per_position"])
-        lines.append(f"  calibration (greedy, {c['prompts']} prompts): per-trial alpha {c['alpha']:.2f}, "
+        lines.append(f"  calibration (greedy, {c['prompts']} prompts): per-trial alpha {c['alpha']:.2f} "
+                     f"(position 1 {c['first']:.2f}, after an accepted one {c['later']:.2f}), "
                      f"acceptance by position {per_position}, tau {c['tau']:.2f} at k={c['k']}")
         lines.append(f"  cost profile: c = {c['c']:.3f}, v({c['k']}) = {c['v_k']:.2f} -> expected speedup "
                      f"{c['expected_speedup_fixed_k']:.2f}x at k={c['k']}; best k = {c['best_k']} "

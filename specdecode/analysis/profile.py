@@ -18,6 +18,7 @@ import bisect
 import hashlib
 import json
 import platform
+import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,7 +30,7 @@ from tqdm import tqdm
 
 from ..models.loading import cache_dir
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 16, 24, 32, 48, 64)
 CONTEXTS = (128, 512, 1024)
 
@@ -59,9 +60,9 @@ class CostProfile:
     sizes: list[int]
     step_ms: list[list[float]]  # [context][size]: median ms to score `size` tokens
     drafters: dict[str, float] = field(default_factory=dict)  # drafter -> c
-    # drafter -> per-trial acceptance on a few built-in prompts (greedy): the adaptive-k
-    # prior when nothing better is known (factory.calibrate_acceptance)
-    acceptance: dict[str, float] = field(default_factory=dict)
+    # drafter -> [first, later] acceptance on a few built-in prompts (greedy): the
+    # adaptive-k priors when nothing better is known (factory.calibrate_acceptance)
+    acceptance: dict[str, list[float]] = field(default_factory=dict)
     version: int = PROFILE_VERSION
 
     # -- lookups --------------------------------------------------------------------
@@ -156,28 +157,37 @@ def _fill_context(runtime, context: int, capacity: int, generator: torch.Generat
             runtime(tokens[:, start : start + 256], last_only=True)
 
 
-def measure_target(runtime, contexts=CONTEXTS, sizes=SIZES, repeats: int = 5,
+def measure_target(runtime, contexts=CONTEXTS, sizes=SIZES, repeats: int = 7,
                    progress: bool = True) -> tuple[list[int], list[int], list[list[float]]]:
-    """Median forward time for each (context, size) the model's context allows."""
+    """Median forward time for each (context, size) the model's context allows.
+
+    Sizes are timed in interleaved rounds (each round visits every size once, in a
+    shuffled order) rather than one size at a time, so that a transient slowdown of the
+    machine spreads over many cells as one outlier each instead of owning one cell.
+    """
     limit = runtime.max_positions
     sizes = [s for s in sizes if s < limit // 2]
     contexts = [c for c in contexts if c + max(sizes) <= limit] or [max(0, limit - max(sizes) - 1)]
     generator = torch.Generator().manual_seed(0)
+    order = random.Random(0)
     table = []
-    bar = tqdm(total=len(contexts) * len(sizes), desc="profile target", unit="shape", disable=not progress)
+    bar = tqdm(total=len(contexts) * (repeats + 1), desc="profile target", unit="round", disable=not progress)
     for context in contexts:
         _fill_context(runtime, context, context + max(sizes) + 1, generator)
-        row = []
-        for size in sizes:
-            ids = torch.randint(0, runtime.vocab_size, (1, size), generator=generator)
-
-            def score():
-                runtime(ids)
+        inputs = {size: torch.randint(0, runtime.vocab_size, (1, size), generator=generator) for size in sizes}
+        times: dict[int, list[float]] = {size: [] for size in sizes}
+        for round_ in range(repeats + 1):  # round 0 warms up every shape
+            shuffled = list(sizes)
+            order.shuffle(shuffled)
+            for size in shuffled:
+                started = time.perf_counter()
+                runtime(inputs[size])
+                elapsed = (time.perf_counter() - started) * 1e3
                 runtime.rollback(context)
-
-            row.append(_median_ms(score, repeats))
+                if round_:
+                    times[size].append(elapsed)
             bar.update()
-        table.append(row)
+        table.append([statistics.median(times[size]) for size in sizes])
     bar.close()
     return list(contexts), list(sizes), table
 
@@ -202,10 +212,10 @@ def measure_drafter(proposer, context: int, vocab_size: int, repeats: int = 5, k
     return _median_ms(draft, repeats) / k
 
 
-def record_acceptance(model_key: str, dtype: str, drafter: str, alpha: float) -> None:
+def record_acceptance(model_key: str, dtype: str, drafter: str, rates: list[float]) -> None:
     profile = load_profile(model_key, dtype)
     if profile is not None:
-        profile.acceptance[drafter] = alpha
+        profile.acceptance[drafter] = rates
         save_profile(profile, model_key)
 
 

@@ -9,6 +9,11 @@ c = draft cost per token / one target decode step.
 - From measured per-position acceptance p_i (the share of steps that drafted position i
   in which the first i drafts were all accepted, ``GenerationStats.acceptance_per_position``):
   tau = 1 + sum_i p_i.
+- Acceptance is rarely independent per position: a draft that got its first token right
+  is usually copying or continuing something, and its next tokens are right more often
+  (n-gram matches run in bursts). With rate ``first`` at position 1 and ``later`` at each
+  position after an accepted one: tau = 1 + first * (1 - later^k) / (1 - later). With
+  first = later = alpha this is eq. 1 again.
 - Expected speedup of decoding (prefill excluded) = tau / (v(k) + k * c); plain decoding
   (k = 0) has speedup 1 by definition.
 """
@@ -38,6 +43,18 @@ def tau_from_positions(acceptance_per_position: Sequence[float]) -> float:
     return 1.0 + sum(acceptance_per_position)
 
 
+def tau_two_rates(first: float, later: float, k: int) -> float:
+    """Mean tokens per pass when position 1 is accepted at rate ``first`` and each later
+    position, given the one before it was accepted, at rate ``later``."""
+    for name, rate in (("first", first), ("later", later)):
+        if not 0.0 <= rate <= 1.0:
+            raise ConfigError(f"{name} acceptance rate must be in [0, 1], got {rate}")
+    if k < 0:
+        raise ConfigError(f"k must be >= 0, got {k}")
+    run = float(k) if later == 1.0 else (1.0 - later**k) / (1.0 - later)
+    return 1.0 + first * run
+
+
 def expected_speedup(tau: float, v: float, c: float, k: int) -> float:
     """tau / (v(k) + k c): tokens per unit of target-step time, relative to plain."""
     cost = v + k * c
@@ -46,15 +63,19 @@ def expected_speedup(tau: float, v: float, c: float, k: int) -> float:
     return tau / cost
 
 
-def best_k(alpha: float, v: Callable[[int], float], c: float, k_max: int) -> tuple[int, float]:
+def best_k(alpha: float, v: Callable[[int], float], c: float, k_max: int,
+           tau: Callable[[int], float] | None = None) -> tuple[int, float]:
     """The k in 0..k_max with the highest expected speedup, and that speedup.
 
-    k = 0 (plain decoding, speedup 1) wins whenever no k beats it: speculation that would
-    lose is not chosen.
+    ``tau(k)`` defaults to independent acceptance at ``alpha``. k = 0 (plain decoding,
+    speedup 1) wins whenever no k beats it: speculation that would lose is not chosen.
     """
+    if tau is None:
+        def tau(k: int) -> float:
+            return expected_tau(alpha, k)
     best, best_speedup = 0, 1.0
     for k in range(1, k_max + 1):
-        speedup = expected_speedup(expected_tau(alpha, k), v(k), c, k)
+        speedup = expected_speedup(tau(k), v(k), c, k)
         if speedup > best_speedup:
             best, best_speedup = k, speedup
     return best, best_speedup

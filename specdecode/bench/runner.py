@@ -131,7 +131,8 @@ def run_records(engines: dict, prompts: list[dict], encoded: list[list[int]], pa
                 chosen = getattr(engine.policy, "chosen", None)
                 record.update(
                     k=engine.k_label, task=task, alpha=stats.alpha if name != "none" else None,
-                    trial_alpha=stats.trial_alpha if name != "none" else None, tau=stats.tau,
+                    trial_alpha=stats.trial_alpha if name != "none" else None,
+                    first_alpha=stats.first_alpha if name != "none" else None, tau=stats.tau,
                     draft_seconds=stats.draft_seconds, verify_seconds=stats.verify_seconds,
                     prefill_seconds=stats.prefill_seconds, draft_tokens=stats.draft_tokens,
                     accepted_tokens=stats.accepted_tokens, target_forwards=stats.target_forwards,

@@ -59,8 +59,8 @@ _FEATURES: dict[str, list[tuple[re.Pattern, float]]] = {
 _COMPILED = {task: [(re.compile(p, re.IGNORECASE | re.MULTILINE), w) for p, w in feats] for task, feats in _FEATURES.items()}
 _THRESHOLD = 2.0  # evidence below this is "general"
 
-# Starting guesses of the per-trial acceptance rate (StatsGeneration.trial_alpha) per task
-# type, used as the adaptive-k prior until this machine has measured its own
+# Starting guesses of the acceptance at draft position 1 (GenerationStats.first_alpha) per
+# task type, used as the adaptive-k prior until this machine has measured its own
 # (router-state.json; ``specdecode analyze`` and ``generate --route`` record them).
 # ngram: acceptance at draft position 1 with fixed k = 5, greedy, fp32, on the built-in
 # suite (docs/adaptive.md); other drafters start from the policy's neutral 0.5.
@@ -172,7 +172,7 @@ class Router:
         return Route(task, method, prior, f"{task}: {drafter} measured {record.speedup:.2f}x, alpha {record.alpha:.2f}")
 
     def observe(self, task: str, drafter: str | None, alpha: float, speedup: float) -> None:
-        """Record one request: per-trial acceptance and speedup of ``drafter`` on ``task``."""
+        """Record one request: acceptance at draft position 1 and speedup of ``drafter`` on ``task``."""
         if drafter is None:
             return
         self.records.setdefault(f"{task}/{drafter}", TaskRecord()).update(alpha, speedup, self.decay)
