@@ -109,15 +109,18 @@ def run_records(engines: dict, prompts: list[dict], encoded: list[list[int]], pa
                 desc: str = "bench") -> list[dict]:
     """Every prompt through every engine; the first engine ('none') is the baseline that
     'identical_to_plain' compares with. Adaptive k starts from the built-in prior for the
-    prompt's task type (router.DEFAULT_PRIORS), never from state left by earlier runs."""
+    prompt's task type (router.DEFAULT_PRIORS), never from state left by earlier runs.
+    Records come prompt by prompt, engines in order within each."""
     from ..control.router import Router, classify
 
     router = Router()
     records, plain_tokens = [], {}
     progress = tqdm(total=len(prompts) * len(engines), desc=desc, unit="gen")
-    for label, engine in engines.items():
-        name, _ = parse_method(label)
-        for prompt, prompt_ids in zip(prompts, encoded):
+    # prompt-major: every engine runs a prompt within seconds of the baseline, so a drift
+    # of the machine's speed over a long run does not bias one method against another
+    for prompt, prompt_ids in zip(prompts, encoded):
+        for label, engine in engines.items():
+            name, _ = parse_method(label)
             record = {"question_id": prompt["question_id"], "category": prompt["category"], "method": label}
             if name == "hf":
                 token_ids, seconds = _hf_generate(engine, prompt_ids, params, eos_ids)
