@@ -145,16 +145,16 @@ def test_analyze_writes_every_report(tiny_text_model_dir, tmp_path, capsys):
     ]))
     out = tmp_path / "analysis"
     code = main(["analyze", "--model", str(tiny_text_model_dir), "--dtype", "fp32", "--prompts", str(prompts),
-                 "--methods", "ngram,draft@2", "--draft", "self:1", "--temperatures", "0,1",
+                 "--methods", "ngram,ngram@2,draft@2", "--draft", "self:1", "--temperatures", "0,1",
                  "--max-new-tokens", "12", "--no-chat-template", "--serving", "throughput", "--out", str(out)])
     assert code == 0
     names = {p.name for p in out.iterdir()}
     assert {"summary.md", "analysis.json", "report.html", "acceptance_by_position.png", "speedup_by_category.png",
-            "alpha_distribution.png", "alpha_vs_temperature.png"} <= names
+            "alpha_distribution.png", "alpha_vs_temperature.png", "k_sweep.png"} <= names
     result = json.loads((out / "analysis.json").read_text())
     rows = result["categories"]
     assert {(r["temperature"], r["method"], r["category"]) for r in rows} == {
-        (t, m, c) for t in (0.0, 1.0) for m in ("ngram", "draft@2") for c in ("copy", "other", "overall")}
+        (t, m, c) for t in (0.0, 1.0) for m in ("ngram", "ngram@2", "draft@2") for c in ("copy", "other", "overall")}
     for row in rows:
         assert row["recommendation"] in ("HIGHLY_RECOMMENDED", "RECOMMENDED", "CONDITIONAL", "NOT_RECOMMENDED")
         assert row["cost_verdict"].startswith(("wins", "loses")) and "tau =" in row["cost_verdict"]
@@ -162,7 +162,8 @@ def test_analyze_writes_every_report(tiny_text_model_dir, tmp_path, capsys):
         assert any("throughput serving" in s for s in row["skip_checks"])
         assert any("outputs are short" in s for s in row["skip_checks"])  # 12 tokens < 20
     html = (out / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == 4 and "<table>" in html
+    assert html.count("data:image/png;base64,") == 5 and "<table>" in html
+    assert set(result["k_sweep"]["0.0"]) == {"ngram"}  # adaptive ngram against ngram@2
     assert "| T | method | category |" in capsys.readouterr().out
 
 

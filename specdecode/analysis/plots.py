@@ -1,8 +1,10 @@
 """The analyzer's pictures: acceptance by position, speedup by category (measured and
-predicted), the distribution of alpha over prompts, and alpha against temperature."""
+predicted), the distribution of alpha over prompts, alpha against temperature, and
+adaptive k against the best fixed k per category (when the run swept k)."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -16,9 +18,15 @@ def _pyplot():
     return plt
 
 
-def _grid(plt, panels: int, width: float = 6.0, height: float = 4.2):
-    figure, axes = plt.subplots(1, panels, figsize=(width * panels, height), squeeze=False)
-    return figure, list(axes[0])
+def _grid(plt, panels: int, width: float = 6.0, height: float = 4.2, columns: int = 3):
+    """One panel per method, wrapped into rows of ``columns``."""
+    columns = max(1, min(columns, panels))
+    rows = math.ceil(panels / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(width * columns, height * rows), squeeze=False)
+    flat = list(axes.flat)
+    for axis in flat[panels:]:
+        axis.set_visible(False)
+    return figure, flat[:panels]
 
 
 def plot_analysis(result: dict, out_dir: Path) -> list[Path]:
@@ -87,6 +95,28 @@ def plot_analysis(result: dict, out_dir: Path) -> list[Path]:
         axis.set(title=f"{method}: alpha against temperature", xlabel="temperature", ylabel="mean alpha", ylim=(0, 1))
         axis.legend(fontsize=7)
     paths.append(_save(plt, figure, out_dir / "alpha_vs_temperature.png"))
+
+    # 5. adaptive k against the best fixed k, per drafter, at the first temperature
+    sweep = result.get("k_sweep", {}).get(str(first), {})
+    if sweep:
+        figure, axes = _grid(plt, len(sweep), width=8.0, columns=2)
+        for axis, (drafter, rows) in zip(axes, sweep.items()):
+            names = [c for c in categories if c in rows]
+            policies = sorted({key for c in names for key in rows[c] if "@" in key})
+            bars = [("best fixed k", [rows[c]["best_fixed_speedup"] for c in names])]
+            bars += [(policy, [rows[c].get(policy, {}).get("speedup", 0.0) for c in names]) for policy in policies]
+            width = 0.8 / len(bars)
+            for index, (label, values) in enumerate(bars):
+                axis.bar([i + index * width for i in range(len(names))], values, width, label=label)
+            for i, c in enumerate(names):  # which fixed k was best
+                axis.annotate(rows[c]["best_fixed"].split("@")[-1], (i, rows[c]["best_fixed_speedup"]),
+                              ha="center", va="bottom", fontsize=7)
+            axis.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
+            axis.set_xticks([i + width * (len(bars) - 1) / 2 for i in range(len(names))], names, rotation=35, ha="right")
+            axis.set(title=f"{drafter}, T={first:g}: adaptive k against the best fixed k (label: that k)",
+                     ylabel="median tokens/s ratio to plain")
+            axis.legend(fontsize=7)
+        paths.append(_save(plt, figure, out_dir / "k_sweep.png"))
     return paths
 
 
