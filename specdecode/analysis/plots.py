@@ -29,6 +29,17 @@ def _grid(plt, panels: int, width: float = 6.0, height: float = 4.2, columns: in
     return figure, flat[:panels]
 
 
+def _ratio_bars(axis, xs: list[float], ratios: list[float], width: float, label: str, also: list[float] = ()):
+    """Bars of a speedup ratio drawn from 1.0 (plain decoding): up wins, down loses; the
+    y range fits the data (and ``also``, e.g. predicted markers) rather than starting at 0,
+    so a 3% loss is visible."""
+    axis.bar(xs, [r - 1.0 for r in ratios], width, bottom=1.0, label=label)
+    axis.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
+    low, high = axis.get_ylim()
+    values = [r for r in [*ratios, *also] if r] + [1.0]
+    axis.set_ylim(min(low, min(values) - 0.05), max(high, max(values) + 0.05))
+
+
 def plot_analysis(result: dict, out_dir: Path) -> list[Path]:
     plt = _pyplot()
     cats = result["categories"]
@@ -42,13 +53,19 @@ def plot_analysis(result: dict, out_dir: Path) -> list[Path]:
     # 1. acceptance by draft position, one line per category
     figure, axes = _grid(plt, len(methods))
     for axis, method in zip(axes, methods):
+        longest = 1
         for category in categories:
             row = by_key.get((first, method, category))
             if row and row["acceptance_per_position"]:
                 rates = row["acceptance_per_position"]
+                longest = max(longest, len(rates))
                 style = dict(color="black", linewidth=2.5) if category == "overall" else {}
                 axis.plot(range(1, len(rates) + 1), rates, marker="o", markersize=3, label=category, **style)
-        axis.set(title=f"{method}, T={first:g}", xlabel="draft position", ylabel="acceptance (mean over prompts)", ylim=(0, 1))
+        # with a policy choosing k, position i is seen only in steps that drafted >= i, which
+        # the policy chose after good steps: the curve need not fall
+        note = "" if method.partition("@")[2].isdigit() else "\n(position i: steps that drafted at least i)"
+        axis.set(title=f"{method}, T={first:g}{note}", xlabel="draft position", ylabel="acceptance (mean over prompts)",
+                 ylim=(0, 1), xlim=(0.5, longest + 0.5))
         axis.xaxis.get_major_locator().set_params(integer=True)
         axis.legend(fontsize=7)
     paths.append(_save(plt, figure, out_dir / "acceptance_by_position.png"))
@@ -60,10 +77,11 @@ def plot_analysis(result: dict, out_dir: Path) -> list[Path]:
         for t_index, temperature in enumerate(temperatures):
             xs = [i + t_index * width for i in range(len(categories))]
             rows = [by_key.get((temperature, method, c)) for c in categories]
-            axis.bar(xs, [r["measured_speedup"] if r else 0 for r in rows], width, label=f"measured T={temperature:g}")
-            axis.scatter(xs, [r["predicted_speedup"] if r else 0 for r in rows], color="black", marker="_", s=120,
-                         zorder=3, label="predicted" if t_index == 0 else None)
-        axis.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
+            predicted = [r["predicted_speedup"] if r else 1.0 for r in rows]
+            _ratio_bars(axis, xs, [r["measured_speedup"] if r else 1.0 for r in rows], width, f"measured T={temperature:g}",
+                        also=predicted)
+            axis.scatter(xs, predicted, color="black", marker="_", s=120, zorder=3,
+                         label="predicted" if t_index == 0 else None)
         axis.set_xticks([i + width * (len(temperatures) - 1) / 2 for i in range(len(categories))], categories,
                         rotation=35, ha="right")
         axis.set(title=f"{method}: speedup vs plain", ylabel="median tokens/s ratio")
@@ -107,15 +125,14 @@ def plot_analysis(result: dict, out_dir: Path) -> list[Path]:
             bars += [(policy, [rows[c].get(policy, {}).get("speedup", 0.0) for c in names]) for policy in policies]
             width = 0.8 / len(bars)
             for index, (label, values) in enumerate(bars):
-                axis.bar([i + index * width for i in range(len(names))], values, width, label=label)
+                _ratio_bars(axis, [i + index * width for i in range(len(names))], values, width, label)
             for i, c in enumerate(names):  # which fixed k was best
                 axis.annotate(rows[c]["best_fixed"].split("@")[-1], (i, rows[c]["best_fixed_speedup"]),
                               ha="center", va="bottom", fontsize=7)
-            axis.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
             axis.set_xticks([i + width * (len(bars) - 1) / 2 for i in range(len(names))], names, rotation=35, ha="right")
             axis.set(title=f"{drafter}, T={first:g}: adaptive k against the best fixed k (label: that k)",
                      ylabel="median tokens/s ratio to plain")
-            axis.legend(fontsize=7)
+            axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         paths.append(_save(plt, figure, out_dir / "k_sweep.png"))
     return paths
 
