@@ -161,6 +161,8 @@ def test_analyze_writes_every_report(tiny_text_model_dir, tmp_path, capsys):
         assert row["predicted_speedup"] > 0 and row["measured_speedup"] > 0
         assert any("throughput serving" in s for s in row["skip_checks"])
         assert any("outputs are short" in s for s in row["skip_checks"])  # 12 tokens < 20
+        if row["temperature"] == 0.0:  # greedy in fp32: every method decodes plain decoding's text
+            assert row["identical_to_plain"] == 1.0
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 5 and "<table>" in html
     assert set(result["k_sweep"]["0.0"]) == {"ngram"}  # adaptive ngram against ngram@2
@@ -170,11 +172,13 @@ def test_analyze_writes_every_report(tiny_text_model_dir, tmp_path, capsys):
 def test_k_sweep_compares_adaptive_with_the_best_fixed_k():
     from specdecode.bench.runner import k_sweep
 
-    summary = {"code": {"none": {"speedup": 1.0}, "ngram@2": {"speedup": 1.2}, "ngram@5": {"speedup": 1.1},
-                        "ngram@auto": {"speedup": 1.14}, "ngram@threshold": {"speedup": 0.9}}}
+    rows = {"none": 1.0, "ngram@2": 1.2, "ngram@5": 1.1, "ngram@auto": 1.14, "ngram@threshold": 0.9}
+    same = {"none": 1.0, "ngram@2": 0.5, "ngram@5": 0.6, "ngram@auto": 0.7, "ngram@threshold": 0.8}
+    summary = {"code": {m: {"speedup": v, "identical_to_plain": same[m]} for m, v in rows.items()}}
     sweep = k_sweep(summary, ["none", "ngram@auto", "ngram@threshold", "ngram@2", "ngram@5"])
     entry = sweep["ngram"]["code"]
     assert entry["best_fixed"] == "ngram@2" and entry["best_fixed_speedup"] == 1.2
     assert entry["ngram@auto"]["vs_best_fixed"] == pytest.approx(1.14 / 1.2 - 1)
     assert entry["ngram@threshold"]["vs_best_fixed"] == pytest.approx(0.9 / 1.2 - 1)
+    assert entry["best_fixed_identical"] == 0.5 and entry["ngram@auto"]["identical_to_plain"] == 0.7
     assert k_sweep(summary, ["none", "ngram@2", "ngram@5"]) == {}  # nothing adaptive to compare

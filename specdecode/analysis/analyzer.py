@@ -112,6 +112,7 @@ def summarize_group(rows: list[dict], profile, c: float, serving: str, batch: in
         "acceptance_per_position": per_position, "predicted_speedup": predicted, "measured_speedup": measured,
         "prediction_error": predicted / measured - 1.0 if measured else None, "new_tokens": new_tokens,
         "drafts_per_pass": k_mean, "step_cost": step_cost, "plain_steps_share": plain_share or None,
+        "identical_to_plain": _mean([float(r["identical_to_plain"]) for r in rows]),
         "recommendation": acceptance_recommendation(mean_alpha, variance), "cost_verdict": cost, "skip_checks": skips,
     }
 
@@ -220,13 +221,14 @@ def _table_rows(result: dict) -> list[list[str]]:
             f"{row['temperature']:g}", row["method"], row["category"], str(row["prompts"]),
             f"{row['alpha_mean']:.2f}", f"{row['alpha_variance']:.3f}", f"{row['tau']:.2f}",
             " ".join(f"{p:.2f}" for p in row["acceptance_per_position"][:6]),
-            f"{row['predicted_speedup']:.2f}x", f"{row['measured_speedup']:.2f}x", error, row["recommendation"],
+            f"{row['predicted_speedup']:.2f}x", f"{row['measured_speedup']:.2f}x", error,
+            f"{row['identical_to_plain']:.0%}", row["recommendation"],
         ])
     return rows
 
 
 HEADER = ["T", "method", "category", "n", "alpha", "var", "tau", "acceptance by position 1..6",
-          "predicted", "measured", "error", "by acceptance"]
+          "predicted", "measured", "error", "same", "by acceptance"]
 
 
 def markdown(result: dict) -> str:
@@ -238,19 +240,25 @@ def markdown(result: dict) -> str:
         "Cost profile: v(k) at 256 tokens of context " + ", ".join(f"v({k}) = {v:.2f}" for k, v in profile["v"].items())
         + "; drafter cost per token c: " + ", ".join(f"{m} {c:.3f}" for m, c in profile["drafter_costs"].items()) + ".",
         "Speedups are medians over prompts of tokens/s against plain decoding of the same prompt at the same "
-        "temperature (prefill included). Predicted = from the run's measured acceptance and the cost profile.", "",
+        "temperature (prefill included). Predicted = from the run's measured acceptance and the cost profile. "
+        "Same = share of prompts whose output was token-identical to plain decoding's; below 100% at T=0 "
+        "(bf16 numerics) the speedup compares runs that decoded different text.", "",
         "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER),
     ]
     lines += ["| " + " | ".join(row) + " |" for row in _table_rows(result)]
     for temperature, sweep in result.get("k_sweep", {}).items():
         for base, categories in sweep.items():
-            adaptive = sorted({key for entry in categories.values() for key in entry if key not in ("best_fixed", "best_fixed_speedup")})
+            adaptive = sorted({key for entry in categories.values() for key in entry if "@" in key})
             lines += ["", f"## {base} at T={float(temperature):g}: adaptive k against the best fixed k", "",
-                      "| category | best fixed k | " + " | ".join(adaptive) + " |", "|---|---|" + "---|" * len(adaptive)]
+                      "Same: share of prompts decoded token-identical to plain.", "",
+                      "| category | best fixed k (same) | " + " | ".join(f"{m} (same)" for m in adaptive) + " |",
+                      "|---|---|" + "---|" * len(adaptive)]
             for category in sorted(c for c in categories if c != "overall") + ["overall"]:
                 entry = categories[category]
-                cells = [f"{entry[m]['speedup']:.2f}x ({entry[m]['vs_best_fixed']:+.0%})" if m in entry else "-" for m in adaptive]
-                lines.append(f"| {category} | {entry['best_fixed']} {entry['best_fixed_speedup']:.2f}x | " + " | ".join(cells) + " |")
+                cells = [f"{entry[m]['speedup']:.2f}x, {entry[m]['vs_best_fixed']:+.0%} ({entry[m]['identical_to_plain']:.0%})"
+                         if m in entry else "-" for m in adaptive]
+                lines.append(f"| {category} | {entry['best_fixed']} {entry['best_fixed_speedup']:.2f}x "
+                             f"({entry['best_fixed_identical']:.0%}) | " + " | ".join(cells) + " |")
     lines += ["", "## Verdicts by cost, and skip checks", ""]
     for row in result["categories"]:
         lines.append(f"- **T={row['temperature']:g} {row['method']} {row['category']}** — {row['recommendation']}; {row['cost_verdict']}")

@@ -259,10 +259,14 @@ def k_sweep(summary: dict, methods: list[str]) -> dict:
             if not speedups:
                 continue
             best = max(speedups, key=speedups.get)
-            entry = {"best_fixed": best, "best_fixed_speedup": speedups[best]}
+            # share of prompts decoded token-identical to plain: below 1 (bf16) the two
+            # speedups being compared come partly from different texts
+            entry = {"best_fixed": best, "best_fixed_speedup": speedups[best],
+                     "best_fixed_identical": rows[best]["identical_to_plain"]}
             for m in adaptive:
                 if m in rows:
-                    entry[m] = {"speedup": rows[m]["speedup"], "vs_best_fixed": rows[m]["speedup"] / speedups[best] - 1.0}
+                    entry[m] = {"speedup": rows[m]["speedup"], "vs_best_fixed": rows[m]["speedup"] / speedups[best] - 1.0,
+                                "identical_to_plain": rows[m]["identical_to_plain"]}
             result.setdefault(base, {})[category] = entry
     return result
 
