@@ -135,5 +135,12 @@ def format_check(result: CheckResult, calibration: dict | None) -> str:
         lines.append(f"  cost profile: c = {c['c']:.3f}, v({c['k']}) = {c['v_k']:.2f} -> expected speedup "
                      f"{c['expected_speedup_fixed_k']:.2f}x at k={c['k']}; best k = {c['best_k']} "
                      f"({c['expected_speedup_best_k']:.2f}x{', plain decoding wins' if c['best_k'] == 0 else ''})")
-    lines.append(f"verdict: {result.verdict}")
+    verdict = result.verdict
+    if result.compatible and calibration is not None and "best_k" in calibration:
+        if calibration["best_k"] == 0:
+            verdict += " - but speculation does not pay with this pair on this machine (plain decoding wins)"
+        else:
+            verdict += (f" - expected {calibration['expected_speedup_best_k']:.2f}x at k={calibration['best_k']} "
+                        "on this machine")
+    lines.append(f"verdict: {verdict}")
     return "\n".join(lines)
