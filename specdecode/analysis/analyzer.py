@@ -22,7 +22,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from ..bench.runner import build_engines, k_sweep, load_prompts, parse_method, run_records, summarize, warm_up
+from ..bench.runner import (build_engines, k_sweep, load_prompts, parse_method, run_records, summarize,
+                            sweep_policies, warm_up)
 
 SHORT_OUTPUT = 20  # tokens
 HIGH_VARIANCE = 0.05
@@ -185,6 +186,7 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
         sweep = k_sweep(summarize([r for r in records if r["temperature"] == temperature]), methods)
         if sweep:
             sweeps[str(temperature)] = sweep
+    add_predicted_sweep(sweeps, table)
     result = {
         "k_sweep": sweeps,
         "config": {"model": args.model, "dtype": args.dtype, "methods": methods, "temperatures": temperatures,
@@ -199,6 +201,26 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
     write_reports(result, out_dir)
     learn(records, drafter_names)
     return result
+
+
+def add_predicted_sweep(sweeps: dict, table: list[dict]) -> None:
+    """The k sweep once more on predicted speedups. A prediction depends only on a run's
+    steps and the cost profile, not on how fast the machine happened to be, so it tells a
+    worse choice of k apart from timing noise (when the texts decoded are the same)."""
+    predicted = {(str(r["temperature"]), r["method"], r["category"]): r["predicted_speedup"] for r in table}
+    for temperature, sweep in sweeps.items():
+        for base, categories in sweep.items():
+            for category, entry in categories.items():
+                fixed = {m: v for (t, m, c), v in predicted.items()
+                         if t == temperature and c == category and parse_method(m)[0] == base
+                         and (parse_method(m)[1] or "").isdigit()}
+                if not fixed:
+                    continue
+                best = max(fixed, key=fixed.get)
+                entry["best_fixed_predicted"] = {"method": best, "speedup": fixed[best]}
+                for m in sweep_policies(entry):
+                    if (temperature, m, category) in predicted:
+                        entry[m]["predicted_vs_best_fixed"] = predicted[(temperature, m, category)] / fixed[best] - 1.0
 
 
 def learn(records: list[dict], drafter_names: dict[str, str]) -> None:
@@ -248,14 +270,17 @@ def markdown(result: dict) -> str:
     lines += ["| " + " | ".join(row) + " |" for row in _table_rows(result)]
     for temperature, sweep in result.get("k_sweep", {}).items():
         for base, categories in sweep.items():
-            adaptive = sorted({key for entry in categories.values() for key in entry if "@" in key})
+            adaptive = sorted({key for entry in categories.values() for key in sweep_policies(entry)})
             lines += ["", f"## {base} at T={float(temperature):g}: adaptive k against the best fixed k", "",
-                      "Same: share of prompts decoded token-identical to plain.", "",
+                      "Same: share of prompts decoded token-identical to plain. Predicted: the same comparison "
+                      "on predicted speedups, which depend on each run's steps and the cost profile but not on "
+                      "timing noise.", "",
                       "| category | best fixed k (same) | " + " | ".join(f"{m} (same)" for m in adaptive) + " |",
                       "|---|---|" + "---|" * len(adaptive)]
             for category in sorted(c for c in categories if c != "overall") + ["overall"]:
                 entry = categories[category]
                 cells = [f"{entry[m]['speedup']:.2f}x, {entry[m]['vs_best_fixed']:+.0%} ({entry[m]['identical_to_plain']:.0%})"
+                         + (f"; predicted {entry[m]['predicted_vs_best_fixed']:+.0%}" if "predicted_vs_best_fixed" in entry[m] else "")
                          if m in entry else "-" for m in adaptive]
                 lines.append(f"| {category} | {entry['best_fixed']} {entry['best_fixed_speedup']:.2f}x "
                              f"({entry['best_fixed_identical']:.0%}) | " + " | ".join(cells) + " |")

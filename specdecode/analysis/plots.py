@@ -8,6 +8,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from ..bench.runner import sweep_policies
+
 
 def _pyplot():
     import matplotlib
@@ -120,7 +122,7 @@ def plot_analysis(result: dict, out_dir: Path) -> list[Path]:
         figure, axes = _grid(plt, len(sweep), width=8.0, columns=2)
         for axis, (drafter, rows) in zip(axes, sweep.items()):
             names = [c for c in categories if c in rows]
-            policies = sorted({key for c in names for key in rows[c] if "@" in key})
+            policies = sorted({key for c in names for key in sweep_policies(rows[c])})
             bars = [("best fixed k", [rows[c]["best_fixed_speedup"] for c in names])]
             bars += [(policy, [rows[c].get(policy, {}).get("speedup", 0.0) for c in names]) for policy in policies]
             width = 0.8 / len(bars)

@@ -271,9 +271,14 @@ def k_sweep(summary: dict, methods: list[str]) -> dict:
     return result
 
 
+def sweep_policies(entry: dict) -> list[str]:
+    """The adaptive methods a k-sweep entry compares (its other keys describe the best fixed k)."""
+    return [key for key, value in entry.items() if isinstance(value, dict) and "vs_best_fixed" in value]
+
+
 def print_k_sweep(sweep: dict) -> None:
     for base, categories in sweep.items():
-        adaptive = sorted({key for entry in categories.values() for key in entry if "@" in key or key == base})
+        adaptive = sorted({key for entry in categories.values() for key in sweep_policies(entry)})
         print(f"\n{base}: adaptive k against the best fixed k (median speedup vs plain)")
         print(f"{'category':<14}{'best fixed':>14}" + "".join(f"{m:>26}" for m in adaptive))
         order = sorted(c for c in categories if c != "overall") + ["overall"]
