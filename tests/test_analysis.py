@@ -168,8 +168,8 @@ def test_analyze_writes_every_report(tiny_text_model_dir, tmp_path, capsys):
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 5 and "<table>" in html
     assert set(result["k_sweep"]["0.0"]) == {"ngram"}  # adaptive ngram against ngram@2
+    predicted = {(r["method"], r["category"]): r["predicted_speedup"] for r in rows if r["temperature"] == 0.0}
     for category, entry in result["k_sweep"]["0.0"]["ngram"].items():
-        predicted = {(r["method"], r["category"]): r["predicted_speedup"] for r in rows if r["temperature"] == 0.0}
         assert entry["best_fixed_predicted"] == {"method": "ngram@2", "speedup": predicted[("ngram@2", category)]}
         assert entry["ngram"]["predicted_vs_best_fixed"] == pytest.approx(
             predicted[("ngram", category)] / predicted[("ngram@2", category)] - 1)

@@ -22,7 +22,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from ..bench.runner import (build_engines, k_sweep, load_prompts, parse_method, run_records, summarize,
+from ..bench.runner import (build_engines, is_fixed_k, k_sweep, load_prompts, parse_method, run_records, summarize,
                             sweep_policies, warm_up)
 
 SHORT_OUTPUT = 20  # tokens
@@ -208,12 +208,12 @@ def add_predicted_sweep(sweeps: dict, table: list[dict]) -> None:
     steps and the cost profile, not on how fast the machine happened to be, so it tells a
     worse choice of k apart from timing noise (when the texts decoded are the same)."""
     predicted = {(str(r["temperature"]), r["method"], r["category"]): r["predicted_speedup"] for r in table}
+    fixed_methods = [m for m in dict.fromkeys(r["method"] for r in table) if is_fixed_k(m)]
     for temperature, sweep in sweeps.items():
         for base, categories in sweep.items():
             for category, entry in categories.items():
-                fixed = {m: v for (t, m, c), v in predicted.items()
-                         if t == temperature and c == category and parse_method(m)[0] == base
-                         and (parse_method(m)[1] or "").isdigit()}
+                fixed = {m: predicted[(temperature, m, category)] for m in fixed_methods
+                         if parse_method(m)[0] == base and (temperature, m, category) in predicted}
                 if not fixed:
                     continue
                 best = max(fixed, key=fixed.get)

@@ -8,7 +8,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from ..bench.runner import sweep_policies
+from ..bench.runner import is_fixed_k, sweep_policies
 
 
 def _pyplot():
@@ -65,7 +65,7 @@ def plot_analysis(result: dict, out_dir: Path) -> list[Path]:
                 axis.plot(range(1, len(rates) + 1), rates, marker="o", markersize=3, label=category, **style)
         # with a policy choosing k, position i is seen only in steps that drafted >= i, which
         # the policy chose after good steps: the curve need not fall
-        note = "" if method.partition("@")[2].isdigit() else "\n(position i: steps that drafted at least i)"
+        note = "" if is_fixed_k(method) else "\n(position i: steps that drafted at least i)"
         axis.set(title=f"{method}, T={first:g}{note}", xlabel="draft position", ylabel="acceptance (mean over prompts)",
                  ylim=(0, 1), xlim=(0.5, longest + 0.5))
         axis.xaxis.get_major_locator().set_params(integer=True)

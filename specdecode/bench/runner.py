@@ -245,12 +245,17 @@ def print_summary(summary: dict, methods: list[str]) -> None:
             )
 
 
+def is_fixed_k(spec: str) -> bool:
+    """'ngram@3' runs a fixed k; 'ngram', 'ngram@auto', 'ngram@threshold' choose it."""
+    return (parse_method(spec)[1] or "").isdigit()
+
+
 def k_sweep(summary: dict, methods: list[str]) -> dict:
     """For each method run with several fixed k and adaptively (method@auto, @threshold):
     per category, the best fixed k and how each adaptive policy compares with it."""
     result = {}
     for base in dict.fromkeys(parse_method(m)[0] for m in methods):
-        fixed = [m for m in methods if parse_method(m)[0] == base and (parse_method(m)[1] or "").isdigit()]
+        fixed = [m for m in methods if parse_method(m)[0] == base and is_fixed_k(m)]
         adaptive = [m for m in methods if parse_method(m)[0] == base and m not in fixed]
         if not fixed or not adaptive or base in ("none", "hf"):
             continue
