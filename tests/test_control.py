@@ -11,7 +11,8 @@ from conftest import save_tiny_model
 from specdecode.analysis import profile as profile_module
 from specdecode.analysis.profile import CostProfile, get_profile, load_profile
 from specdecode.analysis.theory import (
-    best_k, break_even_alpha, expected_speedup, expected_tau, tau_from_positions, tau_two_rates, wall_speedup,
+    best_k, break_even_alpha, expected_speedup, expected_tau, tau_conditional, tau_from_positions, tau_two_rates,
+    wall_speedup,
 )
 from specdecode.config import ConfigError, SamplingParams, SpeculativeConfig
 from specdecode.control.policies import CostAwareK, CostModel, ThresholdK
@@ -41,6 +42,13 @@ def test_expected_tau_hand_values():
     assert tau_two_rates(0.3, 1.0, 4) == pytest.approx(2.2)
     with pytest.raises(ConfigError, match="later acceptance rate must be in"):
         tau_two_rates(0.5, -0.1, 2)
+    # a rate per position: 1 + .5 * (1 + .9 + .9 * .5) = 2.175; equal rates give the two-rate value
+    assert tau_conditional(0.5, [0.9, 0.5, 0.2], 3) == pytest.approx(2.175)
+    assert tau_conditional(0.5, [0.9, 0.5, 0.2], 4) == pytest.approx(2.175 + 0.5 * 0.09)
+    assert tau_conditional(0.4, [0.9, 0.9], 3) == pytest.approx(tau_two_rates(0.4, 0.9, 3))
+    assert tau_conditional(0.7, [], 1) == pytest.approx(1.7) and tau_conditional(0.7, [], 0) == 1.0
+    with pytest.raises(ConfigError, match="k must be in 0..3"):
+        tau_conditional(0.5, [0.9, 0.5], 4)
 
 
 def test_speedup_and_best_k_hand_values():
@@ -108,7 +116,7 @@ def test_cost_aware_k_rises_with_acceptance_and_falls_to_plain():
     policy.start(prior_alpha=0.5)
     first = policy.choose(100)
     assert first >= 1
-    for _ in range(30):  # every draft accepted
+    for _ in range(50):  # every draft accepted: k climbs one position beyond the evidence at a time
         k = policy.choose(100)
         policy.observe(k, k)
     assert policy.choose(100) == 8 and policy.alpha > 0.95
@@ -131,14 +139,47 @@ def test_cost_aware_k_values_runs_of_acceptance():
     profile = synthetic_profile(c=0.0)
     policy = CostAwareK(CostModel(profile, "ngram"), k_max=8, margin=0.0, default_later=0.7)
     policy.start(prior_alpha=0.3)
-    for step in range(60):
+    for step in range(100):
         k = policy.choose(100)
-        policy.observe(k, k if step % 5 in (0, 3) else 0)  # 40% of steps right throughout
+        policy.observe(k, k if step % 5 in (0, 1) else 0)  # 40% of steps right throughout, in pairs
     assert policy.first == pytest.approx(0.4, abs=0.1) and policy.later > 0.9
     assert policy.choose(100) == 8
     # one independent rate with the same pooled acceptance would stop well short of 8
     pooled_k, _ = best_k(policy.alpha, lambda k: profile.v(k, 100), 0.0, 8)
     assert pooled_k < 8
+
+
+def cliff_profile() -> CostProfile:
+    """Like fp32 here: scoring up to 3 tokens is nearly free, 4 and more cost much more."""
+    return CostProfile("m", "fp32", "cpu", 2, contexts=[100], sizes=[1, 2, 3, 4, 9, 11],
+                       step_ms=[[29, 29.6, 31.4, 46.3, 61, 68.4]], drafters={"ngram": 0.0})
+
+
+def test_cost_aware_k_does_not_extrapolate_short_runs_across_a_cost_cliff():
+    """Full acceptance of 2-token drafts is evidence about position 2 only: with position
+    3.. still at their prior, paying 1.6-2.3 steps for long drafts is not worth it."""
+    policy = CostAwareK(CostModel(cliff_profile(), "ngram"), k_max=10, default_later=0.8)
+    policy.start(prior_alpha=0.5)
+    assert policy.choose(100) == 2
+    for _ in range(6):  # (one rate for every position after the first jumped to k = 7 after 3)
+        policy.observe(2, 2)
+        assert policy.choose(100) == 2
+    assert policy.conditional[0] > 0.9 and policy.conditional[1:] == pytest.approx([0.8] * 8)
+    # once long drafts are seen to be accepted whole, they are worth their cost
+    for _ in range(12):
+        policy.observe(10, 10)
+    assert policy.choose(100) == 10
+
+
+def test_cost_aware_k_learns_each_position():
+    policy = CostAwareK(CostModel(synthetic_profile(c=0.0), "ngram"), k_max=6, default_later=0.5)
+    policy.start(prior_alpha=0.5)
+    for _ in range(40):  # a drafter right for exactly 3 tokens whenever position 1 is right
+        policy.observe(6, 3)
+    rates = policy.conditional
+    assert rates[0] > 0.95 and rates[1] > 0.95  # positions 2 and 3
+    assert rates[2] < 0.05  # position 4 always fails after 3
+    assert rates[3:] == pytest.approx([0.5, 0.5])  # positions 5, 6 never reached: the prior
 
 
 def test_cost_aware_k_returns_to_speculation_after_a_good_probe():

@@ -6,24 +6,30 @@ that drafted.
 
 ``CostAwareK`` (``--k auto``, the default) estimates acceptance online and picks the k
 that maximises expected speedup tau(k) / (v(k) + k c) with the measured cost profile,
-k = 0 included. Acceptance is modelled with two rates: ``first``, that draft position 1
-is accepted, and ``later``, that a position is accepted given the one before it was.
-Drafters accept in runs (an n-gram match that got its first token right is copying, and
-its next tokens are right far more often), so one independent alpha per position would
-undervalue long drafts; with first = later it is Leviathan et al.'s eq. 1. A step that
-drafted d tokens and accepted n is one trial of ``first`` (success if n > 0) and, if
-n > 0, n - 1 successes of ``later`` then one failure (none if n == d). Counts decay
-geometrically (each rate when it is tried), so the estimate follows the request: copying a span of the prompt and
-writing new text have very different acceptance. Priors seed the counts: for
-``first``, the router's per-task rate if given, else the drafter's rate calibrated once
-on this target; for ``later``, the calibrated rate.
+k = 0 included. Acceptance is modelled per draft position: ``first``, that position 1 is
+accepted, and for each position i >= 2 the rate that it is accepted given position i - 1
+was. Drafters accept in runs (an n-gram match that got its first token right is copying,
+and its next tokens are right far more often), so one independent alpha per position
+would undervalue long drafts; with every rate equal it is Leviathan et al.'s eq. 1. A
+step that drafted d tokens and accepted n is one trial of ``first`` (success if n > 0)
+and, if n > 0, a success at positions 2..n and a failure at n + 1 (none if n == d).
+Counts decay geometrically (each position's when it is tried), so the estimate follows
+the request: copying a span of the prompt and writing new text have very different
+acceptance. Priors seed the counts: for ``first``, the router's per-task rate if given,
+else the drafter's rate calibrated once on this target; for every later position, the
+calibrated rate after an accepted draft. A position the request has not reached keeps
+its prior: success at position 2 says little about position 8, and where verification
+cost jumps with k (fp32 here) crediting it would buy long drafts on evidence from short
+ones.
 When plain decoding wins, a probe step (one draft token) is spent after
 ``probe_interval`` plain steps — by default spaced so probes cost about 1% of the time,
 v(1) - 1 + c steps each — the interval doubling after each failed probe and dropping to
 zero after a fully accepted one, so a request can come back to speculation cheaply.
-A step with one draft says nothing about ``later``, so when such a step is accepted the
-next offers two drafts even if one looks best: otherwise a low ``later`` prior would
-never be corrected.
+Positions never drafted keep their prior, so after a step whose d drafts were all
+accepted the next offers d + 1 when that would pay even if position d + 1 were always
+right (optimism about the one position just beyond the evidence): where an extra draft
+costs little (bf16 here) runs of acceptance earn long drafts step by step; where it costs
+much (4 tokens after 3 in fp32) the look is not taken on hope alone.
 
 ``ThresholdK`` (``--k-policy threshold``) is the simple rule from the literature, kept for
 comparison: start at 5, +1 when the mean acceptance of the last 10 steps exceeds 0.8, -1
@@ -38,7 +44,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..analysis.theory import best_k, tau_two_rates
+from ..analysis.theory import best_k, tau_conditional
 from ..config import ConfigError
 
 DEFAULT_PRIOR_ALPHA = 0.5
@@ -93,15 +99,16 @@ class CostModel:
 class CostAwareK:
     name = "auto"
 
-    def __init__(self, costs: CostModel, k_max: int = 10, decay: float = 0.85,
+    def __init__(self, costs: CostModel, k_max: int = 10, decay: float = 0.85, first_decay: float = 0.95,
                  prior_strength: float = 4.0, probe_interval: int | None = None, max_probe_interval: int = 128,
                  margin: float = 0.02, default_prior: float | None = None, default_later: float | None = None,
                  probe_budget: float = 0.01):
         if k_max < 1:
             raise ConfigError(f"k_max must be >= 1, got {k_max}")
-        if not 0.0 < decay <= 1.0:
-            raise ConfigError(f"decay must be in (0, 1], got {decay}")
-        self.costs, self.k_max, self.decay = costs, k_max, decay
+        for name, value in (("decay", decay), ("first_decay", first_decay)):
+            if not 0.0 < value <= 1.0:
+                raise ConfigError(f"{name} must be in (0, 1], got {value}")
+        self.costs, self.k_max, self.decay, self.first_decay = costs, k_max, decay, first_decay
         self.prior_strength, self.margin = prior_strength, margin
         self._c = costs.c
         self._tables: dict[int, list[float]] = {}
@@ -119,13 +126,13 @@ class CostAwareK:
         alpha = self.default_prior if prior_alpha is None else prior_alpha
         later = alpha if self.default_later is None else self.default_later
         alpha, later = (min(max(rate, 0.0), 0.99) for rate in (alpha, later))
-        # [successes, trials] of position 1 and of the positions after an accepted one
+        # [successes, trials] of position 1, and of each position 2..k_max given the one before
         self.first_counts = [alpha * self.prior_strength, self.prior_strength]
-        self.later_counts = [later * self.prior_strength, self.prior_strength]
+        self.position_counts = [[later * self.prior_strength, self.prior_strength] for _ in range(self.k_max - 1)]
         self.plain_steps = 0
         self.probe_interval = self.base_probe_interval
         self.probing = False
-        self.explore_later = False
+        self.explore_from = 0  # drafts of the last step, when all were accepted
         self.context = 0
         self.chosen: list[int] = []  # k per step, for reports
 
@@ -134,16 +141,23 @@ class CostAwareK:
         return self.first_counts[0] / self.first_counts[1]
 
     @property
+    def conditional(self) -> list[float]:
+        """Acceptance at positions 2..k_max, each given the one before (prior included)."""
+        return [successes / trials for successes, trials in self.position_counts]
+
+    @property
     def later(self) -> float:
-        return self.later_counts[0] / self.later_counts[1]
+        """Acceptance after an accepted draft, positions 2.. pooled (for reports)."""
+        return sum(c[0] for c in self.position_counts) / sum(c[1] for c in self.position_counts) if self.position_counts else 0.0
 
     @property
     def alpha(self) -> float:
-        """Acceptance per draft trial, both rates pooled (for reports)."""
-        return (self.first_counts[0] + self.later_counts[0]) / (self.first_counts[1] + self.later_counts[1])
+        """Acceptance per draft trial, every position pooled (for reports)."""
+        counts = [self.first_counts, *self.position_counts]
+        return sum(c[0] for c in counts) / sum(c[1] for c in counts)
 
     def tau(self, k: int) -> float:
-        return tau_two_rates(self.first, self.later, k)
+        return tau_conditional(self.first, self.conditional, k)
 
     def _v_table(self, context: int) -> list[float]:
         """v(0..k_max) at this context, rounded to 64 tokens: a step's decision must cost
@@ -154,14 +168,28 @@ class CostAwareK:
             table = self._tables[bucket] = [self.costs.v(k, bucket) for k in range(self.k_max + 1)]
         return table
 
-    def _best(self, context: int) -> int:
+    def _best(self, context: int, explore: bool = False) -> int:
         table = self._v_table(context)
-        k, speedup = best_k(self.alpha, table.__getitem__, self._c, self.k_max, tau=self.tau)
+        first, runs, reach, run = self.first, [0.0], 1.0, 0.0  # runs[k]: expected accepted run / first
+        reaches = []  # reaches[k - 1]: chance to reach position k given position 1 was accepted
+        for rate in [1.0, *self.conditional]:
+            reach *= rate
+            run += reach
+            runs.append(run)
+            reaches.append(reach)
+        k, speedup = best_k(self.alpha, table.__getitem__, self._c, self.k_max, tau=lambda n: 1.0 + first * runs[n])
+        depth = self.explore_from if explore else 0
+        if 0 < depth < self.k_max and k <= depth:
+            # the last step's drafts were all accepted: would one more pay if that position
+            # were always right? Then look at it, since a position never drafted keeps its prior
+            hopeful = (1.0 + first * (runs[depth] + reaches[depth - 1])) / (table[depth + 1] + (depth + 1) * self._c)
+            if hopeful > max(speedup, 1.0 + self.margin):
+                return depth + 1
         return k if speedup > 1.0 + self.margin else 0
 
     def choose(self, context: int) -> int:
         self.context = context
-        k = self._best(context)
+        k = self._best(context, explore=True)
         self.probing = False
         if k == 0:
             self.plain_steps += 1
@@ -169,9 +197,7 @@ class CostAwareK:
                 self.plain_steps = 0
                 self.probing = True
                 k = 1  # the cheapest look; a fully accepted probe is followed at once by another
-        elif k == 1 and self.explore_later:
-            k = min(2, self.k_max)
-        self.explore_later = False
+        self.explore_from = 0
         self.chosen.append(k)
         return k
 
@@ -179,15 +205,15 @@ class CostAwareK:
         if drafted <= 0:
             return
         decay = self.decay
-        first, later = self.first_counts, self.later_counts
-        first[0] = first[0] * decay + (accepted > 0)
-        first[1] = first[1] * decay + 1
-        # positions 2.. are tried only after position 1 was accepted
-        tried = accepted - 1 + (accepted < drafted) if accepted > 0 else 0
-        if tried:
-            later[0] = later[0] * decay + accepted - 1
-            later[1] = later[1] * decay + tried
-        self.explore_later = drafted == 1 and accepted == 1
+        first = self.first_counts
+        first[0] = first[0] * self.first_decay + (accepted > 0)
+        first[1] = first[1] * self.first_decay + 1
+        # position i >= 2 is tried only if position i - 1 was accepted
+        for position in range(2, min(accepted + 1, drafted, self.k_max) + 1):
+            counts = self.position_counts[position - 2]
+            counts[0] = counts[0] * decay + (position <= accepted)
+            counts[1] = counts[1] * decay + 1
+        self.explore_from = drafted if accepted == drafted else 0
         if self.probing:
             if accepted == drafted:  # the drafts were right: look again at once
                 self.probe_interval = 0
