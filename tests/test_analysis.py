@@ -148,7 +148,8 @@ def test_analyze_writes_every_report(tiny_text_model_dir, tmp_path, capsys):
     out = tmp_path / "analysis"
     code = main(["analyze", "--model", str(tiny_text_model_dir), "--dtype", "fp32", "--prompts", str(prompts),
                  "--methods", "ngram,ngram@2,draft@2", "--draft", "self:1", "--temperatures", "0,1",
-                 "--max-new-tokens", "12", "--no-chat-template", "--serving", "throughput", "--out", str(out)])
+                 "--max-new-tokens", "12", "--no-chat-template", "--serving", "throughput", "--repeats", "2",
+                 "--out", str(out)])
     assert code == 0
     names = {p.name for p in out.iterdir()}
     assert {"summary.md", "analysis.json", "report.html", "acceptance_by_position.png", "speedup_by_category.png",
@@ -165,6 +166,8 @@ def test_analyze_writes_every_report(tiny_text_model_dir, tmp_path, capsys):
         assert any("outputs are short" in s for s in row["skip_checks"])  # 12 tokens < 20
         if row["temperature"] == 0.0:  # greedy in fp32: every method decodes plain decoding's text
             assert row["identical_to_plain"] == 1.0
+    for record in result["records"]:  # each method timed by the faster of two identical runs
+        assert len(record["repeat_seconds"]) == 2 and record["seconds"] == min(record["repeat_seconds"])
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 5 and "<table>" in html
     assert set(result["k_sweep"]["0.0"]) == {"ngram"}  # adaptive ngram against ngram@2
@@ -176,6 +179,13 @@ def test_analyze_writes_every_report(tiny_text_model_dir, tmp_path, capsys):
     summary = (out / "summary.md").read_text()
     assert "| category | best fixed k (same) | ngram (same) |" in summary and "; predicted " in summary
     assert "| T | method | category |" in capsys.readouterr().out
+
+
+def test_repeats_must_be_positive_and_sampled_repeats_need_a_seed(capsys):
+    assert main(["bench", "--repeats", "0"]) == 2
+    assert "--repeats must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "--repeats", "2", "--temperature", "0.7"]) == 2
+    assert "needs --seed" in capsys.readouterr().err
 
 
 def test_k_sweep_compares_adaptive_with_the_best_fixed_k():

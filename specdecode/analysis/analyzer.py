@@ -22,7 +22,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from ..bench.runner import (build_engines, is_fixed_k, k_sweep, load_prompts, parse_method, run_records, summarize,
+from ..bench.runner import (build_engines, check_repeats, is_fixed_k, k_sweep, load_prompts, parse_method, run_records, summarize,
                             sweep_policies, warm_up)
 
 SHORT_OUTPUT = 20  # tokens
@@ -141,6 +141,7 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
 
     for spec in methods:
         parse_method(spec)
+    check_repeats(args.repeats, params)
     methods = ["none", *[m for m in dict.fromkeys(methods) if m != "none"]]
     prompts = load_prompts(args.prompts, args.limit)
     log(f"loading {args.model} ({args.dtype}); {len(prompts)} prompts x {len(methods)} methods x {len(temperatures)} temperatures")
@@ -159,7 +160,8 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
     records = []
     for temperature in temperatures:
         run_params = dataclasses.replace(params, temperature=temperature, seed=params.seed if params.seed is not None else 0)
-        batch = run_records(engines, prompts, encoded, run_params, target.eos_token_ids, desc=f"analyze T={temperature:g}")
+        batch = run_records(engines, prompts, encoded, run_params, target.eos_token_ids, desc=f"analyze T={temperature:g}",
+                            repeats=args.repeats)
         for record in batch:
             record["temperature"] = temperature
         records += batch
@@ -191,7 +193,8 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
         "k_sweep": sweeps,
         "config": {"model": args.model, "dtype": args.dtype, "methods": methods, "temperatures": temperatures,
                    "max_new_tokens": params.max_new_tokens, "prompts": args.prompts or "builtin",
-                   "serving": args.serving, "batch": args.batch, "draft": args.draft},
+                   "serving": args.serving, "batch": args.batch, "draft": args.draft,
+                   "repeats": args.repeats},
         "profile": {"machine": profile.machine, "threads": profile.threads, "drafter_costs": costs,
                     "v": {str(k): profile.v(k, 256) for k in (1, 2, 4, 6, 8, 10)}},
         "memory": memory,

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..config import EngineConfig, SpecDecodeError
+from ..config import ConfigError, EngineConfig, SpecDecodeError
 from .plots import plot_bench
 
 KNOWN_METHODS = ("none", "ngram", "draft", "hf")
@@ -105,56 +105,83 @@ def warm_up(engines: dict, prompt_ids: list[int], params) -> None:
             engine.generate(warm, dataclasses.replace(params, max_new_tokens=8, ignore_eos=True))
 
 
+def check_repeats(repeats: int, params) -> None:
+    if repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {repeats}")
+    if repeats > 1 and not params.greedy and params.seed is None:
+        raise ConfigError("--repeats with sampling needs --seed, so that every repeat decodes the same text")
+
+
 def run_records(engines: dict, prompts: list[dict], encoded: list[list[int]], params, eos_ids,
-                desc: str = "bench") -> list[dict]:
+                desc: str = "bench", repeats: int = 1) -> list[dict]:
     """Every prompt through every engine; the first engine ('none') is the baseline that
     'identical_to_plain' compares with. Adaptive k starts from the built-in prior for the
     prompt's task type (router.DEFAULT_PRIORS), never from state left by earlier runs.
-    Records come prompt by prompt, engines in order within each."""
-    from ..control.router import Router, classify
+    Records come prompt by prompt, engines in order within each.
 
-    router = Router()
+    ``repeats`` > 1 runs each prompt's round of engines that many times and keeps, per
+    engine, the fastest run (as timeit does: a stall of the machine only ever adds time).
+    Every repeat is the same request: with sampling, ``params.seed`` must be set."""
+    check_repeats(repeats, params)
     records, plain_tokens = [], {}
-    progress = tqdm(total=len(prompts) * len(engines), desc=desc, unit="gen")
+    progress = tqdm(total=len(prompts) * len(engines) * repeats, desc=desc, unit="gen")
     # prompt-major: every engine runs a prompt within seconds of the baseline, so a drift
     # of the machine's speed over a long run does not bias one method against another
     for prompt, prompt_ids in zip(prompts, encoded):
-        for label, engine in engines.items():
-            name, _ = parse_method(label)
-            record = {"question_id": prompt["question_id"], "category": prompt["category"], "method": label}
-            if name == "hf":
-                token_ids, seconds = _hf_generate(engine, prompt_ids, params, eos_ids)
-                record.update(alpha=None, tau=1.0, k=0)
-            else:
-                task = classify(prompt["prompt"])
-                prior = router.prior(task, engine.drafter) if engine.drafter else None
-                result = engine.generate(prompt_ids, params, prior_alpha=prior)
-                stats = result.stats
-                token_ids, seconds = result.token_ids, stats.wall_seconds
-                chosen = getattr(engine.policy, "chosen", None)
-                record.update(
-                    k=engine.k_label, task=task, alpha=stats.alpha if name != "none" else None,
-                    trial_alpha=stats.trial_alpha if name != "none" else None,
-                    first_alpha=stats.first_alpha if name != "none" else None, tau=stats.tau,
-                    draft_seconds=stats.draft_seconds, verify_seconds=stats.verify_seconds,
-                    prefill_seconds=stats.prefill_seconds, draft_tokens=stats.draft_tokens,
-                    accepted_tokens=stats.accepted_tokens, target_forwards=stats.target_forwards,
-                    acceptance_per_position=stats.acceptance_per_position,
-                    steps_by_drafted=dict(sorted(stats.steps_by_drafted.items())),
-                    k_chosen_mean=sum(chosen) / len(chosen) if chosen else None,
-                    plain_steps_share=sum(k == 0 for k in chosen) / len(chosen) if chosen else None,
-                )
-            if name == "none":
+        runs: dict[str, list[dict]] = defaultdict(list)
+        for _ in range(repeats):
+            for label, engine in engines.items():
+                runs[label].append(_run_one(label, engine, prompt, prompt_ids, params, eos_ids))
+                progress.update()
+        for label, attempts in runs.items():
+            record = min(attempts, key=lambda r: r["seconds"])
+            token_ids = record.pop("token_ids")
+            if any(r["token_ids"] != token_ids for r in attempts if r is not record):
+                raise SpecDecodeError(f"{label} decoded different tokens on repeats of {prompt['question_id']}")
+            if repeats > 1:
+                record["repeat_seconds"] = [r["seconds"] for r in attempts]
+            if parse_method(label)[0] == "none":
                 plain_tokens[prompt["question_id"]] = token_ids
-            record.update(
-                prompt_tokens=len(prompt_ids), new_tokens=len(token_ids), seconds=seconds,
-                tokens_per_s=len(token_ids) / seconds if seconds else 0.0,
-                identical_to_plain=token_ids == plain_tokens.get(prompt["question_id"]),
-            )
+            record["identical_to_plain"] = token_ids == plain_tokens.get(prompt["question_id"])
             records.append(record)
-            progress.update()
     progress.close()
     return records
+
+
+def _run_one(label: str, engine, prompt: dict, prompt_ids: list[int], params, eos_ids) -> dict:
+    """One generation -> its record (with the token ids, which the caller removes)."""
+    from ..control.router import Router, classify
+
+    name, _ = parse_method(label)
+    record = {"question_id": prompt["question_id"], "category": prompt["category"], "method": label}
+    if name == "hf":
+        token_ids, seconds = _hf_generate(engine, prompt_ids, params, eos_ids)
+        record.update(alpha=None, tau=1.0, k=0)
+    else:
+        task = classify(prompt["prompt"])
+        # a fresh router: the built-in prior for the task type, never state left by earlier runs
+        prior = Router().prior(task, engine.drafter) if engine.drafter else None
+        result = engine.generate(prompt_ids, params, prior_alpha=prior)
+        stats = result.stats
+        token_ids, seconds = result.token_ids, stats.wall_seconds
+        chosen = getattr(engine.policy, "chosen", None)
+        record.update(
+            k=engine.k_label, task=task, alpha=stats.alpha if name != "none" else None,
+            trial_alpha=stats.trial_alpha if name != "none" else None,
+            first_alpha=stats.first_alpha if name != "none" else None, tau=stats.tau,
+            draft_seconds=stats.draft_seconds, verify_seconds=stats.verify_seconds,
+            prefill_seconds=stats.prefill_seconds, draft_tokens=stats.draft_tokens,
+            accepted_tokens=stats.accepted_tokens, target_forwards=stats.target_forwards,
+            acceptance_per_position=stats.acceptance_per_position,
+            steps_by_drafted=dict(sorted(stats.steps_by_drafted.items())),
+            k_chosen_mean=sum(chosen) / len(chosen) if chosen else None,
+            plain_steps_share=sum(k == 0 for k in chosen) / len(chosen) if chosen else None,
+        )
+    record.update(
+        prompt_tokens=len(prompt_ids), new_tokens=len(token_ids), seconds=seconds,
+        tokens_per_s=len(token_ids) / seconds if seconds else 0.0, token_ids=token_ids,
+    )
+    return record
 
 
 def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config, params) -> int:
@@ -162,6 +189,7 @@ def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config
 
     for spec in methods:
         parse_method(spec)  # fail on a typo before loading anything
+    check_repeats(args.repeats, params)
     methods = ["none", *[m for m in dict.fromkeys(methods) if m != "none"]]  # the baseline first
     prompts = load_prompts(args.prompts, args.limit)
     log(f"loading {args.model} ({args.dtype}); {len(prompts)} prompts x {len(methods)} methods")
@@ -170,7 +198,7 @@ def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config
     encode = engines["none"].encode
     encoded = [encode(p["prompt"], engine_config.chat_template) for p in prompts]
     warm_up(engines, encoded[0], params)
-    records = run_records(engines, prompts, encoded, params, target.eos_token_ids)
+    records = run_records(engines, prompts, encoded, params, target.eos_token_ids, repeats=args.repeats)
 
     summary = summarize(records)
     print_summary(summary, methods)
@@ -181,7 +209,7 @@ def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config
         payload = {
             "config": {"model": args.model, "dtype": args.dtype, "k": args.k, "k_policy": args.k_policy,
                        "k_max": args.k_max, "max_new_tokens": params.max_new_tokens,
-                       "temperature": params.temperature, "methods": methods, "draft": args.draft,
+                       "temperature": params.temperature, "methods": methods, "repeats": args.repeats, "draft": args.draft,
                        "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
                        "prompts": args.prompts or "builtin"},
             "summary": summary,
