@@ -178,6 +178,7 @@ def test_analyze_writes_every_report(tiny_text_model_dir, tmp_path, capsys):
             predicted[("ngram", category)] / predicted[("ngram@2", category)] - 1)
     summary = (out / "summary.md").read_text()
     assert "| category | best fixed k (same) | ngram (same) |" in summary and "; predicted " in summary
+    assert "each generation run 2 times and timed by its fastest run" in summary
     assert "| T | method | category |" in capsys.readouterr().out
 
 

@@ -261,7 +261,8 @@ def markdown(result: dict) -> str:
     lines = [
         "# Workload analysis", "",
         f"Model {config['model']} ({config['dtype']}), {profile['machine']}, {profile['threads']} threads; "
-        f"{config['max_new_tokens']} new tokens; prompts: {config['prompts']}.",
+        f"{config['max_new_tokens']} new tokens; prompts: {config['prompts']}"
+        + (f"; each generation run {config['repeats']} times and timed by its fastest run." if config.get("repeats", 1) > 1 else "."),
         "Cost profile: v(k) at 256 tokens of context " + ", ".join(f"v({k}) = {v:.2f}" for k, v in profile["v"].items())
         + "; drafter cost per token c: " + ", ".join(f"{m} {c:.3f}" for m, c in profile["drafter_costs"].items()) + ".",
         "Speedups are medians over prompts of tokens/s against plain decoding of the same prompt at the same "

@@ -68,7 +68,7 @@ def plot_analysis(result: dict, out_dir: Path) -> list[Path]:
         note = "" if is_fixed_k(method) else "\n(position i: steps that drafted at least i)"
         axis.set(title=f"{method}, T={first:g}{note}", xlabel="draft position", ylabel="acceptance (mean over prompts)",
                  ylim=(0, 1), xlim=(0.5, longest + 0.5))
-        axis.xaxis.get_major_locator().set_params(integer=True)
+        axis.set_xticks(range(1, longest + 1, math.ceil(longest / 12)))  # whole positions, even for k = 1
         axis.legend(fontsize=7)
     paths.append(_save(plt, figure, out_dir / "acceptance_by_position.png"))
 
