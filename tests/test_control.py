@@ -12,7 +12,7 @@ from specdecode.analysis import profile as profile_module
 from specdecode.analysis.profile import CostProfile, get_profile, load_profile
 from specdecode.analysis.theory import (
     best_k, break_even_alpha, expected_speedup, expected_tau, tau_conditional, tau_from_positions, tau_two_rates,
-    wall_speedup,
+    taus_conditional, wall_speedup,
 )
 from specdecode.config import ConfigError, SamplingParams, SpeculativeConfig
 from specdecode.control.policies import CostAwareK, CostModel, ThresholdK
@@ -49,6 +49,9 @@ def test_expected_tau_hand_values():
     assert tau_conditional(0.7, [], 1) == pytest.approx(1.7) and tau_conditional(0.7, [], 0) == 1.0
     with pytest.raises(ConfigError, match="k must be in 0..3"):
         tau_conditional(0.5, [0.9, 0.5], 4)
+    assert taus_conditional(0.5, [0.9, 0.5, 0.2]) == pytest.approx([1.0, 1.5, 1.95, 2.175, 2.22])
+    with pytest.raises(ConfigError, match="acceptance rates must be in"):
+        taus_conditional(0.5, [1.2])
 
 
 def test_speedup_and_best_k_hand_values():

@@ -60,16 +60,20 @@ def tau_conditional(first: float, conditional: Sequence[float], k: int) -> float
     (i >= 2), given position i - 1 was accepted, at ``conditional[i - 2]``:
     1 + first * (1 + c2 + c2 c3 + ... + c2...ck). With every conditional rate equal to
     ``later`` it is ``tau_two_rates``."""
-    if not 0.0 <= first <= 1.0 or any(not 0.0 <= rate <= 1.0 for rate in conditional):
-        raise ConfigError(f"acceptance rates must be in [0, 1], got first={first}, conditional={list(conditional)}")
     if k < 0 or k > len(conditional) + 1:
         raise ConfigError(f"k must be in 0..{len(conditional) + 1} for {len(conditional)} conditional rates, got {k}")
-    run, reach = 0.0, 1.0
-    for position in range(1, k + 1):
-        if position > 1:
-            reach *= conditional[position - 2]
-        run += reach
-    return 1.0 + first * run
+    return taus_conditional(first, conditional)[k]
+
+
+def taus_conditional(first: float, conditional: Sequence[float]) -> list[float]:
+    """``tau_conditional`` for every k = 0..len(conditional) + 1, in one pass."""
+    if not 0.0 <= first <= 1.0 or any(not 0.0 <= rate <= 1.0 for rate in conditional):
+        raise ConfigError(f"acceptance rates must be in [0, 1], got first={first}, conditional={list(conditional)}")
+    taus, reach = [1.0], 1.0
+    for rate in (1.0, *conditional):
+        reach *= rate
+        taus.append(taus[-1] + first * reach)
+    return taus
 
 
 def expected_speedup(tau: float, v: float, c: float, k: int) -> float:

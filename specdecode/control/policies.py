@@ -44,7 +44,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..analysis.theory import best_k, tau_conditional
+from ..analysis.theory import best_k, tau_conditional, taus_conditional
 from ..config import ConfigError
 
 DEFAULT_PRIOR_ALPHA = 0.5
@@ -170,19 +170,14 @@ class CostAwareK:
 
     def _best(self, context: int, explore: bool = False) -> int:
         table = self._v_table(context)
-        first, runs, reach, run = self.first, [0.0], 1.0, 0.0  # runs[k]: expected accepted run / first
-        reaches = []  # reaches[k - 1]: chance to reach position k given position 1 was accepted
-        for rate in [1.0, *self.conditional]:
-            reach *= rate
-            run += reach
-            runs.append(run)
-            reaches.append(reach)
-        k, speedup = best_k(self.alpha, table.__getitem__, self._c, self.k_max, tau=lambda n: 1.0 + first * runs[n])
+        taus = taus_conditional(self.first, self.conditional)
+        k, speedup = best_k(self.alpha, table.__getitem__, self._c, self.k_max, tau=taus.__getitem__)
         depth = self.explore_from if explore else 0
         if 0 < depth < self.k_max and k <= depth:
             # the last step's drafts were all accepted: would one more pay if that position
-            # were always right? Then look at it, since a position never drafted keeps its prior
-            hopeful = (1.0 + first * (runs[depth] + reaches[depth - 1])) / (table[depth + 1] + (depth + 1) * self._c)
+            # were always right? Then look at it, since a position never drafted keeps its
+            # prior. Always right after position depth, it adds what position depth added.
+            hopeful = (2 * taus[depth] - taus[depth - 1]) / (table[depth + 1] + (depth + 1) * self._c)
             if hopeful > max(speedup, 1.0 + self.margin):
                 return depth + 1
         return k if speedup > 1.0 + self.margin else 0
