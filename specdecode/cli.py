@@ -43,6 +43,9 @@ def _int_tuple(text: str, flag: str) -> tuple[int, ...]:
         raise SpecDecodeError(f"{flag} takes comma-separated integers, got {text!r}") from None
 
 
+REPEATS_HELP = "run each prompt's round of methods N times and time each method by its fastest run (default 1)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description=__doc__.split("\n")[0])
     verbs = parser.add_subparsers(dest="verb", required=True)
@@ -63,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--methods", default="none,ngram", help="comma list of none, ngram, draft, hf (transformers generate)")
     bench.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
     bench.add_argument("--out", default=None, help="write per-prompt records and the summary as JSON")
-    bench.add_argument("--repeats", type=int, default=1, help="run each prompt's round of methods N times and time each method by its fastest run (default 1)")
+    bench.add_argument("--repeats", type=int, default=1, help=REPEATS_HELP)
     _add_model_args(bench)
     _add_sampling_args(bench)
 
@@ -82,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     ana.add_argument("--serving", default="latency", choices=["latency", "throughput"], help="throughput: add the batch-serving skip check")
     ana.add_argument("--batch", type=int, default=8, help="batch size for the throughput and memory checks")
     ana.add_argument("--budget", type=float, default=None, help="memory budget in GiB (default: this machine's RAM)")
-    ana.add_argument("--repeats", type=int, default=1, help="run each prompt's round of methods N times and time each method by its fastest run (default 1)")
+    ana.add_argument("--repeats", type=int, default=1, help=REPEATS_HELP)
     _add_model_args(ana)
     _add_sampling_args(ana)
 

@@ -141,6 +141,7 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
 
     for spec in methods:
         parse_method(spec)
+    params = dataclasses.replace(params, seed=params.seed if params.seed is not None else 0)  # every method, same draws
     check_repeats(args.repeats, params)
     methods = ["none", *[m for m in dict.fromkeys(methods) if m != "none"]]
     prompts = load_prompts(args.prompts, args.limit)
@@ -159,7 +160,7 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
 
     records = []
     for temperature in temperatures:
-        run_params = dataclasses.replace(params, temperature=temperature, seed=params.seed if params.seed is not None else 0)
+        run_params = dataclasses.replace(params, temperature=temperature)
         batch = run_records(engines, prompts, encoded, run_params, target.eos_token_ids, desc=f"analyze T={temperature:g}",
                             repeats=args.repeats)
         for record in batch:
