@@ -1,0 +1,149 @@
+"""specdecode's CPU kernels (``cpu.cpp``): built once per machine, loaded through ctypes.
+
+The library is compiled with the machine's C++ compiler (``$CXX``, else ``g++``, else
+``c++``) at ``-O3 -march=native -fopenmp -ffp-contract=off`` into
+``<cache>/kernels/<key>/``, where the key hashes the source, the compiler's version and
+the CPU's flags: a cache copied to another machine is rebuilt, never run on the wrong
+instruction set. Building takes a few seconds and says so on stderr.
+
+``load()`` returns the library or raises ``KernelsUnavailable`` with the reason (no
+compiler, a failed build); ``available()`` says whether it loads. Without the library the
+runtime falls back to PyTorch's kernels (dense formats only).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+from ..config import SpecDecodeError
+
+SOURCE = Path(__file__).with_name("cpu.cpp")
+LIBRARY = "libspecdecode_cpu.so"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
+FORMATS = {"fp32": 0, "bf16": 1, "q8_0": 2, "q4_1": 3, "fp16": 4}
+
+
+class KernelsUnavailable(SpecDecodeError, RuntimeError):
+    """The CPU kernels cannot be built or loaded on this machine."""
+
+
+class Linear(ctypes.Structure):
+    _fields_ = [("fmt", ctypes.c_int32), ("rows", ctypes.c_int32), ("cols", ctypes.c_int32), ("pad", ctypes.c_int32),
+                ("w", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
+                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int32) for name in (
+        "num_layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim",
+        "capacity", "batch", "kv_fmt", "max_rows", "num_threads", "pad")] + [
+        ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float),
+        ("rope_cos", ctypes.c_void_p), ("rope_sin", ctypes.c_void_p), ("layers", ctypes.POINTER(Layer)),
+        ("normed", ctypes.c_void_p), ("qkv", ctypes.c_void_p), ("attn", ctypes.c_void_p), ("gate_up", ctypes.c_void_p),
+        ("xq", ctypes.c_void_p), ("xd", ctypes.c_void_p), ("xs", ctypes.c_void_p),
+        ("partial", ctypes.c_void_p), ("partial_items", ctypes.c_int64)]
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.machine()
+
+
+def _build_key(compiler: str) -> str:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), "".join(version).encode(), _cpu_flags().encode()):
+        digest.update(part)
+    return digest.hexdigest()[:16]
+
+
+def build(force: bool = False) -> Path:
+    """Compile the library for this machine if its cached build is missing; its path."""
+    from ..models.loading import cache_dir
+
+    compiler = _compiler()
+    if compiler is None:
+        raise KernelsUnavailable("no C++ compiler found (set $CXX or install g++); specdecode's CPU kernels are built on first use")
+    target = cache_dir() / "kernels" / _build_key(compiler) / LIBRARY
+    if target.is_file() and not force:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    print(f"specdecode: building the CPU kernels for this machine with {Path(compiler).name} (once; a few seconds)",
+          file=sys.stderr, flush=True)
+    handle, staging = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(handle)
+    result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", staging], capture_output=True, text=True)
+    if result.returncode != 0:
+        os.unlink(staging)
+        raise KernelsUnavailable(f"building the CPU kernels failed:\n{result.stderr.strip()[-2000:]}")
+    os.replace(staging, target)
+    return target
+
+
+@lru_cache(maxsize=1)
+def load() -> ctypes.CDLL:
+    """The loaded library (built first if needed). torch is imported before it, so the
+    library shares torch's OpenMP runtime instead of starting a second thread pool."""
+    import torch  # noqa: F401  (see docstring)
+
+    if os.environ.get("SPECDECODE_NO_KERNELS"):
+        raise KernelsUnavailable("SPECDECODE_NO_KERNELS is set")
+    lib = ctypes.CDLL(str(build()))
+    c_int, c_i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    signatures = {
+        "sd_version": ([], c_int),
+        "sd_simd": ([], c_int),
+        "sd_key_chunk": ([], c_int),
+        "sd_forward_layers": ([ctypes.POINTER(Model), c_int, c_int, ptr, c_int, c_int, c_int, ptr, ptr], None),
+        "sd_linear_forward": ([ctypes.POINTER(Linear), ptr, c_i64, ptr, ptr, ptr, ptr, c_int], None),
+        "sd_rms_norm": ([ptr, ptr, c_i64, c_int, ctypes.c_float, ptr, c_int], None),
+        "sd_embed": ([ctypes.POINTER(Linear), ptr, c_i64, ptr], None),
+        "sd_attention": ([ctypes.POINTER(Model), c_int, ptr, c_int, c_int, c_int, ptr, ptr], None),
+    }
+    for name, (argtypes, restype) in signatures.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, restype
+    return lib
+
+
+def available() -> bool:
+    try:
+        load()
+        return True
+    except KernelsUnavailable:
+        return False
+
+
+def unavailable_reason() -> str | None:
+    try:
+        load()
+        return None
+    except KernelsUnavailable as error:
+        return str(error)

@@ -1,0 +1,872 @@
+// specdecode CPU kernels: linear layers over dense (fp32, bf16) and block-quantized (Q8_0,
+// Q4_1) weights, decode attention over a preallocated KV cache, and the Llama layer stack.
+//
+// Why: on CPUs without AMX or AVX-512 BF16, torch's GEMMs for one to a few rows run far
+// below the memory bandwidth (bf16 is emulated, MKL takes a slow path on AMD), and the
+// CPU flash-attention kernel costs several times a plain matmul-softmax-matmul for one
+// query over a long cache. A decode step reads every weight once; these kernels stream
+// them in the format they are stored in and run the whole layer stack in one call, so a
+// step costs about what reading its weights and its keys and values costs.
+//
+// Batch invariance (--exact): every output row is computed by one thread, by the same
+// instructions in the same order, whatever else is in the batch and however many threads
+// run. Linear layers split work over output features only, never over the reduction;
+// the activation quantization is per row; attention reduces over a row's visible keys in
+// fixed chunks of SD_KEY_CHUNK keys counted from the first visible key, so a token scored
+// alone, within k + 1 drafts or inside a tree sees the same arithmetic.
+//
+// Built once per machine by specdecode/kernels/__init__.py (g++ -O3 -march=native
+// -fopenmp -ffp-contract=off; no -ffast-math, so the compiler never reorders a float sum)
+// and called through ctypes. Without AVX2/FMA/F16C the portable scalar code is compiled.
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define SD_AVX2 1
+#else
+#define SD_AVX2 0
+#endif
+
+#define SD_VERSION 1
+#define SD_KEY_CHUNK 256  // keys per attention partial; fixed, so results never depend on T
+#define SD_MAX_HEAD_DIM 256
+#define SD_MAX_GROUP 16  // query heads per KV head
+
+enum { SD_F32 = 0, SD_BF16 = 1, SD_Q8_0 = 2, SD_Q4_1 = 3, SD_F16 = 4 };
+
+extern "C" {
+
+// One linear layer's weight [rows = out features, cols = in features].
+//   F32:  w float[rows*cols]            BF16: w uint16[rows*cols]
+//   Q8_0: w int8[rows*cols],  d fp16[rows*cols/32]          (w_i = d * q_i)
+//   Q4_1: w uint8[rows*cols/2], d, m fp16[rows*cols/32]     (w_i = d * q_i + m)
+//   Q4_1 blocks keep GGUF's nibble order: byte j of a block holds weights j (low nibble)
+//   and j + 16 (high nibble).
+typedef struct {
+    int32_t fmt;
+    int32_t rows;
+    int32_t cols;
+    int32_t pad;
+    const void* w;
+    const uint16_t* d;
+    const uint16_t* m;
+    const float* bias;  // [rows] or NULL
+} sd_linear;
+
+typedef struct {
+    sd_linear qkv, o, gate_up, down;
+    const float* input_norm;
+    const float* post_norm;
+    void* k_cache;  // [batch, kv_heads, capacity, head_dim] in kv_fmt
+    void* v_cache;
+} sd_layer;
+
+typedef struct {
+    int32_t num_layers, hidden, intermediate, heads, kv_heads, head_dim;
+    int32_t capacity, batch, kv_fmt, max_rows, num_threads, pad;
+    float eps, attn_scale;
+    const float* rope_cos;  // [max_positions, head_dim]
+    const float* rope_sin;
+    sd_layer* layers;
+    // scratch for max_rows rows
+    float* normed;   // [max_rows, max(hidden, intermediate)]
+    float* qkv;      // [max_rows, (heads + 2 kv_heads) head_dim]
+    float* attn;     // [max_rows, heads head_dim]
+    float* gate_up;  // [max_rows, 2 intermediate]
+    int8_t* xq;      // [max_rows, max(hidden, intermediate)]
+    float* xd;       // [max_rows, max(hidden, intermediate) / 32]
+    float* xs;       // [max_rows, max(hidden, intermediate) / 32]
+    float* partial;  // attention partials: partial_items x (heads / kv_heads) x (head_dim + 2)
+    int64_t partial_items;  // capacity of partial, in (row, kv head, chunk) items
+} sd_model;
+
+int sd_version(void) { return SD_VERSION; }
+int sd_simd(void) { return SD_AVX2 ? 2 : 0; }
+int sd_key_chunk(void) { return SD_KEY_CHUNK; }
+
+}  // extern "C"
+
+// ---------------------------------------------------------------------------------------
+// scalar helpers
+
+static inline float fp16_to_f32(uint16_t h) {
+#if SD_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
+    if (exponent == 0) {
+        if (mantissa == 0) {
+            bits = sign;
+        } else {  // subnormal: normalise
+            exponent = 127 - 15 + 1;
+            while (!(mantissa & 0x400)) { mantissa <<= 1; exponent--; }
+            bits = sign | (exponent << 23) | ((mantissa & 0x3FF) << 13);
+        }
+    } else if (exponent == 31) {
+        bits = sign | 0x7F800000 | (mantissa << 13);
+    } else {
+        bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline uint16_t f32_to_fp16(float f) {
+#if SD_AVX2
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    // round to nearest even, via the classic bit manipulation (finite values)
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000;
+    int32_t exponent = (int32_t)((x >> 23) & 0xFF) - 127 + 15;
+    uint32_t mantissa = x & 0x7FFFFF;
+    if (((x >> 23) & 0xFF) == 0xFF) return (uint16_t)(sign | 0x7C00 | (mantissa ? 0x200 : 0));
+    if (exponent >= 31) return (uint16_t)(sign | 0x7C00);
+    if (exponent <= 0) {
+        if (exponent < -10) return (uint16_t)sign;
+        mantissa |= 0x800000;
+        uint32_t shift = (uint32_t)(14 - exponent);
+        uint32_t half = mantissa >> shift, rest = mantissa & ((1u << shift) - 1), mid = 1u << (shift - 1);
+        if (rest > mid || (rest == mid && (half & 1))) half++;
+        return (uint16_t)(sign | half);
+    }
+    uint32_t half = sign | ((uint32_t)exponent << 10) | (mantissa >> 13), rest = mantissa & 0x1FFF;
+    if (rest > 0x1000 || (rest == 0x1000 && (half & 1))) half++;
+    return (uint16_t)half;
+#endif
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7FFFFFFF) > 0x7F800000) return (uint16_t)((bits >> 16) | 0x40);  // NaN
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
+
+#if SD_AVX2
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 lo = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_max_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_max_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+// e^x, Cephes-style: x = n ln2 + r, |r| <= ln2 / 2, degree-6 polynomial; about 1 ulp.
+// Inputs below -87.3 give 0 (softmax and SiLU only ever need that end).
+static inline __m256 exp8(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365447505531f);
+    __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(scale)));
+}
+
+static inline __m256 load8_bf16(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+static inline __m256 load8_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+#endif
+
+static inline float exp1(float x) {  // the scalar twin of exp8, lane for lane
+#if SD_AVX2
+    float out[8];
+    _mm256_storeu_ps(out, exp8(_mm256_set1_ps(x)));
+    return out[0];
+#else
+    return expf(x);
+#endif
+}
+
+// ---------------------------------------------------------------------------------------
+// activation quantization for the block-quantized formats: per row and block of 32,
+// scale = max|x| / 127, q = round(x / scale) in [-127, 127], and the block's exact sum of x
+// (Q4_1's minimum multiplies it). For Q4_1 the quantized row is laid out by pairs of
+// blocks to match one 32-byte load of two weight blocks: [b 0..15 | b+1 0..15 | b 16..31 |
+// b+1 16..31].
+
+static void quantize_rows(const float* x, int64_t rows, int cols, int64_t x_stride, int pair_layout,
+                          int8_t* xq, float* xd, float* xs) {
+    const int blocks = cols / 32;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float* row = x + r * x_stride;
+        int8_t* q = xq + r * cols;
+        for (int b = 0; b < blocks; b++) {
+            const float* v = row + 32 * b;
+            float amax = 0.0f, sum = 0.0f;
+#if SD_AVX2
+            __m256 m = _mm256_setzero_ps(), s = _mm256_setzero_ps();
+            const __m256 sign = _mm256_set1_ps(-0.0f);
+            for (int i = 0; i < 32; i += 8) {
+                __m256 t = _mm256_loadu_ps(v + i);
+                m = _mm256_max_ps(m, _mm256_andnot_ps(sign, t));
+                s = _mm256_add_ps(s, t);
+            }
+            amax = hmax8(m);
+            sum = hsum8(s);
+#else
+            float s8[8] = {0};
+            for (int i = 0; i < 32; i++) {
+                float a = fabsf(v[i]);
+                amax = a > amax ? a : amax;
+                s8[i % 8] += v[i];
+            }
+            sum = ((s8[0] + s8[4]) + (s8[2] + s8[6])) + ((s8[1] + s8[5]) + (s8[3] + s8[7]));
+#endif
+            float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            xd[r * blocks + b] = scale;
+            xs[r * blocks + b] = sum;
+            int8_t tmp[32];
+            for (int i = 0; i < 32; i++) tmp[i] = (int8_t)nearbyintf(v[i] * inv);
+            if (pair_layout) {
+                int base = 64 * (b / 2) + 16 * (b & 1);
+                memcpy(q + base, tmp, 16);
+                memcpy(q + base + 32, tmp + 16, 16);
+            } else {
+                memcpy(q + 32 * b, tmp, 32);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// dot products of R activation rows with one weight row. A tile of R rows shares the weight
+// loads (and the Q4_1 unpacking); the float arithmetic of each row is the same whatever R
+// is, and the integer sums of the block formats are exact, so a row's result never
+// depends on the rows beside it. R is at most 2: AVX2 has 16 vector registers.
+
+template <int R>
+static inline void dot_f32(const float* const* x, const float* w, int cols, float* out) {
+#if SD_AVX2
+    __m256 acc[R][4];
+    for (int r = 0; r < R; r++)
+        for (int a = 0; a < 4; a++) acc[r][a] = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 32 <= cols; k += 32) {
+        for (int a = 0; a < 4; a++) {
+            __m256 wv = _mm256_loadu_ps(w + k + 8 * a);
+            for (int r = 0; r < R; r++) acc[r][a] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + k + 8 * a), wv, acc[r][a]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float s = hsum8(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
+        for (int t = k; t < cols; t++) s += x[r][t] * w[t];
+        out[r] = s;
+    }
+#else
+    for (int r = 0; r < R; r++) {
+        float s = 0.0f;
+        for (int t = 0; t < cols; t++) s += x[r][t] * w[t];
+        out[r] = s;
+    }
+#endif
+}
+
+template <int R>
+static inline void dot_bf16(const float* const* x, const uint16_t* w, int cols, float* out) {
+#if SD_AVX2
+    __m256 acc[R][4];
+    for (int r = 0; r < R; r++)
+        for (int a = 0; a < 4; a++) acc[r][a] = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 32 <= cols; k += 32) {
+        for (int a = 0; a < 4; a++) {
+            __m256 wv = load8_bf16(w + k + 8 * a);
+            for (int r = 0; r < R; r++) acc[r][a] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + k + 8 * a), wv, acc[r][a]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float s = hsum8(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
+        for (int t = k; t < cols; t++) s += x[r][t] * bf16_to_f32(w[t]);
+        out[r] = s;
+    }
+#else
+    for (int r = 0; r < R; r++) {
+        float s = 0.0f;
+        for (int t = 0; t < cols; t++) s += x[r][t] * bf16_to_f32(w[t]);
+        out[r] = s;
+    }
+#endif
+}
+
+#if SD_AVX2
+// [b ×8] int32 partial sums of blocks b and b+1 -> [b b b+1 b+1 | b b b+1 b+1] (pairs summed)
+// and two such -> [b0 b1 b2 b3 | b0 b1 b2 b3]; the halves are added at the end.
+static inline __m256i halves_to_blocks(__m256i lo4, __m256i hi4) {  // [0..3|0..3], [4..7|4..7] -> [0..7]
+    return _mm256_add_epi32(_mm256_permute2x128_si256(lo4, hi4, 0x20), _mm256_permute2x128_si256(lo4, hi4, 0x31));
+}
+
+static inline __m256i q8_block_sum(__m256i wa, __m256i ws, const int8_t* x, __m256i ones) {
+    __m256i xv = _mm256_loadu_si256((const __m256i*)x);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, ws)), ones);
+}
+#endif
+
+// Q8_0 weights x Q8 activations: sum_b d_w[b] dx[b] sum_i q_w[i] q_x[i]
+template <int R>
+static inline void dot_q8_0(const int8_t* const* xq, const float* const* xd, const int8_t* w, const uint16_t* d,
+                            int cols, float* out) {
+    const int blocks = cols / 32;
+#if SD_AVX2
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    int b = 0;
+    for (; b + 8 <= blocks; b += 8) {
+        __m256i quad[2][R];  // blocks 0-3 and 4-7, as [0 1 2 3 | 0 1 2 3] halves
+        for (int half = 0; half < 2; half++) {
+            __m256i pair[2][R];
+            for (int j = 0; j < 2; j++) {
+                const int8_t* w0 = w + 32 * (b + 4 * half + 2 * j);
+                __m256i ws0 = _mm256_loadu_si256((const __m256i*)w0), ws1 = _mm256_loadu_si256((const __m256i*)(w0 + 32));
+                __m256i wa0 = _mm256_sign_epi8(ws0, ws0), wa1 = _mm256_sign_epi8(ws1, ws1);
+                for (int r = 0; r < R; r++) {
+                    const int8_t* x0 = xq[r] + 32 * (b + 4 * half + 2 * j);
+                    pair[j][r] = _mm256_hadd_epi32(q8_block_sum(wa0, ws0, x0, ones), q8_block_sum(wa1, ws1, x0 + 32, ones));
+                }
+            }
+            for (int r = 0; r < R; r++) quad[half][r] = _mm256_hadd_epi32(pair[0][r], pair[1][r]);
+        }
+        __m256 dw = load8_f16(d + b);
+        for (int r = 0; r < R; r++) {
+            __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(xd[r] + b));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(halves_to_blocks(quad[0][r], quad[1][r])), scale, acc[r]);
+        }
+    }
+    __m256 tail[R];  // the last blocks % 8 blocks, one at a time
+    for (int r = 0; r < R; r++) tail[r] = _mm256_setzero_ps();
+    for (; b < blocks; b++) {
+        __m256i ws = _mm256_loadu_si256((const __m256i*)(w + 32 * b));
+        __m256i wa = _mm256_sign_epi8(ws, ws);
+        const float dw = fp16_to_f32(d[b]);
+        for (int r = 0; r < R; r++) {
+            __m256i sums = q8_block_sum(wa, ws, xq[r] + 32 * b, ones);
+            tail[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(dw * xd[r][b]), tail[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) + hsum8(tail[r]);
+#else
+    for (int r = 0; r < R; r++) {
+        float s = 0.0f;
+        for (int t = 0; t < blocks; t++) {
+            int32_t isum = 0;
+            for (int i = 0; i < 32; i++) isum += (int32_t)w[32 * t + i] * (int32_t)xq[r][32 * t + i];
+            s += (float)isum * (fp16_to_f32(d[t]) * xd[r][t]);
+        }
+        out[r] = s;
+    }
+#endif
+}
+
+#if SD_AVX2
+// int32 sums of the two blocks of a Q4_1 pair against one activation row (pair layout):
+// [b ×4 | b+1 ×4]
+static inline __m256i q4_pair_sum(__m256i lo, __m256i hi, const int8_t* x, __m256i ones) {
+    __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)x)),
+                                   _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(x + 32))));
+    return _mm256_madd_epi16(s16, ones);
+}
+#endif
+
+// Q4_1 weights x Q8 activations (pair layout): sum_b d_w[b] dx[b] sum_i q_w[i] q_x[i] + sum_b m_w[b] sx[b]
+template <int R>
+static inline void dot_q4_1(const int8_t* const* xq, const float* const* xd, const float* const* xs,
+                            const uint8_t* w, const uint16_t* d, const uint16_t* m, int cols, float* out) {
+    const int blocks = cols / 32;  // even: cols % 64 == 0
+#if SD_AVX2
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    int b = 0;
+    for (; b + 8 <= blocks; b += 8) {
+        __m256i half[2][R];  // pairs (0,1) -> [b0 b0 b2 b2 | b1 b1 b3 b3], pairs (2,3) likewise for b4..b7
+        for (int h = 0; h < 2; h++) {
+            __m256i sums[2][R];
+            for (int j = 0; j < 2; j++) {
+                __m256i v = _mm256_loadu_si256((const __m256i*)(w + 16 * (b + 4 * h + 2 * j)));
+                __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+                for (int r = 0; r < R; r++) sums[j][r] = q4_pair_sum(lo, hi, xq[r] + 32 * (b + 4 * h + 2 * j), ones);
+            }
+            for (int r = 0; r < R; r++) half[h][r] = _mm256_hadd_epi32(sums[0][r], sums[1][r]);
+        }
+        __m256 dw = load8_f16(d + b);
+        for (int r = 0; r < R; r++) {
+            __m256i block_sums = _mm256_hadd_epi32(half[0][r], half[1][r]);  // [b0 b2 b4 b6 | b1 b3 b5 b7]
+            __m256 scale = _mm256_permutevar8x32_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(xd[r] + b)), order);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums), scale, acc[r]);
+        }
+    }
+    __m256 tail[R];  // the last blocks % 8 blocks, a pair at a time
+    for (int r = 0; r < R; r++) tail[r] = _mm256_setzero_ps();
+    for (; b < blocks; b += 2) {
+        __m256i v = _mm256_loadu_si256((const __m256i*)(w + 16 * b));
+        __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        const float d0 = fp16_to_f32(d[b]), d1 = fp16_to_f32(d[b + 1]);
+        for (int r = 0; r < R; r++) {
+            __m256 scale = _mm256_set_m128(_mm_set1_ps(d1 * xd[r][b + 1]), _mm_set1_ps(d0 * xd[r][b]));
+            tail[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_pair_sum(lo, hi, xq[r] + 32 * b, ones)), scale, tail[r]);
+        }
+    }
+    // the minimum term, a dot product of the block minima with the activations' block sums
+    for (int r = 0; r < R; r++) {
+        __m256 macc = _mm256_setzero_ps();
+        int t = 0;
+        for (; t + 8 <= blocks; t += 8) macc = _mm256_fmadd_ps(load8_f16(m + t), _mm256_loadu_ps(xs[r] + t), macc);
+        float mtail = 0.0f;
+        for (; t < blocks; t++) mtail = mtail + fp16_to_f32(m[t]) * xs[r][t];
+        out[r] = (hsum8(acc[r]) + hsum8(tail[r])) + (hsum8(macc) + mtail);
+    }
+#else
+    for (int r = 0; r < R; r++) {
+        float s = 0.0f, ms = 0.0f;
+        for (int t = 0; t < blocks; t++) {
+            const int8_t* x = xq[r] + 64 * (t / 2) + 16 * (t & 1);
+            const uint8_t* q = w + 16 * t;
+            int32_t isum = 0;
+            for (int i = 0; i < 16; i++) isum += (int32_t)(q[i] & 0x0F) * x[i] + (int32_t)(q[i] >> 4) * x[i + 32];
+            s += (float)isum * (fp16_to_f32(d[t]) * xd[r][t]);
+            ms += fp16_to_f32(m[t]) * xs[r][t];
+        }
+        out[r] = s + ms;
+    }
+#endif
+}
+
+// ---------------------------------------------------------------------------------------
+// linear: out[r, n] (+)= x[r, :] . w[n, :] (+ bias[n]), r < rows. Orphaned worksharing:
+// inside a parallel region the output features are split over its threads.
+
+#define SD_ROW_TILE 2
+
+struct scratch_q {
+    int8_t* xq;
+    float* xd;
+    float* xs;
+};
+
+template <int R>
+static inline void linear_tile(const sd_linear* L, const float* x, int64_t x_stride, const scratch_q& q, int64_t r0,
+                               int n, float* vals) {
+    const int cols = L->cols, blocks = cols / 32;
+    switch (L->fmt) {
+        case SD_F32: {
+            const float* xr[R];
+            for (int r = 0; r < R; r++) xr[r] = x + (r0 + r) * x_stride;
+            dot_f32<R>(xr, (const float*)L->w + (int64_t)n * cols, cols, vals);
+            break;
+        }
+        case SD_BF16: {
+            const float* xr[R];
+            for (int r = 0; r < R; r++) xr[r] = x + (r0 + r) * x_stride;
+            dot_bf16<R>(xr, (const uint16_t*)L->w + (int64_t)n * cols, cols, vals);
+            break;
+        }
+        case SD_Q8_0: {
+            const int8_t* xr[R];
+            const float* dr[R];
+            for (int r = 0; r < R; r++) xr[r] = q.xq + (r0 + r) * cols, dr[r] = q.xd + (r0 + r) * blocks;
+            dot_q8_0<R>(xr, dr, (const int8_t*)L->w + (int64_t)n * cols, L->d + (int64_t)n * blocks, cols, vals);
+            break;
+        }
+        case SD_Q4_1: {
+            const int8_t* xr[R];
+            const float *dr[R], *sr[R];
+            for (int r = 0; r < R; r++)
+                xr[r] = q.xq + (r0 + r) * cols, dr[r] = q.xd + (r0 + r) * blocks, sr[r] = q.xs + (r0 + r) * blocks;
+            dot_q4_1<R>(xr, dr, sr, (const uint8_t*)L->w + (int64_t)n * cols / 2, L->d + (int64_t)n * blocks,
+                        L->m + (int64_t)n * blocks, cols, vals);
+            break;
+        }
+    }
+}
+
+static void linear(const sd_linear* L, const float* x, int64_t rows, int64_t x_stride, float* out, int64_t out_stride,
+                   int accumulate, const scratch_q& q) {
+    if (L->fmt == SD_Q8_0 || L->fmt == SD_Q4_1)
+        quantize_rows(x, rows, L->cols, x_stride, L->fmt == SD_Q4_1, q.xq, q.xd, q.xs);  // ends with a barrier
+    const int features = L->rows;
+    const int64_t full = rows / SD_ROW_TILE * SD_ROW_TILE;
+#pragma omp for schedule(static)
+    for (int n = 0; n < features; n++) {
+        float vals[SD_ROW_TILE];
+        const float bias = L->bias ? L->bias[n] : 0.0f;
+        for (int64_t r = 0; r < rows; r += SD_ROW_TILE) {
+            int tile = r < full ? SD_ROW_TILE : (int)(rows - r);
+            if (tile == 2)
+                linear_tile<2>(L, x, x_stride, q, r, n, vals);
+            else
+                linear_tile<1>(L, x, x_stride, q, r, n, vals);
+            for (int t = 0; t < tile; t++) {
+                float v = L->bias ? vals[t] + bias : vals[t];
+                float* dst = out + (r + t) * out_stride + n;
+                *dst = accumulate ? *dst + v : v;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// elementwise stages
+
+static void rms_norm(const float* x, const float* weight, int64_t rows, int cols, float eps, float* out) {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float* v = x + r * cols;
+        float* o = out + r * cols;
+        float ss;
+#if SD_AVX2
+        __m256 acc = _mm256_setzero_ps();
+        int k = 0;
+        for (; k + 8 <= cols; k += 8) {
+            __m256 t = _mm256_loadu_ps(v + k);
+            acc = _mm256_fmadd_ps(t, t, acc);
+        }
+        ss = hsum8(acc);
+        for (; k < cols; k++) ss += v[k] * v[k];
+#else
+        ss = 0.0f;
+        for (int k = 0; k < cols; k++) ss += v[k] * v[k];
+#endif
+        float inv = 1.0f / sqrtf(ss / (float)cols + eps);
+        for (int k = 0; k < cols; k++) o[k] = weight[k] * (v[k] * inv);
+    }
+}
+
+static inline float silu_mul1(float g, float u) { return g / (1.0f + exp1(-g)) * u; }
+
+static void silu_mul(const float* gate_up, int64_t rows, int inter, float* out) {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float* g = gate_up + r * 2 * inter;
+        const float* u = g + inter;
+        float* o = out + r * inter;
+        int k = 0;
+#if SD_AVX2
+        const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
+        for (; k + 8 <= inter; k += 8) {
+            __m256 gv = _mm256_loadu_ps(g + k);
+            __m256 den = _mm256_add_ps(one, exp8(_mm256_xor_ps(gv, neg)));
+            _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + k)));
+        }
+#endif
+        for (; k < inter; k++) o[k] = silu_mul1(g[k], u[k]);
+    }
+}
+
+static inline void store_kv(void* cache, int fmt, int64_t index, const float* src, int n) {
+    if (fmt == SD_F32) {
+        memcpy((float*)cache + index, src, sizeof(float) * n);
+    } else if (fmt == SD_BF16) {
+        uint16_t* dst = (uint16_t*)cache + index;
+        for (int i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+    } else {
+        uint16_t* dst = (uint16_t*)cache + index;
+        for (int i = 0; i < n; i++) dst[i] = f32_to_fp16(src[i]);
+    }
+}
+
+// RoPE (rotate-half convention) on q and k of every row, then k and v into the cache at
+// slots start + t.
+static void rope_and_store(const sd_model* M, const sd_layer* L, float* qkv, int batch, int T, int start,
+                           const int64_t* positions) {
+    const int H = M->heads, G = M->kv_heads, D = M->head_dim, half = D / 2;
+    const int width = (H + 2 * G) * D;
+    const int64_t rows = (int64_t)batch * T;
+#pragma omp for schedule(static)
+    for (int64_t row = 0; row < rows; row++) {
+        const int b = (int)(row / T), t = (int)(row % T);
+        float* v = qkv + row * width;
+        const int64_t pos = positions[t];
+        const float* cs = M->rope_cos + pos * D;
+        const float* sn = M->rope_sin + pos * D;
+        for (int h = 0; h < H + G; h++) {
+            float* x = v + h * D;
+            float rotated[SD_MAX_HEAD_DIM];
+            for (int i = 0; i < half; i++) {
+                rotated[i] = x[i] * cs[i] - x[i + half] * sn[i];
+                rotated[i + half] = x[i + half] * cs[i + half] + x[i] * sn[i + half];
+            }
+            memcpy(x, rotated, sizeof(float) * D);
+        }
+        for (int g = 0; g < G; g++) {
+            int64_t slot = (((int64_t)b * G + g) * M->capacity + start + t) * D;
+            store_kv(L->k_cache, M->kv_fmt, slot, v + (H + g) * D, D);
+            store_kv(L->v_cache, M->kv_fmt, slot, v + (H + G + g) * D, D);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// attention
+
+static inline void load_row(const void* cache, int fmt, int64_t index, int D, float* out) {
+    if (fmt == SD_F32) {
+        memcpy(out, (const float*)cache + index, sizeof(float) * D);
+        return;
+    }
+    const uint16_t* src = (const uint16_t*)cache + index;
+    int i = 0;
+#if SD_AVX2
+    for (; i + 8 <= D; i += 8) _mm256_storeu_ps(out + i, fmt == SD_BF16 ? load8_bf16(src + i) : load8_f16(src + i));
+#endif
+    for (; i < D; i++) out[i] = fmt == SD_BF16 ? bf16_to_f32(src[i]) : fp16_to_f32(src[i]);
+}
+
+static inline float dot_row(const float* a, const float* b, int D) {
+#if SD_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum8(acc);
+    for (; i < D; i++) s += a[i] * b[i];
+    return s;
+#else
+    float s = 0.0f;
+    for (int i = 0; i < D; i++) s += a[i] * b[i];
+    return s;
+#endif
+}
+
+static inline void axpy(float a, const float* x, float* y, int D) {
+    int i = 0;
+#if SD_AVX2
+    __m256 av = _mm256_set1_ps(a);
+    for (; i + 8 <= D; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < D; i++) y[i] = fmaf(a, x[i], y[i]);
+}
+
+// The visible keys of row t, in order: every cached slot before `start`, then the new
+// tokens t may see (its tree-mask row, or t' <= t). The n-th visible key sits at slot
+// n if n < start, else at start + new_index[n - start].
+static inline int visible_new(int T, int t, const uint8_t* mask, int* new_index) {
+    int count = 0;
+    for (int j = 0; j < T; j++)
+        if (mask ? mask[(int64_t)t * T + j] : j <= t) new_index[count++] = j;
+    return count;
+}
+
+// One chunk of keys for the query heads of one KV head: partial (max, sum, output) per head.
+// partial layout per head: [max, sum, out[D]]
+static void attend_chunk(const sd_model* M, const sd_layer* L, const float* qkv_row, int b, int g, int start,
+                         const int* new_index, int chunk, int visible, float* partial) {
+    const int D = M->head_dim, H = M->heads, G = M->kv_heads, per = H / G;
+    const int first = chunk * SD_KEY_CHUNK;
+    const int count = visible - first < SD_KEY_CHUNK ? visible - first : SD_KEY_CHUNK;
+    const int64_t base = ((int64_t)b * G + g) * M->capacity;
+    float scores[SD_MAX_GROUP][SD_KEY_CHUNK];
+    float key[SD_MAX_HEAD_DIM];
+    const float* q[SD_MAX_GROUP];
+    for (int h = 0; h < per; h++) q[h] = qkv_row + (g * per + h) * D;
+    for (int n = 0; n < count; n++) {
+        int visible_index = first + n;
+        int64_t slot = visible_index < start ? visible_index : start + new_index[visible_index - start];
+        load_row(L->k_cache, M->kv_fmt, (base + slot) * D, D, key);
+        for (int h = 0; h < per; h++) scores[h][n] = dot_row(q[h], key, D) * M->attn_scale;
+    }
+    for (int h = 0; h < per; h++) {
+        float* s = scores[h];
+        float mx = -INFINITY, sum = 0.0f;
+        int n = 0;
+#if SD_AVX2
+        __m256 mv = _mm256_set1_ps(-INFINITY);
+        for (; n + 8 <= count; n += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + n));
+        mx = hmax8(mv);
+        for (int i = n; i < count; i++) mx = s[i] > mx ? s[i] : mx;
+        __m256 sv = _mm256_setzero_ps(), mxv = _mm256_set1_ps(mx);
+        for (n = 0; n + 8 <= count; n += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + n), mxv));
+            _mm256_storeu_ps(s + n, e);
+            sv = _mm256_add_ps(sv, e);
+        }
+        sum = hsum8(sv);
+#else
+        for (int i = 0; i < count; i++) mx = s[i] > mx ? s[i] : mx;
+        n = 0;
+#endif
+        for (; n < count; n++) {
+            s[n] = exp1(s[n] - mx);
+            sum += s[n];
+        }
+        float* p = partial + (int64_t)h * (D + 2);
+        p[0] = mx;
+        p[1] = sum;
+        memset(p + 2, 0, sizeof(float) * D);
+    }
+    for (int n = 0; n < count; n++) {
+        int visible_index = first + n;
+        int64_t slot = visible_index < start ? visible_index : start + new_index[visible_index - start];
+        load_row(L->v_cache, M->kv_fmt, (base + slot) * D, D, key);
+        for (int h = 0; h < per; h++) axpy(scores[h][n], key, partial + (int64_t)h * (D + 2) + 2, D);
+    }
+}
+
+// out[row, h*D:(h+1)*D] for rows [row0, row0 + rows); partials: rows x G x chunks x per x (D+2)
+static void attention_rows(const sd_model* M, const sd_layer* L, const float* qkv, int batch, int T, int start,
+                           const uint8_t* mask, int64_t row0, int64_t rows, float* out) {
+    const int D = M->head_dim, H = M->heads, G = M->kv_heads, per = H / G;
+    const int width = (H + 2 * G) * D;
+    const int max_chunks = (start + T + SD_KEY_CHUNK - 1) / SD_KEY_CHUNK;
+    const int64_t items = rows * G * max_chunks;
+    const int64_t stride = (int64_t)per * (D + 2);
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t row = row0 + item / ((int64_t)G * max_chunks);
+        const int g = (int)(item / max_chunks % G), chunk = (int)(item % max_chunks);
+        const int b = (int)(row / T), t = (int)(row % T);
+        int new_index[512];
+        const int visible = start + visible_new(T, t, mask, new_index);
+        if (chunk * SD_KEY_CHUNK >= visible) continue;
+        attend_chunk(M, L, qkv + row * width, b, g, start, new_index, chunk, visible, M->partial + item * stride);
+    }
+    // combine the chunks of each (row, head) in chunk order
+#pragma omp for schedule(static)
+    for (int64_t rh = 0; rh < rows * H; rh++) {
+        const int64_t row = row0 + rh / H;
+        const int h = (int)(rh % H), g = h / per, hg = h % per;
+        const int t = (int)(row % T);
+        int new_index[512];
+        const int visible = start + visible_new(T, t, mask, new_index);
+        const int chunks = (visible + SD_KEY_CHUNK - 1) / SD_KEY_CHUNK;
+        const float* first = M->partial + ((rh / H) * G + g) * max_chunks * stride + hg * (D + 2);
+        float mx = -INFINITY;
+        for (int c = 0; c < chunks; c++) mx = first[c * stride] > mx ? first[c * stride] : mx;
+        float acc[SD_MAX_HEAD_DIM] = {0};
+        float sum = 0.0f;
+        for (int c = 0; c < chunks; c++) {
+            const float* p = first + c * stride;
+            float w = exp1(p[0] - mx);
+            sum += w * p[1];
+            axpy(w, p + 2, acc, D);
+        }
+        float inv = 1.0f / sum;
+        float* o = out + row * H * D + h * D;
+        for (int i = 0; i < D; i++) o[i] = acc[i] * inv;
+    }
+}
+
+static void attention(const sd_model* M, const sd_layer* L, const float* qkv, int batch, int T, int start,
+                      const uint8_t* mask, float* out) {
+    const int64_t rows = (int64_t)batch * T;
+    const int max_chunks = (start + T + SD_KEY_CHUNK - 1) / SD_KEY_CHUNK;
+    const int64_t per_row = (int64_t)M->kv_heads * max_chunks;
+    int64_t group = M->partial_items / (per_row > 0 ? per_row : 1);
+    if (group < 1) group = 1;
+    for (int64_t row0 = 0; row0 < rows; row0 += group)
+        attention_rows(M, L, qkv, batch, T, start, mask, row0, rows - row0 < group ? rows - row0 : group, out);
+}
+
+// ---------------------------------------------------------------------------------------
+// entry points
+
+extern "C" {
+
+// hidden[batch*T, hidden] through layers [first, last): the residual stream stays fp32.
+void sd_forward_layers(const sd_model* M, int first, int last, float* hidden, int batch, int T, int start,
+                       const int64_t* positions, const uint8_t* mask) {
+    const int64_t rows = (int64_t)batch * T;
+    const int Hd = M->hidden, I = M->intermediate;
+    const int qkv_width = (M->heads + 2 * M->kv_heads) * M->head_dim;
+    const scratch_q q = {M->xq, M->xd, M->xs};
+#pragma omp parallel num_threads(M->num_threads)
+    for (int l = first; l < last; l++) {
+        const sd_layer* L = M->layers + l;
+        rms_norm(hidden, L->input_norm, rows, Hd, M->eps, M->normed);
+        linear(&L->qkv, M->normed, rows, Hd, M->qkv, qkv_width, 0, q);
+        rope_and_store(M, L, M->qkv, batch, T, start, positions);
+        attention(M, L, M->qkv, batch, T, start, mask, M->attn);
+        linear(&L->o, M->attn, rows, (int64_t)M->heads * M->head_dim, hidden, Hd, 1, q);
+        rms_norm(hidden, L->post_norm, rows, Hd, M->eps, M->normed);
+        linear(&L->gate_up, M->normed, rows, Hd, M->gate_up, 2 * I, 0, q);
+        silu_mul(M->gate_up, rows, I, M->normed);
+        linear(&L->down, M->normed, rows, I, hidden, Hd, 1, q);
+    }
+}
+
+// out[rows, L.rows] = x[rows, L.cols] . W^T (+ bias), with the model's scratch for quantized x
+void sd_linear_forward(const sd_linear* L, const float* x, int64_t rows, float* out, int8_t* xq, float* xd, float* xs,
+                       int num_threads) {
+    const scratch_q q = {xq, xd, xs};
+#pragma omp parallel num_threads(num_threads)
+    linear(L, x, rows, L->cols, out, L->rows, 0, q);
+}
+
+void sd_rms_norm(const float* x, const float* weight, int64_t rows, int cols, float eps, float* out, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    rms_norm(x, weight, rows, cols, eps, out);
+}
+
+// rows of an embedding table in any format, dequantized to fp32
+void sd_embed(const sd_linear* E, const int64_t* ids, int64_t count, float* out) {
+    const int cols = E->cols, blocks = cols / 32;
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t row = ids[i];
+        float* o = out + i * cols;
+        switch (E->fmt) {
+            case SD_F32: memcpy(o, (const float*)E->w + row * cols, sizeof(float) * cols); break;
+            case SD_BF16:
+                for (int k = 0; k < cols; k++) o[k] = bf16_to_f32(((const uint16_t*)E->w)[row * cols + k]);
+                break;
+            case SD_Q8_0:
+                for (int k = 0; k < cols; k++)
+                    o[k] = fp16_to_f32(E->d[row * blocks + k / 32]) * (float)((const int8_t*)E->w)[row * cols + k];
+                break;
+            case SD_Q4_1:
+                for (int k = 0; k < cols; k++) {
+                    const uint8_t* q = (const uint8_t*)E->w + row * cols / 2 + 16 * (k / 32);
+                    int i = k % 32, v = i < 16 ? (q[i] & 0x0F) : (q[i - 16] >> 4);
+                    int64_t blk = row * blocks + k / 32;
+                    o[k] = fp16_to_f32(E->d[blk]) * (float)v + fp16_to_f32(E->m[blk]);
+                }
+                break;
+        }
+    }
+}
+
+// attention alone, for tests: q rows of the model's qkv layout, one layer's cache
+void sd_attention(const sd_model* M, int layer, const float* qkv, int batch, int T, int start, const uint8_t* mask,
+                  float* out) {
+#pragma omp parallel num_threads(M->num_threads)
+    attention(M, M->layers + layer, qkv, batch, T, start, mask, out);
+}
+
+void sd_f32_to_fp16(const float* x, int64_t n, uint16_t* out) {
+    for (int64_t i = 0; i < n; i++) out[i] = f32_to_fp16(x[i]);
+}
+
+}  // extern "C"

@@ -1,0 +1,173 @@
+"""A NativeRuntime's layer stack on specdecode's CPU kernels (``specdecode/kernels``).
+
+The kernels see the runtime's weights and KV cache in place (pointers to the same
+tensors) and keep their activations in scratch buffers allocated once for
+``prefill_chunk`` rows per batch row. One forward of T tokens is: embedding rows (a
+kernel), one call through every layer per chunk of at most ``prefill_chunk`` tokens, then
+the final norm and the output head for the rows asked for. Activations stay fp32 between
+stages; the KV cache is stored in the runtime's dtype.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from .. import kernels
+from ..config import SpecDecodeError
+from .quant import PackedLinear
+
+PARTIAL_ITEMS = 4096  # attention partials held at once: (row, kv head, key chunk) items
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+class KernelStack:
+    def __init__(self, runtime):
+        self.lib = kernels.load()
+        self.runtime = runtime
+        cfg = runtime.cfg
+        if cfg.head_dim > 256 or cfg.head_dim % 8 or cfg.num_heads % cfg.num_kv_heads or cfg.num_heads // cfg.num_kv_heads > 16:
+            raise SpecDecodeError(f"the CPU kernels need head_dim <= 256 (a multiple of 8) and at most 16 query heads "
+                                  f"per KV head; this model has {cfg.head_dim} and {cfg.num_heads // cfg.num_kv_heads}")
+        self._keep: list[torch.Tensor] = []  # every tensor a pointer below refers to
+        self.layers = (kernels.Layer * runtime.num_layers)()
+        for index, layer in enumerate(runtime.layers):
+            entry = self.layers[index]
+            entry.qkv, entry.o = self._linear(layer.qkv), self._linear(layer.o)
+            entry.gate_up, entry.down = self._linear(layer.gate_up), self._linear(layer.down)
+            entry.input_norm = self._fp32(layer.input_norm)
+            entry.post_norm = self._fp32(layer.post_norm)
+        weights = runtime.weights
+        self.embed = self._linear(weights.embed)
+        self.head = self._linear(weights.lm_head)
+        self.final_norm = self._fp32(weights.norm)
+        self.rope_cos = weights.rope_cos.float().contiguous()
+        self.rope_sin = weights.rope_sin.float().contiguous()
+        self.max_rows = 0
+        self.model = kernels.Model()
+        self._init_model()
+
+    # -- construction ---------------------------------------------------------------------
+    def _fp32(self, tensor: torch.Tensor) -> int:
+        tensor = tensor.detach().float().contiguous()
+        self._keep.append(tensor)
+        return tensor.data_ptr()
+
+    def _linear(self, layer: PackedLinear) -> kernels.Linear:
+        fmt = layer.fmt
+        entry = kernels.Linear(kernels.FORMATS[fmt], layer.rows, layer.cols, 0)
+        if layer.weight is not None:
+            weight = layer.weight.detach().contiguous()
+            self._keep.append(weight)
+            entry.w = weight.data_ptr()
+        else:
+            entry.w, entry.d = _ptr(layer.qweight), _ptr(layer.scales)
+            entry.m = _ptr(layer.mins)
+        entry.bias = None if layer.bias is None else self._fp32(layer.bias)
+        return entry
+
+    def _init_model(self) -> None:
+        cfg, runtime = self.runtime.cfg, self.runtime
+        model = self.model
+        model.num_layers, model.hidden, model.intermediate = runtime.num_layers, cfg.hidden_size, cfg.intermediate_size
+        model.heads, model.kv_heads, model.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        model.kv_fmt = kernels.FORMATS["fp32" if runtime.dtype == torch.float32 else "bf16"]
+        model.eps = cfg.rms_norm_eps
+        model.attn_scale = 1.0 / math.sqrt(cfg.head_dim)
+        model.rope_cos, model.rope_sin = self.rope_cos.data_ptr(), self.rope_sin.data_ptr()
+        model.layers = ctypes.cast(self.layers, ctypes.POINTER(kernels.Layer))
+
+    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Point every layer at its slice of the runtime's (re)allocated KV cache."""
+        if k_cache.dtype not in (torch.float32, torch.bfloat16) or not k_cache.is_contiguous():
+            raise SpecDecodeError("the CPU kernels need a contiguous fp32 or bf16 KV cache")
+        self.model.capacity, self.model.batch = k_cache.shape[3], k_cache.shape[1]
+        for index in range(self.runtime.num_layers):
+            self.layers[index].k_cache = k_cache[index].data_ptr()
+            self.layers[index].v_cache = v_cache[index].data_ptr()
+        self._scratch(self.runtime.prefill_chunk * k_cache.shape[1])
+
+    def _scratch(self, rows: int) -> None:
+        if rows <= self.max_rows:
+            return
+        cfg = self.runtime.cfg
+        widest = max(cfg.hidden_size, cfg.intermediate_size)
+        qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        per_group = cfg.num_heads // cfg.num_kv_heads
+        self.buffers = {
+            "hidden": torch.empty(rows, cfg.hidden_size),
+            "normed": torch.empty(rows, widest),
+            "qkv": torch.empty(rows, qkv_width),
+            "attn": torch.empty(rows, cfg.num_heads * cfg.head_dim),
+            "gate_up": torch.empty(rows, 2 * cfg.intermediate_size),
+            "xq": torch.empty(rows, widest, dtype=torch.int8),
+            "xd": torch.empty(rows, widest // 32 + 1),
+            "xs": torch.empty(rows, widest // 32 + 1),
+            "partial": torch.empty(PARTIAL_ITEMS, per_group * (cfg.head_dim + 2)),
+        }
+        model = self.model
+        for name in ("normed", "qkv", "attn", "gate_up", "xq", "xd", "xs", "partial"):
+            setattr(model, name, self.buffers[name].data_ptr())
+        model.partial_items = PARTIAL_ITEMS
+        model.max_rows = self.max_rows = rows
+
+    @property
+    def scratch_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in getattr(self, "buffers", {}).values())
+
+    # -- forward --------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, tree_mask: torch.Tensor | None,
+                last_only: bool, return_hidden: bool):
+        runtime, cfg, lib, model = self.runtime, self.runtime.cfg, self.lib, self.model
+        batch, num_new = input_ids.shape
+        if batch != model.batch:
+            raise SpecDecodeError(f"batch of {batch} rows, but the cache was reset for {model.batch}")
+        model.num_threads = torch.get_num_threads()
+        ids = input_ids.to(torch.int64).contiguous()
+        start = runtime.length
+        if positions is None:
+            positions = torch.arange(start, start + num_new, dtype=torch.int64)
+        positions = positions.to(torch.int64).contiguous()
+        if int(positions.max()) >= cfg.max_positions or int(positions.min()) < 0:
+            raise SpecDecodeError(f"positions must lie in 0..{cfg.max_positions - 1}")
+        mask = None if tree_mask is None else tree_mask.to(torch.uint8).contiguous()
+        chunk = runtime.prefill_chunk
+        hidden_buffer = self.buffers["hidden"]
+        outputs, states = [], []
+        for begin in range(0, num_new, chunk):
+            stop = min(begin + chunk, num_new)
+            rows = batch * (stop - begin)
+            hidden = hidden_buffer[:rows]
+            chunk_ids = ids[:, begin:stop].contiguous()
+            lib.sd_embed(ctypes.byref(self.embed), chunk_ids.data_ptr(), rows, hidden.data_ptr())
+            chunk_positions = positions[begin:stop].contiguous()
+            lib.sd_forward_layers(ctypes.byref(model), 0, runtime.num_layers, hidden.data_ptr(), batch, stop - begin,
+                                  runtime.length, chunk_positions.data_ptr(), _ptr(mask))
+            runtime.length += stop - begin
+            if last_only and stop < num_new:
+                continue
+            selected = hidden.view(batch, stop - begin, -1)[:, -1:] if last_only else hidden.view(batch, stop - begin, -1)
+            logits, normed = self._head(selected.reshape(-1, cfg.hidden_size).contiguous())
+            outputs.append(logits.view(batch, -1, cfg.vocab_size))
+            states.append(normed.view(batch, -1, cfg.hidden_size))
+        logits = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        if return_hidden:
+            return logits, states[0] if len(states) == 1 else torch.cat(states, dim=1)
+        return logits
+
+    def _head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final RMSNorm and output head for [rows, H] fp32 -> (logits [rows, V], normed)."""
+        rows = hidden.shape[0]
+        cfg, lib, buffers = self.runtime.cfg, self.lib, self.buffers
+        normed = torch.empty_like(hidden)
+        threads = self.model.num_threads
+        lib.sd_rms_norm(hidden.data_ptr(), self.final_norm, rows, cfg.hidden_size, cfg.rms_norm_eps, normed.data_ptr(), threads)
+        logits = torch.empty(rows, cfg.vocab_size)
+        lib.sd_linear_forward(ctypes.byref(self.head), normed.data_ptr(), rows, logits.data_ptr(),
+                              buffers["xq"].data_ptr(), buffers["xd"].data_ptr(), buffers["xs"].data_ptr(), threads)
+        return logits, normed

@@ -1,0 +1,208 @@
+"""Weight formats of a linear layer, and conversions between them.
+
+=========  ===========================================  ====================================
+format     storage (rows = out features, cols = in)      value of weight i of a block of 32
+=========  ===========================================  ====================================
+fp32       float32 [rows, cols]                          w
+bf16       bfloat16 [rows, cols]                         w
+q8_0       int8 [rows, cols], fp16 scale per block       d * q,        q in [-127, 127]
+q4_1       4-bit [rows, cols / 2], fp16 scale and min    d * q + m,    q in [0, 15]
+=========  ===========================================  ====================================
+
+q8_0 and q4_1 are GGUF's Q8_0 and Q4_1 blocks, byte for byte (Q4_1 keeps GGUF's nibble
+order: byte j of a block holds weight j in its low and weight j + 16 in its high nibble),
+so a GGUF's tensors in those formats are carried without a second quantization
+(``from_gguf``). Checkpoints in fp32/bf16 are quantized group-wise at load
+(``quantize``): q8_0 with scale max|w| / 127, q4_1 with min and (max - min) / 15 per
+block, as llama.cpp quantizes; scales are rounded to fp16 first and the codes computed
+against the rounded scale.
+
+The CPU kernels read every format as stored; ``PackedLinear.forward`` (PyTorch, any
+device) dequantizes, as the reference the kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ConfigError
+
+WEIGHT_FORMATS = ("fp32", "bf16", "q8_0", "q4_1")
+BLOCK = 32
+# names on the command line -> formats of the layer weights
+WEIGHT_CHOICES = {"fp32": "fp32", "bf16": "bf16", "int8": "q8_0", "int4": "q4_1"}
+
+# GGML type ids (ggml.h) of the formats carried exactly
+GGML_F32, GGML_F16, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, GGML_BF16 = 0, 1, 2, 3, 8, 30
+
+
+class PackedLinear(nn.Module):
+    """``y = x W^T (+ b)`` with W stored in one of ``WEIGHT_FORMATS``.
+
+    Dense formats keep ``weight`` as a parameter (so ``named_parameters`` counts it and
+    oneDNN may prepack it); block formats keep ``qweight`` and fp16 ``scales`` (and
+    ``mins`` for q4_1) as buffers. ``bias`` is always fp32 (``bias_cast`` follows the
+    torch path's dtype)."""
+
+    def __init__(self, rows: int, cols: int, fmt: str = "fp32", bias: bool = False, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if fmt not in WEIGHT_FORMATS:
+            raise ConfigError(f"weight format must be one of {WEIGHT_FORMATS}, got {fmt!r}")
+        self.fmt, self.rows, self.cols = fmt, rows, cols
+        if fmt in ("fp32", "bf16"):
+            self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype), requires_grad=False)
+        else:
+            self.weight = None
+        self.bias = nn.Parameter(torch.zeros(rows, dtype=dtype), requires_grad=False) if bias else None
+
+    # -- construction ---------------------------------------------------------------------
+    @classmethod
+    def dense(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> "PackedLinear":
+        dtype = weight.dtype if dtype is None else dtype
+        fmt = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype)
+        if fmt is None:
+            raise ConfigError(f"dense weights must be float32 or bfloat16, got {dtype}")
+        layer = cls(weight.shape[0], weight.shape[1], fmt, dtype=dtype)
+        layer.weight = nn.Parameter(weight.to(dtype).contiguous(), requires_grad=False)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.to(dtype).contiguous(), requires_grad=False)
+        return layer
+
+    @classmethod
+    def from_blocks(cls, fmt: str, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None) -> "PackedLinear":
+        rows = qweight.shape[0]
+        cols = qweight.shape[1] * (2 if fmt == "q4_1" else 1)
+        layer = cls(rows, cols, fmt)
+        layer.register_buffer("qweight", qweight.contiguous())
+        layer.register_buffer("scales", scales.to(torch.float16).contiguous())
+        layer.register_buffer("mins", None if mins is None else mins.to(torch.float16).contiguous())
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.float().contiguous(), requires_grad=False)
+        return layer
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, fmt: str, bias: torch.Tensor | None = None) -> "PackedLinear":
+        """Group-wise quantization of a dense [rows, cols] weight (fp32 math)."""
+        if fmt in ("fp32", "bf16"):
+            return cls.dense(weight, bias, torch.float32 if fmt == "fp32" else torch.bfloat16)
+        rows, cols = weight.shape
+        check_block_shape(fmt, cols)
+        blocks = weight.float().reshape(rows, cols // BLOCK, BLOCK)
+        if fmt == "q8_0":
+            scales = (blocks.abs().amax(-1) / 127.0).to(torch.float16)
+            scale = scales.float()[..., None]
+            inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+            codes = (blocks * inverse).round().clamp(-127, 127).to(torch.int8)
+            return cls.from_blocks(fmt, codes.reshape(rows, cols), scales, bias=bias)
+        low, high = blocks.amin(-1), blocks.amax(-1)
+        mins = low.to(torch.float16)
+        scales = ((high - mins.float()) / 15.0).to(torch.float16)
+        scale = scales.float()[..., None]
+        inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+        codes = ((blocks - mins.float()[..., None]) * inverse).round().clamp(0, 15).to(torch.uint8)
+        return cls.from_blocks(fmt, pack_nibbles(codes).reshape(rows, cols // 2), scales, mins, bias)
+
+    # -- views ----------------------------------------------------------------------------
+    def dequantize(self) -> torch.Tensor:
+        """The weight as fp32 [rows, cols]: exactly the values the format stores."""
+        if self.weight is not None:
+            return self.weight.float()
+        blocks = self.cols // BLOCK
+        scales = self.scales.float()[..., None]
+        if self.fmt == "q8_0":
+            codes = self.qweight.reshape(self.rows, blocks, BLOCK).float()
+            return (codes * scales).reshape(self.rows, self.cols)
+        codes = unpack_nibbles(self.qweight.reshape(self.rows, blocks, BLOCK // 2)).float()
+        return (codes * scales + self.mins.float()[..., None]).reshape(self.rows, self.cols)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = (self.weight if self.weight is not None else self.dequantize()).to(x.dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, weight, bias)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a forward pass reads for this layer (weight, scales, mins, bias)."""
+        tensors = [self.weight] if self.weight is not None else [self.qweight, self.scales, self.mins]
+        tensors.append(self.bias)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def rows_selected(self, index: torch.Tensor) -> "PackedLinear":
+        """A layer made of the given rows (exact: whole rows of blocks move)."""
+        bias = None if self.bias is None else self.bias[index]
+        if self.weight is not None:
+            return PackedLinear.dense(self.weight[index], bias)
+        mins = None if self.mins is None else self.mins[index]
+        return PackedLinear.from_blocks(self.fmt, self.qweight[index], self.scales[index], mins, bias)
+
+    @staticmethod
+    def concat(parts: list["PackedLinear"]) -> "PackedLinear":
+        """Stack layers of one format along the rows (fused q/k/v, gate/up)."""
+        fmt = parts[0].fmt
+        if any(p.fmt != fmt or p.cols != parts[0].cols for p in parts):
+            raise ConfigError("only layers of one format and input width can be fused")
+        biases = [p.bias for p in parts]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else torch.zeros(p.rows, dtype=torch.float32) for b, p in zip(biases, parts)])
+        if parts[0].weight is not None:
+            return PackedLinear.dense(torch.cat([p.weight for p in parts]), bias)
+        mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
+        return PackedLinear.from_blocks(fmt, torch.cat([p.qweight for p in parts]),
+                                        torch.cat([p.scales for p in parts]), mins, bias)
+
+    def extra_repr(self) -> str:
+        return f"rows={self.rows}, cols={self.cols}, fmt={self.fmt}"
+
+
+def check_block_shape(fmt: str, cols: int) -> None:
+    multiple = 64 if fmt == "q4_1" else BLOCK
+    if cols % multiple:
+        raise ConfigError(f"weight format {fmt} needs an input width that is a multiple of {multiple}, got {cols}")
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[..., 32] values 0..15 -> [..., 16] bytes in GGUF's Q4_1 order."""
+    return (codes[..., :16] | (codes[..., 16:] << 4)).to(torch.uint8)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """[..., 16] bytes -> [..., 32] values 0..15 (inverse of ``pack_nibbles``)."""
+    return torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+
+
+def from_gguf(tensor, fmt: str, bias: torch.Tensor | None = None) -> tuple[PackedLinear, str]:
+    """A GGUF tensor (gguf.ReaderTensor) as a PackedLinear in ``fmt``, and how it was
+    carried: 'exact' when the GGUF's blocks are the format's (Q4_1 and Q8_0; Q4_0 as Q4_1
+    with min = -8 scale, exact in fp16; F32/F16/BF16 into fp32 or bf16 when no rounding is
+    needed), else 'requantized' (de-quantized by the gguf library, then quantized to
+    ``fmt``: a second quantization)."""
+    kind = int(tensor.tensor_type)
+    rows, cols = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists dims fastest first
+    raw = np.asarray(tensor.data)
+    if kind == GGML_Q4_1 and fmt == "q4_1":
+        blocks = raw.reshape(rows, cols // BLOCK, 20)
+        scales = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])
+        mins = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0])
+        codes = torch.from_numpy(blocks[..., 4:20].copy()).reshape(rows, cols // 2)
+        return PackedLinear.from_blocks("q4_1", codes, scales, mins, bias), "exact"
+    if kind == GGML_Q4_0 and fmt == "q4_1":
+        blocks = raw.reshape(rows, cols // BLOCK, 18)
+        scales = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])
+        codes = torch.from_numpy(blocks[..., 2:18].copy()).reshape(rows, cols // 2)
+        return PackedLinear.from_blocks("q4_1", codes, scales, -8 * scales, bias), "exact"
+    if kind == GGML_Q8_0 and fmt in ("q8_0", "q4_1"):
+        # a Q8_0 tensor keeps its 8 bits even when the layers are asked for in 4 bits
+        blocks = raw.reshape(rows, cols // BLOCK, 34)
+        scales = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])
+        codes = torch.from_numpy(blocks[..., 2:34].copy().view(np.int8)).reshape(rows, cols)
+        return PackedLinear.from_blocks("q8_0", codes, scales, bias=bias), "exact"
+    import gguf
+
+    dense = torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, tensor.tensor_type), dtype=np.float32).copy())
+    dense = dense.reshape(rows, cols)
+    exact = kind == GGML_F32 and fmt == "fp32" or kind in (GGML_F16, GGML_BF16) and fmt in ("fp32", "bf16" if kind == GGML_BF16 else "fp32")
+    return PackedLinear.quantize(dense, fmt, bias), "exact" if exact else "requantized"
