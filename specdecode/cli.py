@@ -17,7 +17,14 @@ from .config import EngineConfig, SamplingParams, SpecDecodeError, SpeculativeCo
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a HF directory or a .gguf file")
-    parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"], help="default bf16 (measured faster here; docs/performance.md)")
+    parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"], help="KV cache precision (and the torch backend's); fp32 = full precision everywhere, weights included (default bf16)")
+    parser.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"], help="layer weight format: 'auto' (default) measures which decodes fastest on this machine; int4 carries a GGUF's Q4_1 blocks exactly (docs/performance.md)")
+    parser.add_argument("--backend", default="auto", choices=["auto", "kernels", "torch"], help="specdecode's CPU kernels (batch invariant; the default where they build) or PyTorch's")
+    exact = parser.add_mutually_exclusive_group()
+    exact.add_argument("--exact", dest="exact", action="store_true", default=None, help="every scored row's logits bitwise independent of what else is scored, so greedy speculation equals plain decoding bit for bit (default wherever the kernels run)")
+    exact.add_argument("--no-exact", dest="exact", action="store_false", help="allow batch-dependent kernels (torch backend)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs (cuda: torch backend)")
+    parser.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per forward pass (bounds activation memory; at most 512)")
     parser.add_argument("--runtime", default="auto", choices=["auto", "native", "hf"], help="native Llama-family runtime or the transformers adapter")
     parser.add_argument("--k", default="auto", help="draft tokens per step: 'auto' (default: chosen per step from measured acceptance and costs, 0 = plain when speculation would lose) or an integer")
     parser.add_argument("--k-policy", default="cost", choices=["cost", "threshold"], help="with --k auto: 'cost' (expected speedup, cost profile) or 'threshold' (the literature's acceptance thresholds)")
@@ -140,7 +147,9 @@ def _spec_config(args, method: str, k: str | None = None) -> SpeculativeConfig:
 
 
 def _engine_config(args) -> EngineConfig:
-    return EngineConfig(model=args.model, dtype=args.dtype, chat_template=not getattr(args, "no_chat_template", False), num_threads=args.threads)
+    return EngineConfig(model=args.model, dtype=args.dtype, chat_template=not getattr(args, "no_chat_template", False),
+                        num_threads=args.threads, weights=args.weights, backend=args.backend, exact=args.exact,
+                        device=args.device, prefill_chunk=args.prefill_chunk)
 
 
 def _sampling(args, stop=()) -> SamplingParams:
@@ -151,7 +160,7 @@ def _sampling(args, stop=()) -> SamplingParams:
 
 
 def cmd_generate(args) -> int:
-    from .factory import build_engine, load_model, log
+    from .factory import build_engine, load_target, log
 
     engine_config = _engine_config(args)
     params = _sampling(args, args.stop)
@@ -165,7 +174,8 @@ def cmd_generate(args) -> int:
         log(f"route: {route.reason} -> {route.method}")
     spec = _spec_config(args, route.method if args.route else args.method)
     log(f"loading {args.model} ({args.dtype})")
-    target = load_model(engine_config.model, engine_config.torch_dtype, args.runtime)
+    target = load_target(engine_config, args.runtime)
+    log(f"running on {target.runtime.describe()}")
     engine = build_engine(engine_config, spec, args.runtime, target=target)
     prompt_ids = engine.encode(args.prompt, engine_config.chat_template)
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
@@ -209,7 +219,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from .factory import build_proposer, cost_profile, drafter_key, load_model, log
+    from .factory import build_proposer, cost_profile, drafter_key, load_target, log
 
     engine_config = _engine_config(args)
     if engine_config.num_threads:
@@ -217,11 +227,11 @@ def cmd_profile(args) -> int:
 
         torch.set_num_threads(engine_config.num_threads)
     log(f"loading {args.model} ({args.dtype})")
-    target = load_model(engine_config.model, engine_config.torch_dtype, args.runtime)
+    target = load_target(engine_config, args.runtime)
     drafters = {}
     for method in [m.strip() for m in args.methods.split(",") if m.strip()]:
         spec = _spec_config(args, method, k="1")
-        drafters[drafter_key(spec)] = build_proposer(spec, target, engine_config.torch_dtype)
+        drafters[drafter_key(spec)] = build_proposer(spec, target, engine_config)
     profile = cost_profile(target, args.dtype, drafters, force=args.remeasure)
     if args.json:
         print(json.dumps(profile.to_dict(), indent=1))

@@ -106,19 +106,51 @@ class SpeculativeConfig:
             raise ConfigError(f"ngram_sizes must be positive integers, got {self.ngram_sizes}")
 
 
+WEIGHTS = ("auto", "fp32", "bf16", "int8", "int4")
+BACKENDS = ("auto", "kernels", "torch")
+DEVICES = ("cpu", "cuda")
+MAX_PREFILL_CHUNK = 512  # rows per kernel call: attention builds its key lists for at most this many
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """Where the target comes from and how it runs."""
+    """Where the target comes from and how it runs.
+
+    dtype: the KV cache and, on the torch backend, activations and dense weights ("fp32"
+    means full precision everywhere, weights included). weights: the layers' storage
+    format; "auto" measures which is fastest on this machine (docs/performance.md).
+    backend: "kernels" (specdecode's CPU kernels, batch invariant) or "torch"; "auto"
+    takes the kernels on the CPU wherever they build. exact: every scored row's logits
+    independent of what else is scored (needs the kernels); None = wherever they run.
+    prefill_chunk: tokens per forward chunk (bounds activation memory).
+    """
 
     model: str = "default"
     dtype: str = "bf16"
     chat_template: bool = True
     num_threads: int | None = None
+    weights: str = "auto"
+    backend: str = "auto"
+    exact: bool | None = None
+    device: str = "cpu"
+    prefill_chunk: int = 256
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.weights not in WEIGHTS:
+            raise ConfigError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if not 1 <= self.prefill_chunk <= MAX_PREFILL_CHUNK:
+            raise ConfigError(f"prefill_chunk must be in 1..{MAX_PREFILL_CHUNK}, got {self.prefill_chunk}")
+        if self.exact and self.backend == "torch":
+            raise ConfigError("exact mode needs the kernels backend (backend 'torch' is not batch invariant)")
+        if self.exact and self.device != "cpu":
+            raise ConfigError(f"exact mode needs specdecode's CPU kernels; device {self.device!r} runs on torch")
 
     @property
     def torch_dtype(self) -> torch.dtype:

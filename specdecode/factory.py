@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -14,8 +14,9 @@ from .control.policies import CostAwareK, CostModel, ThresholdK
 from .engine import SpeculativeEngine
 from .metrics import acceptance_rates
 from .models.hf import load_hf
-from .models.llama import load_native
+from .models.llama import DEFAULT_PREFILL_CHUNK, load_native
 from .models.loading import ModelSource, load_tokenizer, resolve_model
+from .models.quant import WEIGHT_CHOICES
 from .proposers.draft_model import DraftModelProposer
 from .proposers.ngram import NgramProposer
 
@@ -46,15 +47,83 @@ class LoadedModel:
         return tuple(sorted(ids))
 
 
-def load_model(name: str, dtype: torch.dtype, runtime: str = "auto") -> LoadedModel:
+def load_model(name: str, dtype: torch.dtype, runtime: str = "auto", weights: str = "auto", backend: str = "auto",
+               exact: bool | None = None, device: str = "cpu", prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> LoadedModel:
+    """Resolve ``name`` and load it. The native runtime's backend and weight format come
+    from ``choose_backend`` (EngineConfig documents the arguments)."""
     if runtime not in RUNTIMES:
         raise ConfigError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' asked for, but torch sees no CUDA GPU here")
     source = resolve_model(name)
     if runtime == "native" and not source.native:
         raise ConfigError(f"the native runtime supports llama, mistral and qwen2, not {source.model_type!r}")
     use_native = runtime == "native" or (runtime == "auto" and source.native)
-    model = load_native(source.path, dtype) if use_native else load_hf(source.path, dtype)
-    return LoadedModel(source, model, load_tokenizer(source))
+    if not use_native:
+        if weights not in ("auto", dense_weights(dtype)) or exact:
+            raise ConfigError(f"{source.model_type!r} runs through transformers, which takes neither --weights "
+                              f"{weights} nor --exact; use --dtype to choose its precision")
+        model = load_hf(source.path, dtype, device)
+        return LoadedModel(source, model, load_tokenizer(source))
+    backend, fmt = choose_backend(source, dtype, weights, backend, exact, device)
+
+    def load(fmt: str, backend: str = backend):
+        return load_native(source.path, dtype, fmt, backend, source.gguf, prefill_chunk, device)
+
+    if fmt == "auto":
+        from .cost.formats import fastest_weights
+
+        fmt = fastest_weights(str(source.path.resolve()), dtype, auto_candidates(source), load)
+    return LoadedModel(source, load(fmt), load_tokenizer(source))
+
+
+def load_target(engine: EngineConfig, runtime: str = "auto") -> LoadedModel:
+    return load_model(engine.model, engine.torch_dtype, runtime, engine.weights, engine.backend, engine.exact,
+                      engine.device, engine.prefill_chunk)
+
+
+def dense_weights(dtype: torch.dtype) -> str:
+    return "fp32" if dtype == torch.float32 else "bf16"
+
+
+def auto_candidates(source: ModelSource) -> list[str]:
+    """Formats ``--weights auto`` measures: a GGUF's own 4-bit blocks are the model itself,
+    so int4 competes; a checkpoint stored in 16 or 32 bits is never silently cut below 8."""
+    return ["q4_1", "q8_0", "bf16"] if source.gguf is not None else ["q8_0", "bf16"]
+
+
+def choose_backend(source: ModelSource, dtype: torch.dtype, weights: str, backend: str, exact: bool | None,
+                   device: str) -> tuple[str, str]:
+    """(backend, layer weight format or 'auto'). The kernels run on the CPU wherever they
+    build; the torch backend stores dense weights in ``dtype``. ``--dtype fp32`` means full
+    precision, so its 'auto' weights are fp32."""
+    from . import kernels
+
+    fmt = WEIGHT_CHOICES.get(weights, weights)
+    dense = dense_weights(dtype)
+    quantized = fmt in ("q8_0", "q4_1")
+    if device != "cpu" or backend == "torch":
+        where = f"device {device!r}" if device != "cpu" else "backend 'torch'"
+        if exact:
+            raise ConfigError(f"--exact needs specdecode's CPU kernels; {where} is not batch invariant")
+        if backend == "kernels":
+            raise ConfigError(f"the kernels backend runs on the CPU only, not on {where}")
+        if fmt not in ("auto", dense):
+            raise ConfigError(f"--weights {weights} needs specdecode's CPU kernels; on {where} the weights are "
+                              f"stored in --dtype ({dense})")
+        return "torch", dense
+    reason = kernels.unavailable_reason()
+    if reason is not None:
+        if backend == "kernels" or exact or quantized:
+            raise ConfigError(f"specdecode's CPU kernels are unavailable here ({reason}); "
+                              "they are needed for --backend kernels, --exact and --weights int8/int4")
+        if fmt not in ("auto", dense):
+            raise ConfigError(f"without the CPU kernels the weights are stored in --dtype ({dense}), not {weights}")
+        log(f"CPU kernels unavailable ({reason}); running on torch")
+        return "torch", dense
+    if fmt == "auto" and dtype == torch.float32:
+        fmt = "fp32"
+    return "kernels", fmt
 
 
 def check_vocabularies(target: LoadedModel, draft: LoadedModel) -> None:
@@ -72,7 +141,8 @@ def check_vocabularies(target: LoadedModel, draft: LoadedModel) -> None:
             )
 
 
-def build_proposer(spec: SpeculativeConfig, target: LoadedModel, dtype: torch.dtype):
+def build_proposer(spec: SpeculativeConfig, target: LoadedModel, engine: EngineConfig):
+    """The drafter ``spec`` names; a draft model loads with ``engine``'s settings."""
     if spec.method == "none":
         return None
     if spec.method == "ngram":
@@ -88,7 +158,7 @@ def build_proposer(spec: SpeculativeConfig, target: LoadedModel, dtype: torch.dt
         if not 1 <= num_layers < total:
             raise ConfigError(f"--draft self:L needs 1 <= L < {total} (the target's layers), got {num_layers}")
         return DraftModelProposer(target.runtime.layer_skip_view(num_layers))
-    draft = load_model(spec.draft, dtype)
+    draft = load_target(replace(engine, model=spec.draft))
     check_vocabularies(target, draft)
     return DraftModelProposer(draft.runtime)
 
@@ -99,12 +169,14 @@ def drafter_key(spec: SpeculativeConfig) -> str:
 
 
 def model_key(model: LoadedModel) -> str:
-    return str(model.source.path.resolve())
+    """A model and how it runs (backend, weight format, dtype): each has its own costs."""
+    describe = getattr(model.runtime, "describe", None)
+    return f"{model.source.path.resolve()}|{describe() if describe else type(model.runtime).__name__}"
 
 
 def cost_profile(target: LoadedModel, dtype: str, drafters: dict | None = None, force: bool = False):
     """The target's cost profile on this machine (measured once, then cached)."""
-    from .analysis.profile import get_profile, load_profile
+    from .cost.profile import get_profile, load_profile
 
     if not force and load_profile(model_key(target), dtype) is None:
         log("measuring the cost profile of this model on this machine (once; cached)")
@@ -117,7 +189,7 @@ CALIBRATION_PROMPTS = ("code-03", "summarization-03", "open_qa-03")
 def calibration_runs(target: LoadedModel, proposer, k: int = 4, max_new_tokens: int = 32) -> list:
     """Greedy generations with a fixed k on three built-in prompts (code, summary,
     question); their GenerationStats. Empty without a tokenizer."""
-    from .bench.runner import load_prompts
+    from .prompts import load_prompts
     from .config import SamplingParams
 
     if target.tokenizer is None:
@@ -141,7 +213,7 @@ def build_policy(spec: SpeculativeConfig, target: LoadedModel, proposer, dtype: 
 
     The cost-aware policy gets the cost profile and, as its default priors, the drafter's
     two acceptance rates calibrated once on this target (cached in the profile)."""
-    from .analysis.profile import record_acceptance
+    from .cost.profile import record_acceptance
 
     if proposer is None or spec.k != "auto":
         return spec.k if isinstance(spec.k, int) else 1
@@ -164,8 +236,8 @@ def build_engine(engine: EngineConfig, spec: SpeculativeConfig, runtime: str = "
     if engine.num_threads:
         torch.set_num_threads(engine.num_threads)
     if target is None:
-        target = load_model(engine.model, engine.torch_dtype, runtime)
-    proposer = build_proposer(spec, target, engine.torch_dtype)
+        target = load_target(engine, runtime)
+    proposer = build_proposer(spec, target, engine)
     policy = build_policy(spec, target, proposer, engine.dtype)
     engine = SpeculativeEngine(target.runtime, target.tokenizer, proposer, policy, target.eos_token_ids)
     engine.drafter = drafter_key(spec) if proposer is not None else None

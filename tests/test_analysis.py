@@ -11,7 +11,7 @@ from conftest import save_char_tokenizer, save_tiny_model
 from specdecode.analysis.analyzer import acceptance_recommendation, predict_record
 from specdecode.analysis.compat import check_static
 from specdecode.analysis.memory import deployment_memory, resolve_shape
-from specdecode.analysis.profile import CostProfile
+from specdecode.cost.profile import CostProfile
 from specdecode.cli import main, parse_args
 from specdecode.config import ConfigError, preset
 from specdecode.control.router import Router, classify, keyword_classify
@@ -49,7 +49,7 @@ def test_classifier_beats_keywords_on_a_labelled_set(request):
 
 
 def test_classifier_on_the_suite():
-    from specdecode.bench.runner import load_prompts
+    from specdecode.prompts import load_prompts
 
     prompts = load_prompts(None)
     right = sum(classify(p["prompt"]) == SUITE_TASKS[p["category"]] for p in prompts)

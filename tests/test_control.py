@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import save_tiny_model
-from specdecode.analysis import profile as profile_module
-from specdecode.analysis.profile import CostProfile, get_profile, load_profile
-from specdecode.analysis.theory import (
+from specdecode.cost import profile as profile_module
+from specdecode.cost.profile import CostProfile, get_profile, load_profile
+from specdecode.cost.theory import (
     best_k, break_even_alpha, expected_speedup, expected_tau, tau_conditional, tau_from_positions, tau_two_rates,
     taus_conditional, wall_speedup,
 )

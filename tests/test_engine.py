@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from conftest import save_tiny_model
-from specdecode.config import ConfigError, SamplingParams, SpeculativeConfig
+from specdecode.config import ConfigError, EngineConfig, SamplingParams, SpeculativeConfig
 from specdecode.engine import PromptError, SpeculativeEngine
 from specdecode.factory import VocabularyMismatchError, build_proposer, load_model
 from specdecode.models.loading import ModelNotFoundError
@@ -113,7 +113,7 @@ def test_vocabulary_mismatch_is_refused(tmp_path, tiny_llama_dir):
     small = save_tiny_model(tmp_path / "other-vocab", seed=2, vocab_size=50)
     spec = SpeculativeConfig(method="draft", draft=str(small))
     with pytest.raises(VocabularyMismatchError, match="vocabulary mismatch: target .* has 97 tokens, draft .* has 50"):
-        build_proposer(spec, target, torch.float32)
+        build_proposer(spec, target, EngineConfig(dtype="fp32"))
 
 
 def test_k_below_one_is_refused(tiny_llama_dir):

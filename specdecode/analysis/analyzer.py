@@ -22,8 +22,9 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from ..bench.runner import (build_engines, check_repeats, is_fixed_k, k_sweep, load_prompts, parse_method, run_records, summarize,
+from ..bench.runner import (build_engines, check_repeats, is_fixed_k, k_sweep, parse_method, run_records, summarize,
                             sweep_policies, warm_up)
+from ..prompts import load_prompts
 
 SHORT_OUTPUT = 20  # tokens
 HIGH_VARIANCE = 0.05
@@ -137,7 +138,7 @@ def annotate(records: list[dict], profile, costs: dict[str, float]) -> None:
 def analyze(args, engine_config, spec_config, params, temperatures: list[float], methods: list[str],
             out_dir: Path) -> dict:
     from ..analysis.memory import deployment_memory
-    from ..factory import build_engine, cost_profile, drafter_key, load_model, log
+    from ..factory import build_engine, cost_profile, drafter_key, load_target, log
 
     for spec in methods:
         parse_method(spec)
@@ -146,7 +147,7 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
     methods = ["none", *[m for m in dict.fromkeys(methods) if m != "none"]]
     prompts = load_prompts(args.prompts, args.limit)
     log(f"loading {args.model} ({args.dtype}); {len(prompts)} prompts x {len(methods)} methods x {len(temperatures)} temperatures")
-    target = load_model(engine_config.model, engine_config.torch_dtype, args.runtime)
+    target = load_target(engine_config, args.runtime)
     engines = build_engines(args, methods, engine_config, spec_config, target)
     drafters, drafter_names = {}, {}
     for label in methods[1:]:

@@ -92,16 +92,16 @@ def check_static(target: str, draft: str) -> CheckResult:
 def calibrate(target: str, draft: str, dtype: str = "bf16", k: int = 5) -> dict:
     """Greedy acceptance of the drafter on the built-in calibration prompts, and the
     speedup the cost profile predicts from it (at this k and at the best k)."""
-    from ..analysis.theory import best_k, expected_speedup, tau_from_positions, tau_two_rates
+    from ..cost.theory import best_k, expected_speedup, tau_from_positions, tau_two_rates
     from ..metrics import acceptance_rates
     from ..config import EngineConfig, SpeculativeConfig
-    from ..factory import build_proposer, calibration_runs, cost_profile, drafter_key, load_model
+    from ..factory import build_proposer, calibration_runs, cost_profile, drafter_key, load_target
 
     method = "ngram" if draft == "ngram" else "draft"
     spec = SpeculativeConfig(method=method, k=k, draft=None if method == "ngram" else draft)
     config = EngineConfig(model=target, dtype=dtype)
-    loaded = load_model(target, config.torch_dtype)
-    proposer = build_proposer(spec, loaded, config.torch_dtype)
+    loaded = load_target(config)
+    proposer = build_proposer(spec, loaded, config)
     runs = calibration_runs(loaded, proposer, k, max_new_tokens=48)
     if not runs:
         return {"skipped": "the target has no tokenizer to encode the calibration prompts"}

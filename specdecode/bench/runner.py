@@ -14,47 +14,16 @@ import platform
 import statistics
 import time
 from collections import defaultdict
-from importlib import resources
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from ..config import ConfigError, EngineConfig, SpecDecodeError
+from ..prompts import load_prompts
 from .plots import plot_bench
 
 KNOWN_METHODS = ("none", "ngram", "draft", "hf")
-
-
-def load_prompts(path: str | None, limit: int | None = None) -> list[dict]:
-    """Read Spec-Bench ``{question_id, category, turns}`` or ``{prompt, category}`` lines."""
-    if path is None:
-        text = resources.files("specdecode.data").joinpath("prompts.jsonl").read_text()
-        origin = "the built-in suite"
-    else:
-        file = Path(path)
-        if not file.is_file():
-            raise SpecDecodeError(f"prompts file {path!r} not found")
-        text, origin = file.read_text(), path
-    prompts, per_category = [], defaultdict(int)
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            prompt = row["turns"][0] if "turns" in row else row["prompt"]
-        except (json.JSONDecodeError, KeyError, IndexError, TypeError):
-            raise SpecDecodeError(
-                f"{origin} line {number}: expected {{'question_id', 'category', 'turns'}} or {{'prompt', 'category'}}"
-            ) from None
-        category = row.get("category", "general")
-        if limit is not None and per_category[category] >= limit:
-            continue
-        per_category[category] += 1
-        prompts.append({"question_id": row.get("question_id", f"{category}-{per_category[category]}"), "category": category, "prompt": prompt})
-    if not prompts:
-        raise SpecDecodeError(f"{origin} holds no prompts")
-    return prompts
 
 
 def _hf_generate(model, prompt_ids: list[int], params, eos_ids: tuple[int, ...]) -> tuple[list[int], float]:
@@ -185,7 +154,7 @@ def _run_one(label: str, engine, prompt: dict, prompt_ids: list[int], params, eo
 
 
 def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config, params) -> int:
-    from ..factory import load_model, log
+    from ..factory import load_target, log
 
     for spec in methods:
         parse_method(spec)  # fail on a typo before loading anything
@@ -193,7 +162,7 @@ def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config
     methods = ["none", *[m for m in dict.fromkeys(methods) if m != "none"]]  # the baseline first
     prompts = load_prompts(args.prompts, args.limit)
     log(f"loading {args.model} ({args.dtype}); {len(prompts)} prompts x {len(methods)} methods")
-    target = load_model(engine_config.model, engine_config.torch_dtype, args.runtime)
+    target = load_target(engine_config, args.runtime)
     engines = build_engines(args, methods, engine_config, spec_config, target)
     encode = engines["none"].encode
     encoded = [encode(p["prompt"], engine_config.chat_template) for p in prompts]

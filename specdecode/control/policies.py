@@ -44,7 +44,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..analysis.theory import best_k, tau_conditional, taus_conditional
+from ..cost.theory import best_k, tau_conditional, taus_conditional
 from ..config import ConfigError
 
 DEFAULT_PRIOR_ALPHA = 0.5

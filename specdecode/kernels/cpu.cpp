@@ -681,23 +681,63 @@ static inline int visible_new(int T, int t, const uint8_t* mask, int* new_index)
     return count;
 }
 
+#define SD_KEY_TILE 32  // keys converted to fp32 at a time (8 KB at head_dim 64: stays in L1)
+
+#if SD_AVX2
+// dot products of q with 8 key rows (fp32, row stride D), each reduced across lanes by the
+// same tree whatever the other 7 keys are: [q.k0, ..., q.k7]
+static inline __m256 dot8_keys(const float* q, const float* keys, int D) {
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    for (int i = 0; i < D; i += 8) {
+        __m256 qv = _mm256_loadu_ps(q + i);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + j * D + i), a[j]);
+    }
+    __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 lo = _mm256_hadd_ps(s01, s23), hi = _mm256_hadd_ps(s45, s67);  // [k0..k3 | k0..k3], [k4..k7 | ..]
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+#endif
+
+// fp32 copies of `count` visible key (or value) rows starting at visible index `first`
+static inline void gather_rows(const void* cache, int fmt, int64_t base, int start, const int* new_index, int first,
+                               int count, int D, float* out) {
+    for (int n = 0; n < count; n++) {
+        const int visible_index = first + n;
+        const int64_t slot = visible_index < start ? visible_index : start + new_index[visible_index - start];
+        load_row(cache, fmt, (base + slot) * D, D, out + (int64_t)n * D);
+    }
+}
+
 // One chunk of keys for the query heads of one KV head: partial (max, sum, output) per head.
-// partial layout per head: [max, sum, out[D]]
+// partial layout per head: [max, sum, out[D]]. Per key and head the arithmetic is fixed:
+// the score by dot8_keys' tree (a tail tile is padded with zero rows), the exponentials
+// 8 at a time, the output accumulated key by key in order.
 static void attend_chunk(const sd_model* M, const sd_layer* L, const float* qkv_row, int b, int g, int start,
                          const int* new_index, int chunk, int visible, float* partial) {
     const int D = M->head_dim, H = M->heads, G = M->kv_heads, per = H / G;
     const int first = chunk * SD_KEY_CHUNK;
     const int count = visible - first < SD_KEY_CHUNK ? visible - first : SD_KEY_CHUNK;
     const int64_t base = ((int64_t)b * G + g) * M->capacity;
-    float scores[SD_MAX_GROUP][SD_KEY_CHUNK];
-    float key[SD_MAX_HEAD_DIM];
+    float scores[SD_MAX_GROUP][SD_KEY_CHUNK + 8];
+    float rows[SD_KEY_TILE * SD_MAX_HEAD_DIM];
     const float* q[SD_MAX_GROUP];
     for (int h = 0; h < per; h++) q[h] = qkv_row + (g * per + h) * D;
-    for (int n = 0; n < count; n++) {
-        int visible_index = first + n;
-        int64_t slot = visible_index < start ? visible_index : start + new_index[visible_index - start];
-        load_row(L->k_cache, M->kv_fmt, (base + slot) * D, D, key);
-        for (int h = 0; h < per; h++) scores[h][n] = dot_row(q[h], key, D) * M->attn_scale;
+    for (int tile = 0; tile < count; tile += SD_KEY_TILE) {
+        const int n_tile = count - tile < SD_KEY_TILE ? count - tile : SD_KEY_TILE;
+        gather_rows(L->k_cache, M->kv_fmt, base, start, new_index, first + tile, n_tile, D, rows);
+        const int padded = (n_tile + 7) / 8 * 8;
+        memset(rows + (int64_t)n_tile * D, 0, sizeof(float) * D * (padded - n_tile));
+        for (int h = 0; h < per; h++) {
+#if SD_AVX2
+            for (int n = 0; n < padded; n += 8)
+                _mm256_storeu_ps(scores[h] + tile + n,
+                                 _mm256_mul_ps(dot8_keys(q[h], rows + (int64_t)n * D, D), _mm256_set1_ps(M->attn_scale)));
+#else
+            for (int n = 0; n < n_tile; n++) scores[h][tile + n] = dot_row(q[h], rows + (int64_t)n * D, D) * M->attn_scale;
+#endif
+        }
     }
     for (int h = 0; h < per; h++) {
         float* s = scores[h];
@@ -728,11 +768,26 @@ static void attend_chunk(const sd_model* M, const sd_layer* L, const float* qkv_
         p[1] = sum;
         memset(p + 2, 0, sizeof(float) * D);
     }
-    for (int n = 0; n < count; n++) {
-        int visible_index = first + n;
-        int64_t slot = visible_index < start ? visible_index : start + new_index[visible_index - start];
-        load_row(L->v_cache, M->kv_fmt, (base + slot) * D, D, key);
-        for (int h = 0; h < per; h++) axpy(scores[h][n], key, partial + (int64_t)h * (D + 2) + 2, D);
+    for (int tile = 0; tile < count; tile += SD_KEY_TILE) {
+        const int n_tile = count - tile < SD_KEY_TILE ? count - tile : SD_KEY_TILE;
+        gather_rows(L->v_cache, M->kv_fmt, base, start, new_index, first + tile, n_tile, D, rows);
+        for (int h = 0; h < per; h++) {
+            float* out = partial + (int64_t)h * (D + 2) + 2;
+            const float* s = scores[h] + tile;
+#if SD_AVX2
+            if (D == 64) {  // the output row stays in registers across the tile
+                __m256 o[8];
+                for (int i = 0; i < 8; i++) o[i] = _mm256_loadu_ps(out + 8 * i);
+                for (int n = 0; n < n_tile; n++) {
+                    __m256 pv = _mm256_set1_ps(s[n]);
+                    for (int i = 0; i < 8; i++) o[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(rows + n * 64 + 8 * i), o[i]);
+                }
+                for (int i = 0; i < 8; i++) _mm256_storeu_ps(out + 8 * i, o[i]);
+                continue;
+            }
+#endif
+            for (int n = 0; n < n_tile; n++) axpy(s[n], rows + (int64_t)n * D, out, D);
+        }
     }
 }
 

@@ -19,6 +19,8 @@ class HFRuntime:
         self.vocab_size = config.vocab_size
         self.max_positions = getattr(config, "max_position_embeddings", None) or 2048
         self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self.backend, self.weight_format, self.exact = "transformers", str(self.dtype).removeprefix("torch."), False
         self.cache = None
         self.length = 0
         self.capacity = 0
@@ -45,7 +47,7 @@ class HFRuntime:
         if self.length + num_new > self.capacity:
             raise SpecDecodeError(f"sequence of {self.length + num_new} tokens exceeds the context {self.capacity}")
         out = self.model(
-            input_ids=input_ids,
+            input_ids=input_ids.to(self.device),
             past_key_values=self.cache,
             use_cache=True,
             output_hidden_states=return_hidden,
@@ -59,8 +61,11 @@ class HFRuntime:
 
     __call__ = forward
 
+    def describe(self) -> str:
+        return f"transformers, {self.weight_format}"
 
-def load_hf(model_dir, dtype: torch.dtype) -> HFRuntime:
+
+def load_hf(model_dir, dtype: torch.dtype, device: str = "cpu") -> HFRuntime:
     from transformers import AutoModelForCausalLM
 
-    return HFRuntime(AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype))
+    return HFRuntime(AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device))

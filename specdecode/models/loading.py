@@ -47,6 +47,7 @@ class ModelSource:
     name: str  # what the user asked for
     path: Path  # Hugging Face style directory
     config: dict  # its config.json
+    gguf: Path | None = None  # the GGUF it was converted from (its blocks can be carried exactly)
 
     @property
     def model_type(self) -> str:
@@ -128,7 +129,7 @@ def _from_gguf(gguf_path: Path, name: str) -> ModelSource:
         if target.exists():
             log.warning("cached conversion at %s is incomplete or corrupt; rebuilding", target)
         _convert_gguf(gguf_path, source_sha, target)
-    return ModelSource(name, target, json.loads((target / "config.json").read_text()))
+    return ModelSource(name, target, json.loads((target / "config.json").read_text()), gguf_path)
 
 
 def _conversion_valid(target: Path, source_sha: str) -> bool:

@@ -1,0 +1,43 @@
+"""Prompt files: the built-in suite (``data/prompts.jsonl``, 9 categories x 10, written for
+this project) and JSONL in Spec-Bench's ``{question_id, category, turns}`` or our
+``{prompt, category}`` form."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from importlib import resources
+from pathlib import Path
+
+from .config import SpecDecodeError
+
+
+def load_prompts(path: str | None, limit: int | None = None) -> list[dict]:
+    """Read Spec-Bench ``{question_id, category, turns}`` or ``{prompt, category}`` lines."""
+    if path is None:
+        text = resources.files("specdecode.data").joinpath("prompts.jsonl").read_text()
+        origin = "the built-in suite"
+    else:
+        file = Path(path)
+        if not file.is_file():
+            raise SpecDecodeError(f"prompts file {path!r} not found")
+        text, origin = file.read_text(), path
+    prompts, per_category = [], defaultdict(int)
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            prompt = row["turns"][0] if "turns" in row else row["prompt"]
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+            raise SpecDecodeError(
+                f"{origin} line {number}: expected {{'question_id', 'category', 'turns'}} or {{'prompt', 'category'}}"
+            ) from None
+        category = row.get("category", "general")
+        if limit is not None and per_category[category] >= limit:
+            continue
+        per_category[category] += 1
+        prompts.append({"question_id": row.get("question_id", f"{category}-{per_category[category]}"), "category": category, "prompt": prompt})
+    if not prompts:
+        raise SpecDecodeError(f"{origin} holds no prompts")
+    return prompts
