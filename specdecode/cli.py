@@ -171,6 +171,9 @@ def cmd_generate(args) -> int:
     router = Router().load(router_state_path())
     route = router.route(args.prompt, args.method, drafter_key(configured))
     if args.route:
+        # saved now, whether or not the request speculates: the per-task request count is
+        # what brings a task routed to plain decoding back to speculation every retry_every
+        router.save(router_state_path())
         log(f"route: {route.reason} -> {route.method}")
     spec = _spec_config(args, route.method if args.route else args.method)
     log(f"loading {args.model} ({args.dtype})")
@@ -197,6 +200,8 @@ def cmd_generate(args) -> int:
         record["plain"] = {"tokens_per_s": baseline.stats.tokens_per_s, "new_tokens": baseline.stats.new_tokens}
         record["speedup"] = result.stats.tokens_per_s / baseline.stats.tokens_per_s
         record["identical_to_plain"] = baseline.token_ids == result.token_ids
+        if not record["identical_to_plain"] and params.greedy:
+            record["first_divergence"] = plain.first_divergence(prompt_ids, baseline.token_ids, result.token_ids)
     if args.json:
         print(json.dumps(record, indent=2))
         return 0
@@ -208,6 +213,10 @@ def cmd_generate(args) -> int:
             f"speedup {record['speedup']:.2f}x | identical to plain: {record['identical_to_plain']}",
             file=sys.stderr,
         )
+        divergence = record.get("first_divergence")
+        if divergence:
+            print(f"[plain] first differs at new token {divergence['position']}, where the target's top-2 logit "
+                  f"margin is {divergence['top2_margin']:.4f} (a near-tie when small)", file=sys.stderr)
     return 0
 
 

@@ -85,6 +85,26 @@ class SpeculativeEngine:
             return list(encoded["input_ids"])
         return list(self.tokenizer(prompt)["input_ids"])
 
+    @torch.inference_mode()
+    def next_token_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """The target's logits [V] for the token after ``token_ids`` (one prefill)."""
+        self.target.reset(len(token_ids) + 1)
+        return self.target(torch.tensor([token_ids]), last_only=True)[0, -1].float()
+
+    def first_divergence(self, prompt_ids: list[int], reference: list[int], other: list[int]) -> dict | None:
+        """Where two generations from ``prompt_ids`` first differ, and the target's top-2
+        logit margin there (after the shared prefix): a margin near 0 is a numerical
+        near-tie, which rounding differences between kernels can flip; a large one would be
+        a bug. None when one output is a prefix of the other."""
+        position = next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), None)
+        if position is None:
+            return None
+        logits = self.next_token_logits(prompt_ids + reference[:position])
+        top = logits.topk(2)
+        return {"position": position, "reference_token": reference[position], "other_token": other[position],
+                "top1_token": int(top.indices[0]), "top2_token": int(top.indices[1]),
+                "top2_margin": float(top.values[0] - top.values[1])}
+
     def _check_prompt(self, prompt_ids: list[int]) -> None:
         if len(prompt_ids) == 0:
             raise PromptError("prompt is empty")

@@ -241,3 +241,23 @@ def test_k_auto_is_the_default_and_builds_a_cost_aware_policy(tiny_llama_dir):
     assert isinstance(threshold.policy, ThresholdK)
     with pytest.raises(ConfigError, match="k_policy must be one of"):
         SpeculativeConfig(k_policy="magic")
+
+
+def test_cli_route_retries_a_task_sent_to_plain_decoding(tiny_text_model_dir, capsys):
+    """A task whose measured speedup is below 1 is routed to plain decoding, and retried
+    with speculation every retry_every requests, also across CLI invocations (the router
+    state, request count included, is saved on every routed request)."""
+    import json as json_module
+
+    from specdecode import cli
+    from specdecode.control.router import Router, TaskRecord, classify, router_state_path
+
+    prompt = "What is the capital of France?"
+    Router(records={f"{classify(prompt)}/ngram": TaskRecord(alpha=0.05, speedup=0.6, weight=5.0)}).save(router_state_path())
+    methods = []
+    for _ in range(Router().retry_every + 1):
+        code = cli.main(["generate", prompt, "--route", "--model", str(tiny_text_model_dir), "--dtype", "fp32",
+                         "--no-chat-template", "--max-new-tokens", "3", "--json"])
+        assert code == 0
+        methods.append(json_module.loads(capsys.readouterr().out)["route"]["method"])
+    assert methods.count("none") >= Router().retry_every - 1 and "ngram" in methods, methods

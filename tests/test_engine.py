@@ -74,33 +74,87 @@ def test_seed_reproduces_sampled_output(text_model):
 
 
 def test_engine_sampling_matches_target_distribution(tmp_path):
-    """End to end through the engine: draft model, k=2, temperature 1.0, vocabulary 6.
+    """End to end through the engine: draft model, k=2, temperature 1.0, vocabulary 4.
 
-    The joint distribution of the first two generated tokens is compared with the target's
-    exact chain-rule probabilities computed from its logits.
+    Three new tokens: the first step drafts two (draft positions 1 and 2), so a run that
+    accepts both ends the step with the bonus token drawn after full acceptance. The joint
+    distribution of the three tokens is compared with the target's exact chain-rule
+    probabilities computed from its logits (cells with small expected counts pooled).
     """
-    target = load_model(save_tiny_model(tmp_path / "t", seed=30, vocab_size=6, init_std=0.6), torch.float32)
-    draft = load_model(save_tiny_model(tmp_path / "d", seed=31, vocab_size=6, init_std=0.6), torch.float32)
-    params = SamplingParams(temperature=1.0, max_new_tokens=2, ignore_eos=True)
+    vocab = 4
+    # init_std 0.3: distributions close enough that a third of runs accept both drafts
+    target = load_model(save_tiny_model(tmp_path / "t", seed=30, vocab_size=vocab, init_std=0.3), torch.float32)
+    draft = load_model(save_tiny_model(tmp_path / "d", seed=31, vocab_size=vocab, init_std=0.3), torch.float32)
+    params = SamplingParams(temperature=1.0, max_new_tokens=3, ignore_eos=True)
     engine = SpeculativeEngine(target.runtime, proposer=DraftModelProposer(draft.runtime), k=2)
-    prompt, runs, vocab = [3, 4], 3000, 6
-    counts = torch.zeros(vocab * vocab)
-    accepted = 0
+    prompt, runs = [3, 2], 6000
+    counts = torch.zeros(vocab**3, dtype=torch.float64)
+    first_step_accepted = []
     for seed in range(runs):
         result = engine.generate(prompt, dataclasses.replace(params, seed=seed))
-        counts[result.token_ids[0] * vocab + result.token_ids[1]] += 1
-        accepted += result.stats.accepted_tokens
+        y = result.token_ids
+        counts[(y[0] * vocab + y[1]) * vocab + y[2]] += 1
+        stats = result.stats
+        assert stats.steps_by_drafted.get(2) == 1  # the first step drafted positions 1 and 2
+        first_step_accepted.append(stats.accepted_per_position[1])
     runtime = target.runtime
-    runtime.reset(8)
-    first = runtime(torch.tensor([prompt]))[0, -1].softmax(-1).double()  # [V]
-    expected = torch.zeros(vocab, vocab, dtype=torch.float64)
-    for y1 in range(vocab):
+
+    def next_probs(tokens):
         runtime.reset(8)
-        expected[y1] = first[y1] * runtime(torch.tensor([prompt + [y1]]))[0, -1].softmax(-1).double()
-    expected = (expected / expected.sum()).flatten() * runs
-    assert 0 < accepted < 2 * runs
-    _, p_value = chisquare(counts.double().numpy(), expected.numpy())
+        return runtime(torch.tensor([tokens]))[0, -1].softmax(-1).double()
+
+    expected = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
+    first = next_probs(prompt)
+    for y1 in range(vocab):
+        second = next_probs(prompt + [y1])
+        for y2 in range(vocab):
+            expected[y1, y2] = first[y1] * second[y2] * next_probs(prompt + [y1, y2])
+    expected = expected.flatten() / expected.sum() * runs
+    # both drafts accepted in some runs (their third token is the bonus after full
+    # acceptance), and not in all (rejections and corrections happen too)
+    full = sum(first_step_accepted)
+    assert 0.05 * runs < full < 0.95 * runs, full
+    small = expected < 5
+    observed = torch.cat([counts[~small], counts[small].sum()[None]])
+    pooled = torch.cat([expected[~small], expected[small].sum()[None]])
+    _, p_value = chisquare(observed.numpy(), pooled.numpy())
     assert p_value > 1e-3, p_value
+
+
+def test_draft_model_proposals_follow_the_committed_sequence(tmp_path):
+    """The draft model's cache must track the committed tokens through rejections and full
+    acceptance: every proposal equals what the draft model proposes from scratch for the
+    same sequence. (A cache that kept stale keys after a rejection would stay lossless —
+    the target verifies — while its proposals, and acceptance, silently degrade.)"""
+    from specdecode.models.llama import load_native
+
+    target = load_model(save_tiny_model(tmp_path / "t", seed=40, num_layers=2), torch.float32)
+    draft_dir = save_tiny_model(tmp_path / "d", seed=41, num_layers=1)
+    proposer = DraftModelProposer(load_model(draft_dir, torch.float32).runtime)
+    reference = load_native(draft_dir, torch.float32)
+    checked = []
+
+    def from_scratch(tokens, k):
+        reference.reset(len(tokens) + k + 1)
+        logits = reference(torch.tensor([tokens]))[0, -1]
+        out = []
+        for _ in range(k):
+            out.append(int(logits.argmax()))
+            logits = reference(torch.tensor([[out[-1]]]))[0, -1]
+        return out
+
+    original = proposer.propose
+
+    def checking_propose(tokens, k, params, generator):
+        proposal = original(tokens, k, params, generator)
+        assert proposal.draft_ids.tolist() == from_scratch(tokens, k), (len(tokens), k)
+        checked.append(k)
+        return proposal
+
+    proposer.propose = checking_propose
+    engine = SpeculativeEngine(target.runtime, proposer=proposer, k=3)
+    result = engine.generate([5, 9, 11, 5, 9], SamplingParams(max_new_tokens=30, ignore_eos=True))
+    assert len(checked) >= 5 and result.stats.rejections > 0
 
 
 def test_unknown_model_path_names_what_was_tried():

@@ -121,3 +121,35 @@ def test_bf16_runtime_stays_close_to_fp32_reference(tiny_llama_dir):
     reference = hf_logits(tiny_llama_dir, ids)
     assert (ours - reference).abs().max() < 0.05 * reference.abs().max()
     assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() > 0.8
+
+
+@pytest.mark.parametrize("flag, name", [("attention_bias", "o_proj.bias"), ("mlp_bias", "mlp_bias")])
+def test_checkpoint_tensors_the_runtime_does_not_implement_are_refused(tmp_path, flag, name):
+    """A Llama checkpoint with attention_bias (which adds an o_proj bias) or mlp_bias must not
+    load and silently compute wrong logits: the load is refused, naming what is unsupported."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdecode.config import SpecDecodeError
+
+    config = AutoConfig.for_model("llama", vocab_size=97, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=64, **{flag: True})
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(SpecDecodeError, match=name.replace(".", r"\.")):
+        load_native(tmp_path, torch.float32)
+
+
+def test_unknown_checkpoint_tensor_is_named(tmp_path, tiny_llama_dir):
+    """Any tensor left unused is refused by name (here an extra one added to a checkpoint)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from specdecode.config import SpecDecodeError
+
+    shutil.copytree(tiny_llama_dir, tmp_path / "m")
+    state = load_file(tmp_path / "m" / "model.safetensors")
+    state["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)
+    save_file(state, tmp_path / "m" / "model.safetensors")
+    with pytest.raises(SpecDecodeError, match=r"model\.layers\.0\.self_attn\.q_norm\.weight"):
+        load_native(tmp_path / "m", torch.float32)

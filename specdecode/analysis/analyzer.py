@@ -115,6 +115,7 @@ def summarize_group(rows: list[dict], profile, c: float, serving: str, batch: in
         "prediction_error": predicted / measured - 1.0 if measured else None, "new_tokens": new_tokens,
         "drafts_per_pass": k_mean, "step_cost": step_cost, "plain_steps_share": plain_share or None,
         "identical_to_plain": _mean([float(r["identical_to_plain"]) for r in rows]),
+        "divergence_margins": [r["first_divergence"]["top2_margin"] for r in rows if r.get("first_divergence")],
         "recommendation": acceptance_recommendation(mean_alpha, variance), "cost_verdict": cost, "skip_checks": skips,
     }
 
@@ -240,6 +241,13 @@ def learn(records: list[dict], drafter_names: dict[str, str]) -> None:
 
 
 # -- reports --------------------------------------------------------------------------
+def _same(row: dict) -> str:
+    """Share identical to plain; where below 100%, the largest top-2 logit margin at a
+    first divergent token (a near-tie, not a bug, when small)."""
+    margins = row.get("divergence_margins") or []
+    return f"{row['identical_to_plain']:.0%}" + (f" (margin <= {max(margins):.2f})" if margins else "")
+
+
 def _table_rows(result: dict) -> list[list[str]]:
     rows = []
     for row in result["categories"]:
@@ -249,7 +257,7 @@ def _table_rows(result: dict) -> list[list[str]]:
             f"{row['alpha_mean']:.2f}", f"{row['alpha_variance']:.3f}", f"{row['tau']:.2f}",
             " ".join(f"{p:.2f}" for p in row["acceptance_per_position"][:6]),
             f"{row['predicted_speedup']:.2f}x", f"{row['measured_speedup']:.2f}x", error,
-            f"{row['identical_to_plain']:.0%}", row["recommendation"],
+            _same(row), row["recommendation"],
         ])
     return rows
 
@@ -270,7 +278,8 @@ def markdown(result: dict) -> str:
         "Speedups are medians over prompts of tokens/s against plain decoding of the same prompt at the same "
         "temperature (prefill included). Predicted = from the run's measured acceptance and the cost profile. "
         "Same = share of prompts whose output was token-identical to plain decoding's; below 100% at T=0 "
-        "(bf16 numerics) the speedup compares runs that decoded different text.", "",
+        "the speedup compares runs that decoded different text, and the target's top-2 logit margin at the "
+        "first divergent token says how near a tie it was.", "",
         "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER),
     ]
     lines += ["| " + " | ".join(row) + " |" for row in _table_rows(result)]

@@ -1,9 +1,12 @@
 """``specdecode bench``: every prompt with every method, same prompts, same output lengths.
 
 Methods: ``none`` (plain decoding, our runtime; the baseline every ratio divides by),
-``ngram``, ``draft`` (speculative, our engine) and ``hf`` (transformers ``generate()``
-greedy on the same weights and dtype: the peer to beat). tokens/s counts new tokens over
-the wall time of the whole request, prefill included; medians per category.
+``ngram``, ``draft`` (speculative, our engine), and the peers (``bench/peers.py``):
+``llamacpp`` (llama.cpp on the same GGUF) and ``hf`` (transformers ``generate()``).
+tokens/s counts new tokens over the wall time of the whole request, prefill included;
+per category the median of the per-prompt figures and the aggregate (all new tokens over
+all seconds). A generation that differs from plain decoding is reported with its first
+divergent position and the target's top-2 logit margin there.
 """
 
 from __future__ import annotations
@@ -21,23 +24,10 @@ from tqdm import tqdm
 
 from ..config import ConfigError, EngineConfig, SpecDecodeError
 from ..prompts import load_prompts
+from .peers import PEERS, build_peer
 from .plots import plot_bench
 
-KNOWN_METHODS = ("none", "ngram", "draft", "hf")
-
-
-def _hf_generate(model, prompt_ids: list[int], params, eos_ids: tuple[int, ...]) -> tuple[list[int], float]:
-    started = time.perf_counter()
-    with torch.inference_mode():
-        output = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=params.max_new_tokens, do_sample=False,
-            eos_token_id=list(eos_ids) or None, pad_token_id=eos_ids[0] if eos_ids else 0,
-        )
-    seconds = time.perf_counter() - started
-    new = output[0, len(prompt_ids):].tolist()
-    while new and new[-1] in eos_ids:
-        new.pop()
-    return new, seconds
+KNOWN_METHODS = ("none", "ngram", "draft", *PEERS)
 
 
 def parse_method(spec: str) -> tuple[str, str | None]:
@@ -45,22 +35,20 @@ def parse_method(spec: str) -> tuple[str, str | None]:
     name, _, k = spec.partition("@")
     if name not in KNOWN_METHODS:
         raise SpecDecodeError(f"unknown bench method {name!r} in {spec!r}; choose from {KNOWN_METHODS}")
-    if k and name in ("none", "hf"):
+    if k and name in ("none", *PEERS):
         raise SpecDecodeError(f"{spec!r}: {name} takes no k")
     return name, (k or None)
 
 
 def build_engines(args, methods: list[str], engine_config: EngineConfig, spec_config, target) -> dict:
-    """One engine per method spec (sharing the target), 'hf' -> a transformers model."""
+    """One engine per method spec (sharing the target); a peer for 'hf' and 'llamacpp'."""
     from ..factory import build_engine
 
     engines = {}
     for spec in methods:
         name, k = parse_method(spec)
-        if name == "hf":
-            from transformers import AutoModelForCausalLM
-
-            engines[spec] = AutoModelForCausalLM.from_pretrained(target.source.path, dtype=engine_config.torch_dtype).eval()
+        if name in PEERS:
+            engines[spec] = build_peer(name, target, target.runtime.max_positions)
         else:
             engines[spec] = build_engine(engine_config, spec_config(args, name, k), args.runtime, target=target)
     return engines
@@ -69,8 +57,10 @@ def build_engines(args, methods: list[str], engine_config: EngineConfig, spec_co
 def warm_up(engines: dict, prompt_ids: list[int], params) -> None:
     """First calls allocate and warm kernels; keep them out of the measurements."""
     warm = prompt_ids[:16]
-    for engine in engines.values():
-        if hasattr(engine, "generate") and hasattr(engine, "policy"):
+    for label, engine in engines.items():
+        if parse_method(label)[0] in PEERS:
+            engine.generate(warm, 8)
+        else:
             engine.generate(warm, dataclasses.replace(params, max_new_tokens=8, ignore_eos=True))
 
 
@@ -93,6 +83,7 @@ def run_records(engines: dict, prompts: list[dict], encoded: list[list[int]], pa
     Every repeat is the same request: with sampling, ``params.seed`` must be set."""
     check_repeats(repeats, params)
     records, plain_tokens = [], {}
+    baseline = next(engine for label, engine in engines.items() if parse_method(label)[0] == "none")
     progress = tqdm(total=len(prompts) * len(engines) * repeats, desc=desc, unit="gen")
     # prompt-major: every engine runs a prompt within seconds of the baseline, so a drift
     # of the machine's speed over a long run does not bias one method against another
@@ -111,7 +102,10 @@ def run_records(engines: dict, prompts: list[dict], encoded: list[list[int]], pa
                 record["repeat_seconds"] = [r["seconds"] for r in attempts]
             if parse_method(label)[0] == "none":
                 plain_tokens[prompt["question_id"]] = token_ids
-            record["identical_to_plain"] = token_ids == plain_tokens.get(prompt["question_id"])
+            reference = plain_tokens.get(prompt["question_id"])
+            record["identical_to_plain"] = token_ids == reference
+            if reference is not None and not record["identical_to_plain"] and params.greedy:
+                record["first_divergence"] = baseline.first_divergence(prompt_ids, reference, token_ids)
             records.append(record)
     progress.close()
     return records
@@ -123,8 +117,8 @@ def _run_one(label: str, engine, prompt: dict, prompt_ids: list[int], params, eo
 
     name, _ = parse_method(label)
     record = {"question_id": prompt["question_id"], "category": prompt["category"], "method": label}
-    if name == "hf":
-        token_ids, seconds = _hf_generate(engine, prompt_ids, params, eos_ids)
+    if name in PEERS:
+        token_ids, seconds = engine.generate(prompt_ids, params.max_new_tokens)
         record.update(alpha=None, tau=1.0, k=0)
     else:
         task = classify(prompt["prompt"])
@@ -205,9 +199,11 @@ def summarize(records: list[dict]) -> dict:
         drafted = sum(r.get("draft_tokens", 0) for r in rows)
         accepted = sum(r.get("accepted_tokens", 0) for r in rows)
         passes = sum(r.get("target_forwards", 0) for r in rows)
+        margins = [r["first_divergence"]["top2_margin"] for r in rows if r.get("first_divergence")]
         summary[category][method] = {
             "prompts": len(rows),
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows),
+            "aggregate_tokens_per_s": sum(r["new_tokens"] for r in rows) / sum(r["seconds"] for r in rows),
             "speedup": statistics.median(r["tokens_per_s"] / plain[r["question_id"]] for r in rows if plain.get(r["question_id"])),
             "alpha": accepted / drafted if drafted else None,
             "tau": (accepted + passes) / passes if passes else 1.0,
@@ -215,6 +211,9 @@ def summarize(records: list[dict]) -> dict:
             "new_tokens": statistics.median(r["new_tokens"] for r in rows),
             "k_chosen_mean": _mean(r.get("k_chosen_mean") for r in rows),
             "plain_steps_share": _mean(r.get("plain_steps_share") for r in rows),
+            "divergent": len(margins),
+            "divergence_margin_median": statistics.median(margins) if margins else None,
+            "divergence_margin_max": max(margins) if margins else None,
         }
     return dict(summary)
 
@@ -225,7 +224,11 @@ def _mean(values) -> float | None:
 
 
 def print_summary(summary: dict, methods: list[str]) -> None:
-    header = f"{'category':<14}{'method':<17}{'n':>4}{'tok/s':>8}{'speedup':>9}{'alpha':>7}{'tau':>6}{'same':>6}{'len':>6}{'mean k':>8}"
+    """The table: tok/s (median per prompt and aggregate), speedup (median per-prompt ratio
+    to plain), acceptance, share identical to plain, output length, mean k; then, where
+    outputs differ from plain, the top-2 margins at their first divergence."""
+    header = (f"{'category':<14}{'method':<17}{'n':>4}{'tok/s':>8}{'agg':>8}{'speedup':>9}{'alpha':>7}{'tau':>6}"
+              f"{'same':>6}{'len':>6}{'mean k':>8}")
     print(header)
     print("-" * len(header))
     categories = sorted(c for c in summary if c != "overall") + ["overall"]
@@ -236,10 +239,18 @@ def print_summary(summary: dict, methods: list[str]) -> None:
                 continue
             alpha = f"{row['alpha']:.2f}" if row["alpha"] is not None else "-"
             print(
-                f"{category:<14}{method:<17}{row['prompts']:>4}{row['tokens_per_s']:>8.1f}{row['speedup']:>8.2f}x"
+                f"{category:<14}{method:<17}{row['prompts']:>4}{row['tokens_per_s']:>8.1f}"
+                f"{row['aggregate_tokens_per_s']:>8.1f}{row['speedup']:>8.2f}x"
                 f"{alpha:>7}{row['tau']:>6.2f}{row['identical_to_plain']:>6.0%}{row['new_tokens']:>6.0f}"
                 f"{row['k_chosen_mean'] if row['k_chosen_mean'] is not None else float('nan'):>8.2f}"
             )
+    overall = summary.get("overall", {})
+    divergent = [(m, overall[m]) for m in methods if overall.get(m, {}).get("divergent")]
+    if divergent:
+        print("outputs not identical to plain decoding, at their first divergent token (target's top-2 logit margin):")
+        for method, row in divergent:
+            print(f"  {method:<17}{row['divergent']:>4} prompts, margin median {row['divergence_margin_median']:.3f}, "
+                  f"max {row['divergence_margin_max']:.3f}")
 
 
 def is_fixed_k(spec: str) -> bool:
@@ -254,7 +265,7 @@ def k_sweep(summary: dict, methods: list[str]) -> dict:
     for base in dict.fromkeys(parse_method(m)[0] for m in methods):
         fixed = [m for m in methods if parse_method(m)[0] == base and is_fixed_k(m)]
         adaptive = [m for m in methods if parse_method(m)[0] == base and m not in fixed]
-        if not fixed or not adaptive or base in ("none", "hf"):
+        if not fixed or not adaptive or base in ("none", *PEERS):
             continue
         for category, rows in summary.items():
             speedups = {m: rows[m]["speedup"] for m in fixed if m in rows}

@@ -40,4 +40,6 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     Exact (the exponential-race form of sampling) and driven only by ``generator``.
     """
     noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return (probs / noise).argmax(-1)
+    # an exponential draw of exactly 0 would make probs / noise inf (or nan for a
+    # zero-probability token, which argmax would then pick); a tiny floor keeps it finite
+    return (probs / noise.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(-1)

@@ -1,0 +1,88 @@
+"""Other engines run beside ours in ``specdecode bench``, on the same prompt token ids, the
+same output budget and EOS ids, greedy, prefill included in their time.
+
+- ``hf``: transformers ``generate()`` on the same checkpoint, in fp32 (its reference
+  precision; bf16 matrix products are emulated on CPUs without bf16 units).
+- ``llamacpp``: llama.cpp through llama-cpp-python (``make peers``), on the same GGUF file,
+  with as many threads as torch uses. Its KV cache is reset before every request, so no
+  prefill is reused between runs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..config import SpecDecodeError
+
+PEERS = ("hf", "llamacpp")
+
+LLAMACPP_INSTALL = (
+    "bench method 'llamacpp' needs llama-cpp-python: run `make peers`, or "
+    "CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_OPENMP=OFF' pip install 'specdecode[peers]'"
+)
+
+
+class HFPeer:
+    label = "transformers generate(), fp32"
+
+    def __init__(self, model_dir, eos_ids: tuple[int, ...]):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.eos_ids = eos_ids
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
+        eos = self.eos_ids
+        started = time.perf_counter()
+        with torch.inference_mode():
+            output = self.model.generate(
+                torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                eos_token_id=list(eos) or None, pad_token_id=eos[0] if eos else 0,
+            )
+        seconds = time.perf_counter() - started
+        new = output[0, len(prompt_ids):].tolist()
+        while new and new[-1] in eos:
+            new.pop()
+        return new, seconds
+
+
+class LlamaCppPeer:
+    label = "llama.cpp (llama-cpp-python), same GGUF"
+
+    def __init__(self, gguf_path, context: int, eos_ids: tuple[int, ...], threads: int | None = None):
+        try:
+            from llama_cpp import Llama
+        except ImportError:
+            raise SpecDecodeError(LLAMACPP_INSTALL) from None
+        if gguf_path is None:
+            raise SpecDecodeError("bench method 'llamacpp' runs a GGUF model; this model is a checkpoint directory")
+        threads = threads or torch.get_num_threads()
+        self.llm = Llama(model_path=str(gguf_path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                         n_batch=512, verbose=False)
+        self.eos_ids = set(eos_ids)
+        self.version = getattr(__import__("llama_cpp"), "__version__", "?")
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
+        started = time.perf_counter()
+        self.llm.reset()  # no prefix of an earlier request is reused
+        new: list[int] = []
+        if max_new_tokens > 0:
+            for token in self.llm.generate(prompt_ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                                           reset=True):
+                if token in self.eos_ids:
+                    break
+                new.append(token)
+                if len(new) >= max_new_tokens:
+                    break
+        return new, time.perf_counter() - started
+
+
+def build_peer(name: str, target, context: int):
+    """The peer for bench method ``name`` over the loaded target model."""
+    if name == "hf":
+        return HFPeer(target.source.path, target.eos_token_ids)
+    if name == "llamacpp":
+        return LlamaCppPeer(target.source.gguf, context, target.eos_token_ids)
+    raise SpecDecodeError(f"unknown peer {name!r}; choose from {PEERS}")
