@@ -1,0 +1,224 @@
+"""specdecode's CPU kernels: arithmetic against references, and batch invariance (--exact):
+a row's logits are bitwise the same whatever else is scored with it."""
+
+from __future__ import annotations
+
+import ctypes
+import random
+
+import pytest
+import torch
+
+from conftest import save_tiny_model
+from specdecode import kernels
+from specdecode.config import ConfigError, SamplingParams
+from specdecode.engine import SpeculativeEngine
+from specdecode.models.llama import load_native
+from specdecode.models.quant import PackedLinear, unpack_nibbles
+from specdecode.proposers.draft_model import DraftModelProposer
+from specdecode.proposers.ngram import NgramProposer
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels unavailable: {kernels.unavailable_reason()}")
+
+FORMATS = ("fp32", "bf16", "q8_0", "q4_1")
+
+
+def kernel_linear(layer: PackedLinear, x: torch.Tensor, threads: int = 2) -> torch.Tensor:
+    lib = kernels.load()
+    entry = kernels.Linear(kernels.FORMATS[layer.fmt], layer.rows, layer.cols, 0)
+    if layer.weight is not None:
+        entry.w = layer.weight.data_ptr()
+    else:
+        entry.w, entry.d = layer.qweight.data_ptr(), layer.scales.data_ptr()
+        entry.m = None if layer.mins is None else layer.mins.data_ptr()
+    rows = x.shape[0]
+    x = x.float().contiguous()
+    out = torch.empty(rows, layer.rows)
+    xq = torch.empty(rows, layer.cols, dtype=torch.int8)
+    xd, xs = torch.empty(rows, layer.cols // 32), torch.empty(rows, layer.cols // 32)
+    lib.sd_linear_forward(ctypes.byref(entry), x.data_ptr(), rows, out.data_ptr(), xq.data_ptr(), xd.data_ptr(),
+                          xs.data_ptr(), threads)
+    return out
+
+
+def quantized_reference(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+    """The block formats' kernels in float64 from their definition: activations quantized
+    per row and block of 32 (scale max|x|/127, round half to even), integer block sums,
+    scaled by weight and activation scales, plus the Q4_1 minimum times the block's sum of x."""
+    rows, cols = x.shape
+    blocks = x.reshape(rows, cols // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    codes_x = (blocks * inverse).round()  # fp32 product, as the kernel computes it
+    scale_x = (amax / 127.0).double()
+    if layer.fmt == "q8_0":
+        codes_w = layer.qweight.reshape(layer.rows, cols // 32, 32).double()
+    else:
+        codes_w = unpack_nibbles(layer.qweight.reshape(layer.rows, cols // 32, 16)).double()
+    sums = torch.einsum("rbi,nbi->rnb", codes_x.double(), codes_w)  # exact integers
+    out = (sums * layer.scales.double()[None] * scale_x[:, None, :, 0]).sum(-1)
+    if layer.fmt == "q4_1":
+        out = out + (layer.mins.double()[None] * blocks.double().sum(-1)[:, None, :]).sum(-1)
+    return out
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_linear_matches_its_reference(fmt):
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(70, 192, generator=generator) * 0.05
+    x = torch.randn(5, 192, generator=generator)
+    layer = PackedLinear.quantize(weight, fmt)
+    out = kernel_linear(layer, x).double()
+    if fmt in ("fp32", "bf16"):
+        reference = x.double() @ layer.dequantize().double().T
+        tolerance = 1e-5
+    else:
+        reference = quantized_reference(layer, x)
+        tolerance = 1e-5
+    assert (out - reference).abs().max() < tolerance * reference.abs().max()
+    # and the format's total error against the dense weight, with quantized activations
+    dense = x.double() @ weight.double().T
+    bound = {"fp32": 1e-6, "bf16": 1e-2, "q8_0": 2e-2, "q4_1": 0.1}[fmt]
+    assert (out - dense).abs().max() < bound * dense.abs().max()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_linear_rows_are_independent_of_the_batch(fmt):
+    """Each row alone equals the same row inside batches of 2..64 rows, bit for bit, with
+    1 or 2 threads."""
+    generator = torch.Generator().manual_seed(1)
+    layer = PackedLinear.quantize(torch.randn(130, 320, generator=generator) * 0.05, fmt)
+    rows = torch.randn(64, 320, generator=generator)
+    alone = torch.cat([kernel_linear(layer, rows[i : i + 1]) for i in range(64)])
+    for batch in (2, 3, 5, 16, 33, 64):
+        for threads in (1, 2):
+            together = kernel_linear(layer, rows[:batch], threads)
+            assert torch.equal(together, alone[:batch]), (batch, threads)
+
+
+def kernel_model(tmp_path, fmt="q4_1", dtype=torch.bfloat16, seed=3, prefill_chunk=256):
+    path = tmp_path / f"m{seed}"
+    if not path.exists():
+        save_tiny_model(path, "llama", seed=seed, num_layers=2)
+    return load_native(path, dtype, fmt, "kernels", prefill_chunk=prefill_chunk)
+
+
+@pytest.mark.parametrize("fmt, dtype", [("q4_1", torch.bfloat16), ("bf16", torch.bfloat16), ("fp32", torch.float32)])
+def test_scored_row_is_bitwise_independent_of_what_else_is_scored(tmp_path, fmt, dtype):
+    """The logits of a token scored alone equal its logits scored first among T = 2..64
+    tokens, and the logits of T tokens scored one by one equal those scored together, at
+    contexts below and across the attention's 256-key chunks."""
+    runtime = kernel_model(tmp_path, fmt, dtype)
+    generator = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, 97, (1, 180), generator=generator)
+    runtime.reset(256)
+    for context in (3, 100):
+        runtime.rollback(0)
+        runtime(tokens[:, :context])
+        alone = runtime(tokens[:, context : context + 1])
+        runtime.rollback(context)
+        for count in (2, 5, 8, 17, 64):
+            together = runtime(tokens[:, context : context + count])
+            runtime.rollback(context)
+            assert torch.equal(together[:, :1], alone), (context, count)
+        together = runtime(tokens[:, context : context + 16])
+        runtime.rollback(context)
+        one_by_one = torch.cat([runtime(tokens[:, context + i : context + i + 1]) for i in range(16)], dim=1)
+        runtime.rollback(context)
+        assert torch.equal(one_by_one, together), context
+
+
+def test_long_context_rows_are_invariant_across_key_chunks(tmp_path):
+    path = tmp_path / "long"
+    save_tiny_model(path, "llama", seed=5, num_layers=1)
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 1024
+    (path / "config.json").write_text(json.dumps(config))
+    runtime = load_native(path, torch.bfloat16, "q8_0", "kernels")
+    tokens = torch.randint(0, 97, (1, 700), generator=torch.Generator().manual_seed(6))
+    runtime.reset(720)
+    runtime(tokens[:, :600])  # 600 keys: three chunks of 256
+    alone = runtime(tokens[:, 600:601])
+    runtime.rollback(600)
+    together = runtime(tokens[:, 600:664])
+    assert torch.equal(together[:, :1], alone)
+
+
+def test_tree_node_equals_the_same_token_in_a_chain(tmp_path):
+    """A node's logits in a tree (with a sibling branch scored beside it) equal the same
+    path scored as a plain chain: attention reduces over a row's visible keys in order."""
+    runtime = kernel_model(tmp_path)
+    prefix = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(4))
+    tokens = torch.tensor([[10, 11, 12, 13]])  # r, a1, a2, b1: branches (r, a1, a2) and (r, b1)
+    positions = torch.tensor([9, 10, 11, 10])
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
+    runtime.reset(32)
+    runtime(prefix)
+    tree = runtime(tokens, positions=positions, tree_mask=mask)
+    runtime.rollback(9)
+    chain_b = runtime(tokens[:, [0, 3]])
+    runtime.rollback(9)
+    chain_a = runtime(tokens[:, :3])
+    assert torch.equal(tree[:, 3], chain_b[:, 1]) and torch.equal(tree[:, :3], chain_a)
+
+
+def test_chunked_prefill_equals_one_pass(tmp_path):
+    tokens = torch.randint(0, 97, (1, 150), generator=torch.Generator().manual_seed(8))
+    results = []
+    for chunk in (7, 64, 256):
+        runtime = kernel_model(tmp_path, prefill_chunk=chunk)
+        runtime.reset(160)
+        results.append(runtime(tokens, last_only=True))
+        assert runtime.length == 150
+    assert torch.equal(results[0], results[1]) and torch.equal(results[1], results[2])
+
+
+def test_kernels_agree_with_the_torch_backend(tmp_path):
+    path = save_tiny_model(tmp_path / "ref", "llama", seed=9, num_layers=2)
+    ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(0))
+    outputs = {}
+    for backend in ("kernels", "torch"):
+        runtime = load_native(path, torch.float32, "fp32", backend)
+        runtime.reset(32)
+        outputs[backend] = runtime(ids)
+    torch.testing.assert_close(outputs["kernels"], outputs["torch"], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "bf16"])
+def test_greedy_speculation_is_bit_for_bit_plain_decoding_in_bf16(tmp_path, fmt):
+    """With the kernels (exact), greedy speculative output equals plain decoding in bf16
+    and 4-bit weights too, for every drafter and k, on prompts with and without repeats."""
+    root = tmp_path
+    target = kernel_model(root, fmt, torch.bfloat16, seed=21)
+    draft = kernel_model(root, fmt, torch.bfloat16, seed=22)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    plain = SpeculativeEngine(target)
+    rng = random.Random(0)
+    accepted = 0
+    for proposer in (NgramProposer(), DraftModelProposer(draft), DraftModelProposer(target.layer_skip_view(2))):
+        for k in (1, 3, 6):
+            engine = SpeculativeEngine(target, proposer=proposer, k=k)
+            for _ in range(3):
+                base = [rng.randrange(3, 97) for _ in range(rng.randint(2, 6))]
+                prompt = (base * rng.randint(1, 4))[:30]
+                result = engine.generate(prompt, params)
+                assert result.token_ids == plain.generate(prompt, params).token_ids, (proposer.name, k, prompt)
+                accepted += result.stats.accepted_tokens
+    assert accepted > 0
+
+
+def test_backend_choice_without_kernels(monkeypatch, tiny_llama_dir):
+    """No compiler: the torch backend takes over for dense weights; int4, --exact and
+    --backend kernels say why they cannot run."""
+    from specdecode import factory
+
+    monkeypatch.setattr(kernels, "unavailable_reason", lambda: "no C++ compiler found")
+    model = factory.load_model(tiny_llama_dir, torch.float32)
+    assert model.runtime.backend == "torch" and not model.runtime.exact
+    for kwargs in ({"weights": "int4"}, {"exact": True}, {"backend": "kernels"}):
+        with pytest.raises(ConfigError, match="no C.. compiler found"):
+            factory.load_model(tiny_llama_dir, torch.float32, **kwargs)
+    with pytest.raises(ConfigError, match="not batch invariant"):
+        factory.load_model(tiny_llama_dir, torch.float32, backend="torch", exact=True)
