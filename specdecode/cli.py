@@ -245,18 +245,39 @@ def cmd_profile(args) -> int:
     if args.json:
         print(json.dumps(profile.to_dict(), indent=1))
         return 0
-    print(f"cost profile: {args.model} {args.dtype} on {profile.machine}, {profile.threads} threads")
-    print(f"{'n tokens':>9}" + "".join(f"{f'ctx {c} ms':>14}{'v':>6}" for c in profile.contexts))
-    for index, size in enumerate(profile.sizes):
-        cells = "".join(
-            f"{profile.step_ms[row][index]:>14.2f}{profile.step_ms[row][index] / profile.step_ms[row][0]:>6.2f}"
-            for row in range(len(profile.contexts))
-        )
-        print(f"{size:>9}{cells}")
-    print("v = time to score n tokens / one decode step (n = 1); speculation with k drafts scores k+1")
-    for name, c in profile.drafters.items():
-        print(f"drafter {name}: c = {c:.3f} of a target step per draft token")
+    print(format_profile(profile, args.model))
     return 0
+
+
+PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def format_profile(profile, model: str) -> str:
+    """The step-cost table: ms and v(T) per context, then T = 1 against the time reading
+    the step's bytes takes at the measured bandwidth."""
+    lines = [f"cost profile: {model} on {profile.machine}, {profile.threads} threads; {profile.runtime or profile.dtype}"]
+    if profile.bandwidth_gbs:
+        lines.append(f"memory read bandwidth {profile.bandwidth_gbs:.1f} GB/s (measured); a single-token step reads "
+                     f"{profile.weight_bytes / 1e6:.1f} MB of weights and {profile.kv_bytes_per_token / 1e3:.1f} kB of "
+                     "keys and values per cached token")
+    lines.append(f"{'T':>4}" + "".join(f"{f'ctx {c} ms':>15}{'v':>7}" for c in profile.contexts))
+    for index, size in enumerate(profile.sizes):
+        if size not in PROFILE_SIZES:
+            continue
+        cells = "".join(f"{profile.step_ms[row][index]:>15.2f}{profile.step_ms[row][index] / profile.step_ms[row][0]:>7.2f}"
+                        for row in range(len(profile.contexts)))
+        lines.append(f"{size:>4}{cells}")
+    lines.append("v(T) = time to score T tokens / one decode step (T = 1); speculation with k drafts scores k + 1")
+    if profile.bandwidth_gbs:
+        lines.append("T = 1 against the bandwidth limit (time to read the weights | the weights and the KV cache):")
+        for row, context in enumerate(profile.contexts):
+            weights, both = profile.bandwidth_limit_ms(context), profile.bandwidth_limit_ms(context, with_cache=True)
+            step = profile.step_ms[row][0]
+            lines.append(f"  ctx {context:>5}: limit {weights:6.2f} ms | {both:6.2f} ms; step {step:6.2f} ms = "
+                         f"{step / weights:.2f}x | {step / both:.2f}x")
+    for name, c in profile.drafters.items():
+        lines.append(f"drafter {name}: c = {c:.3f} of a target step per draft token")
+    return "\n".join(lines)
 
 
 def _float_list(text: str, flag: str) -> list[float]:

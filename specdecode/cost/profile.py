@@ -7,9 +7,15 @@ draft token, all relative to one target decode step (n = 1) at the same context:
     v(k) = time(score k+1 tokens) / time(score 1 token)
     c    = time(one draft token)  / time(score 1 token)
 
-Profiles are cached as JSON in ``<cache>/profiles/`` keyed by model, dtype, CPU and thread
-count, and reused by adaptive k, the analyzer, ``check`` and the router. ``--remeasure``
-(``measure_profile(..., force=True)``) replaces a cached profile.
+at contexts of 100, 600, 1,500 and 4,000 tokens. It also records the machine's memory read
+bandwidth and the bytes a single-token step reads (weights in their storage format, and
+keys and values per cached token), so a step can be compared with the time reading them
+takes (``bandwidth_limit_ms``).
+
+Profiles are cached as JSON in ``<cache>/profiles/`` keyed by model and runtime (backend,
+weight format), dtype, CPU and thread count, and reused by adaptive k, the analyzer,
+``check`` and the router. ``--remeasure`` (``get_profile(..., force=True)``) replaces a
+cached profile.
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ from tqdm import tqdm
 
 from ..models.loading import cache_dir
 
-PROFILE_VERSION = 3
-SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 16, 24, 32, 48, 64)
-CONTEXTS = (128, 512, 1024)
+PROFILE_VERSION = 4
+# k + 1 for the k the policies choose (1..11) and the tree sizes to come (up to 64)
+SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 32, 64)
+CONTEXTS = (100, 600, 1500, 4000)
 
 
 def machine_id() -> str:
@@ -63,7 +70,17 @@ class CostProfile:
     # drafter -> [first, later] acceptance on a few built-in prompts (greedy): the
     # adaptive-k priors when nothing better is known (factory.calibrate_acceptance)
     acceptance: dict[str, list[float]] = field(default_factory=dict)
+    bandwidth_gbs: float = 0.0  # memory read bandwidth measured with these threads
+    weight_bytes: int = 0  # bytes of weights one step reads (layers and output head)
+    kv_bytes_per_token: int = 0  # bytes of keys and values one step reads per cached token
+    runtime: str = ""  # the runtime's description (backend, weight format, KV dtype)
     version: int = PROFILE_VERSION
+
+    def bandwidth_limit_ms(self, context: int, with_cache: bool = False) -> float:
+        """The time a single-token step needs to read its weights (and, with_cache, its
+        keys and values at ``context``) at the measured bandwidth."""
+        read = self.weight_bytes + (self.kv_bytes_per_token * context if with_cache else 0)
+        return read / (self.bandwidth_gbs * 1e9) * 1e3 if self.bandwidth_gbs else float("nan")
 
     # -- lookups --------------------------------------------------------------------
     def _at_context(self, row_values, context: int) -> float:
@@ -149,21 +166,21 @@ def _median_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _fill_context(runtime, context: int, capacity: int, generator: torch.Generator) -> None:
-    runtime.reset(capacity)
-    if context > 0:
-        tokens = torch.randint(0, runtime.vocab_size, (1, context), generator=generator)
-        for start in range(0, context, 256):  # chunked prefill keeps activations small
-            runtime(tokens[:, start : start + 256], last_only=True)
+def _extend_context(runtime, context: int, generator: torch.Generator) -> None:
+    """Grow the cache with random tokens to ``context`` (chunked: activations stay small)."""
+    while runtime.length < context:
+        count = min(256, context - runtime.length)
+        runtime(torch.randint(0, runtime.vocab_size, (1, count), generator=generator), last_only=True)
 
 
-def measure_target(runtime, contexts=CONTEXTS, sizes=SIZES, repeats: int = 7,
+def measure_target(runtime, contexts=CONTEXTS, sizes=SIZES, repeats: int = 4,
                    progress: bool = True) -> tuple[list[int], list[int], list[list[float]]]:
     """Median forward time for each (context, size) the model's context allows.
 
     Sizes are timed in interleaved rounds (each round visits every size once, in a
     shuffled order) rather than one size at a time, so that a transient slowdown of the
-    machine spreads over many cells as one outlier each instead of owning one cell.
+    machine spreads over many cells as one outlier each instead of owning one cell. The
+    cache grows from one context to the next, so each prompt token is run once.
     """
     limit = runtime.max_positions
     sizes = [s for s in sizes if s < limit // 2]
@@ -172,8 +189,9 @@ def measure_target(runtime, contexts=CONTEXTS, sizes=SIZES, repeats: int = 7,
     order = random.Random(0)
     table = []
     bar = tqdm(total=len(contexts) * (repeats + 1), desc="profile target", unit="round", disable=not progress)
+    runtime.reset(max(contexts) + max(sizes) + 1)
     for context in contexts:
-        _fill_context(runtime, context, context + max(sizes) + 1, generator)
+        _extend_context(runtime, context, generator)
         inputs = {size: torch.randint(0, runtime.vocab_size, (1, size), generator=generator) for size in sizes}
         times: dict[int, list[float]] = {size: [] for size in sizes}
         for round_ in range(repeats + 1):  # round 0 warms up every shape
@@ -190,6 +208,32 @@ def measure_target(runtime, contexts=CONTEXTS, sizes=SIZES, repeats: int = 7,
         table.append([statistics.median(times[size]) for size in sizes])
     bar.close()
     return list(contexts), list(sizes), table
+
+
+def measure_bandwidth(megabytes: int = 256, repeats: int = 7) -> float:
+    """Memory read bandwidth in GB/s: summing a buffer far larger than the caches, with
+    torch's threads (the kernels use the same), median of ``repeats``."""
+    buffer = torch.ones(megabytes * 2**20 // 4)
+    buffer.sum()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - started)
+    return buffer.numel() * 4 / statistics.median(times) / 1e9
+
+
+def step_bytes(runtime) -> tuple[int, int]:
+    """(weight bytes, KV bytes per cached token) that one single-token step reads."""
+    weights = getattr(runtime, "weights", None)
+    if weights is None or not hasattr(weights, "layers"):
+        return 0, 0
+    layers = list(weights.layers)[: getattr(runtime, "num_layers", len(weights.layers))]
+    total = sum(getattr(layer, name).nbytes for layer in layers for name in ("qkv", "o", "gate_up", "down"))
+    total += weights.lm_head.nbytes
+    cfg = weights.cfg
+    kv = 2 * len(layers) * cfg.num_kv_heads * cfg.head_dim * torch.empty(0, dtype=runtime.dtype).element_size()
+    return total, kv
 
 
 def measure_drafter(proposer, context: int, vocab_size: int, repeats: int = 5, k: int = 4) -> float:
@@ -227,7 +271,11 @@ def get_profile(model_key: str, dtype: str, runtime, drafters: dict | None = Non
     changed = False
     if profile is None:
         contexts, sizes, table = measure_target(runtime, progress=progress)
-        profile = CostProfile(model_key, dtype, machine_id(), torch.get_num_threads(), contexts, sizes, table)
+        weight_bytes, kv_bytes = step_bytes(runtime)
+        describe = getattr(runtime, "describe", None)
+        profile = CostProfile(model_key, dtype, machine_id(), torch.get_num_threads(), contexts, sizes, table,
+                              bandwidth_gbs=measure_bandwidth(), weight_bytes=weight_bytes, kv_bytes_per_token=kv_bytes,
+                              runtime=describe() if describe else "")
         changed = True
     for name, proposer in (drafters or {}).items():
         if name in profile.drafters and not force:

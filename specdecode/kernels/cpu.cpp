@@ -410,47 +410,44 @@ static inline void dot_q4_1(const int8_t* const* xq, const float* const* xd, con
 #if SD_AVX2
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-    __m256 acc[R];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    __m256 acc[R], macc[R];
+    for (int r = 0; r < R; r++) acc[r] = macc[r] = _mm256_setzero_ps();
     int b = 0;
     for (; b + 8 <= blocks; b += 8) {
-        __m256i half[2][R];  // pairs (0,1) -> [b0 b0 b2 b2 | b1 b1 b3 b3], pairs (2,3) likewise for b4..b7
+        __m256i half[2][R];  // pairs (0,1) -> [b0 b0 b2 b2 | b1 b1 b3 b3]; pairs (2,3) likewise for b4..b7
         for (int h = 0; h < 2; h++) {
             __m256i sums[2][R];
             for (int j = 0; j < 2; j++) {
-                __m256i v = _mm256_loadu_si256((const __m256i*)(w + 16 * (b + 4 * h + 2 * j)));
+                const int at = b + 4 * h + 2 * j;
+                __m256i v = _mm256_loadu_si256((const __m256i*)(w + 16 * at));
                 __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-                for (int r = 0; r < R; r++) sums[j][r] = q4_pair_sum(lo, hi, xq[r] + 32 * (b + 4 * h + 2 * j), ones);
+                for (int r = 0; r < R; r++) sums[j][r] = q4_pair_sum(lo, hi, xq[r] + 32 * at, ones);
             }
             for (int r = 0; r < R; r++) half[h][r] = _mm256_hadd_epi32(sums[0][r], sums[1][r]);
         }
-        __m256 dw = load8_f16(d + b);
+        __m256 dw = load8_f16(d + b), mw = load8_f16(m + b);
         for (int r = 0; r < R; r++) {
             __m256i block_sums = _mm256_hadd_epi32(half[0][r], half[1][r]);  // [b0 b2 b4 b6 | b1 b3 b5 b7]
             __m256 scale = _mm256_permutevar8x32_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(xd[r] + b)), order);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums), scale, acc[r]);
+            macc[r] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(xs[r] + b), macc[r]);
         }
     }
-    __m256 tail[R];  // the last blocks % 8 blocks, a pair at a time
-    for (int r = 0; r < R; r++) tail[r] = _mm256_setzero_ps();
+    // the last blocks % 8 blocks, a pair at a time: [b ×4 | b+1 ×4] lanes, minima on lanes 0 and 4
     for (; b < blocks; b += 2) {
         __m256i v = _mm256_loadu_si256((const __m256i*)(w + 16 * b));
         __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
         const float d0 = fp16_to_f32(d[b]), d1 = fp16_to_f32(d[b + 1]);
+        const float m0 = fp16_to_f32(m[b]), m1 = fp16_to_f32(m[b + 1]);
         for (int r = 0; r < R; r++) {
             __m256 scale = _mm256_set_m128(_mm_set1_ps(d1 * xd[r][b + 1]), _mm_set1_ps(d0 * xd[r][b]));
-            tail[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_pair_sum(lo, hi, xq[r] + 32 * b, ones)), scale, tail[r]);
+            __m256 sums = _mm256_cvtepi32_ps(q4_pair_sum(lo, hi, xq[r] + 32 * b, ones));
+            acc[r] = _mm256_fmadd_ps(sums, scale, acc[r]);
+            __m256 mins = _mm256_setr_ps(m0 * xs[r][b], 0, 0, 0, m1 * xs[r][b + 1], 0, 0, 0);
+            macc[r] = _mm256_add_ps(macc[r], mins);
         }
     }
-    // the minimum term, a dot product of the block minima with the activations' block sums
-    for (int r = 0; r < R; r++) {
-        __m256 macc = _mm256_setzero_ps();
-        int t = 0;
-        for (; t + 8 <= blocks; t += 8) macc = _mm256_fmadd_ps(load8_f16(m + t), _mm256_loadu_ps(xs[r] + t), macc);
-        float mtail = 0.0f;
-        for (; t < blocks; t++) mtail = mtail + fp16_to_f32(m[t]) * xs[r][t];
-        out[r] = (hsum8(acc[r]) + hsum8(tail[r])) + (hsum8(macc) + mtail);
-    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(_mm256_add_ps(acc[r], macc[r]));
 #else
     for (int r = 0; r < R; r++) {
         float s = 0.0f, ms = 0.0f;
@@ -918,6 +915,17 @@ void sd_attention(const sd_model* M, int layer, const float* qkv, int batch, int
                   float* out) {
 #pragma omp parallel num_threads(M->num_threads)
     attention(M, M->layers + layer, qkv, batch, T, start, mask, out);
+}
+
+// how many threads a parallel region of the kernels gets when asked for `num_threads`
+int sd_team_size(int num_threads) {
+    int size = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp single
+        size = omp_get_num_threads();
+    }
+    return size;
 }
 
 void sd_f32_to_fp16(const float* x, int64_t n, uint16_t* out) {
