@@ -59,6 +59,11 @@ class SpeculativeEngine:
         self.drafter: str | None = None  # the drafter's name in profiles and router records
 
     @property
+    def device(self) -> torch.device:
+        """Where the target's logits live: verification and sampling run there."""
+        return torch.device(getattr(self.target, "device", "cpu"))
+
+    @property
     def k(self) -> int:
         """The most draft tokens a step may offer (0 for plain decoding)."""
         return 0 if self.policy is None else self.policy.k_max
@@ -131,7 +136,7 @@ class SpeculativeEngine:
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         max_positions = self.target.max_positions
         capacity = min(len(prompt_ids) + params.max_new_tokens + self.k + 1, max_positions)
-        generator = torch.Generator().manual_seed(
+        generator = torch.Generator(device=self.device).manual_seed(
             params.seed if params.seed is not None else secrets.randbits(63)
         )
         tracker = TextTracker(self.tokenizer, params.stop)
@@ -191,14 +196,14 @@ class SpeculativeEngine:
             if k > 0 and self.proposer is not None
             else Proposal.empty()
         )
-        draft_ids = proposal.draft_ids[None, :k]  # [1, k']
+        draft_ids = proposal.draft_ids[None, :k].to(self.device)  # [1, k']
         num_drafted = draft_ids.shape[1]
         scored = time.perf_counter()
         stats.draft_seconds += scored - started
 
         # 2. score: the last committed token and every draft, one target pass
         context = len(tokens)
-        inputs = torch.cat([torch.tensor([[tokens[-1]]]), draft_ids], dim=1)
+        inputs = torch.cat([torch.tensor([[tokens[-1]]], device=self.device), draft_ids], dim=1)
         target_logits = self.target(inputs)  # [1, k'+1, V]
 
         # 3. verify
@@ -207,7 +212,7 @@ class SpeculativeEngine:
         else:
             target_probs = logits_to_probs(target_logits, params)  # [1, k'+1, V]
             if proposal.draft_probs is not None:
-                draft_probs = proposal.draft_probs[None, :num_drafted]
+                draft_probs = proposal.draft_probs[None, :num_drafted].to(self.device)
             else:  # deterministic drafter: its distribution is one-hot
                 draft_probs = F.one_hot(draft_ids, target_probs.shape[-1]).float()
             output_ids, num_accepted = rejection_sample(draft_ids, draft_probs, target_probs, generator)

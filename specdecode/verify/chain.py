@@ -8,7 +8,8 @@ Terms, for a batch of B sequences each with k draft tokens:
 
 Every function returns ``(output_ids [B, k+1], num_accepted [B])``: row b holds
 ``num_accepted[b]`` accepted draft tokens, then the bonus token, then ``PAD_ID``.
-So every sequence gains ``num_accepted + 1`` tokens per step.
+So every sequence gains ``num_accepted + 1`` tokens per step. Tensors are made on the
+inputs' device; the generator must live there too.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ def _accepted_prefix_length(accepted: torch.Tensor) -> torch.Tensor:
 
 def _assemble(draft_ids: torch.Tensor, num_accepted: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
     batch, k = draft_ids.shape
-    slots = torch.arange(k + 1).expand(batch, k + 1)  # [B, k+1]
-    padded = torch.cat([draft_ids, torch.full((batch, 1), PAD_ID)], dim=1)
+    device = draft_ids.device
+    slots = torch.arange(k + 1, device=device).expand(batch, k + 1)  # [B, k+1]
+    padded = torch.cat([draft_ids, torch.full((batch, 1), PAD_ID, device=device)], dim=1)
     output = torch.where(slots < num_accepted[:, None], padded, PAD_ID)
     return output.scatter_(1, num_accepted[:, None], bonus[:, None])
 
@@ -62,12 +64,12 @@ def rejection_sample(
     index = draft_ids[..., None]
     target_at_draft = target_probs[:, :k].gather(-1, index).squeeze(-1)  # [B, k]
     draft_at_draft = draft_probs.gather(-1, index).squeeze(-1)  # [B, k]
-    uniform = torch.rand(batch, k, generator=generator, dtype=target_probs.dtype)
+    uniform = torch.rand(batch, k, generator=generator, dtype=target_probs.dtype, device=target_probs.device)
     # u < target/draft, written without the division (draft_at_draft > 0 for drawn tokens)
     accepted = uniform * draft_at_draft < target_at_draft
     num_accepted = _accepted_prefix_length(accepted)  # [B]
 
-    rows = torch.arange(batch)
+    rows = torch.arange(batch, device=target_probs.device)
     bonus_target = target_probs[rows, num_accepted]  # [B, V]
     padded_draft = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, draft_probs.shape[-1])], dim=1)
     residual = (bonus_target - padded_draft[rows, num_accepted]).clamp_(min=0.0)  # [B, V]
