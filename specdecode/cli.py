@@ -111,7 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--batch", type=int, default=1)
     mem.add_argument("--context", type=int, default=2048)
     mem.add_argument("--k", type=int, default=5)
-    mem.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16", "int8", "int4"])
+    mem.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16", "int8", "int4"], help="KV cache dtype (int8/int4: those weights, bf16 cache)")
+    mem.add_argument("--weights", default=None, choices=["fp32", "bf16", "int8", "int4"], help="weight storage format (default: --dtype)")
+    mem.add_argument("--prefill-chunk", type=int, default=256, help="tokens per forward chunk (the runtime's scratch)")
+    mem.add_argument("--no-process", dest="process", action="store_false", help="leave out the Python process itself (measured once here)")
     mem.add_argument("--budget", type=float, default=None, help="GiB available (default: this machine's RAM)")
     mem.add_argument("--json", action="store_true")
     parser.verb_parsers = verbs.choices
@@ -202,6 +205,9 @@ def cmd_generate(args) -> int:
         record["identical_to_plain"] = baseline.token_ids == result.token_ids
         if not record["identical_to_plain"] and params.greedy:
             record["first_divergence"] = plain.first_divergence(prompt_ids, baseline.token_ids, result.token_ids)
+    from .analysis.memory import peak_rss_bytes
+
+    record["peak_rss_mb"] = peak_rss_bytes() / 2**20  # the whole process, loading included
     if args.json:
         print(json.dumps(record, indent=2))
         return 0
@@ -318,7 +324,8 @@ def cmd_check(args) -> int:
 def cmd_memory(args) -> int:
     from .analysis.memory import deployment_memory, format_report
 
-    report = deployment_memory(args.target, args.draft, args.dtype, args.batch, args.context, args.k, args.budget)
+    report = deployment_memory(args.target, args.draft, args.dtype, args.batch, args.context, args.k, args.budget,
+                               args.weights, args.prefill_chunk, args.process)
     print(json.dumps(report, indent=1) if args.json else format_report(report))
     return 0 if report["fits"] else 1
 

@@ -201,3 +201,25 @@ def test_weight_format_error_against_fp32(real_fp32):
         error = (logits[fmt] - reference).abs().mean().item()
         same = (logits[fmt].argmax(-1) == reference.argmax(-1)).float().mean().item()
         assert error < mean_error and same >= agreement, (fmt, error, same)
+
+
+@pytest.mark.parametrize("repeats", [1, 60])
+def test_memory_estimate_matches_the_peak_rss_of_a_run(repeats):
+    """specdecode memory's total (process, weights, KV cache, scratch, loading) against the
+    peak resident memory of a `specdecode generate` process, on a short and a long prompt."""
+    import subprocess
+    import sys
+
+    from specdecode.analysis.memory import deployment_memory
+
+    load_model("default", torch.bfloat16, weights="int4")  # convert, index and build once, outside the measured run
+    prompt = " ".join(["The committee met on Tuesday to review the budget for the new library wing."] * repeats)
+    script = "import sys; from specdecode.cli import main; sys.exit(main(sys.argv[1:]))"
+    command = [sys.executable, "-c", script, "generate", prompt, "--weights", "int4", "--method", "none",
+               "--max-new-tokens", "32", "--json"]
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    record = json.loads(result.stdout)
+    context = record["stats"]["prompt_tokens"] + 32 + 1
+    estimate = deployment_memory("default", None, "bf16", context=context, k=0, weights="int4", process=True)["total"]
+    measured = record["peak_rss_mb"] * 2**20
+    assert abs(estimate / measured - 1) < 0.15, (context, estimate / 2**20, measured / 2**20)

@@ -184,7 +184,8 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
     for label in methods[1:]:
         name, _ = parse_method(label)
         draft = "ngram" if name == "ngram" else args.draft
-        report = deployment_memory(args.model, draft, engine_config.dtype, args.batch, 2048, 10, args.budget)
+        report = deployment_memory(args.model, draft, engine_config.dtype, args.batch, 2048, 10, args.budget,
+                                   prefill_chunk=engine_config.prefill_chunk)
         memory[label] = {"total_gib": report["total"] / 2**30, "budget_gib": report["budget"] / 2**30, "fits": report["fits"]}
     sweeps = {}
     for temperature in temperatures:

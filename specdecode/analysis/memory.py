@@ -1,41 +1,52 @@
-"""Memory of a target + drafter deployment: weights, KV cache and activations, and
-whether it fits a budget.
+"""Memory of a target + drafter deployment on specdecode's runtime, and whether it fits a
+budget.
 
 Reads a real ``config.json`` (a model name, a checkpoint directory or the file itself) or
-takes a named size (135M ... 70B: reference Llama-family shapes). Counts, per model:
+takes a named size (135M ... 70B: reference Llama-family shapes). Counts, per model, what
+the runtime allocates (models/llama.py, models/cpu_runtime.py):
 
-- weights: every parameter of the architecture at the weight dtype (a tied output head is
-  counted once);
+- weights: every parameter in its storage format (fp32 4 bytes, bf16 2, int8 = Q8_0 34
+  bytes per 32, int4 = Q4_1 20 bytes per 32; with int4 layers the embedding and output
+  head stay int8), a tied head counted once, plus the fp32 RoPE tables;
 - KV cache: 2 (keys, values) x layers x KV heads x head dim x context x batch, at the
-  activation dtype (bf16 for int8/int4 weights);
-- activations: the larger of one prefill chunk (``prefill_chunk`` tokens, default 512:
-  hidden states, MLP intermediates, fp32 attention scores against the whole context,
-  last-token logits) and a verification step of k+1 tokens per sequence (fp32 logits for
-  every scored token). An unchunked prefill of a long context needs far more: pass
-  ``prefill_chunk=context`` to see it.
+  KV dtype (--dtype);
+- activations: the kernels' scratch for one chunk of ``prefill_chunk`` tokens per
+  sequence (it is allocated whole, whatever the prompt), the attention partials, and the
+  fp32 logits of a verification step of k + 1 tokens per sequence;
+- load: what loading holds beside the weights at its peak: a safetensors checkpoint is
+  memory-mapped while its tensors are converted (its file's size); a GGUF's blocks are
+  read by file I/O (nothing).
+
+The total adds the process itself (Python, torch, the tokenizer: measured once on this
+machine with ``process_baseline``, cached) when asked, which makes it comparable with the
+peak resident memory a run reports (``peak_rss_mb``; docs/performance.md compares them).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ConfigError
 
 GIB = 1024**3
-BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "int4": 0.5625}  # int4: + group scales
+BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 34 / 32, "int4": 20 / 32}  # block formats: + fp16 scales
+KV_DTYPES = ("fp32", "bf16", "fp16")
+PARTIAL_ITEMS = 4096  # models/cpu_runtime.PARTIAL_ITEMS
 
-# Reference shapes (hidden, layers, heads, kv heads, intermediate, vocab, tied head)
 NAMED_SIZES = {
-    "135M": (576, 30, 9, 3, 1536, 49152, True),  # SmolLM2-135M
-    "360M": (960, 32, 15, 5, 2560, 49152, True),  # SmolLM2-360M
-    "1B": (2048, 16, 32, 8, 8192, 128256, True),  # Llama-3.2-1B
-    "3B": (3072, 28, 24, 8, 8192, 128256, True),  # Llama-3.2-3B
-    "7B": (4096, 32, 32, 32, 11008, 32000, False),  # Llama-2-7B
-    "8B": (4096, 32, 32, 8, 14336, 128256, False),  # Llama-3-8B
-    "13B": (5120, 40, 40, 40, 13824, 32000, False),  # Llama-2-13B
-    "70B": (8192, 80, 64, 8, 28672, 128256, False),  # Llama-3-70B
+    "135M": (576, 30, 9, 3, 1536, 49152, True, 8192),  # SmolLM2-135M
+    "360M": (960, 32, 15, 5, 2560, 49152, True, 8192),  # SmolLM2-360M
+    "1B": (2048, 16, 32, 8, 8192, 128256, True, 131072),  # Llama-3.2-1B
+    "3B": (3072, 28, 24, 8, 8192, 128256, True, 131072),  # Llama-3.2-3B
+    "7B": (4096, 32, 32, 32, 11008, 32000, False, 4096),  # Llama-2-7B
+    "8B": (4096, 32, 32, 8, 14336, 128256, False, 8192),  # Llama-3-8B
+    "13B": (5120, 40, 40, 40, 13824, 32000, False, 4096),  # Llama-2-13B
+    "70B": (8192, 80, 64, 8, 28672, 128256, False, 8192),  # Llama-3-70B
 }
 
 
@@ -49,7 +60,10 @@ class Shape:
     intermediate: int
     vocab: int
     tied: bool
+    max_positions: int = 2048
     head_dim: int = 0
+    checkpoint_bytes: int | None = None  # size of its safetensors files, for a real checkpoint
+    gguf: bool = False  # converted from a GGUF, whose blocks int8/int4 read by file I/O
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -57,11 +71,18 @@ class Shape:
 
     @property
     def parameters(self) -> int:
+        return self.layer_parameters(self.layers) + self.embedding_parameters + self.hidden
+
+    def layer_parameters(self, layers: int) -> int:
+        """Parameters of ``layers`` transformer layers (projections and norms)."""
         h, d = self.hidden, self.head_dim
         attention = h * self.heads * d + 2 * h * self.kv_heads * d + self.heads * d * h
-        per_layer = attention + 3 * h * self.intermediate + 2 * h
-        head = 0 if self.tied else self.vocab * h
-        return self.vocab * h + self.layers * per_layer + h + head
+        return layers * (attention + 3 * h * self.intermediate + 2 * h)
+
+    @property
+    def embedding_parameters(self) -> int:
+        """The embedding, and the output head unless it is tied to it."""
+        return self.vocab * self.hidden * (1 if self.tied else 2)
 
     @classmethod
     def from_config(cls, name: str, config: dict) -> "Shape":
@@ -71,7 +92,7 @@ class Shape:
                 name, config["hidden_size"], config["num_hidden_layers"], heads,
                 config.get("num_key_value_heads", heads), config["intermediate_size"],
                 config["vocab_size"], bool(config.get("tie_word_embeddings", False)),
-                config.get("head_dim") or config["hidden_size"] // heads,
+                config.get("max_position_embeddings", 2048), config.get("head_dim") or config["hidden_size"] // heads,
             )
         except KeyError as missing:
             raise ConfigError(f"{name}: config.json lacks {missing}, which a memory estimate needs") from None
@@ -90,51 +111,122 @@ def resolve_shape(name: str) -> Shape:
         source = resolve_model(name)
     except Exception as error:  # noqa: BLE001 - re-raised with the sizes that would work
         raise ConfigError(f"{error}; or give a named size: {', '.join(NAMED_SIZES)}") from None
-    return Shape.from_config(name, source.config)
+    shape = Shape.from_config(name, source.config)
+    shape.checkpoint_bytes = sum(f.stat().st_size for f in source.path.glob("*.safetensors"))
+    shape.gguf = source.gguf is not None
+    return shape
 
 
-def model_memory(shape: Shape, dtype: str, batch: int, context: int, k: int,
-                 shares_weights: bool = False, layers: int | None = None, prefill_chunk: int = 512) -> dict[str, float]:
-    """Bytes of weights, KV cache and peak activations. ``shares_weights``: a layer-skip
-    drafter (``self:L``) reuses the target's weights and keeps only its own KV cache."""
-    if dtype not in BYTES:
-        raise ConfigError(f"dtype must be one of {sorted(BYTES)}, got {dtype!r}")
-    act = 2.0 if dtype in ("int8", "int4", "bf16", "fp16") else 4.0
+def model_memory(shape: Shape, weights: str, kv_dtype: str, batch: int, context: int, k: int,
+                 shares_weights: bool = False, layers: int | None = None, prefill_chunk: int = 256) -> dict[str, float]:
+    """Bytes of weights (+ RoPE tables), KV cache, activations and the loading transient.
+    ``shares_weights``: a layer-skip drafter (``self:L``) reuses the target's weights and
+    keeps only its own KV cache and scratch."""
+    if weights not in BYTES:
+        raise ConfigError(f"weights must be one of {sorted(BYTES)}, got {weights!r}")
+    if kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"KV dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
     layers = shape.layers if layers is None else layers
-    weights = 0.0 if shares_weights else shape.parameters * BYTES[dtype]
-    kv = 2 * layers * shape.kv_heads * shape.head_dim * context * batch * act
-    chunk = min(prefill_chunk, context)
-    prefill = batch * chunk * (4 * shape.hidden + 2 * shape.intermediate) * act \
-        + batch * shape.heads * chunk * context * 4 + batch * shape.vocab * 4
-    verify = batch * (k + 1) * (shape.vocab * 4 + (4 * shape.hidden + 2 * shape.intermediate) * act)
-    return {"weights": weights, "kv_cache": kv, "activations": max(prefill, verify)}
+    embedding_format = "int8" if weights == "int4" else weights
+    stored = shape.layer_parameters(layers) * BYTES[weights] + shape.embedding_parameters * BYTES[embedding_format]
+    rope = 2 * shape.max_positions * shape.head_dim * 4
+    weight_bytes = 0.0 if shares_weights else stored + rope
+    kv = 2 * layers * shape.kv_heads * shape.head_dim * context * batch * BYTES[kv_dtype]
+    rows = batch * prefill_chunk
+    widest = max(shape.hidden, shape.intermediate)
+    qkv = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
+    scratch = rows * (4 * (2 * shape.hidden + widest + qkv + shape.heads * shape.head_dim + 2 * shape.intermediate)
+                      + widest + 8 * (widest // 32 + 1))
+    partial = PARTIAL_ITEMS * (shape.heads // shape.kv_heads) * (shape.head_dim + 2) * 4
+    logits = batch * (k + 1) * shape.vocab * 4
+    from_file = weights in ("int8", "int4") and shape.gguf
+    if shares_weights or from_file:
+        load = 0.0
+    else:  # the memory-mapped checkpoint (assumed bf16 for a named size)
+        load = float(shape.checkpoint_bytes if shape.checkpoint_bytes is not None else shape.parameters * 2)
+    return {"weights": weight_bytes, "kv_cache": kv, "activations": scratch + partial + logits, "load": load}
 
 
 def deployment_memory(target: str, draft: str | None, dtype: str = "bf16", batch: int = 1,
-                      context: int = 2048, k: int = 5, budget_gib: float | None = None) -> dict:
-    """Both models' memory, the total and whether it fits ``budget_gib`` (default: RAM)."""
+                      context: int = 2048, k: int = 5, budget_gib: float | None = None, weights: str | None = None,
+                      prefill_chunk: int = 256, process: bool = False) -> dict:
+    """Both models' memory, the total and whether it fits ``budget_gib`` (default: RAM).
+
+    ``dtype``: the KV cache's (int8/int4 here mean those weights with a bf16 cache, as
+    before ``weights`` existed). ``weights``: their storage format (default: ``dtype``).
+    ``process``: add the measured memory of the Python process itself."""
     if batch < 1 or context < 1 or k < 0:
         raise ConfigError(f"batch and context must be >= 1 and k >= 0, got {batch}, {context}, {k}")
+    if dtype in ("int8", "int4"):
+        weights, dtype = weights or dtype, "bf16"
+    weights = weights or dtype
     target_shape = resolve_shape(target)
-    rows = {"target": model_memory(target_shape, dtype, batch, context, k)}
+    rows = {"target": model_memory(target_shape, weights, dtype, batch, context, k, prefill_chunk=prefill_chunk)}
     draft_note = None
     if draft in (None, "", "none", "ngram"):
-        rows["draft"] = {"weights": 0.0, "kv_cache": 0.0, "activations": 0.0}
+        rows["draft"] = {"weights": 0.0, "kv_cache": 0.0, "activations": 0.0, "load": 0.0}
         draft_note = "prompt lookup needs no model" if draft == "ngram" else "no drafter"
     elif draft.startswith("self:"):
         layers = int(draft.split(":", 1)[1])
-        rows["draft"] = model_memory(target_shape, dtype, batch, context, 0, shares_weights=True, layers=layers)
+        rows["draft"] = model_memory(target_shape, weights, dtype, batch, context, 0, shares_weights=True, layers=layers,
+                                     prefill_chunk=prefill_chunk)
         draft_note = f"the target's first {layers} layers: shares its weights, own KV cache"
     else:
-        rows["draft"] = model_memory(resolve_shape(draft), dtype, batch, context, 0)
-    # the two never run at once: activations peak in one of them
-    total = sum(rows[m]["weights"] + rows[m]["kv_cache"] for m in rows) + max(rows[m]["activations"] for m in rows)
+        rows["draft"] = model_memory(resolve_shape(draft), weights, dtype, batch, context, 0, prefill_chunk=prefill_chunk)
+    resident = sum(rows[m]["weights"] for m in rows)
+    # loading peaks before the caches exist; running holds both caches and both scratches
+    running = sum(rows[m]["kv_cache"] + rows[m]["activations"] for m in rows)
+    loading = max(rows[m]["load"] for m in rows)
+    baseline = process_baseline() if process else 0.0
+    total = baseline + resident + max(running, loading)
     budget = budget_gib * GIB if budget_gib is not None else total_ram()
     return {
         "target": target_shape.name, "target_parameters": target_shape.parameters, "draft": draft,
-        "draft_note": draft_note, "dtype": dtype, "batch": batch, "context": context, "k": k,
-        "models": rows, "total": total, "budget": budget, "fits": total <= budget,
+        "draft_note": draft_note, "dtype": dtype, "weights": weights, "batch": batch, "context": context, "k": k,
+        "prefill_chunk": prefill_chunk, "models": rows, "process": baseline, "running": running, "loading": loading,
+        "total": total, "budget": budget, "fits": total <= budget,
     }
+
+
+BASELINE_SCRIPT = """
+import resource
+import specdecode.factory
+from specdecode.models.loading import load_tokenizer, resolve_model
+load_tokenizer(resolve_model("default"))
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def process_baseline() -> float:
+    """Peak resident bytes of a Python process that imports the runtime and loads the
+    default model's tokenizer: what every run holds before its weights. Measured once per
+    machine and interpreter (a child process), cached."""
+    from ..cost.profile import machine_id
+    from ..models.loading import cache_dir
+
+    key = f"{machine_id()}|{sys.version.split()[0]}"
+    path = cache_dir() / "memory-baseline.json"
+    try:
+        cached = json.loads(path.read_text())
+        if cached.get("key") == key:
+            return float(cached["bytes"])
+    except (OSError, json.JSONDecodeError, KeyError, ValueError):
+        pass
+    result = subprocess.run([sys.executable, "-c", BASELINE_SCRIPT], capture_output=True, text=True,
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    if result.returncode != 0:
+        raise ConfigError(f"measuring the process baseline failed: {result.stderr.strip()[-500:]}")
+    baseline = float(result.stdout.strip().splitlines()[-1])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"key": key, "bytes": baseline}))
+    return baseline
+
+
+def peak_rss_bytes() -> float:
+    """This process's peak resident memory so far (Linux reports kilobytes)."""
+    import resource
+
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def total_ram() -> float:
@@ -156,11 +248,15 @@ def format_report(report: dict) -> str:
     lines = [
         f"target {report['target']} ({report['target_parameters'] / 1e6:,.0f}M parameters), draft {report['draft'] or 'none'}"
         + (f" ({report['draft_note']})" if report["draft_note"] else ""),
-        f"dtype {report['dtype']}, batch {report['batch']}, context {report['context']}, k {report['k']}",
-        f"{'GiB':<12}{'weights':>9}{'KV cache':>10}{'activ.':>9}",
+        f"weights {report['weights']}, KV cache {report['dtype']}, batch {report['batch']}, context {report['context']}, "
+        f"k {report['k']}, prefill chunk {report['prefill_chunk']}",
+        f"{'GiB':<12}{'weights':>9}{'KV cache':>10}{'activ.':>9}{'load':>9}",
     ]
     for name, row in report["models"].items():
-        lines.append(f"{name:<12}{gib(row['weights'])}{gib(row['kv_cache']):>10}{gib(row['activations'])}")
+        lines.append(f"{name:<12}{gib(row['weights'])}{gib(row['kv_cache']):>10}{gib(row['activations'])}{gib(row['load'])}")
+    if report["process"]:
+        lines.append(f"{'process':<12}{gib(report['process'])}   (Python, torch and the tokenizer, measured here)")
+    phase = "running" if report["running"] >= report["loading"] else "loading"
     verdict = "fits" if report["fits"] else "DOES NOT FIT"
-    lines.append(f"total {report['total'] / GIB:.3f} GiB of a {report['budget'] / GIB:.1f} GiB budget: {verdict}")
+    lines.append(f"peak (while {phase}) {report['total'] / GIB:.3f} GiB of a {report['budget'] / GIB:.1f} GiB budget: {verdict}")
     return "\n".join(lines)

@@ -174,7 +174,7 @@ class LlamaWeights(nn.Module):
         for file in files:
             handle = safe_open(str(file), framework="pt")
             handles.update({name: handle for name in handle.keys()})
-        reader = _GGUFTensors(gguf_path, cfg) if gguf_path is not None and fmt in ("q8_0", "q4_1") else None
+        reader = _GGUFTensors(gguf_path, cfg, Path(model_dir)) if gguf_path is not None and fmt in ("q8_0", "q4_1") else None
         loader = _CheckpointReader(handles, cfg, fmt, dtype, reader)
         embed = loader.linear("model.embed_tokens.weight", embed_format(fmt))
         layers = [loader.layer(i) for i in range(cfg.num_layers)]
@@ -292,11 +292,11 @@ class _GGUFTensors:
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
              "mlp.down_proj": "ffn_down"}
 
-    def __init__(self, path: Path, cfg: LlamaConfig):
-        import gguf
+    def __init__(self, path: Path, cfg: LlamaConfig, index_dir: Path | None = None):
+        from .loading import gguf_tensor_index
 
-        self.cfg = cfg
-        self.tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+        self.cfg, self.path = cfg, path
+        self.tensors = gguf_tensor_index(path, index_dir)
         self.carried: dict[str, str] = {}
 
     def _gguf_name(self, name: str) -> str | None:
@@ -317,7 +317,7 @@ class _GGUFTensors:
         from .quant import from_gguf
 
         gguf_name = self._gguf_name(name)
-        layer, how = from_gguf(self.tensors[gguf_name], fmt)
+        layer, how = from_gguf(self.tensors[gguf_name], self.path, fmt)
         self.carried[gguf_name] = f"{how} ({layer.fmt})"
         heads = {"attn_q": self.cfg.num_heads, "attn_k": self.cfg.num_kv_heads}.get(gguf_name.split(".")[-2])
         if heads is not None:

@@ -197,6 +197,31 @@ def _convert_gguf(gguf_path: Path, source_sha: str, target: Path) -> None:
             shutil.rmtree(staging, ignore_errors=True)
 
 
+GGUF_INDEX = "gguf-tensors.json"
+
+
+def gguf_tensor_index(gguf_path: Path, cache: Path | None = None) -> dict:
+    """name -> GGUFTensor for every tensor in ``gguf_path``. Parsing a GGUF's metadata
+    builds many small objects (its vocabulary among them), so the index is kept as JSON in
+    ``cache`` (the conversion directory, keyed by the file's sha256) and read from there."""
+    from .quant import GGUFTensor
+
+    index_file = None if cache is None else cache / GGUF_INDEX
+    if index_file is not None and index_file.is_file():
+        try:
+            return {row["name"]: GGUFTensor(row["name"], row["tensor_type"], tuple(row["shape"]), row["data_offset"],
+                                            row["n_bytes"]) for row in json.loads(index_file.read_text())}
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass  # rebuilt below
+    import gguf
+
+    tensors = {t.name: GGUFTensor(t.name, int(t.tensor_type), tuple(int(n) for n in t.shape), int(t.data_offset),
+                                  int(t.n_bytes)) for t in gguf.GGUFReader(str(gguf_path)).tensors}
+    if index_file is not None:
+        index_file.write_text(json.dumps([t.__dict__ for t in tensors.values()]))
+    return tensors
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 

@@ -23,6 +23,8 @@ device) dequantizes, as the reference the kernels are tested against.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -174,15 +176,34 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([packed & 0x0F, packed >> 4], dim=-1)
 
 
-def from_gguf(tensor, fmt: str, bias: torch.Tensor | None = None) -> tuple[PackedLinear, str]:
-    """A GGUF tensor (gguf.ReaderTensor) as a PackedLinear in ``fmt``, and how it was
-    carried: 'exact' when the GGUF's blocks are the format's (Q4_1 and Q8_0; Q4_0 as Q4_1
-    with min = -8 scale, exact in fp16; F32/F16/BF16 into fp32 or bf16 when no rounding is
-    needed), else 'requantized' (de-quantized by the gguf library, then quantized to
-    ``fmt``: a second quantization)."""
-    kind = int(tensor.tensor_type)
-    rows, cols = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists dims fastest first
-    raw = np.asarray(tensor.data)
+@dataclass(frozen=True)
+class GGUFTensor:
+    """Where a tensor lies in a GGUF file: what the loader needs, without parsing the file's
+    metadata again (``models/loading.gguf_tensor_index`` caches these)."""
+
+    name: str
+    tensor_type: int  # GGML type id
+    shape: tuple[int, ...]  # GGUF order: fastest-varying dimension first
+    data_offset: int
+    n_bytes: int
+
+    def read(self, path) -> np.ndarray:
+        """The raw bytes [rows, bytes per row], read from the file (a memory map's touched
+        pages would count in the process's memory for as long as it is mapped)."""
+        with open(path, "rb") as handle:
+            handle.seek(self.data_offset)
+            raw = np.frombuffer(handle.read(self.n_bytes), dtype=np.uint8)
+        return raw.reshape(self.shape[1] if len(self.shape) > 1 else 1, -1)
+
+
+def from_gguf(tensor: GGUFTensor, path, fmt: str, bias: torch.Tensor | None = None) -> tuple[PackedLinear, str]:
+    """A GGUF tensor as a PackedLinear in ``fmt``, and how it was carried: 'exact' when the
+    GGUF's blocks are the format's (Q4_1 and Q8_0; Q4_0 as Q4_1 with min = -8 scale, exact
+    in fp16; F32/F16/BF16 into fp32 or bf16 when no rounding is needed), else 'requantized'
+    (de-quantized by the gguf library, then quantized to ``fmt``: a second quantization)."""
+    kind = tensor.tensor_type
+    rows, cols = tensor.shape[1], tensor.shape[0]  # GGUF lists dims fastest first
+    raw = tensor.read(path)
     if kind == GGML_Q4_1 and fmt == "q4_1":
         blocks = raw.reshape(rows, cols // BLOCK, 20)
         scales = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])
@@ -202,7 +223,7 @@ def from_gguf(tensor, fmt: str, bias: torch.Tensor | None = None) -> tuple[Packe
         return PackedLinear.from_blocks("q8_0", codes, scales, bias=bias), "exact"
     import gguf
 
-    dense = torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, tensor.tensor_type), dtype=np.float32).copy())
+    dense = torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(kind)), dtype=np.float32).copy())
     dense = dense.reshape(rows, cols)
-    exact = kind == GGML_F32 and fmt == "fp32" or kind in (GGML_F16, GGML_BF16) and fmt in ("fp32", "bf16" if kind == GGML_BF16 else "fp32")
-    return PackedLinear.quantize(dense, fmt, bias), "exact" if exact else "requantized"
+    lossless = {GGML_F32: ("fp32",), GGML_F16: ("fp32",), GGML_BF16: ("fp32", "bf16")}.get(kind, ())
+    return PackedLinear.quantize(dense, fmt, bias), "exact" if fmt in lossless else "requantized"
