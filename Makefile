@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= Summarize in two sentences: The town of Westbrook opened its first public library in 1902 with a donation of 400 books from a local merchant. For decades the library occupied two rooms above the post office. In 1958 the town council approved a new building on Elm Street, which doubled the collection and added a children's reading room.
 
-.PHONY: install demo test bench
+.PHONY: install demo test bench peers
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,5 +22,13 @@ demo: install
 test: install
 	$(BIN)/python -m pytest
 
+# llama.cpp (llama-cpp-python) for `specdecode bench --methods none,ngram,llamacpp`: built from
+# source for this machine's instruction set (GGML_NATIVE=ON segfaulted on one of our machines);
+# AVX-512 only where the CPU has it. Not part of `make test`.
+GGML_AVX512 := $(shell grep -q avx512f /proc/cpuinfo 2>/dev/null && echo ON || echo OFF)
+peers: install
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=$(GGML_AVX512) -DGGML_OPENMP=OFF" \
+		$(BIN)/pip install --quiet 'llama-cpp-python==0.3.36'
+
 bench: install
-	$(BIN)/specdecode bench --methods none,ngram,draft,hf --out results/bench.json
+	$(BIN)/specdecode bench --methods none,ngram,hf --out results/bench.json

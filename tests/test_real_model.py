@@ -222,4 +222,4 @@ def test_memory_estimate_matches_the_peak_rss_of_a_run(repeats):
     context = record["stats"]["prompt_tokens"] + 32 + 1
     estimate = deployment_memory("default", None, "bf16", context=context, k=0, weights="int4", process=True)["total"]
     measured = record["peak_rss_mb"] * 2**20
-    assert abs(estimate / measured - 1) < 0.15, (context, estimate / 2**20, measured / 2**20)
+    assert abs(estimate / measured - 1) < 0.15, (context, estimate / 2**20, measured / 2**20, result.stderr[-2000:])

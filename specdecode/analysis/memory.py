@@ -128,7 +128,8 @@ def model_memory(shape: Shape, weights: str, kv_dtype: str, batch: int, context:
         raise ConfigError(f"KV dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
     layers = shape.layers if layers is None else layers
     embedding_format = "int8" if weights == "int4" else weights
-    stored = shape.layer_parameters(layers) * BYTES[weights] + shape.embedding_parameters * BYTES[embedding_format]
+    stored = ((shape.layer_parameters(layers) + shape.hidden) * BYTES[weights]
+              + shape.embedding_parameters * BYTES[embedding_format])
     rope = 2 * shape.max_positions * shape.head_dim * 4
     weight_bytes = 0.0 if shares_weights else stored + rope
     kv = 2 * layers * shape.kv_heads * shape.head_dim * context * batch * BYTES[kv_dtype]
@@ -189,10 +190,12 @@ def deployment_memory(target: str, draft: str | None, dtype: str = "bf16", batch
 
 
 BASELINE_SCRIPT = """
-import resource
+import resource, sys
 import specdecode.factory
-from specdecode.models.loading import load_tokenizer, resolve_model
-load_tokenizer(resolve_model("default"))
+from specdecode.models.loading import ModelSource, load_tokenizer
+from pathlib import Path
+if len(sys.argv) > 1:
+    load_tokenizer(ModelSource("default", Path(sys.argv[1]), {}))
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 """
 
@@ -212,7 +215,13 @@ def process_baseline() -> float:
             return float(cached["bytes"])
     except (OSError, json.JSONDecodeError, KeyError, ValueError):
         pass
-    result = subprocess.run([sys.executable, "-c", BASELINE_SCRIPT], capture_output=True, text=True,
+    from ..models.loading import ModelNotFoundError, resolve_model
+
+    try:  # resolved here, so that a first conversion of the default model is not measured
+        tokenizer_dir = [str(resolve_model("default").path)]
+    except ModelNotFoundError:
+        tokenizer_dir = []
+    result = subprocess.run([sys.executable, "-c", BASELINE_SCRIPT, *tokenizer_dir], capture_output=True, text=True,
                             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     if result.returncode != 0:
         raise ConfigError(f"measuring the process baseline failed: {result.stderr.strip()[-500:]}")

@@ -1,7 +1,7 @@
 """``--weights auto``: which weight format decodes fastest on this machine, measured once.
 
 Each candidate format is loaded and timed on single-token steps (plain decoding's step)
-at 256 tokens of context; the fastest wins. The timings are cached per model, dtype,
+at 256 tokens of context, the candidates taking turns; the fastest wins. The timings are cached per model, dtype,
 machine and thread count in ``<cache>/formats/``, so later loads read the answer.
 Machines differ (docs/performance.md): with AMX, bf16 matrix products are nearly free;
 on an AVX2-only CPU the 4-bit kernels read a quarter of the bytes and win.
@@ -22,7 +22,6 @@ from ..models.loading import cache_dir
 from .profile import machine_id
 
 CONTEXT = 256
-STEPS = 12
 VERSION = 1
 
 
@@ -31,20 +30,29 @@ def _path(model_key: str, dtype: torch.dtype, candidates: list[str]):
     return cache_dir() / "formats" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
-def step_ms(runtime, context: int = CONTEXT, steps: int = STEPS) -> float:
-    """Median milliseconds of a single-token forward after ``context`` random tokens."""
-    generator = torch.Generator().manual_seed(0)
+def _prepare(runtime, context: int, generator: torch.Generator) -> torch.Tensor:
     runtime.reset(context + 2)
     runtime(torch.randint(0, runtime.vocab_size, (1, context), generator=generator), last_only=True)
-    token = torch.randint(0, runtime.vocab_size, (1, 1), generator=generator)
-    times = []
-    for index in range(steps + 2):
-        started = time.perf_counter()
-        runtime(token)
-        if index >= 2:  # the first steps warm caches and allocators
-            times.append((time.perf_counter() - started) * 1e3)
-        runtime.rollback(context)
-    return statistics.median(times)
+    return torch.randint(0, runtime.vocab_size, (1, 1), generator=generator)
+
+
+def step_ms(runtimes: dict, context: int = CONTEXT, rounds: int = 6, steps: int = 3) -> dict[str, float]:
+    """Median milliseconds of a single-token forward after ``context`` random tokens, for
+    each runtime; the runtimes take turns (``rounds`` of ``steps`` each), so a slow spell
+    of the machine does not fall on one candidate."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = {name: _prepare(runtime, context, generator) for name, runtime in runtimes.items()}
+    times: dict[str, list[float]] = {name: [] for name in runtimes}
+    for round_ in range(rounds + 1):  # round 0 warms every runtime up
+        for name, runtime in runtimes.items():
+            for _ in range(steps):
+                started = time.perf_counter()
+                runtime(tokens[name])
+                elapsed = (time.perf_counter() - started) * 1e3
+                runtime.rollback(context)
+                if round_:
+                    times[name].append(elapsed)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def fastest_weights(model_key: str, dtype: torch.dtype, candidates: list[str], load: Callable[[str], object]) -> str:
@@ -58,11 +66,7 @@ def fastest_weights(model_key: str, dtype: torch.dtype, candidates: list[str], l
             pass  # a corrupt record is measured again
     print(f"specdecode: measuring which weight format decodes fastest here ({', '.join(candidates)}; once, cached)",
           file=sys.stderr, flush=True)
-    timings = {}
-    for fmt in candidates:
-        runtime = load(fmt)
-        timings[fmt] = step_ms(runtime)
-        del runtime
+    timings = step_ms({fmt: load(fmt) for fmt in candidates})
     best = min(timings, key=timings.get)
     summary = ", ".join(f"{fmt} {ms:.1f} ms" for fmt, ms in timings.items())
     print(f"specdecode: single-token step {summary} -> {best}", file=sys.stderr, flush=True)
