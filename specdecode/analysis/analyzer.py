@@ -22,8 +22,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from ..bench.runner import (build_engines, check_repeats, is_fixed_k, k_sweep, parse_method, run_records, summarize,
-                            sweep_policies, warm_up)
+from ..bench.runner import (build_engines, check_repeats, encode_prompts, is_fixed_k, k_sweep, needed_context,
+                            parse_method, run_records, summarize, sweep_policies, warm_up)
 from ..prompts import load_prompts
 
 SHORT_OUTPUT = 20  # tokens
@@ -149,7 +149,9 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
     prompts = load_prompts(args.prompts, args.limit)
     log(f"loading {args.model} ({args.dtype}); {len(prompts)} prompts x {len(methods)} methods x {len(temperatures)} temperatures")
     target = load_target(engine_config, args.runtime)
-    engines = build_engines(args, methods, engine_config, spec_config, target)
+    encoded = encode_prompts(target, prompts, engine_config)
+    engines = build_engines(args, methods, engine_config, spec_config, target,
+                            needed_context(encoded, params, target))
     drafters, drafter_names = {}, {}
     for label in methods[1:]:
         name, k = parse_method(label)
@@ -157,7 +159,6 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
         drafters[drafter_names[label]] = engines[label].proposer
     profile = cost_profile(target, engine_config.dtype, drafters)
     costs = {label: profile.c(key) for label, key in drafter_names.items()}
-    encoded = [engines["none"].encode(p["prompt"], engine_config.chat_template) for p in prompts]
     warm_up(engines, encoded[0], params)
 
     records = []

@@ -40,18 +40,33 @@ def parse_method(spec: str) -> tuple[str, str | None]:
     return name, (k or None)
 
 
-def build_engines(args, methods: list[str], engine_config: EngineConfig, spec_config, target) -> dict:
-    """One engine per method spec (sharing the target); a peer for 'hf' and 'llamacpp'."""
+def build_engines(args, methods: list[str], engine_config: EngineConfig, spec_config, target,
+                  context: int | None = None) -> dict:
+    """One engine per method spec (sharing the target); a peer for 'hf' and 'llamacpp'.
+    ``context``: the longest sequence the run needs (a peer's KV cache is sized to it, as
+    ours is sized per request); default the model's limit."""
     from ..factory import build_engine
 
     engines = {}
     for spec in methods:
         name, k = parse_method(spec)
         if name in PEERS:
-            engines[spec] = build_peer(name, target, target.runtime.max_positions)
+            engines[spec] = build_peer(name, target, context or target.runtime.max_positions)
         else:
             engines[spec] = build_engine(engine_config, spec_config(args, name, k), args.runtime, target=target)
     return engines
+
+
+def encode_prompts(target, prompts: list[dict], engine_config: EngineConfig) -> list[list[int]]:
+    from ..engine import SpeculativeEngine
+
+    encoder = SpeculativeEngine(target.runtime, target.tokenizer)
+    return [encoder.encode(p["prompt"], engine_config.chat_template) for p in prompts]
+
+
+def needed_context(encoded: list[list[int]], params, target) -> int:
+    """The longest prompt plus the output budget and a margin for drafts."""
+    return min(max(len(ids) for ids in encoded) + params.max_new_tokens + 16, target.runtime.max_positions)
 
 
 def warm_up(engines: dict, prompt_ids: list[int], params) -> None:
@@ -157,9 +172,8 @@ def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config
     prompts = load_prompts(args.prompts, args.limit)
     log(f"loading {args.model} ({args.dtype}); {len(prompts)} prompts x {len(methods)} methods")
     target = load_target(engine_config, args.runtime)
-    engines = build_engines(args, methods, engine_config, spec_config, target)
-    encode = engines["none"].encode
-    encoded = [encode(p["prompt"], engine_config.chat_template) for p in prompts]
+    encoded = encode_prompts(target, prompts, engine_config)
+    engines = build_engines(args, methods, engine_config, spec_config, target, needed_context(encoded, params, target))
     warm_up(engines, encoded[0], params)
     records = run_records(engines, prompts, encoded, params, target.eos_token_ids, repeats=args.repeats)
 
