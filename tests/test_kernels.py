@@ -222,3 +222,27 @@ def test_backend_choice_without_kernels(monkeypatch, tiny_llama_dir):
             factory.load_model(tiny_llama_dir, torch.float32, **kwargs)
     with pytest.raises(ConfigError, match="not batch invariant"):
         factory.load_model(tiny_llama_dir, torch.float32, backend="torch", exact=True)
+
+
+def test_portable_build_without_avx2(monkeypatch, tmp_path):
+    """The scalar code a CPU without AVX2/FMA/F16C gets: the same formats against their
+    references, batch invariance, and greedy speculation equal to plain decoding."""
+    if not __import__("platform").machine() in ("x86_64", "AMD64"):
+        pytest.skip("the portable build is checked on x86-64")
+    scalar = kernels.load_build("x86-64")
+    assert scalar.sd_simd() == 0
+    monkeypatch.setattr(kernels, "load", lambda: scalar)
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 128, generator=generator)
+    for fmt in FORMATS:
+        layer = PackedLinear.quantize(torch.randn(40, 128, generator=generator) * 0.05, fmt)
+        out = kernel_linear(layer, x).double()
+        reference = x.double() @ layer.dequantize().double().T if fmt in ("fp32", "bf16") else quantized_reference(layer, x)
+        assert (out - reference).abs().max() < 1e-5 * reference.abs().max(), fmt
+        assert torch.equal(kernel_linear(layer, x[:1]), kernel_linear(layer, x)[:1])
+    runtime = kernel_model(tmp_path, "q4_1", torch.bfloat16, seed=31)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    prompt = [5, 9, 11, 5, 9, 11, 5, 9]
+    plain = SpeculativeEngine(runtime).generate(prompt, params).token_ids
+    for proposer in (NgramProposer(), DraftModelProposer(runtime.layer_skip_view(1))):
+        assert SpeculativeEngine(runtime, proposer=proposer, k=3).generate(prompt, params).token_ids == plain

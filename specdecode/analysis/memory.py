@@ -190,13 +190,14 @@ def deployment_memory(target: str, draft: str | None, dtype: str = "bf16", batch
 
 
 BASELINE_SCRIPT = """
-import resource, sys
+import sys
 import specdecode.factory
+from specdecode.analysis.memory import peak_rss_bytes
 from specdecode.models.loading import ModelSource, load_tokenizer
 from pathlib import Path
 if len(sys.argv) > 1:
     load_tokenizer(ModelSource("default", Path(sys.argv[1]), {}))
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+print(peak_rss_bytes())
 """
 
 
@@ -207,7 +208,7 @@ def process_baseline() -> float:
     from ..cost.profile import machine_id
     from ..models.loading import cache_dir
 
-    key = f"{machine_id()}|{sys.version.split()[0]}"
+    key = f"{machine_id()}|{sys.version.split()[0]}|vmhwm"
     path = cache_dir() / "memory-baseline.json"
     try:
         cached = json.loads(path.read_text())
@@ -232,7 +233,16 @@ def process_baseline() -> float:
 
 
 def peak_rss_bytes() -> float:
-    """This process's peak resident memory so far (Linux reports kilobytes)."""
+    """This process's peak resident memory so far. Linux's VmHWM, the high-water mark of this
+    process's own address space: ``getrusage``'s ``ru_maxrss`` survives ``execve``, so a child
+    started from a large parent would report the parent's size (seen in CI: 3.9 GB for a run
+    of 1.3 GB, started from a pytest process holding several models)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
 
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

@@ -38,7 +38,9 @@ def plot_bench(summary: dict, records: list[dict], path: Path) -> Path:
             positions = sorted(rates)
             means = [sum(rates[p]) / len(rates[p]) for p in positions]
             right.plot([p + 1 for p in positions], means, marker="o", label=method)
-    right.xaxis.get_major_locator().set_params(integer=True)
+    deepest = max((int(line.get_xdata()[-1]) for line in right.lines), default=1)
+    right.set_xticks(range(1, deepest + 1))  # whole positions, also when only position 1 was drafted
+    right.set_xlim(0.5, deepest + 0.5)
     right.set_xlabel("draft position")
     right.set_ylabel("acceptance rate (mean over prompts)")
     right.set_ylim(0, 1)

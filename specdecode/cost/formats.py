@@ -13,13 +13,12 @@ import hashlib
 import json
 import statistics
 import sys
-import time
 from typing import Callable
 
 import torch
 
 from ..models.loading import cache_dir
-from .profile import machine_id
+from .profile import machine_id, timed_forward_ms
 
 CONTEXT = 256
 VERSION = 1
@@ -46,10 +45,7 @@ def step_ms(runtimes: dict, context: int = CONTEXT, rounds: int = 6, steps: int 
     for round_ in range(rounds + 1):  # round 0 warms every runtime up
         for name, runtime in runtimes.items():
             for _ in range(steps):
-                started = time.perf_counter()
-                runtime(tokens[name])
-                elapsed = (time.perf_counter() - started) * 1e3
-                runtime.rollback(context)
+                elapsed = timed_forward_ms(runtime, tokens[name], context)
                 if round_:
                     times[name].append(elapsed)
     return {name: statistics.median(values) for name, values in times.items()}

@@ -173,6 +173,16 @@ def _extend_context(runtime, context: int, generator: torch.Generator) -> None:
         runtime(torch.randint(0, runtime.vocab_size, (1, count), generator=generator), last_only=True)
 
 
+def timed_forward_ms(runtime, tokens: torch.Tensor, context: int) -> float:
+    """Milliseconds of one forward over ``tokens`` after ``context`` cached ones; the
+    cache is rolled back to ``context`` after it."""
+    started = time.perf_counter()
+    runtime(tokens)
+    elapsed = (time.perf_counter() - started) * 1e3
+    runtime.rollback(context)
+    return elapsed
+
+
 def measure_target(runtime, contexts=CONTEXTS, sizes=SIZES, repeats: int = 4,
                    progress: bool = True) -> tuple[list[int], list[int], list[list[float]]]:
     """Median forward time for each (context, size) the model's context allows.
@@ -198,10 +208,7 @@ def measure_target(runtime, contexts=CONTEXTS, sizes=SIZES, repeats: int = 4,
             shuffled = list(sizes)
             order.shuffle(shuffled)
             for size in shuffled:
-                started = time.perf_counter()
-                runtime(inputs[size])
-                elapsed = (time.perf_counter() - started) * 1e3
-                runtime.rollback(context)
+                elapsed = timed_forward_ms(runtime, inputs[size], context)
                 if round_:
                     times[size].append(elapsed)
             bar.update()

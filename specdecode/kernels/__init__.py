@@ -27,7 +27,10 @@ from ..config import SpecDecodeError
 
 SOURCE = Path(__file__).with_name("cpu.cpp")
 LIBRARY = "libspecdecode_cpu.so"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
+FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
+# the instruction set: the machine's own by default; SPECDECODE_KERNELS_MARCH=x86-64 (no
+# AVX2) builds the portable scalar code, which the tests also check
+DEFAULT_MARCH = "native"
 FORMATS = {"fp32": 0, "bf16": 1, "q8_0": 2, "q4_1": 3, "fp16": 4}
 
 
@@ -76,22 +79,28 @@ def _cpu_flags() -> str:
     return platform.machine()
 
 
-def _build_key(compiler: str) -> str:
+def _march() -> str:
+    return os.environ.get("SPECDECODE_KERNELS_MARCH", DEFAULT_MARCH)
+
+
+def _build_key(compiler: str, march: str) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), "".join(version).encode(), _cpu_flags().encode()):
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), march.encode(), "".join(version).encode(),
+                 _cpu_flags().encode()):
         digest.update(part)
     return digest.hexdigest()[:16]
 
 
-def build(force: bool = False) -> Path:
+def build(force: bool = False, march: str | None = None) -> Path:
     """Compile the library for this machine if its cached build is missing; its path."""
+    march = march or _march()
     from ..models.loading import cache_dir
 
     compiler = _compiler()
     if compiler is None:
         raise KernelsUnavailable("no C++ compiler found (set $CXX or install g++); specdecode's CPU kernels are built on first use")
-    target = cache_dir() / "kernels" / _build_key(compiler) / LIBRARY
+    target = cache_dir() / "kernels" / _build_key(compiler, march) / LIBRARY
     if target.is_file() and not force:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -99,7 +108,8 @@ def build(force: bool = False) -> Path:
           file=sys.stderr, flush=True)
     handle, staging = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(handle)
-    result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", staging], capture_output=True, text=True)
+    result = subprocess.run([compiler, *FLAGS, f"-march={march}", str(SOURCE), "-o", staging], capture_output=True,
+                            text=True)
     if result.returncode != 0:
         os.unlink(staging)
         raise KernelsUnavailable(f"building the CPU kernels failed:\n{result.stderr.strip()[-2000:]}")
@@ -107,15 +117,20 @@ def build(force: bool = False) -> Path:
     return target
 
 
-@lru_cache(maxsize=1)
 def load() -> ctypes.CDLL:
     """The loaded library (built first if needed). torch is imported before it, so the
     library shares torch's OpenMP runtime instead of starting a second thread pool."""
-    import torch  # noqa: F401  (see docstring)
-
     if os.environ.get("SPECDECODE_NO_KERNELS"):
         raise KernelsUnavailable("SPECDECODE_NO_KERNELS is set")
-    lib = ctypes.CDLL(str(build()))
+    return load_build(_march())
+
+
+@lru_cache(maxsize=4)
+def load_build(march: str) -> ctypes.CDLL:
+    """The library built for ``march``, loaded, with its functions' signatures set."""
+    import torch  # noqa: F401  (see load)
+
+    lib = ctypes.CDLL(str(build(march=march)))
     c_int, c_i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     signatures = {
         "sd_version": ([], c_int),

@@ -269,59 +269,45 @@ static void quantize_rows(const float* x, int64_t rows, int cols, int64_t x_stri
 // is, and the integer sums of the block formats are exact, so a row's result never
 // depends on the rows beside it. R is at most 2: AVX2 has 16 vector registers.
 
-template <int R>
-static inline void dot_f32(const float* const* x, const float* w, int cols, float* out) {
 #if SD_AVX2
-    __m256 acc[R][4];
-    for (int r = 0; r < R; r++)
-        for (int a = 0; a < 4; a++) acc[r][a] = _mm256_setzero_ps();
-    int k = 0;
-    for (; k + 32 <= cols; k += 32) {
-        for (int a = 0; a < 4; a++) {
-            __m256 wv = _mm256_loadu_ps(w + k + 8 * a);
-            for (int r = 0; r < R; r++) acc[r][a] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + k + 8 * a), wv, acc[r][a]);
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        float s = hsum8(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
-        for (int t = k; t < cols; t++) s += x[r][t] * w[t];
-        out[r] = s;
-    }
-#else
-    for (int r = 0; r < R; r++) {
-        float s = 0.0f;
-        for (int t = 0; t < cols; t++) s += x[r][t] * w[t];
-        out[r] = s;
-    }
+static inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
 #endif
-}
+static inline float scalar_f32(const float* p) { return *p; }
+static inline float scalar_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
 
-template <int R>
-static inline void dot_bf16(const float* const* x, const uint16_t* w, int cols, float* out) {
+// dense weights (fp32 or bf16, read by Load8 / Load1): four accumulators per row, combined
+// in a fixed order
 #if SD_AVX2
+template <int R, typename W, __m256 (*Load8)(const W*), float (*Load1)(const W*)>
+static inline void dot_dense(const float* const* x, const W* w, int cols, float* out) {
     __m256 acc[R][4];
     for (int r = 0; r < R; r++)
         for (int a = 0; a < 4; a++) acc[r][a] = _mm256_setzero_ps();
     int k = 0;
     for (; k + 32 <= cols; k += 32) {
         for (int a = 0; a < 4; a++) {
-            __m256 wv = load8_bf16(w + k + 8 * a);
+            __m256 wv = Load8(w + k + 8 * a);
             for (int r = 0; r < R; r++) acc[r][a] = _mm256_fmadd_ps(_mm256_loadu_ps(x[r] + k + 8 * a), wv, acc[r][a]);
         }
     }
     for (int r = 0; r < R; r++) {
         float s = hsum8(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
-        for (int t = k; t < cols; t++) s += x[r][t] * bf16_to_f32(w[t]);
+        for (int t = k; t < cols; t++) s += x[r][t] * Load1(w + t);
         out[r] = s;
     }
+}
+#define SD_DOT_DENSE(R, W, LOAD8, LOAD1) dot_dense<R, W, LOAD8, LOAD1>
 #else
+template <int R, typename W, float (*Load1)(const W*)>
+static inline void dot_dense(const float* const* x, const W* w, int cols, float* out) {
     for (int r = 0; r < R; r++) {
         float s = 0.0f;
-        for (int t = 0; t < cols; t++) s += x[r][t] * bf16_to_f32(w[t]);
+        for (int t = 0; t < cols; t++) s += x[r][t] * Load1(w + t);
         out[r] = s;
     }
-#endif
 }
+#define SD_DOT_DENSE(R, W, LOAD8, LOAD1) dot_dense<R, W, LOAD1>
+#endif
 
 #if SD_AVX2
 // [b ×8] int32 partial sums of blocks b and b+1 -> [b b b+1 b+1 | b b b+1 b+1] (pairs summed)
@@ -484,13 +470,13 @@ static inline void linear_tile(const sd_linear* L, const float* x, int64_t x_str
         case SD_F32: {
             const float* xr[R];
             for (int r = 0; r < R; r++) xr[r] = x + (r0 + r) * x_stride;
-            dot_f32<R>(xr, (const float*)L->w + (int64_t)n * cols, cols, vals);
+            SD_DOT_DENSE(R, float, load8_f32, scalar_f32)(xr, (const float*)L->w + (int64_t)n * cols, cols, vals);
             break;
         }
         case SD_BF16: {
             const float* xr[R];
             for (int r = 0; r < R; r++) xr[r] = x + (r0 + r) * x_stride;
-            dot_bf16<R>(xr, (const uint16_t*)L->w + (int64_t)n * cols, cols, vals);
+            SD_DOT_DENSE(R, uint16_t, load8_bf16, scalar_bf16)(xr, (const uint16_t*)L->w + (int64_t)n * cols, cols, vals);
             break;
         }
         case SD_Q8_0: {
