@@ -74,7 +74,13 @@ def load_model(name: str, dtype: torch.dtype, runtime: str = "auto", weights: st
         from .cost.formats import fastest_weights
 
         fmt = fastest_weights(str(source.path.resolve()), dtype, auto_candidates(source), load)
-    return LoadedModel(source, load(fmt), load_tokenizer(source))
+    native = load(fmt)
+    carried = native.weights.carried
+    requantized = sorted(name for name, how in carried.items() if how.startswith("requantized"))
+    if requantized:
+        log(f"{len(requantized)} GGUF tensors are in a format {fmt} cannot carry exactly and were quantized a "
+            f"second time (e.g. {requantized[0]}: {carried[requantized[0]]})")
+    return LoadedModel(source, native, load_tokenizer(source))
 
 
 def load_target(engine: EngineConfig, runtime: str = "auto") -> LoadedModel:
