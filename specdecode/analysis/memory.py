@@ -232,31 +232,34 @@ def process_baseline() -> float:
     return baseline
 
 
+def _proc_kib(path: str, field: str) -> float | None:
+    """A 'Field:  N kB' line of a Linux /proc file, in bytes; None where there is none."""
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(field + ":"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def peak_rss_bytes() -> float:
     """This process's peak resident memory so far. Linux's VmHWM, the high-water mark of this
     process's own address space: ``getrusage``'s ``ru_maxrss`` survives ``execve``, so a child
     started from a large parent would report the parent's size (seen in CI: 3.9 GB for a run
-    of 1.3 GB, started from a pytest process holding several models)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        pass
+    estimated at 1.3 GB, started from a pytest process holding several models)."""
+    peak = _proc_kib("/proc/self/status", "VmHWM")
+    if peak is not None:
+        return peak
     import resource
 
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def total_ram() -> float:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
+    total = _proc_kib("/proc/meminfo", "MemTotal")
+    if total is not None:
+        return total
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
