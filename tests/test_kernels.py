@@ -144,6 +144,11 @@ def test_long_context_rows_are_invariant_across_key_chunks(tmp_path):
     runtime.rollback(600)
     together = runtime(tokens[:, 600:664])
     assert torch.equal(together[:, :1], alone)
+    # every row, not only the first: rows scored together share the tiles of the chunks
+    # they all see whole (in groups of 24 rows here), one by one they do not
+    runtime.rollback(600)
+    one_by_one = torch.cat([runtime(tokens[:, 600 + i : 601 + i]) for i in range(64)], dim=1)
+    assert torch.equal(one_by_one, together)
 
 
 def test_tree_node_equals_the_same_token_in_a_chain(tmp_path):

@@ -693,26 +693,35 @@ static inline void gather_rows(const void* cache, int fmt, int64_t base, int sta
     }
 }
 
-// One chunk of keys for the query heads of one KV head: partial (max, sum, output) per head.
-// partial layout per head: [max, sum, out[D]]. Per key and head the arithmetic is fixed:
-// the score by dot8_keys' tree (a tail tile is padded with zero rows), the exponentials
-// 8 at a time, the output accumulated key by key in order.
-static void attend_chunk(const sd_model* M, const sd_layer* L, const float* qkv_row, int b, int g, int start,
-                         const int* new_index, int chunk, int visible, float* partial) {
+// Score rows that see the same keys of a chunk share its fp32 key and value tiles: every
+// chunk wholly before `start` (cached keys, which all new rows see), up to SD_SCORE_ROWS
+// query heads at a time. Sharing changes only how often a tile is converted, never the
+// arithmetic of a row, which is the same for one row alone.
+#define SD_SCORE_ROWS 48
+
+// One chunk of keys for the query heads of one KV head, for n_rows score rows that see the
+// same keys in it: partial (max, sum, output) per row and head, layout [max, sum, out[D]].
+// Per key and head the arithmetic is fixed: the score by dot8_keys' tree (a tail tile is
+// padded with zero rows), the exponentials 8 at a time, the output accumulated key by key
+// in order.
+static void attend_chunk(const sd_model* M, const sd_layer* L, const float* const* qkv_rows, float* const* partials,
+                         int n_rows, int b, int g, int start, const int* new_index, int chunk, int visible) {
     const int D = M->head_dim, H = M->heads, G = M->kv_heads, per = H / G;
     const int first = chunk * SD_KEY_CHUNK;
     const int count = visible - first < SD_KEY_CHUNK ? visible - first : SD_KEY_CHUNK;
     const int64_t base = ((int64_t)b * G + g) * M->capacity;
-    float scores[SD_MAX_GROUP][SD_KEY_CHUNK + 8];
+    const int heads = n_rows * per;  // <= SD_SCORE_ROWS
+    float scores[SD_SCORE_ROWS][SD_KEY_CHUNK + 8];
     float rows[SD_KEY_TILE * SD_MAX_HEAD_DIM];
-    const float* q[SD_MAX_GROUP];
-    for (int h = 0; h < per; h++) q[h] = qkv_row + (g * per + h) * D;
+    const float* q[SD_SCORE_ROWS];
+    for (int r = 0; r < n_rows; r++)
+        for (int h = 0; h < per; h++) q[r * per + h] = qkv_rows[r] + (g * per + h) * D;
     for (int tile = 0; tile < count; tile += SD_KEY_TILE) {
         const int n_tile = count - tile < SD_KEY_TILE ? count - tile : SD_KEY_TILE;
         gather_rows(L->k_cache, M->kv_fmt, base, start, new_index, first + tile, n_tile, D, rows);
         const int padded = (n_tile + 7) / 8 * 8;
         memset(rows + (int64_t)n_tile * D, 0, sizeof(float) * D * (padded - n_tile));
-        for (int h = 0; h < per; h++) {
+        for (int h = 0; h < heads; h++) {
 #if SD_AVX2
             for (int n = 0; n < padded; n += 8)
                 _mm256_storeu_ps(scores[h] + tile + n,
@@ -722,7 +731,7 @@ static void attend_chunk(const sd_model* M, const sd_layer* L, const float* qkv_
 #endif
         }
     }
-    for (int h = 0; h < per; h++) {
+    for (int h = 0; h < heads; h++) {
         float* s = scores[h];
         float mx = -INFINITY, sum = 0.0f;
         int n = 0;
@@ -746,7 +755,7 @@ static void attend_chunk(const sd_model* M, const sd_layer* L, const float* qkv_
             s[n] = exp1(s[n] - mx);
             sum += s[n];
         }
-        float* p = partial + (int64_t)h * (D + 2);
+        float* p = partials[h / per] + (int64_t)(h % per) * (D + 2);
         p[0] = mx;
         p[1] = sum;
         memset(p + 2, 0, sizeof(float) * D);
@@ -754,8 +763,8 @@ static void attend_chunk(const sd_model* M, const sd_layer* L, const float* qkv_
     for (int tile = 0; tile < count; tile += SD_KEY_TILE) {
         const int n_tile = count - tile < SD_KEY_TILE ? count - tile : SD_KEY_TILE;
         gather_rows(L->v_cache, M->kv_fmt, base, start, new_index, first + tile, n_tile, D, rows);
-        for (int h = 0; h < per; h++) {
-            float* out = partial + (int64_t)h * (D + 2) + 2;
+        for (int h = 0; h < heads; h++) {
+            float* out = partials[h / per] + (int64_t)(h % per) * (D + 2) + 2;
             const float* s = scores[h] + tile;
 #if SD_AVX2
             if (D == 64) {  // the output row stays in registers across the tile
@@ -780,17 +789,43 @@ static void attention_rows(const sd_model* M, const sd_layer* L, const float* qk
     const int D = M->head_dim, H = M->heads, G = M->kv_heads, per = H / G;
     const int width = (H + 2 * G) * D;
     const int max_chunks = (start + T + SD_KEY_CHUNK - 1) / SD_KEY_CHUNK;
-    const int64_t items = rows * G * max_chunks;
     const int64_t stride = (int64_t)per * (D + 2);
+    // work items: (group of up to `group` consecutive rows, KV head, chunk); a group's rows
+    // of one sequence share the chunks they all see whole
+    const int group = SD_SCORE_ROWS / per;
+    const int64_t groups = (rows + group - 1) / group;
+    const int64_t items = groups * G * max_chunks;
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < items; item++) {
-        const int64_t row = row0 + item / ((int64_t)G * max_chunks);
+        const int64_t first_row = item / ((int64_t)G * max_chunks) * group;
         const int g = (int)(item / max_chunks % G), chunk = (int)(item % max_chunks);
-        const int b = (int)(row / T), t = (int)(row % T);
-        int new_index[512];
-        const int visible = start + visible_new(T, t, mask, new_index);
-        if (chunk * SD_KEY_CHUNK >= visible) continue;
-        attend_chunk(M, L, qkv + row * width, b, g, start, new_index, chunk, visible, M->partial + item * stride);
+        const int64_t end_row = first_row + group < rows ? first_row + group : rows;
+        for (int64_t i = first_row; i < end_row;) {
+            const int b = (int)((row0 + i) / T);
+            int64_t run_end = i + 1;  // rows of the same sequence
+            while (run_end < end_row && (row0 + run_end) / T == b) run_end++;
+            const float* qkv_rows[SD_SCORE_ROWS];
+            float* partials[SD_SCORE_ROWS];
+            int new_index[512];
+            if ((chunk + 1) * SD_KEY_CHUNK <= start) {  // cached keys only: every row sees them all
+                const int n = (int)(run_end - i);
+                for (int r = 0; r < n; r++) {
+                    qkv_rows[r] = qkv + (row0 + i + r) * width;
+                    partials[r] = M->partial + (((i + r) * G + g) * max_chunks + chunk) * stride;
+                }
+                attend_chunk(M, L, qkv_rows, partials, n, b, g, start, new_index, chunk, start);
+            } else {
+                for (int64_t r = i; r < run_end; r++) {
+                    const int t = (int)((row0 + r) % T);
+                    const int visible = start + visible_new(T, t, mask, new_index);
+                    if (chunk * SD_KEY_CHUNK >= visible) continue;
+                    qkv_rows[0] = qkv + (row0 + r) * width;
+                    partials[0] = M->partial + ((r * G + g) * max_chunks + chunk) * stride;
+                    attend_chunk(M, L, qkv_rows, partials, 1, b, g, start, new_index, chunk, visible);
+                }
+            }
+            i = run_end;
+        }
     }
     // combine the chunks of each (row, head) in chunk order
 #pragma omp for schedule(static)
