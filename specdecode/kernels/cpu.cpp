@@ -6,7 +6,8 @@
 // CPU flash-attention kernel costs several times a plain matmul-softmax-matmul for one
 // query over a long cache. A decode step reads every weight once; these kernels stream
 // them in the format they are stored in and run the whole layer stack in one call, so a
-// step costs about what reading its weights and its keys and values costs.
+// step approaches what reading its weights and its keys and values costs (how close it
+// gets on a machine: specdecode profile, docs/performance.md).
 //
 // Batch invariance (--exact): every output row is computed by one thread, by the same
 // instructions in the same order, whatever else is in the batch and however many threads
