@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from ..models.loading import cache_dir
-from .profile import machine_id, timed_forward_ms
+from .profile import extend_context, machine_id, timed_forward_ms
 
 CONTEXT = 256
 VERSION = 1
@@ -31,7 +31,7 @@ def _path(model_key: str, dtype: torch.dtype, candidates: list[str]):
 
 def _prepare(runtime, context: int, generator: torch.Generator) -> torch.Tensor:
     runtime.reset(context + 2)
-    runtime(torch.randint(0, runtime.vocab_size, (1, context), generator=generator), last_only=True)
+    extend_context(runtime, context, generator)
     return torch.randint(0, runtime.vocab_size, (1, 1), generator=generator)
 
 

@@ -166,7 +166,7 @@ def _median_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _extend_context(runtime, context: int, generator: torch.Generator) -> None:
+def extend_context(runtime, context: int, generator: torch.Generator) -> None:
     """Grow the cache with random tokens to ``context`` (chunked: activations stay small)."""
     while runtime.length < context:
         count = min(256, context - runtime.length)
@@ -201,7 +201,7 @@ def measure_target(runtime, contexts=CONTEXTS, sizes=SIZES, repeats: int = 4,
     bar = tqdm(total=len(contexts) * (repeats + 1), desc="profile target", unit="round", disable=not progress)
     runtime.reset(max(contexts) + max(sizes) + 1)
     for context in contexts:
-        _extend_context(runtime, context, generator)
+        extend_context(runtime, context, generator)
         inputs = {size: torch.randint(0, runtime.vocab_size, (1, size), generator=generator) for size in sizes}
         times: dict[int, list[float]] = {size: [] for size in sizes}
         for round_ in range(repeats + 1):  # round 0 warms up every shape
