@@ -65,7 +65,7 @@ def quantized_reference(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_linear_matches_its_reference(fmt):
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(70, 192, generator=generator) * 0.05
+    weight = torch.randn(71, 192, generator=generator) * 0.05  # odd: the last weight row alone
     x = torch.randn(5, 192, generator=generator)
     layer = PackedLinear.quantize(weight, fmt)
     out = kernel_linear(layer, x).double()
@@ -87,7 +87,7 @@ def test_linear_rows_are_independent_of_the_batch(fmt):
     """Each row alone equals the same row inside batches of 2..64 rows, bit for bit, with
     1 or 2 threads."""
     generator = torch.Generator().manual_seed(1)
-    layer = PackedLinear.quantize(torch.randn(130, 320, generator=generator) * 0.05, fmt)
+    layer = PackedLinear.quantize(torch.randn(131, 320, generator=generator) * 0.05, fmt)  # odd rows
     rows = torch.randn(64, 320, generator=generator)
     alone = torch.cat([kernel_linear(layer, rows[i : i + 1]) for i in range(64)])
     for batch in (2, 3, 5, 16, 33, 64):
