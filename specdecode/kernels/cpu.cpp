@@ -793,6 +793,91 @@ static inline void gather_rows(const void* cache, int fmt, int64_t base, int sta
 // arithmetic of a row, which is the same for one row alone.
 #define SD_SCORE_ROWS 48
 
+#if SD_AVX2
+// The softmax of one head's scores over a chunk: s[n] <- exp(s[n] - max); writes the
+// partial's max and sum. Shared by both chunk paths below.
+static inline void chunk_softmax(float* s, int count, float* partial) {
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int n = 0;
+    for (; n + 8 <= count; n += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + n));
+    float mx = hmax8(mv);
+    for (int i = n; i < count; i++) mx = s[i] > mx ? s[i] : mx;
+    __m256 sv = _mm256_setzero_ps(), mxv = _mm256_set1_ps(mx);
+    for (n = 0; n + 8 <= count; n += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + n), mxv));
+        _mm256_storeu_ps(s + n, e);
+        sv = _mm256_add_ps(sv, e);
+    }
+    float sum = hsum8(sv);
+    for (; n < count; n++) {
+        s[n] = exp1(s[n] - mx);
+        sum += s[n];
+    }
+    partial[0] = mx;
+    partial[1] = sum;
+}
+
+// One chunk for NH <= 3 query heads (one score row of a GQA model) over a bf16 cache at
+// head_dim 64, reading keys and values straight from the cache: each key and value row is
+// widened once, in registers, for all NH heads (the tile path below converts a tile to
+// fp32 in memory and reads it once per head). The arithmetic per (head, key) is the tile
+// path's, operation for operation: the same FMA chains, the same reduction tree as
+// dot8_keys (its lanes 0-3), the output accumulated key by key in order. Tests compare
+// the two paths bit for bit (a row alone here, the same row among others on the tile path).
+template <int NH>
+static void attend_chunk_direct(const sd_model* M, const sd_layer* L, const float* const* q, float* const* out_partials,
+                                int64_t base, int start, const int* new_index, int first, int count) {
+    const uint16_t* kc = (const uint16_t*)L->k_cache;
+    const uint16_t* vc = (const uint16_t*)L->v_cache;
+    static const uint16_t zeros[64] = {0};
+    float scores[NH][SD_KEY_CHUNK + 8];
+    const __m256 attn_scale = _mm256_set1_ps(M->attn_scale);
+    auto key_row = [&](const uint16_t* cache, int n) -> const uint16_t* {
+        if (n >= count) return zeros;
+        const int visible_index = first + n;
+        const int64_t slot = visible_index < start ? visible_index : start + new_index[visible_index - start];
+        return cache + (base + slot) * 64;
+    };
+    for (int n = 0; n < count; n += 4) {
+        __m256 a[NH][4];
+        const uint16_t* k[4];
+        for (int j = 0; j < 4; j++) k[j] = key_row(kc, n + j);
+        for (int h = 0; h < NH; h++)
+            for (int j = 0; j < 4; j++) a[h][j] = _mm256_setzero_ps();
+        for (int i = 0; i < 64; i += 8) {
+            __m256 qv[NH];
+            for (int h = 0; h < NH; h++) qv[h] = _mm256_loadu_ps(q[h] + i);
+            for (int j = 0; j < 4; j++) {
+                __m256 kv = load8_bf16(k[j] + i);
+                for (int h = 0; h < NH; h++) a[h][j] = _mm256_fmadd_ps(qv[h], kv, a[h][j]);
+            }
+        }
+        for (int h = 0; h < NH; h++) {
+            __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(a[h][0], a[h][1]), _mm256_hadd_ps(a[h][2], a[h][3]));
+            __m128 dots = _mm_add_ps(_mm256_castps256_ps128(lo), _mm256_extractf128_ps(lo, 1));
+            _mm_storeu_ps(scores[h] + n, _mm_mul_ps(dots, _mm256_castps256_ps128(attn_scale)));
+        }
+    }
+    for (int h = 0; h < NH; h++) chunk_softmax(scores[h], count, out_partials[h]);
+    for (int half = 0; half < 64; half += 32) {
+        __m256 o[NH][4];
+        for (int h = 0; h < NH; h++)
+            for (int c = 0; c < 4; c++) o[h][c] = _mm256_setzero_ps();
+        for (int n = 0; n < count; n++) {
+            const uint16_t* v = key_row(vc, n) + half;
+            __m256 vv[4];
+            for (int c = 0; c < 4; c++) vv[c] = load8_bf16(v + 8 * c);
+            for (int h = 0; h < NH; h++) {
+                __m256 pv = _mm256_set1_ps(scores[h][n]);
+                for (int c = 0; c < 4; c++) o[h][c] = _mm256_fmadd_ps(pv, vv[c], o[h][c]);
+            }
+        }
+        for (int h = 0; h < NH; h++)
+            for (int c = 0; c < 4; c++) _mm256_storeu_ps(out_partials[h] + 2 + half + 8 * c, o[h][c]);
+    }
+}
+#endif
+
 // One chunk of keys for the query heads of one KV head, for n_rows score rows that see the
 // same keys in it: partial (max, sum, output) per row and head, layout [max, sum, out[D]].
 // Per key and head the arithmetic is fixed: the score by dot8_keys' tree (a tail tile is
@@ -810,6 +895,19 @@ static void attend_chunk(const sd_model* M, const sd_layer* L, const float* cons
     const float* q[SD_SCORE_ROWS];
     for (int r = 0; r < n_rows; r++)
         for (int h = 0; h < per; h++) q[r * per + h] = qkv_rows[r] + (g * per + h) * D;
+#if SD_AVX2
+    if (M->kv_fmt == SD_BF16 && D == 64 && heads <= 3) {
+        float* outs[3];
+        for (int h = 0; h < heads; h++) outs[h] = partials[h / per] + (int64_t)(h % per) * (D + 2);
+        if (heads == 3)
+            attend_chunk_direct<3>(M, L, q, outs, base, start, new_index, first, count);
+        else if (heads == 2)
+            attend_chunk_direct<2>(M, L, q, outs, base, start, new_index, first, count);
+        else
+            attend_chunk_direct<1>(M, L, q, outs, base, start, new_index, first, count);
+        return;
+    }
+#endif
     for (int tile = 0; tile < count; tile += SD_KEY_TILE) {
         const int n_tile = count - tile < SD_KEY_TILE ? count - tile : SD_KEY_TILE;
         gather_rows(L->k_cache, M->kv_fmt, base, start, new_index, first + tile, n_tile, D, rows);
@@ -826,32 +924,20 @@ static void attend_chunk(const sd_model* M, const sd_layer* L, const float* cons
         }
     }
     for (int h = 0; h < heads; h++) {
+        float* p = partials[h / per] + (int64_t)(h % per) * (D + 2);
+#if SD_AVX2
+        chunk_softmax(scores[h], count, p);
+#else
         float* s = scores[h];
         float mx = -INFINITY, sum = 0.0f;
-        int n = 0;
-#if SD_AVX2
-        __m256 mv = _mm256_set1_ps(-INFINITY);
-        for (; n + 8 <= count; n += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + n));
-        mx = hmax8(mv);
-        for (int i = n; i < count; i++) mx = s[i] > mx ? s[i] : mx;
-        __m256 sv = _mm256_setzero_ps(), mxv = _mm256_set1_ps(mx);
-        for (n = 0; n + 8 <= count; n += 8) {
-            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + n), mxv));
-            _mm256_storeu_ps(s + n, e);
-            sv = _mm256_add_ps(sv, e);
-        }
-        sum = hsum8(sv);
-#else
         for (int i = 0; i < count; i++) mx = s[i] > mx ? s[i] : mx;
-        n = 0;
-#endif
-        for (; n < count; n++) {
+        for (int n = 0; n < count; n++) {
             s[n] = exp1(s[n] - mx);
             sum += s[n];
         }
-        float* p = partials[h / per] + (int64_t)(h % per) * (D + 2);
         p[0] = mx;
         p[1] = sum;
+#endif
         memset(p + 2, 0, sizeof(float) * D);
     }
     for (int tile = 0; tile < count; tile += SD_KEY_TILE) {
