@@ -1,0 +1,64 @@
+"""A/B step cost of two (or more) versions of the CPU kernels, in one process.
+
+Timing on our 2-core machines drifts by tens of percent between phases of a few minutes,
+so separate runs of scripts/step_table.py cannot show a change of 10%. This builds each
+given kernel source, loads the real model once, and alternates the libraries round by
+round on the same runtime, weights and cache (the kernels' structs are the same across
+the versions compared), printing per (context, T) the minimum over rounds and the median
+of the round minima:
+
+    git show 37203b4:specdecode/kernels/cpu.cpp > /tmp/before.cpp
+    .venv/bin/python scripts/step_ab.py before=/tmp/before.cpp after=specdecode/kernels/cpu.cpp
+"""
+import ctypes
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from specdecode import kernels
+from specdecode.models.llama import load_native
+from specdecode.models.loading import resolve_model
+
+CONTEXTS, SIZES, ROUNDS = (100, 600, 1500, 4000), (1, 2, 4), 6
+
+reference = kernels.load()
+libraries = {}
+build_dir = Path(tempfile.mkdtemp(prefix="step_ab_"))
+for argument in sys.argv[1:]:
+    name, source = argument.split("=", 1)
+    target = build_dir / f"{name}.so"
+    subprocess.run(["g++", *kernels.FLAGS, f"-march={kernels._march()}", source, "-o", str(target)], check=True)
+    library = ctypes.CDLL(str(target))
+    for function in ("sd_forward_layers", "sd_linear_forward", "sd_rms_norm", "sd_embed"):
+        getattr(library, function).argtypes = getattr(reference, function).argtypes
+    libraries[name] = library
+
+runtime = load_native(resolve_model("default").path, torch.bfloat16, weights="q4_1", backend="kernels")
+runtime.reset(max(CONTEXTS) + 100)
+generator = torch.Generator().manual_seed(0)
+minima: dict[str, list[float]] = {}
+for context in CONTEXTS:
+    while runtime.length < context:
+        runtime(torch.randint(0, 49152, (1, min(256, context - runtime.length)), generator=generator), last_only=True)
+    for size in SIZES:
+        ids = torch.randint(0, 49152, (1, size), generator=generator)
+        for _ in range(ROUNDS):
+            for name, library in libraries.items():
+                runtime.kernels.lib = library
+                times = []
+                for _ in range(12 if size == 1 else 6):
+                    started = time.perf_counter()
+                    runtime(ids)
+                    times.append(time.perf_counter() - started)
+                    runtime.rollback(context)
+                minima.setdefault(f"{context}/{size}/{name}", []).append(min(times) * 1e3)
+        print(f"context {context:5d} T {size}: " + "  ".join(
+            f"{name} {min(minima[f'{context}/{size}/{name}']):6.2f} ms (median {statistics.median(minima[f'{context}/{size}/{name}']):6.2f})"
+            for name in libraries), flush=True)
+print(json.dumps(minima))
