@@ -3,6 +3,7 @@
     specdecode generate "PROMPT" [--method none|ngram|draft] [--draft M|self:L] [--k N] ...
     specdecode bench [--prompts FILE.jsonl] [--methods none,ngram,ngram@3,...] [--out results.json]
     specdecode profile [--model M] [--draft D] [--dtype bf16|fp32] [--remeasure]
+    specdecode train data [--target M] [--out DIR] [--prompts N] [--samples S]
 """
 
 from __future__ import annotations
@@ -104,6 +105,24 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     check.add_argument("--k", type=int, default=5, help="k for the calibration")
     check.add_argument("--no-calibration", action="store_true", help="tokenizer and architecture checks only")
+
+    train = verbs.add_parser("train", help="build training data for drafters of a target (train data)")
+    train_verbs = train.add_subparsers(dest="train_verb", required=True)
+    data = train_verbs.add_parser("data", help="the target's own answers to our training prompts, and local code for teacher forcing (resumable)")
+    data.add_argument("--target", "--model", dest="model", default="default", help="'default' (SmolLM2-135M-Instruct), a HF directory or a .gguf file")
+    data.add_argument("--out", default="data/train", help="directory to write (and resume) answers.jsonl, corpus.jsonl, summary.json (default data/train)")
+    data.add_argument("--prompts", type=int, default=540, help="training prompts to answer (of 552, the nine categories interleaved; default 540)")
+    data.add_argument("--samples", type=int, default=1, help="sampled answers per prompt beside the greedy one, decoded as one batch (default 1)")
+    data.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled answers (default 0.8)")
+    data.add_argument("--max-new-tokens", type=int, default=256)
+    data.add_argument("--corpus-tokens", type=int, default=2_000_000, help="tokens of the standard library's sources to keep (0: none)")
+    data.add_argument("--chunk-tokens", type=int, default=512, help="tokens per corpus chunk")
+    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    data.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"])
+    data.add_argument("--backend", default="auto", choices=["auto", "kernels", "torch"])
+    data.add_argument("--threads", type=int, default=None)
+    data.set_defaults(exact=None, device="cpu", prefill_chunk=256)
 
     mem = verbs.add_parser("memory", help="weights, KV cache and activation memory of target + drafter")
     mem.add_argument("--target", default="default", help="model name, HF directory, config.json, or a named size (135M, 360M, 1B, 3B, 7B, 8B, 13B, 70B)")
@@ -330,6 +349,29 @@ def cmd_memory(args) -> int:
     return 0 if report["fits"] else 1
 
 
+def cmd_train(args) -> int:
+    from pathlib import Path
+
+    from .engine import SpeculativeEngine
+    from .factory import load_target
+    from .train.data import build_data, check_settings
+
+    check_settings(args.prompts, args.samples, args.temperature, args.max_new_tokens, args.corpus_tokens,
+                   args.chunk_tokens)
+    engine_config = _engine_config(args)
+    if engine_config.num_threads:
+        import torch
+
+        torch.set_num_threads(engine_config.num_threads)
+    target = load_target(engine_config)
+    plain = SpeculativeEngine(target.runtime, target.tokenizer, None, 0, target.eos_token_ids)
+    summary = build_data(target, Path(args.out), args.prompts, args.samples, args.temperature, args.max_new_tokens,
+                         args.corpus_tokens, args.chunk_tokens, args.seed, plain.encode)
+    print(summary.format())
+    print(f"written to {args.out}/ (answers.jsonl, corpus.jsonl, summary.json)")
+    return 0
+
+
 def cmd_presets(args) -> int:
     from .config import load_presets
 
@@ -344,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         return {"generate": cmd_generate, "bench": cmd_bench, "profile": cmd_profile, "presets": cmd_presets,
-                "check": cmd_check, "memory": cmd_memory, "analyze": cmd_analyze}[args.verb](args)
+                "check": cmd_check, "memory": cmd_memory, "analyze": cmd_analyze, "train": cmd_train}[args.verb](args)
     except SpecDecodeError as error:
         print(f"specdecode: error: {error}", file=sys.stderr)
         return 2

@@ -75,6 +75,27 @@ def test_cli_reports_bad_input_cleanly(capsys):
     assert "k must be 'auto' or an integer >= 1, got 'many'" in capsys.readouterr().err
 
 
+def test_cli_train_data_answers_with_the_targets_own_greedy_decoding(tmp_path, capsys):
+    from specdecode.cli import main
+
+    out = tmp_path / "data"
+    code = main(["train", "data", "--prompts", "2", "--max-new-tokens", "12", "--corpus-tokens", "600",
+                 "--out", str(out), "--weights", "int4", "--dtype", "fp32"])
+    assert code == 0, capsys.readouterr().err
+    assert "answers: 4 for 2 prompts" in capsys.readouterr().out
+    records = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert [r["row"] for r in records] == [0, 1, 0, 1] and records[1]["temperature"] == 0.8
+    greedy = records[0]
+    engine = build_engine(EngineConfig(dtype="fp32", weights="int4"), SpeculativeConfig(method="none"))
+    plain = engine.generate(greedy["prompt_ids"], SamplingParams(max_new_tokens=12)).token_ids
+    assert greedy["answer_ids"] == plain
+    corpus = [json.loads(line) for line in (out / "corpus.jsonl").read_text().splitlines()]
+    assert sum(len(c["ids"]) for c in corpus) >= 600 and corpus[0]["source"].endswith(".py")
+    # bad input: a clear error, not a traceback
+    assert main(["train", "data", "--prompts", "0", "--out", str(out)]) == 2
+    assert "--prompts >= 1" in capsys.readouterr().err
+
+
 def test_bench_writes_records(tmp_path, capsys):
     from specdecode.cli import main
 

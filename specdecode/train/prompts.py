@@ -1,0 +1,197 @@
+"""The training prompt set: templated prompts over the benchmark suite's nine task types,
+written for training and kept apart from the suite (never a public benchmark prompt).
+
+Each category combines a few request templates with fillers; the combinations are
+enumerated in a fixed order and interleaved, so ``training_prompts(n)`` is deterministic
+and its first n prompts cover every category evenly. Summaries and extractions read
+passages of local text: module docstrings of the Python standard library.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import sysconfig
+from functools import lru_cache
+from pathlib import Path
+
+CATEGORIES = ("code", "creative", "extraction", "json", "math", "open_qa", "summarization", "template", "translation")
+
+_FUNCTIONS = [
+    ("count_vowels(text)", "returns how many vowels a string contains"),
+    ("flatten(nested)", "flattens a list of lists one level deep"),
+    ("chunk(items, size)", "splits a list into consecutive chunks of at most `size` items"),
+    ("is_prime(n)", "tells whether an integer is prime"),
+    ("merge_dicts(a, b)", "merges two dicts, summing the values of keys present in both"),
+    ("rotate(items, k)", "rotates a list k places to the right"),
+    ("word_frequencies(text)", "counts how often each lower-cased word occurs"),
+    ("running_mean(values)", "returns the mean of every prefix of a list of numbers"),
+    ("dedupe(items)", "removes duplicates from a list while keeping the first occurrence order"),
+    ("parse_duration(text)", "turns strings like '1h30m' or '45s' into a number of seconds"),
+    ("binary_search(items, target)", "finds the index of target in a sorted list, or -1"),
+    ("transpose(matrix)", "transposes a list of equal-length lists"),
+]
+_CODE_TEMPLATES = [
+    "Write a Python function `{sig}` that {what}. Include a docstring.",
+    "Implement `{sig}` in Python: it {what}. Add type hints and one usage example.",
+    "In JavaScript, write a function equivalent to Python's `{sig}`, which {what}.",
+    "Write pytest tests for a Python function `{sig}` that {what}.",
+    "Explain step by step how you would write `{sig}`, a function that {what}, then give the code.",
+]
+
+_CREATIVE_SUBJECTS = ["a lighthouse keeper", "a lost umbrella", "the first snow of the year", "a robot learning to paint",
+                      "an old bridge", "a city at 4 a.m.", "a letter never sent", "a garden on a balcony",
+                      "a train that runs late", "the sound of rain on a tin roof", "a chess game in a park", "a new library"]
+_CREATIVE_TEMPLATES = [
+    "Write a short poem about {s}.",
+    "Write a four-sentence story about {s}.",
+    "Describe {s} in one vivid paragraph.",
+    "Write a haiku about {s}, then explain its image in one sentence.",
+    "Write the opening paragraph of a novel that begins with {s}.",
+]
+
+_PEOPLE = [("Maria Lopez", "Lisbon", "a civil engineer", 1987), ("Kenji Watanabe", "Osaka", "a pastry chef", 1975),
+           ("Amara Okafor", "Lagos", "a data analyst", 1992), ("Tomas Novak", "Brno", "a violin maker", 1969),
+           ("Lea Schmidt", "Hamburg", "a ferry captain", 1981), ("Ravi Menon", "Kochi", "a school principal", 1978),
+           ("Sofia Rossi", "Turin", "a bicycle mechanic", 1995), ("Oliver Grant", "Leeds", "a museum curator", 1964),
+           ("Ines Duarte", "Porto", "a radio host", 1990), ("Youssef Haddad", "Tunis", "a pharmacist", 1983),
+           ("Hanna Virtanen", "Tampere", "a glass blower", 1972), ("Diego Vargas", "Cusco", "a mountain guide", 1988)]
+_EXTRACTION_TEMPLATES = [
+    "From this note, extract the person's name, city and year of birth as a list:\n\n{bio}",
+    "What is the profession of the person described here? Answer in a few words.\n\n{bio}",
+    "Read the text and list every proper noun in it:\n\n{passage}",
+    "From the following documentation, list the functions or classes it mentions:\n\n{passage}",
+    "Extract the main purpose of this module in one sentence:\n\n{passage}",
+]
+
+_JSON_THINGS = [("a book", "title, author, year, genres"), ("a laptop", "brand, model, ram_gb, price_eur"),
+                ("a city", "name, country, population, landmarks"), ("a recipe", "name, servings, ingredients, minutes"),
+                ("a flight", "number, origin, destination, departure_time"), ("an employee", "name, role, team, start_date"),
+                ("a movie", "title, director, year, rating"), ("a planet", "name, moons, diameter_km, has_rings"),
+                ("a song", "title, artist, album, length_seconds"), ("a hotel", "name, stars, rooms, amenities"),
+                ("a course", "code, title, credits, prerequisites"), ("a bike", "maker, gears, weight_kg, frame")]
+_JSON_TEMPLATES = [
+    "Return a JSON object describing {thing} with the keys {keys}. Output only JSON.",
+    "Give a JSON array of three objects, each describing {thing} with keys {keys}.",
+    "Write a JSON Schema for {thing} with the properties {keys}.",
+    "Convert this description to JSON with keys {keys}: {thing}, invented but plausible values.",
+    "Produce a JSON object for {thing} (keys: {keys}) and then one sentence explaining one field.",
+]
+
+_MATH = [(17, 23), (48, 12), (125, 8), (64, 36), (91, 7), (250, 40), (33, 19), (144, 12), (75, 15), (210, 35), (56, 44),
+         (99, 11)]
+_MATH_TEMPLATES = [
+    "What is {a} times {b}? Show your working.",
+    "A shop sells pens at {b} cents each. How much do {a} pens cost in euros? Explain.",
+    "Solve for x: {a}x + {b} = {c}. Give each step.",
+    "A train covers {a} km in {b} minutes. What is its average speed in km/h?",
+    "Find the greatest common divisor of {a} and {b}, showing the Euclidean algorithm.",
+]
+
+_TOPICS = ["photosynthesis", "how vaccines train the immune system", "why the sky is blue", "what a compiler does",
+           "how tides work", "the water cycle", "what inflation means", "how a hash table works",
+           "why leaves change colour in autumn", "how GPS finds a position", "what a black hole is",
+           "how bread rises"]
+_QA_TEMPLATES = [
+    "Explain {t} to a ten-year-old.",
+    "In three sentences, what is {t}?",
+    "What are common misconceptions about {t}?",
+    "Give a short, accurate explanation of {t} and one example.",
+    "Why does {t} matter in everyday life?",
+]
+
+_SUMMARY_TEMPLATES = [
+    "Summarize the following text in two sentences:\n\n{passage}",
+    "Write a one-sentence summary of this documentation:\n\n{passage}",
+    "Summarize the key points of this text as three bullet points:\n\n{passage}",
+    "Give a short title and a summary of one sentence for this text:\n\n{passage}",
+    "Explain in plain words what this text says:\n\n{passage}",
+]
+
+_EVENTS = [("a team meeting", "Thursday at 10:00"), ("a dentist appointment", "Monday at 15:30"),
+           ("a product launch", "the first of March"), ("a library workshop", "Saturday morning"),
+           ("a server maintenance window", "Sunday 02:00-04:00 UTC"), ("a birthday party", "Friday evening"),
+           ("a job interview", "Wednesday at 9:00"), ("a school trip", "next Tuesday"),
+           ("an invoice reminder", "the end of the month"), ("a conference talk", "June 12"),
+           ("a flat viewing", "Thursday at 18:00"), ("a charity run", "Sunday 8:00")]
+_TEMPLATE_TEMPLATES = [
+    "Write a short email inviting colleagues to {e} on {w}.",
+    "Fill in this template for {e} on {w}:\nSubject: ...\nDate: ...\nDetails: ...",
+    "Write a polite reminder message about {e} on {w}.",
+    "Write a calendar entry for {e} on {w}, with title, time, location and notes.",
+    "Write a two-line SMS confirming {e} on {w}.",
+]
+
+_SENTENCES = ["The meeting has been moved to next week.", "Please close the window when you leave.",
+              "The museum is free on the first Sunday of the month.", "I would like a table for two, please.",
+              "The train to the airport leaves every twenty minutes.", "Our office will be closed on Friday.",
+              "Can you recommend a good book about history?", "The recipe needs three eggs and some flour.",
+              "It is going to rain this afternoon.", "Thank you for your quick reply.",
+              "The children are playing in the garden.", "This road is closed for repairs."]
+_LANGUAGES = ["French", "Spanish", "German", "Italian", "Portuguese"]
+_TRANSLATION_TEMPLATES = [
+    "Translate into {lang}: {s}",
+    "How would you say this in {lang}? \"{s}\"",
+    "Translate the following sentence into {lang} and give a word-by-word gloss: {s}",
+]
+
+
+@lru_cache(maxsize=1)
+def local_passages(limit: int = 96, min_chars: int = 300, max_chars: int = 1200) -> tuple[str, ...]:
+    """Module docstrings of the Python standard library on this machine, in path order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found: list[str] = []
+    for path in sorted(root.glob("*.py")):
+        try:
+            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+            continue
+        if doc and min_chars <= len(doc):
+            found.append(doc[:max_chars].rsplit("\n", 1)[0] if len(doc) > max_chars else doc)
+        if len(found) >= limit:
+            break
+    if not found:  # a Python without its sources: a fixed passage keeps the set usable
+        found.append("A module provides functions for reading and writing files in a portable way. "
+                     "It handles paths, permissions and temporary files, and reports errors as exceptions.")
+    return tuple(found)
+
+
+def _category_prompts(category: str) -> list[str]:
+    passages = local_passages()
+    if category == "code":
+        return [t.format(sig=s, what=w) for s, w in _FUNCTIONS for t in _CODE_TEMPLATES]
+    if category == "creative":
+        return [t.format(s=s) for s in _CREATIVE_SUBJECTS for t in _CREATIVE_TEMPLATES]
+    if category == "extraction":
+        bios = [f"{n} was born in {y} in {c}. Today {n.split()[0]} works as {p} and lives near the old town."
+                for n, c, p, y in _PEOPLE]
+        out = []
+        for i, template in itertools.product(range(len(bios)), _EXTRACTION_TEMPLATES):
+            out.append(template.format(bio=bios[i], passage=passages[i % len(passages)]))
+        return out
+    if category == "json":
+        return [t.format(thing=th, keys=k) for th, k in _JSON_THINGS for t in _JSON_TEMPLATES]
+    if category == "math":
+        return [t.format(a=a, b=b, c=a * 3 + b) for a, b in _MATH for t in _MATH_TEMPLATES]
+    if category == "open_qa":
+        return [t.format(t=topic) for topic in _TOPICS for t in _QA_TEMPLATES]
+    if category == "summarization":
+        return [t.format(passage=p) for p in passages[:12] for t in _SUMMARY_TEMPLATES]
+    if category == "template":
+        return [t.format(e=e, w=w) for e, w in _EVENTS for t in _TEMPLATE_TEMPLATES]
+    if category == "translation":
+        return [t.format(lang=lang, s=s) for s in _SENTENCES for lang in _LANGUAGES[:2] for t in _TRANSLATION_TEMPLATES]
+    raise ValueError(f"unknown category {category!r}")
+
+
+def training_prompts(count: int | None = None) -> list[dict]:
+    """Up to ``count`` prompts (all if None), categories interleaved:
+    [{"id": "train-code-000", "category": "code", "prompt": ...}, ...]."""
+    per_category = {c: _category_prompts(c) for c in CATEGORIES}
+    prompts = []
+    for index in range(max(len(v) for v in per_category.values())):
+        for category in CATEGORIES:
+            if index < len(per_category[category]):
+                prompts.append({"id": f"train-{category}-{index:03d}", "category": category,
+                                "prompt": per_category[category][index]})
+    return prompts if count is None else prompts[:count]

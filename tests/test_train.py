@@ -1,0 +1,92 @@
+"""specdecode train data: the training prompt set, batched answers, resumable files."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import TINY_VOCAB, save_tiny_model
+from specdecode.config import ConfigError, SamplingParams
+from specdecode.engine import SpeculativeEngine
+from specdecode.models.llama import load_native
+from specdecode.prompts import load_prompts
+from specdecode.train.data import answer_rows, build_data
+from specdecode.train.prompts import CATEGORIES, training_prompts
+
+
+def test_training_prompts_cover_the_categories_and_stay_apart_from_the_suite():
+    prompts = training_prompts()
+    assert len(prompts) >= 500
+    counts = {c: sum(p["category"] == c for p in prompts) for c in CATEGORIES}
+    assert min(counts.values()) >= 50, counts
+    assert len({p["prompt"] for p in prompts}) == len(prompts) == len({p["id"] for p in prompts})
+    suite = {p["prompt"].strip() for p in load_prompts(None)}
+    assert not suite & {p["prompt"].strip() for p in prompts}
+    # the first n interleave the categories, and the set is the same every time
+    assert {p["category"] for p in training_prompts(18)} == set(CATEGORIES)
+    assert training_prompts(40) == prompts[:40]
+
+
+@pytest.fixture(scope="module")
+def tiny_runtime(tmp_path_factory):
+    path = save_tiny_model(tmp_path_factory.mktemp("train") / "m", "llama", seed=5, num_layers=2)
+    return load_native(path, torch.bfloat16, "q4_1", "kernels")
+
+
+def test_greedy_row_of_a_batch_is_plain_greedy_decoding(tiny_runtime):
+    prompt = [3, 17, 42, 8, 91, 5]
+    params = [SamplingParams(max_new_tokens=16), SamplingParams(temperature=1.0, max_new_tokens=16),
+              SamplingParams(temperature=0.7, max_new_tokens=16)]
+    rows = answer_rows(tiny_runtime, prompt, params, (), torch.Generator().manual_seed(0))
+    plain = SpeculativeEngine(tiny_runtime).generate(prompt, SamplingParams(max_new_tokens=16)).token_ids
+    assert rows[0] == plain
+    again = answer_rows(tiny_runtime, prompt, params, (), torch.Generator().manual_seed(0))
+    assert again == rows  # the sampled rows follow the generator
+    assert all(len(r) == 16 and all(0 <= t < TINY_VOCAB for t in r) for r in rows)
+
+
+def test_rows_stop_at_their_own_eos(tiny_runtime):
+    prompt = [3, 17, 42]
+    greedy = answer_rows(tiny_runtime, prompt, [SamplingParams(max_new_tokens=12)], (), torch.Generator())[0]
+    eos = greedy[4]
+    first = greedy.index(eos)
+    rows = answer_rows(tiny_runtime, prompt, [SamplingParams(max_new_tokens=12)] * 2, (eos,), torch.Generator())
+    assert rows[0] == rows[1] == greedy[:first]
+
+
+class CharTokenizer:
+    def __call__(self, text):
+        return {"input_ids": [ord(c) % TINY_VOCAB for c in text]}
+
+
+def test_build_data_resumes_after_an_interruption(tiny_runtime, tmp_path):
+    target = SimpleNamespace(runtime=tiny_runtime, tokenizer=CharTokenizer(), eos_token_ids=())
+    encode = lambda text: [ord(c) % TINY_VOCAB for c in text[:20]]  # noqa: E731
+    settings = dict(prompt_count=3, samples=1, temperature=0.8, max_new_tokens=5, corpus_tokens=300, chunk_tokens=64,
+                    seed=1, encode=encode)
+    whole = build_data(target, tmp_path / "a", **settings)
+    assert (whole.prompts, whole.answers, whole.answer_tokens) == (3, 6, 30)
+    assert whole.corpus_tokens >= 300 and whole.corpus_files >= 1
+    answers = (tmp_path / "a" / "answers.jsonl").read_text().splitlines()
+    assert [json.loads(line)["row"] for line in answers] == [0, 1] * 3
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["answers"] == 6
+
+    # cut the run short: the last prompt lost a row and the corpus a torn line
+    cut = tmp_path / "b"
+    cut.mkdir()
+    (cut / "answers.settings.json").write_text((tmp_path / "a" / "answers.settings.json").read_text())
+    (cut / "answers.jsonl").write_text("\n".join(answers[:5]) + "\n" + answers[5][:30])
+    corpus = (tmp_path / "a" / "corpus.jsonl").read_text().splitlines()
+    (cut / "corpus.jsonl").write_text(corpus[0] + "\n" + corpus[1][:25])
+    resumed = build_data(target, cut, **settings)
+    assert (cut / "answers.jsonl").read_text().splitlines() == answers
+    assert resumed.generated_tokens == 10  # only the broken prompt ran again
+    assert (cut / "corpus.jsonl").read_text() == (tmp_path / "a" / "corpus.jsonl").read_text()
+
+    with pytest.raises(ConfigError, match="another --out"):
+        build_data(target, cut, **{**settings, "samples": 2})
+    with pytest.raises(ConfigError, match="temperature"):
+        build_data(target, tmp_path / "c", **{**settings, "temperature": 0.0})
