@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import save_tiny_model
+from specdecode.config import SpecDecodeError
 from specdecode.models.llama import load_native
 
 # fp32, same weights, different op order (fused projections, SDPA): differences are
@@ -98,6 +99,28 @@ def test_hidden_states_and_last_only(tiny_llama_dir):
     runtime.reset(32)
     last = runtime(ids, last_only=True)
     torch.testing.assert_close(last[:, 0], logits[:, -1], atol=LOGITS_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+def test_captured_layer_inputs_match_transformers_hidden_states(tiny_llama_dir, backend):
+    """What an EAGLE head reads: the residual stream entering chosen layers, for every new
+    token, across prefill chunks and with last_only."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, 97, (1, 11), generator=torch.Generator().manual_seed(7))
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        reference = model(ids, output_hidden_states=True).hidden_states  # [embeddings, after layer 0, ...]
+    runtime = load_native(tiny_llama_dir, torch.float32, backend=backend, prefill_chunk=4)
+    runtime.reset(32)
+    logits, features = runtime(ids, last_only=True, capture=(1, 0))
+    assert logits.shape == (1, 1, 97) and features.shape == (1, 11, 128)
+    torch.testing.assert_close(features, torch.cat([reference[1], reference[0]], dim=-1), atol=1e-4, rtol=0)
+    runtime.reset(32)
+    logits, hidden, features = runtime(ids, return_hidden=True, capture=(1,))
+    assert hidden.shape == (1, 11, 64) and features.shape == (1, 11, 64)
+    with pytest.raises(SpecDecodeError, match="capture layers"):
+        runtime(ids[:, :1], capture=(2,))
 
 
 def test_layer_skip_view_shares_weights(tiny_llama_dir):

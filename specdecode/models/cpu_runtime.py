@@ -17,6 +17,7 @@ import torch
 
 from .. import kernels
 from ..config import SpecDecodeError
+from .llama import _outputs
 from .quant import PackedLinear
 
 PARTIAL_ITEMS = 4096  # attention partials held at once: (row, kv head, key chunk) items
@@ -122,7 +123,7 @@ class KernelStack:
 
     # -- forward --------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, tree_mask: torch.Tensor | None,
-                last_only: bool, return_hidden: bool):
+                last_only: bool, return_hidden: bool, capture: tuple[int, ...] = ()):
         runtime, cfg, lib, model = self.runtime, self.runtime.cfg, self.lib, self.model
         batch, num_new = input_ids.shape
         if batch != model.batch:
@@ -138,7 +139,8 @@ class KernelStack:
         mask = None if tree_mask is None else tree_mask.to(torch.uint8).contiguous()
         chunk = runtime.prefill_chunk
         hidden_buffer = self.buffers["hidden"]
-        outputs, states = [], []
+        outputs, states, features = [], [], []
+        bounds = sorted(set(capture) | {0, runtime.num_layers})
         for begin in range(0, num_new, chunk):
             stop = min(begin + chunk, num_new)
             rows = batch * (stop - begin)
@@ -146,8 +148,14 @@ class KernelStack:
             chunk_ids = ids[:, begin:stop].contiguous()
             lib.sd_embed(ctypes.byref(self.embed), chunk_ids.data_ptr(), rows, hidden.data_ptr())
             chunk_positions = positions[begin:stop].contiguous()
-            lib.sd_forward_layers(ctypes.byref(model), 0, runtime.num_layers, hidden.data_ptr(), batch, stop - begin,
-                                  runtime.length, chunk_positions.data_ptr(), _ptr(mask))
+            captured = {}
+            for first, last in zip(bounds, bounds[1:]):  # stop at each captured layer's input
+                if first in capture:
+                    captured[first] = hidden.view(batch, stop - begin, -1).clone()
+                lib.sd_forward_layers(ctypes.byref(model), first, last, hidden.data_ptr(), batch, stop - begin,
+                                      runtime.length, chunk_positions.data_ptr(), _ptr(mask))
+            if capture:
+                features.append(torch.cat([captured[layer] for layer in capture], dim=-1))
             runtime.length += stop - begin
             if last_only and stop < num_new:
                 continue
@@ -155,10 +163,7 @@ class KernelStack:
             logits, normed = self._head(selected.reshape(-1, cfg.hidden_size).contiguous())
             outputs.append(logits.view(batch, -1, cfg.vocab_size))
             states.append(normed.view(batch, -1, cfg.hidden_size))
-        logits = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
-        if return_hidden:
-            return logits, states[0] if len(states) == 1 else torch.cat(states, dim=1)
-        return logits
+        return _outputs(outputs, states if return_hidden else None, features if capture else None)
 
     def _head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Final RMSNorm and output head for [rows, H] fp32 -> (logits [rows, V], normed)."""

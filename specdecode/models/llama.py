@@ -368,6 +368,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _outputs(logits: list, hidden: list | None, features: list | None):
+    """Join per-chunk outputs along T: logits, then hidden states and features when asked."""
+    def join(parts):
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    out = (join(logits),) + (() if hidden is None else (join(hidden),)) + (() if features is None else (join(features),))
+    return out if len(out) > 1 else out[0]
+
+
 class NativeRuntime:
     """A Llama-family model with a preallocated KV cache and a length pointer.
 
@@ -459,11 +468,15 @@ class NativeRuntime:
         tree_mask: torch.Tensor | None = None,  # [T, T] bool, True = may attend
         last_only: bool = False,
         return_hidden: bool = False,
+        capture: tuple[int, ...] = (),
     ):
         """Run T new tokens, write their KV at ``[length, length+T)``, advance the length.
 
         Returns logits ``[B, T, V]`` (``[B, 1, V]`` if ``last_only``), and the final
-        normalised hidden states ``[B, T, H]`` too if ``return_hidden``.
+        normalised hidden states ``[B, T, H]`` too if ``return_hidden``. ``capture``: layer
+        indices whose inputs (the residual stream entering them, fp32) are returned last,
+        concatenated as ``[B, T, len(capture) * H]`` for every new token even when
+        ``last_only`` (what an EAGLE head reads).
         """
         batch, num_new = input_ids.shape
         start, end = self.length, self.length + num_new
@@ -474,24 +487,24 @@ class NativeRuntime:
             )
         if tree_mask is not None and num_new > self.prefill_chunk:
             raise SpecDecodeError(f"a token tree of {num_new} nodes exceeds prefill_chunk = {self.prefill_chunk}")
+        if any(not 0 <= layer < self.num_layers for layer in capture):
+            raise SpecDecodeError(f"capture layers must lie in 0..{self.num_layers - 1}, got {capture}")
         if self.kernels is not None:
-            return self.kernels.forward(input_ids, positions, tree_mask, last_only, return_hidden)
-        logits, hidden = [], []
+            return self.kernels.forward(input_ids, positions, tree_mask, last_only, return_hidden, capture)
+        logits, hidden, features = [], [], []
         for begin in range(0, num_new, self.prefill_chunk):  # chunked prefill bounds activations
             stop = min(begin + self.prefill_chunk, num_new)
             chunk_positions = None if positions is None else positions[begin:stop]
             final = stop == num_new
             out = self._forward_torch(input_ids[:, begin:stop], chunk_positions, tree_mask,
-                                      last_only and final, return_hidden)
+                                      last_only and final, return_hidden, capture)
             if final or not last_only:
                 logits.append(out[0])
                 hidden.append(out[1])
-        logits = torch.cat(logits, dim=1) if len(logits) > 1 else logits[0]
-        if return_hidden:
-            return logits, torch.cat(hidden, dim=1) if len(hidden) > 1 else hidden[0]
-        return logits
+            features.append(out[2])
+        return _outputs(logits, hidden if return_hidden else None, features if capture else None)
 
-    def _forward_torch(self, input_ids, positions, tree_mask, last_only, return_hidden):
+    def _forward_torch(self, input_ids, positions, tree_mask, last_only, return_hidden, capture=()):
         cfg, w = self.cfg, self.weights
         device = self.device
         input_ids = input_ids.to(device)
@@ -513,7 +526,10 @@ class NativeRuntime:
 
         num_heads, num_kv = cfg.num_heads, cfg.num_kv_heads
         hidden = w.embed_rows(input_ids)  # [B, T, H]
+        captured = {}
         for index, layer in enumerate(self.layers):
+            if index in capture:
+                captured[index] = hidden.float()
             normed = _rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             qkv = _torch_linear(normed, layer.qkv).view(batch, num_new, num_heads + 2 * num_kv, cfg.head_dim)
             qk = qkv[:, :, : num_heads + num_kv]
@@ -538,7 +554,7 @@ class NativeRuntime:
             hidden = hidden[:, -1:]
         hidden = _rms_norm(hidden, w.norm, cfg.rms_norm_eps)
         logits = _torch_linear(hidden, w.lm_head)
-        return logits, hidden
+        return logits, hidden, torch.cat([captured[i] for i in capture], dim=-1) if capture else None
 
     __call__ = forward
 
