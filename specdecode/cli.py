@@ -1,9 +1,10 @@
 """One entry point: ``specdecode <verb>``.
 
-    specdecode generate "PROMPT" [--method none|ngram|draft] [--draft M|self:L] [--k N] ...
+    specdecode generate "PROMPT" [--method none|ngram|draft|eagle] [--draft M|self:L] [--head DIR] [--k N] ...
     specdecode bench [--prompts FILE.jsonl] [--methods none,ngram,ngram@3,...] [--out results.json]
     specdecode profile [--model M] [--draft D] [--dtype bf16|fp32] [--remeasure]
     specdecode train data [--target M] [--out DIR] [--prompts N] [--samples S]
+    specdecode train eagle [--target M] [--data DIR] [--out DIR] [--draft-vocab N] [--ttt-steps S] [--minutes M]
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k-policy", default="cost", choices=["cost", "threshold"], help="with --k auto: 'cost' (expected speedup, cost profile) or 'threshold' (the literature's acceptance thresholds)")
     parser.add_argument("--k-max", type=int, default=10, help="with --k auto: the most draft tokens per step")
     parser.add_argument("--draft", default="self:4", help="draft model for --method draft: a path, or self:L (the target's first L layers; untrained, it loses here: docs/performance.md)")
+    parser.add_argument("--head", default=None, help="EAGLE head directory for --method eagle (default: the head shipped for the default model)")
     parser.add_argument("--ngram-sizes", default="3,2,1", help="n-gram sizes tried by --method ngram, longest first")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 
@@ -60,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = verbs.add_parser("generate", help="generate text, speculatively")
     gen.add_argument("prompt")
-    gen.add_argument("--method", default="ngram", choices=["none", "ngram", "draft"])
+    gen.add_argument("--method", default="ngram", choices=["none", "ngram", "draft", "eagle"])
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
     gen.add_argument("--compare", action="store_true", help="also run plain decoding and report speedup and identity")
@@ -71,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = verbs.add_parser("bench", help="plain vs speculative on the same prompts")
     bench.add_argument("--prompts", default=None, help="JSONL: Spec-Bench question.jsonl or {prompt, category}; default: our suite")
-    bench.add_argument("--methods", default="none,ngram", help="comma list of none, ngram, draft, hf (transformers generate)")
+    bench.add_argument("--methods", default="none,ngram", help="comma list of none, ngram, draft, eagle, hf (transformers generate), llamacpp")
     bench.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
     bench.add_argument("--out", default=None, help="write per-prompt records and the summary as JSON")
     bench.add_argument("--repeats", type=int, default=1, help=REPEATS_HELP)
@@ -123,6 +125,23 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--backend", default="auto", choices=["auto", "kernels", "torch"])
     data.add_argument("--threads", type=int, default=None)
     data.set_defaults(exact=None, device="cpu", prefill_chunk=256)
+    eagle = train_verbs.add_parser("eagle", help="train an EAGLE-3-style head for the target on `train data`'s output (resumable)")
+    eagle.add_argument("--target", "--model", dest="model", default="default", help="the target: 'default', a HF directory or a .gguf file")
+    eagle.add_argument("--data", default="data/train", help="directory written by `specdecode train data` (default data/train)")
+    eagle.add_argument("--out", default="data/eagle", help="head directory to write (and resume: checkpoint.pt, features/) (default data/eagle)")
+    eagle.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head can draft: the most frequent in the data (default 8192)")
+    eagle.add_argument("--ttt-steps", type=int, default=3, help="steps unrolled on the head's own outputs in training (default 3)")
+    eagle.add_argument("--minutes", type=float, default=60.0, help="training time budget, feature extraction excluded (default 60)")
+    eagle.add_argument("--lr", type=float, default=3e-4)
+    eagle.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per optimizer step (default 2048)")
+    eagle.add_argument("--corpus-tokens", type=int, default=200_000, help="tokens of the local code corpus to train on beside the answers")
+    eagle.add_argument("--max-length", type=int, default=768, help="tokens per training sequence at most")
+    eagle.add_argument("--seed", type=int, default=0)
+    eagle.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    eagle.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"])
+    eagle.add_argument("--backend", default="auto", choices=["auto", "kernels", "torch"])
+    eagle.add_argument("--threads", type=int, default=None)
+    eagle.set_defaults(exact=None, device="cpu", prefill_chunk=256)
 
     mem = verbs.add_parser("memory", help="weights, KV cache and activation memory of target + drafter")
     mem.add_argument("--target", default="default", help="model name, HF directory, config.json, or a named size (135M, 360M, 1B, 3B, 7B, 8B, 13B, 70B)")
@@ -163,7 +182,8 @@ def _spec_config(args, method: str, k: str | None = None) -> SpeculativeConfig:
     k = args.k if k is None else k
     policy = "threshold" if k == "threshold" else args.k_policy
     return SpeculativeConfig(
-        method=method, k=parse_k("auto" if k == "threshold" else k), draft=args.draft,
+        method=method, k=parse_k("auto" if k == "threshold" else k),
+        draft=getattr(args, "head", None) if method == "eagle" else args.draft,
         ngram_sizes=_int_tuple(args.ngram_sizes, "--ngram-sizes"), k_policy=policy, k_max=args.k_max,
     )
 
@@ -356,6 +376,8 @@ def cmd_train(args) -> int:
     from .factory import load_target
     from .train.data import build_data, check_settings
 
+    if args.train_verb == "eagle":
+        return cmd_train_eagle(args)
     check_settings(args.prompts, args.samples, args.temperature, args.max_new_tokens, args.corpus_tokens,
                    args.chunk_tokens)
     engine_config = _engine_config(args)
@@ -369,6 +391,29 @@ def cmd_train(args) -> int:
                          args.corpus_tokens, args.chunk_tokens, args.seed, plain.encode)
     print(summary.format())
     print(f"written to {args.out}/ (answers.jsonl, corpus.jsonl, summary.json)")
+    return 0
+
+
+def cmd_train_eagle(args) -> int:
+    import json
+    from pathlib import Path
+
+    from .factory import load_target, log
+    from .train.eagle import check_train_settings, train_eagle
+
+    check_train_settings(args.draft_vocab, args.ttt_steps, args.minutes, args.lr, args.batch_tokens)
+    engine_config = _engine_config(args)
+    if engine_config.num_threads:
+        import torch
+
+        torch.set_num_threads(engine_config.num_threads)
+    target = load_target(engine_config)
+    report = train_eagle(target, Path(args.data), Path(args.out), args.draft_vocab, args.ttt_steps, args.minutes,
+                         args.lr, args.batch_tokens, args.corpus_tokens, args.max_length, args.seed, log=log)
+    print(json.dumps(report, indent=2))
+    taus = ", ".join(f"k={k}: {t:.2f}" for k, t in report["chain_tau"].items())
+    print(f"held-out acceptance: first token {report['first_token_agreement']:.1%}; chain tau {taus}")
+    print(f"head written to {args.out}/ (config.json, model.safetensors); use it with --method eagle --head {args.out}")
     return 0
 
 

@@ -20,7 +20,7 @@ class ConfigError(SpecDecodeError, ValueError):
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-METHODS = ("none", "ngram", "draft")
+METHODS = ("none", "ngram", "draft", "eagle")
 K_POLICIES = ("cost", "threshold")
 
 
@@ -77,8 +77,10 @@ class SamplingParams:
 class SpeculativeConfig:
     """Which drafter proposes tokens and how many per step.
 
-    method: "none" (plain decoding), "ngram" (prompt lookup) or "draft" (a draft model;
-    ``draft`` is a model path/name, or ``self:L`` for the target's first L layers).
+    method: "none" (plain decoding), "ngram" (prompt lookup), "draft" (a draft model;
+    ``draft`` is a model path/name, or ``self:L`` for the target's first L layers) or
+    "eagle" (a trained EAGLE head; ``draft`` is its directory, default: the head shipped
+    for the default model).
     k: draft tokens per step, or "auto" (the default): chosen per step by ``k_policy`` —
     "cost" (expected speedup from measured acceptance and the cost profile, 0 included)
     or "threshold" (the acceptance-threshold rule from the literature), at most ``k_max``.

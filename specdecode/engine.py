@@ -64,6 +64,11 @@ class SpeculativeEngine:
         return torch.device(getattr(self.target, "device", "cpu"))
 
     @property
+    def capture(self) -> tuple[int, ...]:
+        """Target layers whose inputs the drafter reads (an EAGLE head), else ()."""
+        return tuple(getattr(self.proposer, "capture", ()) or ())
+
+    @property
     def k(self) -> int:
         """The most draft tokens a step may offer (0 for plain decoding)."""
         return 0 if self.policy is None else self.policy.k_max
@@ -148,7 +153,11 @@ class SpeculativeEngine:
             self.proposer.start(tokens, capacity)
             self.policy.start(prior_alpha)
         if len(tokens) > 1:
-            self.target(torch.tensor([tokens[:-1]]), last_only=True)
+            if self.capture:  # a head drafter reads the prompt's hidden states
+                _, features = self.target(torch.tensor([tokens[:-1]]), last_only=True, capture=self.capture)
+                self.proposer.observe(0, features[0], tokens)
+            else:
+                self.target(torch.tensor([tokens[:-1]]), last_only=True)
         stats.prefill_seconds = time.perf_counter() - started
 
         while finish is None:
@@ -204,7 +213,10 @@ class SpeculativeEngine:
         # 2. score: the last committed token and every draft, one target pass
         context = len(tokens)
         inputs = torch.cat([torch.tensor([[tokens[-1]]], device=self.device), draft_ids], dim=1)
-        target_logits = self.target(inputs)  # [1, k'+1, V]
+        if self.capture:
+            target_logits, features = self.target(inputs, capture=self.capture)
+        else:
+            target_logits = self.target(inputs)  # [1, k'+1, V]
 
         # 3. verify
         if params.greedy:
@@ -221,5 +233,10 @@ class SpeculativeEngine:
         accepted = int(num_accepted[0])
         self.target.rollback(context + accepted)
         stats.observe_step(num_drafted, accepted)
-        stats.verify_seconds += time.perf_counter() - scored
-        return output_ids[0, : accepted + 1].tolist()
+        new_tokens = output_ids[0, : accepted + 1].tolist()
+        observed = time.perf_counter()
+        stats.verify_seconds += observed - scored
+        if self.capture:  # the head's entries for the committed tokens (drafting work)
+            self.proposer.observe(context - 1, features[0, : accepted + 1], tokens + new_tokens)
+            stats.draft_seconds += time.perf_counter() - observed
+        return new_tokens

@@ -6,6 +6,7 @@ import json
 import sys
 from dataclasses import dataclass, replace
 from functools import cached_property
+from pathlib import Path
 
 import torch
 
@@ -21,6 +22,8 @@ from .proposers.draft_model import DraftModelProposer
 from .proposers.ngram import NgramProposer
 
 RUNTIMES = ("auto", "native", "hf")
+# the EAGLE head trained for the default model (specdecode train eagle; see its MANIFEST)
+DEFAULT_EAGLE_HEAD = Path(__file__).parent / "data" / "heads" / "smollm2-135m-instruct-eagle3"
 
 
 class VocabularyMismatchError(SpecDecodeError, ValueError):
@@ -153,6 +156,8 @@ def build_proposer(spec: SpeculativeConfig, target: LoadedModel, engine: EngineC
         return None
     if spec.method == "ngram":
         return NgramProposer(spec.ngram_sizes)
+    if spec.method == "eagle":
+        return eagle_proposer(spec.draft, target)
     if spec.draft.startswith("self:"):
         try:
             num_layers = int(spec.draft.split(":", 1)[1])
@@ -169,8 +174,38 @@ def build_proposer(spec: SpeculativeConfig, target: LoadedModel, engine: EngineC
     return DraftModelProposer(draft.runtime)
 
 
+def eagle_proposer(path: str | None, target: LoadedModel):
+    """An EAGLE head from ``path`` (default: the one shipped for the default model),
+    checked against the target it is asked to draft for."""
+    from .proposers.eagle import EagleProposer
+    from .proposers.eagle_head import EagleHead
+
+    if path is None:
+        if target.source.name != "default":
+            raise ConfigError("--method eagle needs --draft HEAD_DIR (a head trained for this target with "
+                              "`specdecode train eagle`); a head is shipped only for the default model")
+        path = str(DEFAULT_EAGLE_HEAD)
+    if not Path(path).is_dir():
+        raise ConfigError(f"EAGLE head not found: {path} is not a directory")
+    head = EagleHead.load(Path(path))
+    runtime = target.runtime
+    if not hasattr(runtime, "weights"):
+        raise ConfigError("--method eagle needs the native runtime (it reads the target's hidden states)")
+    cfg, c = runtime.cfg, head.config
+    if c.target_vocab_size != cfg.vocab_size or c.hidden_size != cfg.hidden_size:
+        raise VocabularyMismatchError(
+            f"EAGLE head {path} was trained for a target with {c.target_vocab_size} tokens and hidden size "
+            f"{c.hidden_size}; {target.source.name!r} has {cfg.vocab_size} and {cfg.hidden_size}")
+    if max(c.capture_layers) >= runtime.num_layers:
+        raise ConfigError(f"EAGLE head {path} reads layer {max(c.capture_layers)}; the target has {runtime.num_layers}")
+    weights = runtime.weights
+    return EagleProposer(head, lambda ids: weights.embed_rows(ids.to(weights.device)).float().cpu())
+
+
 def drafter_key(spec: SpeculativeConfig) -> str:
     """How a drafter is named in cost profiles and reports."""
+    if spec.method == "eagle":
+        return f"eagle:{spec.draft or 'default'}"
     return "ngram" if spec.method == "ngram" else f"draft:{spec.draft}"
 
 

@@ -1,0 +1,187 @@
+"""An EAGLE-3-style draft head for a Llama-family target (Li et al. 2025, "EAGLE-3").
+
+The head drafts from the target's own residual stream. For committed token ``x_{p+1}`` it
+reads the target's hidden states at token ``x_p`` taken at three depths (the inputs of
+layers 2, L/2 and L-3), fuses them ``3H -> H`` (``fc``), and runs one decoder layer whose
+attention reads ``[norm(embed(x_{p+1})); norm(fused)]`` (2H wide) while the residual
+stream carries the fused feature. Its output ``g_p`` gives, through a final norm and an LM
+head over a reduced *draft vocabulary* (the N most frequent tokens of the training data,
+``d2t`` maps draft ids to target ids), the distribution of ``x_{p+2}``; drafting deeper,
+``g_p`` stands in for the target's feature of the token just drafted.
+
+The token embeddings are the target's (frozen, not stored here). Training unrolls the head
+on its own outputs (``unrolled_attention``): step j at position p attends to the step-0
+entries at positions <= p and to its own entries of steps 1..j at p, which is exactly what
+a draft chain of depth j sees at inference.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..config import SpecDecodeError
+
+
+@dataclass
+class EagleConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    target_vocab_size: int
+    draft_vocab_size: int
+    capture_layers: tuple[int, ...]
+
+    @classmethod
+    def for_target(cls, cfg, draft_vocab_size: int, intermediate_size: int | None = None) -> "EagleConfig":
+        """Sizes from the target's LlamaConfig; the capture layers EAGLE-3 uses."""
+        layers = cfg.num_layers
+        capture = (min(2, layers - 1), layers // 2, max(layers - 3, 0))
+        if cfg.rope.get("rope_type", "default") != "default":
+            raise SpecDecodeError(f"EAGLE heads support default RoPE only, the target uses {cfg.rope['rope_type']!r}")
+        return cls(cfg.hidden_size, intermediate_size or cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                   cfg.head_dim, cfg.rms_norm_eps, float(cfg.rope["rope_theta"]), cfg.vocab_size,
+                   min(draft_vocab_size, cfg.vocab_size), capture)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: EagleConfig):
+        super().__init__()
+        c = self.config = config
+        h, d = c.hidden_size, c.head_dim
+        self.fc = nn.Linear(len(c.capture_layers) * h, h, bias=False)
+        self.input_norm = RMSNorm(h, c.rms_norm_eps)  # on the token embedding
+        self.hidden_norm = RMSNorm(h, c.rms_norm_eps)  # on the fused feature
+        self.q_proj = nn.Linear(2 * h, c.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * h, c.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * h, c.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * d, h, bias=False)
+        self.post_norm = RMSNorm(h, c.rms_norm_eps)
+        self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
+        self.norm = RMSNorm(h, c.rms_norm_eps)
+        self.lm_head = nn.Linear(h, c.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.arange(c.draft_vocab_size, dtype=torch.int64))
+        inverse = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        self.register_buffer("inv_freq", inverse, persistent=False)
+
+    # -- pieces shared by training and drafting -------------------------------------------
+    def set_draft_vocab(self, d2t: torch.Tensor) -> None:
+        if d2t.numel() != self.config.draft_vocab_size or d2t.unique().numel() != d2t.numel():
+            raise SpecDecodeError(f"draft vocabulary needs {self.config.draft_vocab_size} distinct target ids")
+        self.d2t.copy_(d2t.to(torch.int64))
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] for integer positions [T]."""
+        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos(), angles.sin()
+
+    def qkv(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
+        """embeds, hidden [B, T, H] -> q [B, heads, T, D], k and v [B, kv_heads, T, D], rotated."""
+        c = self.config
+        batch, length, _ = hidden.shape
+        x = torch.cat((self.input_norm(embeds), self.hidden_norm(hidden)), dim=-1)
+        q = self.q_proj(x).view(batch, length, c.num_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        cos, sin = self.rope(positions)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual + o_proj(attention [B, heads, T, D]) and the MLP: the layer's output g."""
+        batch, _, length, _ = attn.shape
+        hidden = hidden + self.o_proj(attn.transpose(1, 2).reshape(batch, length, -1))
+        normed = self.post_norm(hidden)
+        return hidden + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed))
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [..., N] from the layer's output."""
+        return self.lm_head(self.norm(g))
+
+    def _expand(self, kv: torch.Tensor) -> torch.Tensor:
+        groups = self.config.num_heads // self.config.num_kv_heads
+        return kv.repeat_interleave(groups, dim=1) if groups > 1 else kv
+
+    # -- training: several unrolled steps -------------------------------------------------
+    def unrolled(self, features: torch.Tensor, embeds: list[torch.Tensor], positions: torch.Tensor) -> list[torch.Tensor]:
+        """Training-time test. ``features`` [B, T, 3H]: the target's captured states at
+        positions 0..T-1; ``embeds[j]`` [B, T, H]: the embedding of the token at position
+        p+1+j for row p. Returns draft logits [B, T, N] per step j; step j's row p predicts
+        the token at p+2+j."""
+        scale = 1.0 / math.sqrt(self.config.head_dim)
+        hidden = self.fc(features)
+        causal = torch.ones(features.shape[1], features.shape[1], dtype=torch.bool, device=features.device).tril()
+        keys, values, outputs = [], [], []
+        for step, embed in enumerate(embeds):
+            q, k, v = self.qkv(embed, hidden, positions + step)
+            k, v = self._expand(k), self._expand(v)
+            keys.append(k)
+            values.append(v)
+            scores = (q @ keys[0].transpose(-1, -2)) * scale  # [B, heads, T, T] against step 0
+            scores = scores.masked_fill(~causal, float("-inf"))
+            diagonal = [(q * key).sum(-1, keepdim=True) * scale for key in keys[1:]]  # own earlier steps
+            probs = torch.cat([scores] + diagonal, dim=-1).softmax(dim=-1)
+            length = scores.shape[-1]
+            attn = probs[..., :length] @ values[0]
+            for index, value in enumerate(values[1:]):
+                attn = attn + probs[..., length + index : length + index + 1] * value
+            hidden = self.finish(hidden, attn)
+            outputs.append(self.logits(hidden))
+        return outputs
+
+    # -- files ----------------------------------------------------------------------------
+    def save(self, directory: Path, metadata: dict | None = None) -> None:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {name: t.detach().to(torch.bfloat16 if t.is_floating_point() else t.dtype).contiguous()
+                 for name, t in self.state_dict().items()}
+        save_file(state, str(directory / "model.safetensors"))
+        config = asdict(self.config) | {"architecture": "specdecode-eagle3", **(metadata or {})}
+        (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory: Path) -> "EagleHead":
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        if not (directory / "config.json").is_file() or not (directory / "model.safetensors").is_file():
+            raise SpecDecodeError(f"{directory} is not an EAGLE head (needs config.json and model.safetensors)")
+        raw = json.loads((directory / "config.json").read_text())
+        if raw.get("architecture") != "specdecode-eagle3":
+            raise SpecDecodeError(f"{directory}/config.json is not a specdecode EAGLE head")
+        fields = EagleConfig.__dataclass_fields__
+        config = EagleConfig(**{k: v for k, v in raw.items() if k in fields})
+        config.capture_layers = tuple(config.capture_layers)
+        head = cls(config)
+        state = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(directory / "model.safetensors")).items()}
+        head.load_state_dict(state)
+        return head.eval()

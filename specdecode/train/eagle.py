@@ -1,0 +1,341 @@
+"""Train an EAGLE-3-style head for a target on this CPU (``specdecode train eagle``).
+
+1. Draft vocabulary: the N most frequent tokens of the training data (answers and corpus),
+   plus the end-of-sequence tokens.
+2. Features: the target runs over every training sequence once (teacher forcing) and we
+   keep, per token, the states the head reads (inputs of the capture layers), the final
+   normalised hidden state (the target's distribution restricted to the draft vocabulary
+   is recomputed from it with the target's own head rows) and the target's argmax token.
+   Stored in shards under ``OUT/features``; resumable.
+3. Training: soft cross-entropy against the target's distribution over the draft
+   vocabulary, on rows whose target argmax is in that vocabulary, unrolled ``ttt_steps``
+   steps on the head's own outputs (step j weighted 0.8^j). Checkpoints every few minutes
+   and at the end; resumes from ``OUT/checkpoint.pt``.
+4. Evaluation on held-out prompts (every 20th training prompt never trains): first-token
+   agreement and the mean accepted length tau of greedy chain drafts, k = 1..S.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ConfigError, SpecDecodeError
+from ..proposers.eagle_head import EagleConfig, EagleHead
+
+HELD_OUT_EVERY = 20  # prompts whose index % 20 == 19 are held out for evaluation
+SHARD_TOKENS = 65536
+STEP_DECAY = 0.8
+
+
+@dataclass
+class Sequence:
+    ids: list[int]
+    trained_from: int  # positions >= this predict a token that is trained (answer tokens)
+    held_out: bool
+    greedy: bool = False  # the target's own greedy answer: its argmax is the next token
+
+
+def training_sequences(data_dir: Path, corpus_tokens: int, max_length: int) -> list[Sequence]:
+    """Answers (prompt + answer, loss on the answer) and corpus chunks (loss everywhere)."""
+    answers_path = data_dir / "answers.jsonl"
+    if not answers_path.is_file():
+        raise SpecDecodeError(f"{answers_path} not found: build it with `specdecode train data --out {data_dir}`")
+    sequences = []
+    for line in answers_path.read_text().splitlines():
+        record = json.loads(line)
+        if not record["answer_ids"]:
+            continue
+        index = int(record["prompt_id"].rsplit("-", 1)[1])
+        ids = (record["prompt_ids"] + record["answer_ids"])[:max_length]
+        sequences.append(Sequence(ids, len(record["prompt_ids"]) - 1, index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1,
+                                  record["temperature"] == 0))
+    corpus_path = data_dir / "corpus.jsonl"
+    taken = 0
+    if corpus_path.is_file() and corpus_tokens > 0:
+        for line in corpus_path.read_text().splitlines():
+            if taken >= corpus_tokens:
+                break
+            ids = json.loads(line)["ids"][:max_length]
+            sequences.append(Sequence(ids, 0, False))
+            taken += len(ids)
+    return [s for s in sequences if len(s.ids) >= 3]
+
+
+def draft_vocabulary(sequences: list[Sequence], size: int, vocab_size: int, always: tuple[int, ...]) -> torch.Tensor:
+    """The ``size`` most frequent target ids of the trained sequences (plus ``always``), sorted."""
+    counts = Counter()
+    for sequence in sequences:
+        if not sequence.held_out:
+            counts.update(sequence.ids[max(sequence.trained_from, 0):])
+    chosen = [t for t in always if 0 <= t < vocab_size]
+    for token, _ in counts.most_common():
+        if len(chosen) >= size:
+            break
+        if token not in chosen:
+            chosen.append(token)
+    filler = (t for t in range(vocab_size) if t not in set(chosen))
+    while len(chosen) < size:  # small corpora: pad with the lowest unused ids
+        chosen.append(next(filler))
+    return torch.tensor(sorted(chosen), dtype=torch.int64)
+
+
+def extract_features(runtime, sequences: list[Sequence], capture: tuple[int, ...], out: Path, progress=None) -> list[Path]:
+    """Run the target over every sequence; shards of features, final hidden, argmax.
+    Existing shards are kept (resume)."""
+    out.mkdir(parents=True, exist_ok=True)
+    groups, current, size = [], [], 0
+    for index, sequence in enumerate(sequences):
+        current.append(index)
+        size += len(sequence.ids)
+        if size >= SHARD_TOKENS:
+            groups.append(current)
+            current, size = [], 0
+    if current:
+        groups.append(current)
+    paths = []
+    for number, group in enumerate(groups):
+        path = out / f"shard-{number:04d}.pt"
+        paths.append(path)
+        if path.is_file():
+            if progress is not None:
+                progress(sum(len(sequences[i].ids) for i in group))
+            continue
+        records = []
+        for index in group:
+            ids = sequences[index].ids
+            runtime.reset(len(ids))
+            logits, hidden, features = runtime(torch.tensor([ids]), return_hidden=True, capture=capture)
+            records.append({"index": index, "features": features[0].to(torch.bfloat16),
+                            "final": hidden[0].float().to(torch.bfloat16), "argmax": logits[0].argmax(-1).to(torch.int32)})
+            if progress is not None:
+                progress(len(ids))
+        torch.save(records, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").rename(path)
+    return paths
+
+
+class Trainer:
+    """The head, its optimizer, and the frozen pieces of the target it trains against."""
+
+    def __init__(self, head: EagleHead, embed: torch.Tensor, target_head_rows: torch.Tensor, lr: float,
+                 ttt_steps: int):
+        self.head = head
+        self.embed = embed  # [V, H] fp32, frozen
+        self.target_rows = target_head_rows  # [N, H] fp32: the target's head for the draft vocabulary
+        self.ttt_steps = ttt_steps
+        self.t2d = torch.full((head.config.target_vocab_size,), -1, dtype=torch.int64)
+        self.t2d[head.d2t] = torch.arange(head.d2t.numel())
+        self.optimizer = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.lr = lr
+
+    def batch_loss(self, batch: list[tuple[Sequence, dict]]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Weighted loss over the unrolled steps, and per step j the rows' argmax agreement
+        with the target and which rows count ([B, rows - 1 - j] bool each)."""
+        steps = self.ttt_steps
+        length = max(len(s.ids) for s, _ in batch)
+        rows = length - 1  # row p reads position p and the token at p+1
+        hidden_size = self.embed.shape[1]
+        features = torch.zeros(len(batch), rows, batch[0][1]["features"].shape[-1])
+        tokens = torch.zeros(len(batch), length + steps, dtype=torch.int64)
+        final = torch.zeros(len(batch), length, hidden_size)
+        argmax = torch.full((len(batch), length), -1, dtype=torch.int64)
+        trained = torch.zeros(len(batch), length, dtype=torch.bool)
+        for b, (sequence, record) in enumerate(batch):
+            n = len(sequence.ids)
+            features[b, : n - 1] = record["features"][: n - 1].float()
+            tokens[b, :n] = torch.tensor(sequence.ids)
+            final[b, :n] = record["final"].float()
+            argmax[b, :n] = record["argmax"].long()
+            trained[b, max(sequence.trained_from, 0) : n - 1] = True  # position q predicts token q+1 < n
+        embeds = [F.embedding(tokens[:, 1 + j : 1 + j + rows], self.embed) for j in range(steps)]
+        outputs = self.head.unrolled(features, embeds, torch.arange(rows))
+        with torch.no_grad():
+            target_probs = (final @ self.target_rows.T).softmax(-1)  # [B, length, N]
+        total = torch.zeros(())
+        agreement = []
+        for j, logits in enumerate(outputs):
+            # row p at step j predicts the token after position q = p + 1 + j
+            valid = max(rows - 1 - j, 0)
+            q = slice(1 + j, 1 + j + valid)
+            target_ids = argmax[:, q]
+            mask = trained[:, q] & (target_ids >= 0)
+            in_vocab = mask & (self.t2d[target_ids.clamp(min=0)] >= 0)
+            log_probs = logits[:, :valid].log_softmax(-1)
+            per_row = -(target_probs[:, q] * log_probs).sum(-1)
+            weight = in_vocab.float()
+            total = total + (STEP_DECAY ** j) * (per_row * weight).sum() / weight.sum().clamp(min=1)
+            predicted = self.head.d2t[logits[:, :valid].detach().argmax(-1)]
+            agreement.append((predicted == target_ids, mask))
+        return total, agreement
+
+    def step(self, batch, lr: float) -> tuple[float, float]:
+        """One optimizer step; returns the loss and the first step's agreement."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.head.train()
+        loss, agreement = self.batch_loss(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.head.parameters(), 0.5)
+        self.optimizer.step()
+        correct, mask = agreement[0]
+        return float(loss.detach()), float((correct & mask).sum()) / max(int(mask.sum()), 1)
+
+
+def check_train_settings(draft_vocab: int, ttt_steps: int, minutes: float, lr: float, batch_tokens: int) -> None:
+    if draft_vocab < 16:
+        raise ConfigError(f"--draft-vocab must be >= 16, got {draft_vocab}")
+    if not 1 <= ttt_steps <= 16:
+        raise ConfigError(f"--ttt-steps must be in 1..16, got {ttt_steps}")
+    if minutes <= 0:
+        raise ConfigError(f"--minutes must be > 0, got {minutes}")
+    if not 0 < lr < 1:
+        raise ConfigError(f"--lr must be in (0, 1), got {lr}")
+    if batch_tokens < 16:
+        raise ConfigError(f"--batch-tokens must be >= 16, got {batch_tokens}")
+
+
+def batches(items: list, batch_tokens: int, seed: int) -> list[list]:
+    """Sequences of similar length grouped up to ``batch_tokens`` padded tokens, shuffled."""
+    order = sorted(range(len(items)), key=lambda i: len(items[i][0].ids))
+    groups, current = [], []
+    for index in order:
+        length = len(items[index][0].ids)
+        if current and length * (len(current) + 1) > batch_tokens:
+            groups.append(current)
+            current = []
+        current.append(items[index])
+    if current:
+        groups.append(current)
+    random.Random(seed).shuffle(groups)
+    return groups
+
+
+def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_steps: int = 3, minutes: float = 60.0,
+                lr: float = 3e-4, batch_tokens: int = 2048, corpus_tokens: int = 200_000, max_length: int = 768,
+                seed: int = 0, log=print) -> dict:
+    """The whole recipe; returns the evaluation report (also written to OUT/report.json)."""
+    from tqdm import tqdm
+
+    check_train_settings(draft_vocab, ttt_steps, minutes, lr, batch_tokens)
+    out.mkdir(parents=True, exist_ok=True)
+    runtime, cfg = target.runtime, target.runtime.cfg
+    torch.manual_seed(seed)
+    sequences = training_sequences(Path(data_dir), corpus_tokens, max_length)
+    config = EagleConfig.for_target(cfg, draft_vocab)
+    head = EagleHead(config)
+    head.set_draft_vocab(draft_vocabulary(sequences, config.draft_vocab_size, cfg.vocab_size, target.eos_token_ids))
+
+    total_tokens = sum(len(s.ids) for s in sequences)
+    with tqdm(total=total_tokens, unit="tok", desc="target features") as bar:
+        shards = extract_features(runtime, sequences, config.capture_layers, out / "features", bar.update)
+    records = {}
+    for path in shards:
+        for record in torch.load(path):
+            records[record["index"]] = record
+    train_items = [(s, records[i]) for i, s in enumerate(sequences) if not s.held_out]
+    eval_items = [(s, records[i]) for i, s in enumerate(sequences) if s.held_out]
+    log(f"sequences: {len(train_items)} training ({sum(len(s.ids) for s, _ in train_items)} tokens), "
+        f"{len(eval_items)} held out; draft vocabulary {config.draft_vocab_size} of {cfg.vocab_size}")
+
+    weights = runtime.weights
+    embed = weights.embed.dequantize().float()
+    with torch.no_grad():
+        head.lm_head.weight.copy_(weights.lm_head.dequantize().float()[head.d2t])  # start from the target's rows
+    trainer = Trainer(head, embed, weights.lm_head.dequantize().float()[head.d2t].contiguous(), lr, ttt_steps)
+    checkpoint = out / "checkpoint.pt"
+    state = {"epoch": 0, "batch": 0, "seconds": 0.0, "steps": 0}
+    if checkpoint.is_file():
+        saved = torch.load(checkpoint, weights_only=False)
+        if saved["config"] != config.__dict__ or not torch.equal(saved["d2t"], head.d2t):
+            raise SpecDecodeError(f"{checkpoint} was trained with other settings; remove it or use another --out")
+        head.load_state_dict(saved["head"])
+        trainer.optimizer.load_state_dict(saved["optimizer"])
+        state = saved["state"]
+        log(f"resumed from {checkpoint}: epoch {state['epoch']}, batch {state['batch']}, {state['seconds'] / 60:.1f} min")
+
+    def save() -> None:
+        torch.save({"config": config.__dict__, "d2t": head.d2t, "head": head.state_dict(),
+                    "optimizer": trainer.optimizer.state_dict(), "state": state}, checkpoint.with_suffix(".tmp"))
+        checkpoint.with_suffix(".tmp").rename(checkpoint)
+
+    budget = minutes * 60.0
+    started, last_save = time.perf_counter() - state["seconds"], time.perf_counter()
+    bar = tqdm(total=round(budget), unit="s", desc="training", initial=round(state["seconds"]))
+    recent: list[float] = []
+    while state["seconds"] < budget:
+        groups = batches(train_items, batch_tokens, seed + state["epoch"])
+        for batch in groups[state["batch"]:]:
+            progress = min(state["seconds"] / budget, 1.0)
+            rate = lr * min(1.0, (state["steps"] + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+            loss, top1 = trainer.step(batch, rate)
+            state["batch"] += 1
+            state["steps"] += 1
+            recent = (recent + [top1])[-50:]
+            now = time.perf_counter()
+            bar.update(round(now - started) - bar.n)
+            bar.set_postfix(epoch=state["epoch"], loss=f"{loss:.3f}", top1=f"{sum(recent) / len(recent):.2f}")
+            state["seconds"] = now - started
+            if now - last_save > 300:
+                save()
+                last_save = now
+            if state["seconds"] >= budget:
+                break
+        else:
+            state["epoch"] += 1
+            state["batch"] = 0
+    bar.close()
+    save()
+
+    report = evaluate(trainer, eval_items, batch_tokens)
+    report.update({"train_minutes": round(state["seconds"] / 60, 1), "epochs": state["epoch"], "steps": state["steps"],
+                   "train_tokens": sum(len(s.ids) for s, _ in train_items),
+                   "parameters": sum(p.numel() for p in head.parameters())})
+    head.save(out, {"report": report, "recipe": {"draft_vocab": draft_vocab, "ttt_steps": ttt_steps, "lr": lr,
+                                                 "batch_tokens": batch_tokens, "corpus_tokens": corpus_tokens,
+                                                 "max_length": max_length, "seed": seed}})
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+@torch.no_grad()
+def evaluate(trainer: Trainer, items: list, batch_tokens: int) -> dict:
+    """On held-out greedy answers, teacher-forced through the unrolled steps: a chain from
+    row p keeps drafting while step j agrees with the target's argmax, and because the
+    answer *is* the target's greedy output, step j's input then equals the drafted token.
+    So the leading run of agreements is exactly the accepted length of a greedy chain."""
+    trainer.head.eval()
+    steps = trainer.ttt_steps
+    greedy = [item for item in items if item[0].greedy]
+    agree, counted = [0] * steps, [0] * steps
+    accepted_at = [0] * (steps + 1)  # chains (rows with all S steps counted) accepting exactly a drafts
+    for batch in batches(greedy, batch_tokens, 0):
+        _, agreement = trainer.batch_loss(batch)
+        for j, (correct, mask) in enumerate(agreement):
+            agree[j] += int((correct & mask).sum())
+            counted[j] += int(mask.sum())
+        full = agreement[-1][1].shape[1]
+        if full == 0:
+            continue
+        rows_ok = torch.stack([m[:, :full] for _, m in agreement]).all(0)  # [B, full]
+        run = torch.ones_like(rows_ok)
+        lengths = torch.zeros(rows_ok.shape, dtype=torch.int64)
+        for correct, _ in agreement:
+            run = run & correct[:, :full]
+            lengths += run.long()
+        for a in range(steps + 1):
+            accepted_at[a] += int(((lengths == a) & rows_ok).sum())
+    chains = sum(accepted_at)
+    taus = [1 + sum(min(a, k) * n for a, n in enumerate(accepted_at)) / max(chains, 1) for k in range(1, steps + 1)]
+    rates = [a / c if c else 0.0 for a, c in zip(agree, counted)]
+    return {"held_out_chains": chains, "agreement_per_step": [round(r, 4) for r in rates],
+            "first_token_agreement": round(rates[0], 4), "chain_tau": {k + 1: round(t, 3) for k, t in enumerate(taus)}}

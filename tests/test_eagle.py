@@ -1,0 +1,136 @@
+"""The EAGLE drafter: lossless greedy decoding with random heads, proposals that match a
+fresh pass of the head over the committed sequence, files and clear errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import save_tiny_model
+from specdecode.config import ConfigError, SamplingParams, SpeculativeConfig
+from specdecode.engine import SpeculativeEngine
+from specdecode.factory import build_proposer, load_model
+from specdecode.proposers.eagle import EagleProposer
+from specdecode.proposers.eagle_head import EagleConfig, EagleHead
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle")
+    return [load_model(save_tiny_model(root / f"t{s}", seed=s, num_layers=3), torch.float32, backend=backend)
+            for s, backend in ((30, "torch"), (31, "kernels"))]
+
+
+def random_head(target, seed: int, draft_vocab: int = 60) -> EagleHead:
+    torch.manual_seed(seed)
+    head = EagleHead(EagleConfig.for_target(target.runtime.cfg, draft_vocab))
+    for parameter in head.parameters():  # larger weights: peaked draft distributions
+        torch.nn.init.normal_(parameter, std=0.3) if parameter.dim() > 1 else None
+    head.set_draft_vocab(torch.randperm(target.runtime.vocab_size)[:draft_vocab].sort().values)
+    return head
+
+
+def proposer_for(target, head) -> EagleProposer:
+    weights = target.runtime.weights
+    return EagleProposer(head, lambda ids: weights.embed_rows(ids).float())
+
+
+def test_eagle_greedy_equals_plain_with_random_heads(targets):
+    rng = random.Random(0)
+    checked = drafted = 0
+    for target in targets:
+        plain = SpeculativeEngine(target.runtime)
+        for seed in range(3):
+            proposer = proposer_for(target, random_head(target, seed))
+            for k in (1, 3, 6):
+                engine = SpeculativeEngine(target.runtime, proposer=proposer, k=k)
+                prompt = [rng.randrange(3, 97) for _ in range(rng.randint(1, 12))]
+                result = engine.generate(prompt, GREEDY)
+                assert result.token_ids == plain.generate(prompt, GREEDY).token_ids, (seed, k, prompt)
+                checked += 1
+                drafted += result.stats.draft_tokens
+    assert checked == 18 and drafted > 0
+
+
+def fresh_proposal(target, head, committed: list[int], k: int) -> list[int]:
+    """What a head with no history drafts after ``committed``: the target's features from
+    one prefill over the committed tokens, one pass of the head over all of them."""
+    proposer = proposer_for(target, head)
+    runtime = target.runtime
+    proposer.start(committed, len(committed) + k + 1)
+    runtime.reset(len(committed) + 1)
+    _, features = runtime(torch.tensor([committed[:-1]]), capture=proposer.capture)
+    proposer.observe(0, features[0], committed)
+    return proposer.propose(committed, k, GREEDY, None).draft_ids.tolist()
+
+
+class Recording(EagleProposer):
+    """Records every proposal with the committed sequence it followed."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.seen = []
+
+    def propose(self, tokens, k, params, generator):
+        proposal = super().propose(tokens, k, params, generator)
+        self.seen.append((list(tokens), k, proposal.draft_ids.tolist()))
+        return proposal
+
+
+def test_incremental_proposals_equal_a_fresh_pass_over_the_committed_sequence(targets):
+    """A stale or misplaced head cache keeps the output lossless but ruins acceptance; this
+    checks the drafts themselves, step by step, after accepted and rejected drafts."""
+    target = targets[0]
+    head = random_head(target, 7)
+    weights = target.runtime.weights
+    proposer = Recording(head, lambda ids: weights.embed_rows(ids).float())
+    engine = SpeculativeEngine(target.runtime, proposer=proposer, k=3)
+    engine.generate([5, 9, 14, 22, 5, 9], GREEDY)
+    assert len(proposer.seen) > 5
+    for tokens, k, drafts in proposer.seen[:12]:
+        assert drafts == fresh_proposal(target, head, tokens, k), tokens
+
+
+def test_sampled_drafts_carry_their_distribution_on_the_full_vocabulary(targets):
+    target = targets[0]
+    head = random_head(target, 3, draft_vocab=40)
+    proposer = proposer_for(target, head)
+    prompt = [4, 8, 15, 16, 23, 42]
+    runtime = target.runtime
+    proposer.start(prompt, 32)
+    runtime.reset(32)
+    _, features = runtime(torch.tensor([prompt[:-1]]), capture=proposer.capture)
+    proposer.observe(0, features[0], prompt)
+    params = SamplingParams(temperature=0.9, top_k=10, max_new_tokens=8)
+    proposal = proposer.propose(prompt, 4, params, torch.Generator().manual_seed(0))
+    probs = proposal.draft_probs
+    assert probs.shape == (4, 97)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(4))
+    outside = torch.ones(97, dtype=torch.bool)
+    outside[head.d2t] = False
+    assert probs[:, outside].sum() == 0 and ((probs > 0).sum(-1) <= 10).all()
+    assert all(probs[i, t] > 0 for i, t in enumerate(proposal.draft_ids.tolist()))
+
+
+def test_head_files_round_trip_and_bad_heads_are_refused(targets, tmp_path):
+    target = targets[0]
+    head = random_head(target, 1)
+    head.save(tmp_path / "head")
+    loaded = EagleHead.load(tmp_path / "head")
+    assert torch.equal(loaded.d2t, head.d2t) and loaded.config == head.config
+    for name, parameter in head.state_dict().items():  # weights stored in bf16
+        if parameter.is_floating_point():
+            torch.testing.assert_close(loaded.state_dict()[name], parameter.to(torch.bfloat16).float())
+    proposer = build_proposer(SpeculativeConfig(method="eagle", draft=str(tmp_path / "head")), target, None)
+    assert proposer.capture == (2, 1, 0)
+    with pytest.raises(ConfigError, match="not a directory"):
+        build_proposer(SpeculativeConfig(method="eagle", draft=str(tmp_path / "missing")), target, None)
+    other = load_model(save_tiny_model(tmp_path / "wide", seed=2, num_layers=3, vocab_size=120), torch.float32)
+    with pytest.raises(Exception, match="trained for a target with 97 tokens"):
+        build_proposer(SpeculativeConfig(method="eagle", draft=str(tmp_path / "head")), other, None)
+    with pytest.raises(ConfigError, match="needs --draft HEAD_DIR"):
+        build_proposer(SpeculativeConfig(method="eagle"), target, None)
