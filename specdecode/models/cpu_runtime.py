@@ -27,6 +27,52 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
+def linear_entry(layer: PackedLinear, keep: list) -> kernels.Linear:
+    """The kernels' view of a PackedLinear; tensors it points to are appended to ``keep``."""
+    entry = kernels.Linear(kernels.FORMATS[layer.fmt], layer.rows, layer.cols, 0)
+    if layer.weight is not None:
+        weight = layer.weight.detach().contiguous()
+        keep.append(weight)
+        entry.w = weight.data_ptr()
+    else:
+        entry.w, entry.d = _ptr(layer.qweight), _ptr(layer.scales)
+        entry.m = _ptr(layer.mins)
+    if layer.bias is not None:
+        bias = layer.bias.detach().float().contiguous()
+        keep.append(bias)
+        entry.bias = bias.data_ptr()
+    return entry
+
+
+class KernelLinear:
+    """One PackedLinear on the CPU kernels, outside a model: ``y = x W^T`` for fp32 rows
+    (the drafter heads' projections)."""
+
+    def __init__(self, layer: PackedLinear):
+        self.lib = kernels.load()
+        self.rows, self.cols = layer.rows, layer.cols
+        self._keep: list[torch.Tensor] = [layer]
+        self.entry = linear_entry(layer, self._keep)
+        self.scratch: dict[str, torch.Tensor] = {}
+        self._grow(1)
+
+    def _grow(self, rows: int) -> None:
+        if self.scratch and self.scratch["xq"].shape[0] >= rows:
+            return
+        self.scratch = {"xq": torch.empty(rows, self.cols, dtype=torch.int8),
+                        "xd": torch.empty(rows, self.cols // 32 + 1), "xs": torch.empty(rows, self.cols // 32 + 1)}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.cols).float().contiguous()
+        rows = flat.shape[0]
+        self._grow(rows)
+        out = torch.empty(rows, self.rows)
+        s = self.scratch
+        self.lib.sd_linear_forward(ctypes.byref(self.entry), flat.data_ptr(), rows, out.data_ptr(), s["xq"].data_ptr(),
+                                   s["xd"].data_ptr(), s["xs"].data_ptr(), torch.get_num_threads())
+        return out.view(*x.shape[:-1], self.rows)
+
+
 class KernelStack:
     def __init__(self, runtime):
         self.lib = kernels.load()
@@ -60,17 +106,7 @@ class KernelStack:
         return tensor.data_ptr()
 
     def _linear(self, layer: PackedLinear) -> kernels.Linear:
-        fmt = layer.fmt
-        entry = kernels.Linear(kernels.FORMATS[fmt], layer.rows, layer.cols, 0)
-        if layer.weight is not None:
-            weight = layer.weight.detach().contiguous()
-            self._keep.append(weight)
-            entry.w = weight.data_ptr()
-        else:
-            entry.w, entry.d = _ptr(layer.qweight), _ptr(layer.scales)
-            entry.m = _ptr(layer.mins)
-        entry.bias = None if layer.bias is None else self._fp32(layer.bias)
-        return entry
+        return linear_entry(layer, self._keep)
 
     def _init_model(self) -> None:
         cfg, runtime = self.runtime.cfg, self.runtime

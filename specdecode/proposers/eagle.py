@@ -28,9 +28,12 @@ from .eagle_head import EagleHead
 class EagleProposer:
     name = "eagle"
 
-    def __init__(self, head: EagleHead, embed_rows):
-        """``embed_rows(ids [T]) -> [T, H]``: the target's embedding (the head has none)."""
+    def __init__(self, head: EagleHead, embed_rows, kernels: bool = True):
+        """``embed_rows(ids [T]) -> [T, H]``: the target's embedding (the head has none).
+        ``kernels``: draft with Q8_0 projections on the CPU kernels where they load."""
         self.head = head.eval().requires_grad_(False)
+        if kernels:
+            head.use_kernels()
         self.embed_rows = embed_rows
         self.capture = head.config.capture_layers
         self.k_cache = self.v_cache = None
@@ -75,7 +78,7 @@ class EagleProposer:
         if start > self.length:  # a gap (e.g. the engine skipped us): entries would be misplaced
             self.length, self.last_logits, self.last_g = 0, None, None
             return
-        hidden = self.head.fc(features.float())
+        hidden = self.head.project("fc", features.float())
         g = self._run(hidden, tokens[start + 1 : start + 1 + features.shape[0]], start)
         self.length = start + features.shape[0]
         self.last_g = g[-1]

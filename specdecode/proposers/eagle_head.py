@@ -90,6 +90,32 @@ class EagleHead(nn.Module):
         self.register_buffer("d2t", torch.arange(c.draft_vocab_size, dtype=torch.int64))
         inverse = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
         self.register_buffer("inv_freq", inverse, persistent=False)
+        self.fast: dict | None = None  # drafting only: projections on the CPU kernels (use_kernels)
+
+    def use_kernels(self, fmt: str = "q8_0") -> bool:
+        """Run the projections through the CPU kernels with weights in ``fmt`` (drafting
+        reads every weight once per draft token; Q8_0 reads a quarter of fp32). Returns
+        False, leaving torch in charge, where the kernels cannot load."""
+        from ..kernels import KernelsUnavailable
+        from ..models.cpu_runtime import KernelLinear
+        from ..models.quant import PackedLinear
+
+        fused = {"fc": [self.fc], "qkv": [self.q_proj, self.k_proj, self.v_proj], "o": [self.o_proj],
+                 "gate_up": [self.gate_proj, self.up_proj], "down": [self.down_proj], "lm_head": [self.lm_head]}
+        try:
+            self.fast = {name: KernelLinear(PackedLinear.quantize(torch.cat([m.weight.detach() for m in mods]), fmt))
+                         for name, mods in fused.items()}
+        except KernelsUnavailable:
+            self.fast = None
+        return self.fast is not None
+
+    def project(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """One (fused) projection: fc, qkv, o, gate_up, down or lm_head."""
+        if self.fast is not None:
+            return self.fast[name](x)
+        modules = {"fc": (self.fc,), "qkv": (self.q_proj, self.k_proj, self.v_proj), "o": (self.o_proj,),
+                   "gate_up": (self.gate_proj, self.up_proj), "down": (self.down_proj,), "lm_head": (self.lm_head,)}[name]
+        return modules[0](x) if len(modules) == 1 else torch.cat([m(x) for m in modules], dim=-1)
 
     # -- pieces shared by training and drafting -------------------------------------------
     def set_draft_vocab(self, d2t: torch.Tensor) -> None:
@@ -108,22 +134,23 @@ class EagleHead(nn.Module):
         c = self.config
         batch, length, _ = hidden.shape
         x = torch.cat((self.input_norm(embeds), self.hidden_norm(hidden)), dim=-1)
-        q = self.q_proj(x).view(batch, length, c.num_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, length, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, length, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        q, k, v = self.project("qkv", x).split([c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2, dim=-1)
+        q = q.reshape(batch, length, c.num_heads, c.head_dim).transpose(1, 2)
+        k = k.reshape(batch, length, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = v.reshape(batch, length, c.num_kv_heads, c.head_dim).transpose(1, 2)
         cos, sin = self.rope(positions)
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
     def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual + o_proj(attention [B, heads, T, D]) and the MLP: the layer's output g."""
         batch, _, length, _ = attn.shape
-        hidden = hidden + self.o_proj(attn.transpose(1, 2).reshape(batch, length, -1))
-        normed = self.post_norm(hidden)
-        return hidden + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed))
+        hidden = hidden + self.project("o", attn.transpose(1, 2).reshape(batch, length, -1))
+        gate, up = self.project("gate_up", self.post_norm(hidden)).chunk(2, dim=-1)
+        return hidden + self.project("down", F.silu(gate) * up)
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [..., N] from the layer's output."""
-        return self.lm_head(self.norm(g))
+        return self.project("lm_head", self.norm(g))
 
     def _expand(self, kv: torch.Tensor) -> torch.Tensor:
         groups = self.config.num_heads // self.config.num_kv_heads
@@ -136,7 +163,7 @@ class EagleHead(nn.Module):
         p+1+j for row p. Returns draft logits [B, T, N] per step j; step j's row p predicts
         the token at p+2+j."""
         scale = 1.0 / math.sqrt(self.config.head_dim)
-        hidden = self.fc(features)
+        hidden = self.project("fc", features)
         causal = torch.ones(features.shape[1], features.shape[1], dtype=torch.bool, device=features.device).tril()
         keys, values, outputs = [], [], []
         for step, embed in enumerate(embeds):
