@@ -134,3 +134,15 @@ def test_head_files_round_trip_and_bad_heads_are_refused(targets, tmp_path):
         build_proposer(SpeculativeConfig(method="eagle", draft=str(tmp_path / "head")), other, None)
     with pytest.raises(ConfigError, match="needs --draft HEAD_DIR"):
         build_proposer(SpeculativeConfig(method="eagle"), target, None)
+
+
+def test_the_cost_profile_times_real_head_passes(targets):
+    """measure_drafter shows a head drafter target features first, so its proposals are
+    real drafts (an unfed head would propose nothing and look free)."""
+    from specdecode.cost.profile import measure_drafter
+
+    target = targets[0]
+    proposer = Recording(random_head(target, 4), lambda ids: target.runtime.weights.embed_rows(ids).float())
+    assert measure_drafter(proposer, 24, 97, repeats=2, k=3) > 0
+    assert proposer.seen and all(len(drafts) == 3 for _, _, drafts in proposer.seen)
+    assert proposer.length == 23

@@ -247,7 +247,9 @@ def measure_drafter(proposer, context: int, vocab_size: int, repeats: int = 5, k
     """Milliseconds per draft token: ``propose(k)`` on a random context, divided by k.
 
     The proposer's cache is re-synced each time to the same sequence, so each call runs
-    one sync forward plus k-1 draft forwards (k model calls), as in a decoding step.
+    one sync forward plus k-1 draft forwards (k model calls), as in a decoding step. A
+    head drafter (one with ``capture``) is first shown random target features for the
+    context, then each call observes one committed token and drafts k: also k passes.
     """
     from ..config import SamplingParams
 
@@ -255,9 +257,15 @@ def measure_drafter(proposer, context: int, vocab_size: int, repeats: int = 5, k
     tokens = torch.randint(0, vocab_size, (context,), generator=generator).tolist()
     proposer.start(tokens, context + k + 2)
     params = SamplingParams()
+    width = getattr(proposer, "feature_width", 0)
+    features = torch.randn(context - 1, width, generator=generator) if width else None
+    if width:
+        proposer.observe(0, features, tokens)
     proposer.propose(tokens, k, params, None)  # prefill its cache once
 
     def draft():
+        if width:
+            proposer.observe(context - 2, features[-1:], tokens)
         proposer.propose(tokens, k, params, None)
 
     return _median_ms(draft, repeats) / k

@@ -41,6 +41,11 @@ class EagleProposer:
         self.last_logits: torch.Tensor | None = None  # [N] from the last committed entry
         self.last_g: torch.Tensor | None = None  # [H]
 
+    @property
+    def feature_width(self) -> int:
+        """Width of the target features ``observe`` takes (captured layers x hidden size)."""
+        return len(self.capture) * self.head.config.hidden_size
+
     def start(self, prompt_ids: list[int], capacity: int) -> None:
         c = self.head.config
         shape = (c.num_kv_heads, capacity, c.head_dim)
