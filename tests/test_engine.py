@@ -73,8 +73,21 @@ def test_seed_reproduces_sampled_output(text_model):
     assert engine.generate([5, 6, 7, 8], other).token_ids != first
 
 
-def test_engine_sampling_matches_target_distribution(tmp_path):
-    """End to end through the engine: draft model, k=2, temperature 1.0, vocabulary 4.
+def eagle_over_three_of_four_tokens(target):
+    """A random EAGLE head that can draft 3 of the 4 tokens (token 1 never)."""
+    from specdecode.proposers.eagle import EagleProposer
+    from specdecode.proposers.eagle_head import EagleConfig, EagleHead
+
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(target.runtime.cfg, 3))
+    head.set_draft_vocab(torch.tensor([0, 2, 3]))
+    return EagleProposer(head, lambda ids: target.runtime.weights.embed_rows(ids).float(), kernels=False)
+
+
+@pytest.mark.parametrize("drafter", ["draft", "eagle"])
+def test_engine_sampling_matches_target_distribution(tmp_path, drafter):
+    """End to end through the engine: draft model (or an EAGLE head whose draft vocabulary
+    lacks a token), k=2, temperature 1.0, vocabulary 4.
 
     Three new tokens: the first step drafts two (draft positions 1 and 2), so a run that
     accepts both ends the step with the bonus token drawn after full acceptance. The joint
@@ -86,7 +99,8 @@ def test_engine_sampling_matches_target_distribution(tmp_path):
     target = load_model(save_tiny_model(tmp_path / "t", seed=30, vocab_size=vocab, init_std=0.3), torch.float32)
     draft = load_model(save_tiny_model(tmp_path / "d", seed=31, vocab_size=vocab, init_std=0.3), torch.float32)
     params = SamplingParams(temperature=1.0, max_new_tokens=3, ignore_eos=True)
-    engine = SpeculativeEngine(target.runtime, proposer=DraftModelProposer(draft.runtime), k=2)
+    proposer = DraftModelProposer(draft.runtime) if drafter == "draft" else eagle_over_three_of_four_tokens(target)
+    engine = SpeculativeEngine(target.runtime, proposer=proposer, k=2)
     prompt, runs = [3, 2], 6000
     counts = torch.zeros(vocab**3, dtype=torch.float64)
     first_step_accepted = []
