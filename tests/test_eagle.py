@@ -146,3 +146,18 @@ def test_the_cost_profile_times_real_head_passes(targets):
     assert measure_drafter(proposer, 24, 97, repeats=2, k=3) > 0
     assert proposer.seen and all(len(drafts) == 3 for _, _, drafts in proposer.seen)
     assert proposer.length == 23
+
+
+def test_check_understands_heads(targets, tmp_path):
+    from specdecode.analysis.compat import check_static
+
+    target = targets[0]
+    random_head(target, 1).save(tmp_path / "head")
+    target_dir = str(target.source.path)
+    result = check_static(target_dir, str(tmp_path / "head"))
+    assert result.compatible and any(name == "captured layers" for name, _, _ in result.lines)
+    assert check_static(target_dir, f"eagle:{tmp_path / 'head'}").compatible
+    other = save_tiny_model(tmp_path / "two-layers", seed=2, num_layers=2)
+    bad = check_static(str(other), str(tmp_path / "head"))
+    assert not bad.compatible and "reads the inputs of layers [2, 1, 0] of 2" in str(bad.lines)
+    assert not check_static(target_dir, f"eagle:{tmp_path / 'nothing'}").compatible

@@ -11,8 +11,11 @@ cost profile.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from ..config import SpecDecodeError
 from ..models.loading import load_tokenizer, resolve_model
 
 TEST_TEXT = (
@@ -47,6 +50,8 @@ def check_static(target: str, draft: str) -> CheckResult:
     """Tokenizer and architecture checks; reads configs and tokenizers, not weights."""
     result = CheckResult(target, draft)
     target_source = resolve_model(target)
+    if is_head(draft):
+        return check_head(result, target_source, head_directory(draft))
     if draft.startswith("self:") or draft == "ngram":
         result.add("drafter", "OK", f"{draft} uses the target's own tokenizer and weights")
         return result
@@ -89,6 +94,46 @@ def check_static(target: str, draft: str) -> CheckResult:
     return result
 
 
+def is_head(draft: str) -> bool:
+    """'eagle' (the shipped head), 'eagle:DIR', or a directory holding an EAGLE head."""
+    return draft == "eagle" or draft.startswith("eagle:") or (Path(draft) / "config.json").is_file() and \
+        json.loads((Path(draft) / "config.json").read_text()).get("architecture") == "specdecode-eagle3"
+
+
+def head_directory(draft: str) -> Path:
+    from ..factory import DEFAULT_EAGLE_HEAD
+
+    if draft == "eagle":
+        return DEFAULT_EAGLE_HEAD
+    return Path(draft.removeprefix("eagle:"))
+
+
+def check_head(result: CheckResult, target_source, directory: Path) -> CheckResult:
+    """An EAGLE head against a target: sizes, the layers it reads, its draft vocabulary."""
+    from ..proposers.eagle_head import EagleHead
+
+    try:
+        head = EagleHead.load(directory)
+    except SpecDecodeError as error:
+        result.add("head files", "FAIL", str(error))
+        return result
+    c, config = head.config, target_source.config
+    vocab, hidden, layers = config.get("vocab_size"), config.get("hidden_size"), config.get("num_hidden_layers")
+    result.add("head files", "OK", f"{directory} ({sum(p.numel() for p in head.parameters()) / 1e6:.1f}M parameters)")
+    result.add("vocabulary size", "OK" if c.target_vocab_size == vocab else "FAIL",
+               f"head trained for {c.target_vocab_size} tokens, target has {vocab}")
+    result.add("hidden size", "OK" if c.hidden_size == hidden else "FAIL", f"head {c.hidden_size}, target {hidden}")
+    fits = layers is not None and max(c.capture_layers) < layers
+    result.add("captured layers", "OK" if fits else "FAIL", f"reads the inputs of layers {list(c.capture_layers)} of {layers}")
+    valid = bool((head.d2t < (vocab or 0)).all())
+    result.add("draft vocabulary", "OK" if valid else "FAIL",
+               f"{c.draft_vocab_size} target tokens can be drafted; the others never are (lossless)")
+    trained_for = json.loads((directory / "config.json").read_text()).get("target")
+    if trained_for:
+        result.add("trained for", "OK", str(trained_for))
+    return result
+
+
 def calibrate(target: str, draft: str, dtype: str = "bf16", k: int = 5) -> dict:
     """Greedy acceptance of the drafter on the built-in calibration prompts, and the
     speedup the cost profile predicts from it (at this k and at the best k)."""
@@ -97,8 +142,11 @@ def calibrate(target: str, draft: str, dtype: str = "bf16", k: int = 5) -> dict:
     from ..config import EngineConfig, SpeculativeConfig
     from ..factory import build_proposer, calibration_runs, cost_profile, drafter_key, load_target
 
-    method = "ngram" if draft == "ngram" else "draft"
-    spec = SpeculativeConfig(method=method, k=k, draft=None if method == "ngram" else draft)
+    if is_head(draft):
+        spec = SpeculativeConfig(method="eagle", k=k, draft=str(head_directory(draft)))
+    else:
+        method = "ngram" if draft == "ngram" else "draft"
+        spec = SpeculativeConfig(method=method, k=k, draft=None if method == "ngram" else draft)
     config = EngineConfig(model=target, dtype=dtype)
     loaded = load_target(config)
     proposer = build_proposer(spec, loaded, config)

@@ -300,7 +300,7 @@ def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_
     report.update({"train_minutes": round(state["seconds"] / 60, 1), "epochs": state["epoch"], "steps": state["steps"],
                    "train_tokens": sum(len(s.ids) for s, _ in train_items),
                    "parameters": sum(p.numel() for p in head.parameters())})
-    head.save(out, {"report": report, "recipe": {"draft_vocab": draft_vocab, "ttt_steps": ttt_steps, "lr": lr,
+    head.save(out, {"target": getattr(getattr(target, "source", None), "name", None), "report": report, "recipe": {"draft_vocab": draft_vocab, "ttt_steps": ttt_steps, "lr": lr,
                                                  "batch_tokens": batch_tokens, "corpus_tokens": corpus_tokens,
                                                  "max_length": max_length, "seed": seed}})
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
