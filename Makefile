@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= Summarize in two sentences: The town of Westbrook opened its first public library in 1902 with a donation of 400 books from a local merchant. For decades the library occupied two rooms above the post office. In 1958 the town council approved a new building on Elm Street, which doubled the collection and added a children's reading room.
 
-.PHONY: install demo test bench peers
+.PHONY: install demo test bench peers eagle-head
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,3 +32,13 @@ peers: install
 
 bench: install
 	$(BIN)/specdecode bench --methods none,ngram,hf --out results/bench.json
+
+# The EAGLE head shipped for the default model (specdecode/data/heads/*/MANIFEST.json):
+# the target's own answers to 300 training prompts plus 150k tokens of the standard
+# library, then 50 minutes of training on this 2-core CPU. Resumable at every stage.
+EAGLE_PROMPTS ?= 300
+EAGLE_MINUTES ?= 50
+eagle-head: install
+	$(BIN)/specdecode train data --out data/train --prompts $(EAGLE_PROMPTS) --corpus-tokens 1000000
+	$(BIN)/specdecode train eagle --data data/train --out data/eagle --minutes $(EAGLE_MINUTES) --corpus-tokens 150000
+	$(BIN)/python scripts/ship_head.py data/eagle --data data/train --command "make eagle-head"

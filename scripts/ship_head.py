@@ -1,0 +1,70 @@
+"""Copy a trained EAGLE head into the package as the default model's head, with a manifest.
+
+    python scripts/ship_head.py data/eagle [--data data/train] [--command "..."]
+
+Writes specdecode/data/heads/smollm2-135m-instruct-eagle3/{config.json, model.safetensors,
+MANIFEST.json}: sha256 and size of each file, the command that reproduces the head, the
+data recipe (from the data directory's summary and settings), the training report and wall
+time (from the head's config.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from specdecode.factory import DEFAULT_EAGLE_HEAD  # noqa: E402
+
+FILES = ("config.json", "model.safetensors")
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("head", help="directory written by specdecode train eagle")
+    parser.add_argument("--data", default="data/train", help="the training data directory (for the recipe)")
+    parser.add_argument("--command", default="make eagle-head", help="the command that reproduces the head")
+    args = parser.parse_args()
+    source, data = Path(args.head), Path(args.data)
+    missing = [name for name in FILES if not (source / name).is_file()]
+    if missing:
+        print(f"ship_head: {source} lacks {', '.join(missing)}", file=sys.stderr)
+        return 2
+    DEFAULT_EAGLE_HEAD.mkdir(parents=True, exist_ok=True)
+    for name in FILES:
+        shutil.copyfile(source / name, DEFAULT_EAGLE_HEAD / name)
+    config = json.loads((source / "config.json").read_text())
+    recipe = {}
+    for name in ("summary.json", "answers.settings.json"):
+        if (data / name).is_file():
+            recipe[name.removesuffix(".json")] = json.loads((data / name).read_text())
+    manifest = {
+        "files": {name: {"sha256": sha256(DEFAULT_EAGLE_HEAD / name), "bytes": (DEFAULT_EAGLE_HEAD / name).stat().st_size}
+                  for name in FILES},
+        "reproduce": args.command,
+        "data": recipe,
+        "training": config.get("recipe"),
+        "report": config.get("report"),
+    }
+    (DEFAULT_EAGLE_HEAD / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    total = sum(f["bytes"] for f in manifest["files"].values())
+    print(f"shipped {source} -> {DEFAULT_EAGLE_HEAD.relative_to(ROOT)} ({total / 1e6:.1f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
