@@ -1,0 +1,148 @@
+"""Token trees and their lossless verification: pure tensor functions beside ``chain``.
+
+A tree has a root, node 0 (the last committed token, scored with the drafts), and draft
+nodes 1..n, node i holding token ``tokens[i-1]`` under parent ``parents[i-1]`` (< i).
+The target scores all n+1 nodes in one pass: node i sits at position ``start + depth(i)``
+and attends to the cache and to its ancestors (``Tree.mask``). Children of a node carry
+distinct tokens.
+
+Verification walks down from the root. Greedy: go to the child whose token is the
+target's argmax at the current node, while there is one; the bonus is the argmax at the
+node where the walk stops. Sampling (multi-draft speculative sampling: SpecInfer,
+Miao et al. 2024; the recursive rejection of Yang et al. 2024): at the current node the
+children are tried in turn against the target's distribution p there; a child drawn
+from a draft distribution q is accepted with probability min(1, p(x)/q(x)) and a
+rejection replaces p by norm(max(p - q, 0)); a child chosen deterministically (top-k of
+a drafter) is a point mass: accepted with probability p(x), and a rejection sets p(x) to
+0 and renormalises. When every child is rejected the bonus is drawn from what is left of
+p. Either way the emitted tokens follow the target's distribution exactly.
+
+A chain of k drafts is the tree whose node i has parent i-1; on it both functions agree
+with ``chain.greedy_verify`` and ``chain.rejection_sample``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from .sampling import sample
+
+
+@dataclass(frozen=True)
+class Tree:
+    tokens: torch.Tensor  # [n] int64 draft tokens of nodes 1..n
+    parents: torch.Tensor  # [n] int64, parents[i-1] < i; 0 is the root
+
+    def __post_init__(self) -> None:
+        n = self.tokens.numel()
+        if self.parents.numel() != n:
+            raise ValueError(f"a tree needs one parent per token: {n} tokens, {self.parents.numel()} parents")
+        if n and not bool((self.parents < torch.arange(1, n + 1)).all() and (self.parents >= 0).all()):
+            raise ValueError("every node's parent must come before it (parents[i-1] < i)")
+
+    @property
+    def size(self) -> int:
+        return self.tokens.numel()
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor) -> "Tree":
+        return cls(tokens.to(torch.int64), torch.arange(tokens.numel(), dtype=torch.int64))
+
+    def depths(self) -> torch.Tensor:
+        """[n+1] depth of every node, root 0."""
+        depth = [0]
+        for parent in self.parents.tolist():
+            depth.append(depth[parent] + 1)
+        return torch.tensor(depth, dtype=torch.int64)
+
+    def mask(self) -> torch.Tensor:
+        """[n+1, n+1] bool: node i may attend to node j iff j is i or an ancestor of i."""
+        return ancestor_mask(tuple(self.parents.tolist()))
+
+    def children(self) -> list[list[int]]:
+        """Children of every node 0..n, in node order (the order they are tried in)."""
+        kids: list[list[int]] = [[] for _ in range(self.size + 1)]
+        for child, parent in enumerate(self.parents.tolist(), start=1):
+            kids[parent].append(child)
+        return kids
+
+    def path_to(self, node: int) -> list[int]:
+        """Nodes from the root's first child down to ``node`` (empty for the root)."""
+        path = []
+        while node:
+            path.append(node)
+            node = int(self.parents[node - 1])
+        return path[::-1]
+
+
+@lru_cache(maxsize=256)
+def ancestor_mask(parents: tuple[int, ...]) -> torch.Tensor:
+    """The attention mask of a tree shape, computed once per shape (static trees reuse it)."""
+    n = len(parents)
+    mask = torch.eye(n + 1, dtype=torch.bool)
+    for child, parent in enumerate(parents, start=1):
+        mask[child] |= mask[parent]
+    return mask
+
+
+def tree_from_paths(paths: list[list[int]]) -> tuple[torch.Tensor, list[tuple[int, ...]]]:
+    """A static tree given as paths of choice indices (e.g. [[0], [1], [0, 0], [0, 1]]:
+    top-1 and top-2 at depth 1, then the top-2 children of the top-1 node), compiled
+    once: the parents [n] of its nodes in breadth-first order, and each node's path."""
+    nodes = sorted({tuple(p[: d + 1]) for p in paths for d in range(len(p))}, key=lambda p: (len(p), p))
+    index = {path: i + 1 for i, path in enumerate(nodes)}
+    parents = [index.get(path[:-1], 0) for path in nodes]
+    return torch.tensor(parents, dtype=torch.int64), nodes
+
+
+def greedy_tree_verify(tree: Tree, target_logits: torch.Tensor) -> tuple[list[int], int]:
+    """``target_logits`` [n+1, V] for nodes 0..n -> (accepted nodes root-down, bonus token)."""
+    argmax = target_logits.argmax(dim=-1).tolist()
+    tokens, children = tree.tokens.tolist(), tree.children()
+    node, path = 0, []
+    while True:
+        following = next((c for c in children[node] if tokens[c - 1] == argmax[node]), None)
+        if following is None:
+            return path, argmax[node]
+        path.append(following)
+        node = following
+
+
+def tree_rejection_sample(
+    tree: Tree,
+    target_probs: torch.Tensor,  # [n+1, V] processed target distributions at nodes 0..n
+    draft_probs: torch.Tensor | None,  # [n, V] the distribution node i's token was drawn from; None: point masses
+    generator: torch.Generator | None,
+) -> tuple[list[int], int]:
+    """Multi-draft speculative sampling down the tree -> (accepted nodes, bonus token)."""
+    tokens, children = tree.tokens.tolist(), tree.children()
+    node, path = 0, []
+    while True:
+        residual = target_probs[node].clone()
+        accepted = None
+        for child in children[node]:
+            token = tokens[child - 1]
+            u = float(torch.rand((), generator=generator, dtype=residual.dtype, device=residual.device))
+            if draft_probs is None:  # a point mass at the token
+                if u < float(residual[token]):
+                    accepted = child
+                    break
+                residual[token] = 0.0
+            else:
+                q = draft_probs[child - 1]
+                if u * float(q[token]) < float(residual[token]):
+                    accepted = child
+                    break
+                residual = (residual - q).clamp_(min=0.0)
+            mass = residual.sum()
+            if float(mass) <= 0.0:  # nothing left: p was covered by the rejected drafts (probability 0)
+                residual = target_probs[node].clone()
+                break
+            residual = residual / mass
+        if accepted is None:
+            return path, int(sample(residual, generator))
+        path.append(accepted)
+        node = accepted

@@ -1,0 +1,146 @@
+"""Token trees: shapes, masks, and lossless verification (greedy and multi-draft sampling)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdecode.config import SamplingParams
+from specdecode.verify.chain import greedy_verify
+from specdecode.verify.sampling import logits_to_probs, sample
+from specdecode.verify.tree import Tree, greedy_tree_verify, tree_from_paths, tree_rejection_sample
+
+
+def tree(tokens, parents) -> Tree:
+    return Tree(torch.tensor(tokens), torch.tensor(parents))
+
+
+def test_tree_shape_depths_and_mask():
+    t = tree([5, 6, 7, 8], [0, 0, 1, 3])  # root -> 5, 6; 5 -> 7 -> 8
+    assert t.depths().tolist() == [0, 1, 1, 2, 3]
+    assert t.children() == [[1, 2], [3], [], [4], []]
+    assert t.path_to(4) == [1, 3, 4] and t.path_to(0) == []
+    expected = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]],
+                            dtype=torch.bool)
+    assert torch.equal(t.mask(), expected)
+    with pytest.raises(ValueError, match="parent must come before"):
+        tree([1, 2], [0, 2])
+
+
+def test_static_tree_from_choice_paths():
+    parents, nodes = tree_from_paths([[0, 1], [1], [0, 0]])
+    assert nodes == [(0,), (1,), (0, 0), (0, 1)]
+    assert parents.tolist() == [0, 0, 1, 1]
+
+
+def logits_for(argmax_rows: list[int], vocab: int = 10) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(argmax_rows), vocab).float() * 5
+
+
+@pytest.mark.parametrize("tokens, parents, argmax, path, bonus", [
+    ([5, 6, 7, 8], [0, 0, 1, 3], [5, 7, 0, 8, 9], [1, 3, 4], 9),  # the deep branch, then a free token
+    ([5, 6, 7, 8], [0, 0, 1, 3], [6, 7, 2, 8, 9], [2], 2),  # second child of the root, a leaf
+    ([5, 6, 7, 8], [0, 0, 1, 3], [4, 7, 0, 8, 9], [], 4),  # nothing accepted: the root's argmax
+    ([5, 6, 7, 8], [0, 0, 1, 3], [5, 1, 0, 8, 9], [1], 1),  # 5 accepted, its child 7 rejected
+    ([3, 3, 4], [0, 1, 0], [3, 3, 1, 9], [1, 2], 1),  # a repeated token on a path
+])
+def test_greedy_tree_verify_table(tokens, parents, argmax, path, bonus):
+    assert greedy_tree_verify(tree(tokens, parents), logits_for(argmax)) == (path, bonus)
+
+
+def test_greedy_tree_on_a_chain_agrees_with_the_chain_verifier():
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        k = int(torch.randint(1, 6, (1,), generator=generator))
+        drafts = torch.randint(0, 4, (k,), generator=generator)
+        logits = torch.randn(k + 1, 4, generator=generator)
+        output, accepted = greedy_verify(drafts[None], logits[None])
+        path, bonus = greedy_tree_verify(Tree.chain(drafts), logits)
+        assert path == list(range(1, int(accepted) + 1)) and bonus == int(output[0, int(accepted)])
+
+
+VOCAB = 5
+
+
+def two_token_joint_through_trees(verifier, params: SamplingParams, point_masses: bool, runs: int = 8000,
+                                  seed: int = 7):
+    """Toy Markov target and draft over 5 tokens (tables [V, V], row = previous token).
+    Each run builds a tree: 3 children of the root, 2 under each of them, drawn i.i.d.
+    from the draft (or its top-k, as point masses); the target's rows follow each node's
+    token. The first two emitted tokens (the second drawn from the target directly when
+    the step ends after one) must follow target(y1|x0) * target(y2|y1)."""
+    x0 = 0
+    gen = torch.Generator().manual_seed(seed)
+    target_logits = torch.randn(VOCAB, VOCAB, generator=gen) * 1.5
+    draft_logits = target_logits + torch.randn(VOCAB, VOCAB, generator=gen)
+    target_table = logits_to_probs(target_logits, params)
+    draft_table = logits_to_probs(draft_logits, params)
+
+    def children_of(row: int, count: int) -> list[int]:
+        if point_masses:
+            return draft_table[row].topk(count).indices.tolist()
+        return sample(draft_table[row].expand(count, VOCAB), gen).tolist()
+
+    counts = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
+    depth_reached = [0, 0, 0]
+    for _ in range(runs):
+        tokens, parents, rows = [], [], [x0]
+        for first in children_of(x0, 3):
+            tokens.append(first)
+            parents.append(0)
+            rows.append(first)
+            node = len(tokens)
+            for second in children_of(first, 2):
+                tokens.append(second)
+                parents.append(node)
+                rows.append(second)
+        t = tree(tokens, parents)
+        target_probs = target_table[torch.tensor(rows)]
+        # node i's token was drawn from the draft's row at its parent's token
+        draft_probs = None if point_masses else draft_table[torch.tensor([rows[p] for p in parents])]
+        path, bonus = verifier(t, target_probs, draft_probs, gen)
+        emitted = [tokens[n - 1] for n in path] + [bonus]
+        depth_reached[len(path)] += 1
+        y1 = emitted[0]
+        y2 = emitted[1] if len(emitted) > 1 else int(sample(target_table[y1], gen))
+        counts[y1 * VOCAB + y2] += 1
+    joint = target_table[x0].double()[:, None] * target_table.double()
+    expected = (joint / joint.sum()).flatten() * runs
+    return counts, expected, depth_reached
+
+
+TREE_CASES = [
+    (SamplingParams(temperature=1.0), True),
+    (SamplingParams(temperature=1.0), False),
+    (SamplingParams(temperature=0.7, top_k=3), True),
+    (SamplingParams(temperature=1.0, top_p=0.8), False),
+]
+
+
+@pytest.mark.parametrize("params, point_masses", TREE_CASES,
+                         ids=lambda c: str(c) if isinstance(c, bool) else f"T{c.temperature}-k{c.top_k}-p{c.top_p}")
+def test_tree_sampling_reproduces_target_distribution(params, point_masses):
+    observed, expected, depth_reached = two_token_joint_through_trees(tree_rejection_sample, params, point_masses)
+    support = expected > 0
+    assert observed[~support].sum() == 0, "emitted a token the processed target forbids"
+    assert all(n > 100 for n in depth_reached), depth_reached  # rejections at the root, at depth 1, and full paths
+    _, p_value = chisquare(observed[support].numpy(), expected[support].numpy())
+    assert p_value > 1e-3, p_value
+
+
+def forgetful_verifier(t, target_probs, draft_probs, generator):
+    """A plausible mistake: after the children of a node are all rejected, draw the bonus
+    from the target's distribution there instead of the residual."""
+    path, _ = tree_rejection_sample(t, target_probs, draft_probs, generator)
+    node = path[-1] if path else 0
+    return path, int(sample(target_probs[node], generator))
+
+
+@pytest.mark.parametrize("point_masses", [True, False])
+def test_wrong_tree_verifier_would_be_caught(point_masses):
+    observed, expected, _ = two_token_joint_through_trees(forgetful_verifier, SamplingParams(temperature=1.0),
+                                                          point_masses)
+    support = expected > 0
+    _, p_value = chisquare(observed[support].numpy(), expected[support].numpy())
+    assert p_value < 1e-6, p_value
