@@ -34,11 +34,11 @@ bench: install
 	$(BIN)/specdecode bench --methods none,ngram,hf --out results/bench.json
 
 # The EAGLE head shipped for the default model (specdecode/data/heads/*/MANIFEST.json):
-# the target's own answers to 300 training prompts plus 150k tokens of the standard
-# library, then 50 minutes of training on this 2-core CPU. Resumable at every stage.
-EAGLE_PROMPTS ?= 300
-EAGLE_MINUTES ?= 50
+# the target's own answers to 200 training prompts plus 60k tokens of the standard
+# library, then 35 minutes of training on this 2-core CPU. Resumable at every stage.
+EAGLE_PROMPTS ?= 200
+EAGLE_MINUTES ?= 35
 eagle-head: install
 	$(BIN)/specdecode train data --out data/train --prompts $(EAGLE_PROMPTS) --corpus-tokens 1000000
-	$(BIN)/specdecode train eagle --data data/train --out data/eagle --minutes $(EAGLE_MINUTES) --corpus-tokens 150000
+	$(BIN)/specdecode train eagle --data data/train --out data/eagle --minutes $(EAGLE_MINUTES) --corpus-tokens 60000
 	$(BIN)/python scripts/ship_head.py data/eagle --data data/train --command "make eagle-head"

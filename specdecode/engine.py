@@ -25,6 +25,7 @@ from .metrics import GenerationStats
 from .proposers.base import Proposal, Proposer
 from .text import TextTracker
 from .verify.chain import greedy_verify, rejection_sample
+from .verify.tree import greedy_tree_verify, tree_rejection_sample
 from .verify.sampling import logits_to_probs
 
 
@@ -62,6 +63,11 @@ class SpeculativeEngine:
     def device(self) -> torch.device:
         """Where the target's logits live: verification and sampling run there."""
         return torch.device(getattr(self.target, "device", "cpu"))
+
+    @property
+    def tree_drafter(self) -> bool:
+        """True when the proposer drafts trees (its budget is k nodes per step)."""
+        return getattr(self.proposer, "tree_width", 1) > 1
 
     @property
     def capture(self) -> tuple[int, ...]:
@@ -164,7 +170,10 @@ class SpeculativeEngine:
             # never draft past the token budget or the context
             wanted = self.policy.choose(len(tokens)) if self.policy is not None else 0
             k = max(min(wanted, params.max_new_tokens - len(generated) - 1, capacity - len(tokens)), 0)
-            new_tokens = self._step(tokens, k, params, generator, stats)
+            if k > 0 and self.tree_drafter:
+                new_tokens = self._tree_step(tokens, k, params, generator, stats)
+            else:
+                new_tokens = self._step(tokens, k, params, generator, stats)
             if self.policy is not None:
                 self.policy.observe(stats.last_drafted, len(new_tokens) - 1)
             for token in new_tokens:
@@ -188,6 +197,46 @@ class SpeculativeEngine:
         stats.wall_seconds = time.perf_counter() - started
         text = tracker.text if self.tokenizer is not None else ""
         return Generation(generated, text, finish, stats)
+
+    def _tree_step(self, tokens: list[int], budget: int, params: SamplingParams, generator: torch.Generator,
+                   stats: GenerationStats) -> list[int]:
+        """One step over a token tree of at most ``budget`` draft nodes: score every node in
+        one pass (tree mask, positions by depth), walk down the accepted path, move its
+        keys and values into contiguous slots."""
+        started = time.perf_counter()
+        proposal = self.proposer.propose_tree(tokens, budget, params, generator)
+        tree = proposal.tree
+        scored = time.perf_counter()
+        stats.draft_seconds += scored - started
+
+        context = len(tokens)
+        depths = tree.depths()
+        inputs = torch.cat([torch.tensor([tokens[-1]]), tree.tokens]).to(self.device)[None]
+        kwargs = {"positions": context - 1 + depths, "tree_mask": tree.mask()}
+        if self.capture:
+            target_logits, features = self.target(inputs, capture=self.capture, **kwargs)
+        else:
+            target_logits = self.target(inputs, **kwargs)
+        if params.greedy:
+            path, bonus = greedy_tree_verify(tree, target_logits[0])
+        else:
+            target_probs = logits_to_probs(target_logits[0], params)
+            draft_probs = None if proposal.draft_probs is None else proposal.draft_probs.to(self.device)
+            path, bonus = tree_rejection_sample(tree, target_probs, draft_probs, generator)
+        # commit: the root stays in its slot; the accepted nodes' entries move behind it
+        if path:
+            self.target.compact(torch.tensor(path) + context - 1, context)
+        else:
+            self.target.rollback(context)
+        new_tokens = [int(tree.tokens[node - 1]) for node in path] + [bonus]
+        stats.observe_step(tree.size, len(path), int(depths.max()) if tree.size else 0)
+        observed = time.perf_counter()
+        stats.verify_seconds += observed - scored
+        if self.capture:
+            rows = torch.tensor([0] + path)
+            self.proposer.observe(context - 1, features[0, rows], tokens + new_tokens)
+            stats.draft_seconds += time.perf_counter() - observed
+        return new_tokens
 
     def _step(
         self,

@@ -38,18 +38,21 @@ class GenerationStats:
     wall_seconds: float = 0.0
     last_drafted: int = field(default=0, repr=False)
 
-    def observe_step(self, num_drafted: int, num_accepted: int) -> None:
+    def observe_step(self, num_drafted: int, num_accepted: int, depth: int | None = None) -> None:
+        """One verification pass. A tree of ``num_drafted`` nodes passes its ``depth``:
+        per-position counts are then per depth (a chain's depth is its length)."""
         self.target_forwards += 1
         self.last_drafted = num_drafted
         self.steps_by_drafted[num_drafted] = self.steps_by_drafted.get(num_drafted, 0) + 1
         self.draft_tokens += num_drafted
         self.accepted_tokens += num_accepted
         self.rejections += num_accepted < num_drafted
-        grow = num_drafted - len(self.drafted_per_position)
+        depth = num_drafted if depth is None else depth
+        grow = depth - len(self.drafted_per_position)
         if grow > 0:
             self.drafted_per_position += [0] * grow
             self.accepted_per_position += [0] * grow
-        for position in range(num_drafted):
+        for position in range(depth):
             self.drafted_per_position[position] += 1
             self.accepted_per_position[position] += position < num_accepted
 

@@ -161,3 +161,38 @@ def test_check_understands_heads(targets, tmp_path):
     bad = check_static(str(other), str(tmp_path / "head"))
     assert not bad.compatible and "reads the inputs of layers [2, 1, 0] of 2" in str(bad.lines)
     assert not check_static(target_dir, f"eagle:{tmp_path / 'nothing'}").compatible
+
+
+@pytest.mark.parametrize("width", [2, 3])
+def test_eagle_trees_are_lossless_and_well_formed(targets, width):
+    """Greedy output through dynamic trees equals plain decoding (fp32 torch backend and the
+    exact kernels backend), and every proposed tree is closed under parents with distinct
+    tokens among siblings."""
+    rng = random.Random(width)
+    trees = []
+    for target in targets:
+        plain = SpeculativeEngine(target.runtime)
+        for seed in range(2):
+            proposer = proposer_for(target, random_head(target, 10 + seed))
+            proposer.tree_width = width
+            original = proposer.propose_tree
+
+            def recording(*args, original=original):
+                proposal = original(*args)
+                trees.append((args[1], proposal.tree))
+                return proposal
+
+            proposer.propose_tree = recording
+            for budget in (2, 5, 9):
+                engine = SpeculativeEngine(target.runtime, proposer=proposer, k=budget)
+                prompt = [rng.randrange(3, 97) for _ in range(rng.randint(2, 10))]
+                result = engine.generate(prompt, GREEDY)
+                assert result.token_ids == plain.generate(prompt, GREEDY).token_ids, (width, budget, prompt)
+    assert trees
+    for budget, tree in trees:
+        assert 1 <= tree.size <= budget
+        children = tree.children()
+        tokens = tree.tokens.tolist()
+        for kids in children:
+            assert len({tokens[c - 1] for c in kids}) == len(kids) <= width
+    assert any(int(tree.depths().max()) >= 2 and tree.size > int(tree.depths().max()) for _, tree in trees)

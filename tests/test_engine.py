@@ -73,18 +73,20 @@ def test_seed_reproduces_sampled_output(text_model):
     assert engine.generate([5, 6, 7, 8], other).token_ids != first
 
 
-def eagle_over_three_of_four_tokens(target):
-    """A random EAGLE head that can draft 3 of the 4 tokens (token 1 never)."""
+def eagle_over_three_of_four_tokens(target, tree_width: int = 1):
+    """A random EAGLE head that can draft 3 of the 4 tokens (token 1 never); with
+    ``tree_width`` 2 it drafts trees (two children per expanded node)."""
     from specdecode.proposers.eagle import EagleProposer
     from specdecode.proposers.eagle_head import EagleConfig, EagleHead
 
     torch.manual_seed(0)
     head = EagleHead(EagleConfig.for_target(target.runtime.cfg, 3))
     head.set_draft_vocab(torch.tensor([0, 2, 3]))
-    return EagleProposer(head, lambda ids: target.runtime.weights.embed_rows(ids).float(), kernels=False)
+    return EagleProposer(head, lambda ids: target.runtime.weights.embed_rows(ids).float(), kernels=False,
+                         tree_width=tree_width)
 
 
-@pytest.mark.parametrize("drafter", ["draft", "eagle"])
+@pytest.mark.parametrize("drafter", ["draft", "eagle", "eagle-tree"])
 def test_engine_sampling_matches_target_distribution(tmp_path, drafter):
     """End to end through the engine: draft model (or an EAGLE head whose draft vocabulary
     lacks a token), k=2, temperature 1.0, vocabulary 4.
@@ -99,9 +101,12 @@ def test_engine_sampling_matches_target_distribution(tmp_path, drafter):
     target = load_model(save_tiny_model(tmp_path / "t", seed=30, vocab_size=vocab, init_std=0.3), torch.float32)
     draft = load_model(save_tiny_model(tmp_path / "d", seed=31, vocab_size=vocab, init_std=0.3), torch.float32)
     params = SamplingParams(temperature=1.0, max_new_tokens=3, ignore_eos=True)
-    proposer = DraftModelProposer(draft.runtime) if drafter == "draft" else eagle_over_three_of_four_tokens(target)
+    if drafter == "draft":
+        proposer = DraftModelProposer(draft.runtime)
+    else:
+        proposer = eagle_over_three_of_four_tokens(target, 2 if drafter == "eagle-tree" else 1)
     engine = SpeculativeEngine(target.runtime, proposer=proposer, k=2)
-    prompt, runs = [3, 2], 6000
+    prompt, runs = [3, 2], 6000 if drafter == "draft" else 4000
     counts = torch.zeros(vocab**3, dtype=torch.float64)
     first_step_accepted = []
     for seed in range(runs):
@@ -109,8 +114,9 @@ def test_engine_sampling_matches_target_distribution(tmp_path, drafter):
         y = result.token_ids
         counts[(y[0] * vocab + y[1]) * vocab + y[2]] += 1
         stats = result.stats
-        assert stats.steps_by_drafted.get(2) == 1  # the first step drafted positions 1 and 2
-        first_step_accepted.append(stats.accepted_per_position[1])
+        assert stats.steps_by_drafted.get(2) == 1  # the first step drafted two tokens (or tree nodes)
+        # a chain: both drafts accepted; a tree (two siblings or a chain of two): any
+        first_step_accepted.append(stats.accepted_per_position[-1] if drafter != "eagle-tree" else stats.accepted_tokens > 0)
     runtime = target.runtime
 
     def next_probs(tokens):

@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 
 from ..config import SamplingParams
+from ..verify.tree import Tree
 
 
 @dataclass
@@ -27,6 +28,20 @@ class Proposal:
     @classmethod
     def empty(cls) -> "Proposal":
         return cls(torch.empty(0, dtype=torch.int64))
+
+
+@dataclass
+class TreeProposal:
+    """Draft nodes 1..n under the last committed token (``verify.tree.Tree``)."""
+
+    tree: "Tree"
+    # [n, V] float32: the distribution each node's token was drawn from; None: the
+    # nodes were chosen deterministically (top-k), point masses to the verifier
+    draft_probs: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tree.size
 
 
 class Proposer(Protocol):

@@ -19,19 +19,28 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..config import SamplingParams
+from ..config import SamplingParams, SpecDecodeError
+from ..verify.tree import Tree
 from ..verify.sampling import logits_to_probs, sample
-from .base import Proposal
+from .base import Proposal, TreeProposal
 from .eagle_head import EagleHead
+
+
+MAX_TREE_DEPTH = 8  # head passes per tree step at most
 
 
 class EagleProposer:
     name = "eagle"
 
-    def __init__(self, head: EagleHead, embed_rows, kernels: bool = True):
+    def __init__(self, head: EagleHead, embed_rows, kernels: bool = True, tree_width: int = 1):
         """``embed_rows(ids [T]) -> [T, H]``: the target's embedding (the head has none).
-        ``kernels``: draft with Q8_0 projections on the CPU kernels where they load."""
+        ``kernels``: draft with Q8_0 projections on the CPU kernels where they load.
+        ``tree_width``: 1 drafts chains; K > 1 drafts EAGLE-2 dynamic trees, expanding the
+        top-K children of the top-K frontier nodes per depth (``propose_tree``)."""
+        if tree_width < 1:
+            raise SpecDecodeError(f"tree width must be >= 1, got {tree_width}")
         self.head = head.eval().requires_grad_(False)
+        self.tree_width = tree_width
         if kernels:
             head.use_kernels()
         self.embed_rows = embed_rows
@@ -54,19 +63,21 @@ class EagleProposer:
         self.length, self.last_logits, self.last_g = 0, None, None
 
     @torch.inference_mode()
-    def _run(self, hidden: torch.Tensor, token_ids: list[int], start: int) -> torch.Tensor:
-        """Append entries at ``start..``: fused features ``hidden`` [T, H] with the embeddings
-        of ``token_ids``; attend causally over the cache; return the outputs g [T, H]."""
+    def _run(self, hidden: torch.Tensor, token_ids: list[int], start: int, positions: torch.Tensor | None = None,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Append entries at slots ``start..``: fused features ``hidden`` [T, H] with the
+        embeddings of ``token_ids``, at ``positions`` (default: the slots); attend over the
+        cache causally, or by ``mask`` [T, start + T]; return the outputs g [T, H]."""
         head, c = self.head, self.head.config
         count = hidden.shape[0]
         embeds = self.embed_rows(torch.tensor(token_ids)).float()
-        positions = torch.arange(start, start + count)
+        if positions is None:
+            positions = torch.arange(start, start + count)
         q, k, v = head.qkv(embeds[None], hidden[None], positions)
         end = start + count
         self.k_cache[:, start:end] = k[0]
         self.v_cache[:, start:end] = v[0]
-        mask = None
-        if count > 1:
+        if mask is None and count > 1:
             mask = torch.ones(count, end, dtype=torch.bool)
             mask[:, start:] = torch.ones(count, count, dtype=torch.bool).tril()
         attn = F.scaled_dot_product_attention(q, self.k_cache[None, :, :end], self.v_cache[None, :, :end],
@@ -114,3 +125,77 @@ class EagleProposer:
             torch.tensor(draft_ids, dtype=torch.int64),
             torch.stack(draft_probs) if draft_probs else None,
         )
+
+    @torch.inference_mode()
+    def propose_tree(self, tokens: list[int], budget: int, params: SamplingParams,
+                     generator: torch.Generator | None) -> TreeProposal:
+        """An EAGLE-2 dynamic tree of at most ``budget`` nodes. Nodes are scored by their
+        path's cumulative draft log-probability; at each depth the ``tree_width`` best
+        nodes of the frontier are run through the head (one pass, tree attention over
+        their ancestors' entries) and each offers its ``tree_width`` best children; the
+        tree is the ``budget`` best-scored nodes (an ancestor scores at least as well as
+        its descendants, so the set is closed under parents). Children are top-k choices,
+        so the verifier treats them as point masses, greedy or sampling."""
+        empty = TreeProposal(Tree(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)))
+        if self.last_logits is None or self.length != len(tokens) - 1 or budget < 1:
+            return empty
+        head, width = self.head, self.tree_width
+        committed = self.length
+        # candidate nodes: (score, token, parent candidate index or -1, depth); entry slot once expanded
+        scores, tokens_of, parent_of, depth_of, g_of, slot_of = [], [], [], [], {}, {}
+
+        def offer(logits: torch.Tensor, parent: int, base: float, depth: int) -> None:
+            log_probs = self._log_probs(logits, params)
+            top = log_probs.topk(min(width, log_probs.numel()))
+            for value, index in zip(top.values.tolist(), top.indices.tolist()):
+                if value == float("-inf"):
+                    continue
+                scores.append(base + value)
+                tokens_of.append(int(head.d2t[index]))
+                parent_of.append(parent)
+                depth_of.append(depth)
+
+        offer(self.last_logits, -1, 0.0, 1)
+        frontier = list(range(len(scores)))
+        next_slot = committed
+        for depth in range(1, min(budget, MAX_TREE_DEPTH)):
+            expand = sorted(frontier, key=lambda i: -scores[i])[:width]
+            if not expand:
+                break
+            if len(scores) >= budget and scores[expand[0]] < sorted(scores, reverse=True)[budget - 1]:
+                break  # descendants score no better than the frontier: none could enter the tree
+            hidden = torch.stack([self.last_g if parent_of[i] < 0 else g_of[parent_of[i]] for i in expand])
+            count = len(expand)
+            mask = torch.zeros(count, next_slot + count, dtype=torch.bool)
+            mask[:, :committed] = True
+            for row, node in enumerate(expand):
+                ancestor = parent_of[node]
+                while ancestor >= 0:
+                    mask[row, slot_of[ancestor]] = True
+                    ancestor = parent_of[ancestor]
+                mask[row, next_slot + row] = True
+            positions = torch.tensor([committed + depth_of[i] - 1 for i in expand])
+            g = self._run(hidden, [tokens_of[i] for i in expand], next_slot, positions, mask)
+            logits = head.logits(g)
+            frontier = []
+            for row, node in enumerate(expand):
+                slot_of[node] = next_slot + row
+                g_of[node] = g[row]
+                before = len(scores)
+                offer(logits[row], node, scores[node], depth + 1)
+                frontier += range(before, len(scores))
+            next_slot += count
+        # best first; on a tie the shallower node first, so a parent precedes its children
+        best = sorted(range(len(scores)), key=lambda i: (-scores[i], depth_of[i]))[:budget]
+        chosen = sorted(best, key=lambda i: (depth_of[i], i))
+        number = {candidate: n + 1 for n, candidate in enumerate(chosen)}
+        tree = Tree(torch.tensor([tokens_of[i] for i in chosen], dtype=torch.int64),
+                    torch.tensor([number[parent_of[i]] if parent_of[i] >= 0 else 0 for i in chosen], dtype=torch.int64))
+        return TreeProposal(tree)
+
+    def _log_probs(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """Draft log-probabilities over the draft vocabulary for ranking children (the
+        sampling temperature applied; greedy ranks by the raw distribution)."""
+        if not params.greedy:
+            logits = logits / params.temperature
+        return logits.float().log_softmax(-1)
