@@ -92,6 +92,7 @@ class SpeculativeConfig:
     ngram_sizes: tuple[int, ...] = (3, 2, 1)
     k_policy: str = "cost"
     k_max: int = 10
+    tree_width: int = 1  # eagle: 1 drafts chains of k; K > 1 dynamic trees of k nodes, K children per node
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -100,6 +101,8 @@ class SpeculativeConfig:
             raise ConfigError(f"k (draft tokens per step) must be 'auto' or an integer >= 1, got {self.k!r}")
         if self.k_policy not in K_POLICIES:
             raise ConfigError(f"k_policy must be one of {K_POLICIES}, got {self.k_policy!r}")
+        if not isinstance(self.tree_width, int) or self.tree_width < 1:
+            raise ConfigError(f"tree width must be an integer >= 1, got {self.tree_width!r}")
         if self.k_max < 1:
             raise ConfigError(f"k_max must be >= 1, got {self.k_max}")
         if self.method == "draft" and not self.draft:

@@ -157,7 +157,7 @@ def build_proposer(spec: SpeculativeConfig, target: LoadedModel, engine: EngineC
     if spec.method == "ngram":
         return NgramProposer(spec.ngram_sizes)
     if spec.method == "eagle":
-        return eagle_proposer(spec.draft, target)
+        return eagle_proposer(spec.draft, target, spec.tree_width)
     if spec.draft.startswith("self:"):
         try:
             num_layers = int(spec.draft.split(":", 1)[1])
@@ -174,7 +174,7 @@ def build_proposer(spec: SpeculativeConfig, target: LoadedModel, engine: EngineC
     return DraftModelProposer(draft.runtime)
 
 
-def eagle_proposer(path: str | None, target: LoadedModel):
+def eagle_proposer(path: str | None, target: LoadedModel, tree_width: int = 1):
     """An EAGLE head from ``path`` (default: the one shipped for the default model),
     checked against the target it is asked to draft for."""
     from .proposers.eagle import EagleProposer
@@ -199,13 +199,14 @@ def eagle_proposer(path: str | None, target: LoadedModel):
     if max(c.capture_layers) >= runtime.num_layers:
         raise ConfigError(f"EAGLE head {path} reads layer {max(c.capture_layers)}; the target has {runtime.num_layers}")
     weights = runtime.weights
-    return EagleProposer(head, lambda ids: weights.embed_rows(ids.to(weights.device)).float().cpu())
+    return EagleProposer(head, lambda ids: weights.embed_rows(ids.to(weights.device)).float().cpu(),
+                         tree_width=tree_width)
 
 
 def drafter_key(spec: SpeculativeConfig) -> str:
     """How a drafter is named in cost profiles and reports."""
     if spec.method == "eagle":
-        return f"eagle:{spec.draft or 'default'}"
+        return f"eagle:{spec.draft or 'default'}" + (f"x{spec.tree_width}" if spec.tree_width > 1 else "")
     return "ngram" if spec.method == "ngram" else f"draft:{spec.draft}"
 
 
