@@ -1,6 +1,6 @@
 """One entry point: ``specdecode <verb>``.
 
-    specdecode generate "PROMPT" [--method none|ngram|draft|eagle] [--draft M|self:L] [--head DIR] [--k N] ...
+    specdecode generate "PROMPT" [--method none|ngram|draft|eagle|tree] [--draft M|self:L] [--head DIR] [--k N] ...
     specdecode bench [--prompts FILE.jsonl] [--methods none,ngram,ngram@3,...] [--out results.json]
     specdecode profile [--model M] [--draft D] [--dtype bf16|fp32] [--remeasure]
     specdecode train data [--target M] [--out DIR] [--prompts N] [--samples S]
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = verbs.add_parser("generate", help="generate text, speculatively")
     gen.add_argument("prompt")
-    gen.add_argument("--method", default="ngram", choices=["none", "ngram", "draft", "eagle"])
+    gen.add_argument("--method", default="ngram", choices=["none", "ngram", "draft", "eagle", "tree"])
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
     gen.add_argument("--compare", action="store_true", help="also run plain decoding and report speedup and identity")
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = verbs.add_parser("bench", help="plain vs speculative on the same prompts")
     bench.add_argument("--prompts", default=None, help="JSONL: Spec-Bench question.jsonl or {prompt, category}; default: our suite")
-    bench.add_argument("--methods", default="none,ngram", help="comma list of none, ngram, draft, eagle, hf (transformers generate), llamacpp")
+    bench.add_argument("--methods", default="none,ngram", help="comma list of none, ngram, draft, eagle, tree, hf (transformers generate), llamacpp")
     bench.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
     bench.add_argument("--out", default=None, help="write per-prompt records and the summary as JSON")
     bench.add_argument("--repeats", type=int, default=1, help=REPEATS_HELP)
@@ -190,7 +190,7 @@ def _spec_config(args, method: str, k: str | None = None) -> SpeculativeConfig:
     policy = "threshold" if k == "threshold" else args.k_policy
     return SpeculativeConfig(
         method=method, k=parse_k("auto" if k == "threshold" else k), tree_width=width,
-        draft=getattr(args, "head", None) if method == "eagle" else args.draft,
+        draft=getattr(args, "head", None) if method in ("eagle", "tree") else args.draft,
         ngram_sizes=_int_tuple(args.ngram_sizes, "--ngram-sizes"), k_policy=policy, k_max=args.k_max,
     )
 

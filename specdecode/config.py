@@ -20,7 +20,7 @@ class ConfigError(SpecDecodeError, ValueError):
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-METHODS = ("none", "ngram", "draft", "eagle")
+METHODS = ("none", "ngram", "draft", "eagle", "tree")
 K_POLICIES = ("cost", "threshold")
 
 
@@ -80,7 +80,8 @@ class SpeculativeConfig:
     method: "none" (plain decoding), "ngram" (prompt lookup), "draft" (a draft model;
     ``draft`` is a model path/name, or ``self:L`` for the target's first L layers) or
     "eagle" (a trained EAGLE head; ``draft`` is its directory, default: the head shipped
-    for the default model).
+    for the default model) or "tree" (prompt lookup's chain and the head's tree merged
+    into one token tree per step; ``k`` is its node budget).
     k: draft tokens per step, or "auto" (the default): chosen per step by ``k_policy`` —
     "cost" (expected speedup from measured acceptance and the cost profile, 0 included)
     or "threshold" (the acceptance-threshold rule from the literature), at most ``k_max``.

@@ -158,6 +158,10 @@ def build_proposer(spec: SpeculativeConfig, target: LoadedModel, engine: EngineC
         return NgramProposer(spec.ngram_sizes)
     if spec.method == "eagle":
         return eagle_proposer(spec.draft, target, spec.tree_width)
+    if spec.method == "tree":
+        from .proposers.merged_tree import MergedTreeProposer
+
+        return MergedTreeProposer(NgramProposer(spec.ngram_sizes), eagle_proposer(spec.draft, target, spec.tree_width))
     if spec.draft.startswith("self:"):
         try:
             num_layers = int(spec.draft.split(":", 1)[1])
@@ -205,8 +209,8 @@ def eagle_proposer(path: str | None, target: LoadedModel, tree_width: int = 1):
 
 def drafter_key(spec: SpeculativeConfig) -> str:
     """How a drafter is named in cost profiles and reports."""
-    if spec.method == "eagle":
-        return f"eagle:{spec.draft or 'default'}" + (f"x{spec.tree_width}" if spec.tree_width > 1 else "")
+    if spec.method in ("eagle", "tree"):
+        return f"{spec.method}:{spec.draft or 'default'}" + (f"x{spec.tree_width}" if spec.tree_width > 1 else "")
     return "ngram" if spec.method == "ngram" else f"draft:{spec.draft}"
 
 

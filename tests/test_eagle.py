@@ -196,3 +196,43 @@ def test_eagle_trees_are_lossless_and_well_formed(targets, width):
         for kids in children:
             assert len({tokens[c - 1] for c in kids}) == len(kids) <= width
     assert any(int(tree.depths().max()) >= 2 and tree.size > int(tree.depths().max()) for _, tree in trees)
+
+
+def test_merged_trees_are_lossless_and_hold_both_drafters(targets):
+    """--method tree: prompt lookup's chain and the head's tree in one tree; greedy output
+    equals plain decoding, and the n-gram continuation is a path of every merged tree."""
+    from specdecode.proposers.merged_tree import MergedTreeProposer
+    from specdecode.proposers.ngram import NgramProposer
+
+    rng = random.Random(5)
+    for target in targets:
+        plain = SpeculativeEngine(target.runtime)
+        eagle = proposer_for(target, random_head(target, 21))
+        eagle.tree_width = 2
+        merged = MergedTreeProposer(NgramProposer((3, 2, 1)), eagle)
+        checked_paths = 0
+        for budget in (2, 4, 8):
+            engine = SpeculativeEngine(target.runtime, proposer=merged, k=budget)
+            base = [rng.randrange(3, 97) for _ in range(5)]
+            prompt = base * 3 + [rng.randrange(3, 97)]
+            result = engine.generate(prompt, GREEDY)
+            assert result.token_ids == plain.generate(prompt, GREEDY).token_ids, (budget, prompt)
+            # the n-gram chain is inside the merged tree
+            tokens = base * 2 + base[:2]  # ends in a repeat: prompt lookup has a continuation
+            chain = merged.ngram.propose(tokens, budget - 1, GREEDY, None).draft_ids.tolist()
+            eagle.start(tokens, len(tokens) + budget + 1)
+            runtime = target.runtime
+            runtime.reset(len(tokens) + 1)
+            _, features = runtime(torch.tensor([tokens[:-1]]), capture=eagle.capture)
+            eagle.observe(0, features[0], tokens)
+            tree = merged.propose_tree(tokens, budget, GREEDY, None).tree
+            assert 1 <= tree.size <= budget
+            if chain:
+                node, walked = 0, []
+                kids = tree.children()
+                for token in chain:
+                    node = next(c for c in kids[node] if int(tree.tokens[c - 1]) == token)
+                    walked.append(token)
+                assert walked == chain
+                checked_paths += 1
+        assert checked_paths > 0

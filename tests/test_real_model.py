@@ -30,11 +30,14 @@ def real_fp32(tmp_path_factory):
     return load_model("default", torch.float32)
 
 
-@pytest.mark.parametrize("method, draft, k", [("ngram", None, 5), ("draft", "self:8", 4), ("ngram", None, 1)])
-def test_real_model_greedy_equality(real_fp32, method, draft, k):
+@pytest.mark.parametrize("method, draft, k, width", [("ngram", None, 5, 1), ("draft", "self:8", 4, 1), ("ngram", None, 1, 1),
+                                                    ("eagle", None, 3, 1), ("eagle", None, 6, 3)])
+def test_real_model_greedy_equality(real_fp32, method, draft, k, width):
+    """fp32 (torch backend) and, for the shipped EAGLE head, chains and dynamic trees."""
     config = EngineConfig(dtype="fp32")
     plain = build_engine(config, SpeculativeConfig(method="none"), target=real_fp32)
-    engine = build_engine(config, SpeculativeConfig(method=method, draft=draft, k=k), target=real_fp32)
+    spec = SpeculativeConfig(method=method, draft=draft, k=k, tree_width=width)
+    engine = build_engine(config, spec, target=real_fp32)
     params = SamplingParams(max_new_tokens=48)
     accepted = 0
     for prompt in PROMPTS:
@@ -45,6 +48,25 @@ def test_real_model_greedy_equality(real_fp32, method, draft, k):
         assert result.text == expected.text
         accepted += result.stats.accepted_tokens
     assert accepted > 0
+
+
+@pytest.mark.parametrize("k, width", [(3, 1), (6, 3)])
+def test_shipped_eagle_head_is_exact_on_the_default_runtime_and_drafts_well(k, width):
+    """The default runtime (kernels, --exact): output bit for bit plain decoding, and the
+    head's drafts are mostly accepted at the first position on a prompt it never saw."""
+    config = EngineConfig()
+    target = load_model("default", torch.bfloat16)
+    plain = build_engine(config, SpeculativeConfig(method="none"), target=target)
+    engine = build_engine(config, SpeculativeConfig(method="eagle", k=k, tree_width=width), target=target)
+    params = SamplingParams(max_new_tokens=64)
+    first = drafted = 0
+    for prompt in PROMPTS:
+        ids = plain.encode(prompt)
+        result = engine.generate(ids, params)
+        assert result.token_ids == plain.generate(ids, params).token_ids, prompt
+        first += result.stats.accepted_per_position[0]
+        drafted += result.stats.drafted_per_position[0]
+    assert first / drafted > 0.4, (first, drafted)
 
 
 def test_real_model_first_answer_is_sensible(real_fp32):
