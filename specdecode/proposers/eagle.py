@@ -49,6 +49,8 @@ class EagleProposer:
         self.length = 0  # committed entries in the head's cache
         self.last_logits: torch.Tensor | None = None  # [N] from the last committed entry
         self.last_g: torch.Tensor | None = None  # [H]
+        self.pending: list[tuple[torch.Tensor, list[int]]] = []  # observed rows not yet run
+        self.pending_start = 0
 
     @property
     def feature_width(self) -> int:
@@ -61,6 +63,7 @@ class EagleProposer:
         if self.k_cache is None or self.k_cache.shape[1] < capacity:
             self.k_cache, self.v_cache = torch.zeros(shape), torch.zeros(shape)
         self.length, self.last_logits, self.last_g = 0, None, None
+        self.pending, self.pending_start = [], 0
 
     @torch.inference_mode()
     def _run(self, hidden: torch.Tensor, token_ids: list[int], start: int, positions: torch.Tensor | None = None,
@@ -85,17 +88,36 @@ class EagleProposer:
                                               enable_gqa=c.num_heads != c.num_kv_heads)
         return head.finish(hidden[None], attn)[0]
 
-    @torch.inference_mode()
     def observe(self, start: int, features: torch.Tensor, tokens: list[int]) -> None:
         """The target's captured states [m, 3H] for committed positions ``start..start+m-1``
-        of ``tokens`` (the committed sequence, which holds token start+m)."""
+        of ``tokens`` (the committed sequence, which holds token start+m).
+
+        Lazy: the rows wait until the next proposal, so plain steps (k = 0) cost no head
+        pass, and the head runs once over everything observed since."""
         if features.shape[0] == 0:
             return
+        pending = sum(f.shape[0] for f, _ in self.pending)
+        if self.pending and start != self.pending_start + pending:
+            self._flush()
+        if not self.pending:
+            self.pending_start = start
+        self.pending.append((features, tokens[start + 1 : start + 1 + features.shape[0]]))
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        features = torch.cat([f for f, _ in self.pending])
+        token_ids = [t for _, ids in self.pending for t in ids]
+        start, self.pending = self.pending_start, []
+        self._observe_now(start, features, token_ids)
+
+    @torch.inference_mode()
+    def _observe_now(self, start: int, features: torch.Tensor, token_ids: list[int]) -> None:
         if start > self.length:  # a gap (e.g. the engine skipped us): entries would be misplaced
             self.length, self.last_logits, self.last_g = 0, None, None
             return
         hidden = self.head.project("fc", features.float())
-        g = self._run(hidden, tokens[start + 1 : start + 1 + features.shape[0]], start)
+        g = self._run(hidden, token_ids, start)
         self.length = start + features.shape[0]
         self.last_g = g[-1]
         self.last_logits = self.head.logits(g[-1])
@@ -104,6 +126,7 @@ class EagleProposer:
     def propose(
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
     ) -> Proposal:
+        self._flush()
         if self.last_logits is None or self.length != len(tokens) - 1 or k < 1:
             return Proposal.empty()
         head, vocab = self.head, self.head.config.target_vocab_size
@@ -137,6 +160,7 @@ class EagleProposer:
         its descendants, so the set is closed under parents). Children are top-k choices,
         so the verifier treats them as point masses, greedy or sampling."""
         empty = TreeProposal(Tree(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)))
+        self._flush()
         if self.last_logits is None or self.length != len(tokens) - 1 or budget < 1:
             return empty
         head, width = self.head, self.tree_width
