@@ -57,6 +57,16 @@ def _int_tuple(text: str, flag: str) -> tuple[int, ...]:
 REPEATS_HELP = "run each prompt's round of methods N times and time each method by its fastest run (default 1)"
 
 
+def _target_flags(parser) -> None:
+    """How `train` runs the target: seed, dtype, weights, backend, threads."""
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    parser.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"])
+    parser.add_argument("--backend", default="auto", choices=["auto", "kernels", "torch"])
+    parser.add_argument("--threads", type=int, default=None)
+    parser.set_defaults(exact=None, device="cpu", prefill_chunk=256)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description=__doc__.split("\n")[0])
     verbs = parser.add_subparsers(dest="verb", required=True)
@@ -120,12 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--max-new-tokens", type=int, default=256)
     data.add_argument("--corpus-tokens", type=int, default=2_000_000, help="tokens of the standard library's sources to keep (0: none)")
     data.add_argument("--chunk-tokens", type=int, default=512, help="tokens per corpus chunk")
-    data.add_argument("--seed", type=int, default=0)
-    data.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
-    data.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"])
-    data.add_argument("--backend", default="auto", choices=["auto", "kernels", "torch"])
-    data.add_argument("--threads", type=int, default=None)
-    data.set_defaults(exact=None, device="cpu", prefill_chunk=256)
+    _target_flags(data)
     eagle = train_verbs.add_parser("eagle", help="train an EAGLE-3-style head for the target on `train data`'s output (resumable)")
     eagle.add_argument("--target", "--model", dest="model", default="default", help="the target: 'default', a HF directory or a .gguf file")
     eagle.add_argument("--data", default="data/train", help="directory written by `specdecode train data` (default data/train)")
@@ -137,12 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     eagle.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per optimizer step (default 2048)")
     eagle.add_argument("--corpus-tokens", type=int, default=200_000, help="tokens of the local code corpus to train on beside the answers")
     eagle.add_argument("--max-length", type=int, default=768, help="tokens per training sequence at most")
-    eagle.add_argument("--seed", type=int, default=0)
-    eagle.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
-    eagle.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"])
-    eagle.add_argument("--backend", default="auto", choices=["auto", "kernels", "torch"])
-    eagle.add_argument("--threads", type=int, default=None)
-    eagle.set_defaults(exact=None, device="cpu", prefill_chunk=256)
+    _target_flags(eagle)
 
     mem = verbs.add_parser("memory", help="weights, KV cache and activation memory of target + drafter")
     mem.add_argument("--target", default="default", help="model name, HF directory, config.json, or a named size (135M, 360M, 1B, 3B, 7B, 8B, 13B, 70B)")
