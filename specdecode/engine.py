@@ -67,7 +67,7 @@ class SpeculativeEngine:
     @property
     def tree_drafter(self) -> bool:
         """True when the proposer drafts trees (its budget is k nodes per step)."""
-        return getattr(self.proposer, "tree_width", 1) > 1
+        return bool(getattr(self.proposer, "drafts_trees", False))
 
     @property
     def capture(self) -> tuple[int, ...]:
@@ -159,11 +159,9 @@ class SpeculativeEngine:
             self.proposer.start(tokens, capacity)
             self.policy.start(prior_alpha)
         if len(tokens) > 1:
-            if self.capture:  # a head drafter reads the prompt's hidden states
-                _, features = self.target(torch.tensor([tokens[:-1]]), last_only=True, capture=self.capture)
+            _, features = self._score(torch.tensor([tokens[:-1]]), last_only=True)
+            if features is not None:  # a head drafter reads the prompt's hidden states
                 self.proposer.observe(0, features[0], tokens)
-            else:
-                self.target(torch.tensor([tokens[:-1]]), last_only=True)
         stats.prefill_seconds = time.perf_counter() - started
 
         while finish is None:
@@ -198,6 +196,12 @@ class SpeculativeEngine:
         text = tracker.text if self.tokenizer is not None else ""
         return Generation(generated, text, finish, stats)
 
+    def _score(self, inputs: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One target pass: logits, and the captured layer inputs a head drafter reads (else None)."""
+        if self.capture:
+            return self.target(inputs, capture=self.capture, **kwargs)
+        return self.target(inputs, **kwargs), None
+
     def _tree_step(self, tokens: list[int], budget: int, params: SamplingParams, generator: torch.Generator,
                    stats: GenerationStats) -> list[int]:
         """One step over a token tree of at most ``budget`` draft nodes: score every node in
@@ -212,11 +216,7 @@ class SpeculativeEngine:
         context = len(tokens)
         depths = tree.depths()
         inputs = torch.cat([torch.tensor([tokens[-1]]), tree.tokens]).to(self.device)[None]
-        kwargs = {"positions": context - 1 + depths, "tree_mask": tree.mask()}
-        if self.capture:
-            target_logits, features = self.target(inputs, capture=self.capture, **kwargs)
-        else:
-            target_logits = self.target(inputs, **kwargs)
+        target_logits, features = self._score(inputs, positions=context - 1 + depths, tree_mask=tree.mask())
         if params.greedy:
             path, bonus = greedy_tree_verify(tree, target_logits[0])
         else:
@@ -232,7 +232,7 @@ class SpeculativeEngine:
         stats.observe_step(tree.size, len(path), int(depths.max()) if tree.size else 0)
         observed = time.perf_counter()
         stats.verify_seconds += observed - scored
-        if self.capture:
+        if features is not None:
             rows = torch.tensor([0] + path)
             self.proposer.observe(context - 1, features[0, rows], tokens + new_tokens)
             stats.draft_seconds += time.perf_counter() - observed
@@ -262,10 +262,7 @@ class SpeculativeEngine:
         # 2. score: the last committed token and every draft, one target pass
         context = len(tokens)
         inputs = torch.cat([torch.tensor([[tokens[-1]]], device=self.device), draft_ids], dim=1)
-        if self.capture:
-            target_logits, features = self.target(inputs, capture=self.capture)
-        else:
-            target_logits = self.target(inputs)  # [1, k'+1, V]
+        target_logits, features = self._score(inputs)  # [1, k'+1, V]
 
         # 3. verify
         if params.greedy:
@@ -285,7 +282,7 @@ class SpeculativeEngine:
         new_tokens = output_ids[0, : accepted + 1].tolist()
         observed = time.perf_counter()
         stats.verify_seconds += observed - scored
-        if self.capture:  # the head's entries for the committed tokens (drafting work)
+        if features is not None:  # the head's entries for the committed tokens (drafting work)
             self.proposer.observe(context - 1, features[0, : accepted + 1], tokens + new_tokens)
             stats.draft_seconds += time.perf_counter() - observed
         return new_tokens

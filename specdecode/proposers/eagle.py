@@ -53,6 +53,11 @@ class EagleProposer:
         self.pending_start = 0
 
     @property
+    def drafts_trees(self) -> bool:
+        """Tree steps (``propose_tree``) rather than chains: a tree width above 1."""
+        return self.tree_width > 1
+
+    @property
     def feature_width(self) -> int:
         """Width of the target features ``observe`` takes (captured layers x hidden size)."""
         return len(self.capture) * self.head.config.hidden_size

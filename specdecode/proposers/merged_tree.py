@@ -22,7 +22,7 @@ from .ngram import NgramProposer
 
 class MergedTreeProposer:
     name = "tree"
-    tree_width = 2  # always drafts trees (the engine's tree step)
+    drafts_trees = True  # the engine's tree step, whatever the head's width
 
     def __init__(self, ngram: NgramProposer, eagle: EagleProposer):
         self.ngram, self.eagle = ngram, eagle
