@@ -249,9 +249,10 @@ def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_
 
     weights = runtime.weights
     embed = weights.embed.dequantize().float()
+    target_rows = (embed if weights.lm_head is weights.embed else weights.lm_head.dequantize().float())[head.d2t]
     with torch.no_grad():
-        head.lm_head.weight.copy_(weights.lm_head.dequantize().float()[head.d2t])  # start from the target's rows
-    trainer = Trainer(head, embed, weights.lm_head.dequantize().float()[head.d2t].contiguous(), lr, ttt_steps)
+        head.lm_head.weight.copy_(target_rows)  # start from the target's rows
+    trainer = Trainer(head, embed, target_rows.contiguous(), lr, ttt_steps)
     checkpoint = out / "checkpoint.pt"
     state = {"epoch": 0, "batch": 0, "seconds": 0.0, "steps": 0}
     if checkpoint.is_file():
