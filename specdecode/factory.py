@@ -186,7 +186,7 @@ def eagle_proposer(path: str | None, target: LoadedModel, tree_width: int = 1):
 
     if path is None:
         if target.source.name != "default":
-            raise ConfigError("--method eagle needs --draft HEAD_DIR (a head trained for this target with "
+            raise ConfigError("--method eagle needs --head HEAD_DIR (a head trained for this target with "
                               "`specdecode train eagle`); a head is shipped only for the default model")
         path = str(DEFAULT_EAGLE_HEAD)
     if not Path(path).is_dir():

@@ -132,7 +132,7 @@ def test_head_files_round_trip_and_bad_heads_are_refused(targets, tmp_path):
     other = load_model(save_tiny_model(tmp_path / "wide", seed=2, num_layers=3, vocab_size=120), torch.float32)
     with pytest.raises(Exception, match="trained for a target with 97 tokens"):
         build_proposer(SpeculativeConfig(method="eagle", draft=str(tmp_path / "head")), other, None)
-    with pytest.raises(ConfigError, match="needs --draft HEAD_DIR"):
+    with pytest.raises(ConfigError, match="needs --head HEAD_DIR"):
         build_proposer(SpeculativeConfig(method="eagle"), target, None)
 
 
