@@ -33,7 +33,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k-max", type=int, default=10, help="with --k auto: the most draft tokens per step")
     parser.add_argument("--draft", default="self:4", help="draft model for --method draft: a path, or self:L (the target's first L layers; untrained, it loses here: docs/performance.md)")
     parser.add_argument("--head", default=None, help="EAGLE head directory for --method eagle (default: the head shipped for the default model)")
-    parser.add_argument("--tree-width", type=int, default=1, help="--method eagle: 1 drafts chains; K > 1 dynamic trees of --k nodes, K children per expanded node (bench spec eagle@6x3)")
+    parser.add_argument("--tree-width", type=int, default=None, help="--method eagle/tree: children per expanded node of the head's dynamic tree of --k nodes (default 3; 1 drafts chains; bench spec eagle@6x3)")
     parser.add_argument("--ngram-sizes", default="3,2,1", help="n-gram sizes tried by --method ngram, longest first")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 
@@ -181,7 +181,7 @@ def _spec_config(args, method: str, k: str | None = None) -> SpeculativeConfig:
     """The speculative config from flags; ``k`` overrides --k ('threshold' = --k auto
     --k-policy threshold), for bench specs like ngram@3."""
     k = args.k if k is None else k
-    width = getattr(args, "tree_width", 1)
+    width = getattr(args, "tree_width", None)
     if isinstance(k, str) and "x" in k:  # bench specs: eagle@6x3 = 6 tree nodes, 3 children per node
         k, _, shape = k.partition("x")
         if not shape.isdigit():

@@ -73,6 +73,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+DEFAULT_TREE_WIDTH = 3  # measured: docs/training.md, "Tree shape"
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Which drafter proposes tokens and how many per step.
@@ -81,7 +84,8 @@ class SpeculativeConfig:
     ``draft`` is a model path/name, or ``self:L`` for the target's first L layers) or
     "eagle" (a trained EAGLE head; ``draft`` is its directory, default: the head shipped
     for the default model) or "tree" (prompt lookup's chain and the head's tree merged
-    into one token tree per step; ``k`` is its node budget).
+    into one token tree per step; ``k`` is its node budget). The head drafts dynamic trees
+    of ``k`` nodes (``tree_width`` children per expanded node), or chains at width 1.
     k: draft tokens per step, or "auto" (the default): chosen per step by ``k_policy`` —
     "cost" (expected speedup from measured acceptance and the cost profile, 0 included)
     or "threshold" (the acceptance-threshold rule from the literature), at most ``k_max``.
@@ -93,7 +97,9 @@ class SpeculativeConfig:
     ngram_sizes: tuple[int, ...] = (3, 2, 1)
     k_policy: str = "cost"
     k_max: int = 10
-    tree_width: int = 1  # eagle: 1 drafts chains of k; K > 1 dynamic trees of k nodes, K children per node
+    # eagle/tree: children per expanded node of the head's dynamic tree (EAGLE-2); 1 drafts
+    # chains. None: DEFAULT_TREE_WIDTH for eagle and tree, 1 for the others
+    tree_width: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -102,6 +108,8 @@ class SpeculativeConfig:
             raise ConfigError(f"k (draft tokens per step) must be 'auto' or an integer >= 1, got {self.k!r}")
         if self.k_policy not in K_POLICIES:
             raise ConfigError(f"k_policy must be one of {K_POLICIES}, got {self.k_policy!r}")
+        if self.tree_width is None:
+            object.__setattr__(self, "tree_width", DEFAULT_TREE_WIDTH if self.method in ("eagle", "tree") else 1)
         if not isinstance(self.tree_width, int) or self.tree_width < 1:
             raise ConfigError(f"tree width must be an integer >= 1, got {self.tree_width!r}")
         if self.k_max < 1:

@@ -209,6 +209,9 @@ class SpeculativeEngine:
         keys and values into contiguous slots."""
         started = time.perf_counter()
         proposal = self.proposer.propose_tree(tokens, budget, params, generator)
+        trim = getattr(self.policy, "trim", None)
+        if trim is not None:  # the tree budget policy keeps the nodes worth their cost
+            proposal = trim(proposal, len(tokens), proposal.passes)
         tree = proposal.tree
         scored = time.perf_counter()
         stats.draft_seconds += scored - started

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, EngineConfig, SpecDecodeError, SpeculativeConfig
-from .control.policies import CostAwareK, CostModel, ThresholdK
+from .control.policies import CostAwareK, CostModel, ThresholdK, TreeBudget
+from .cost.theory import best_k, tau_conditional
 from .engine import SpeculativeEngine
 from .metrics import acceptance_rates
 from .models.hf import load_hf
@@ -274,7 +275,15 @@ def build_policy(spec: SpeculativeConfig, target: LoadedModel, proposer, dtype: 
             profile.acceptance[name] = list(rates)
             record_acceptance(model_key(target), dtype, name, list(rates))
     first, later = profile.acceptance.get(name) or (None, None)
-    return CostAwareK(CostModel(profile, name), k_max=spec.k_max, default_prior=first, default_later=later)
+    costs = CostModel(profile, name)
+    if getattr(proposer, "drafts_trees", False):  # a node budget per step
+        prior = None
+        if first is not None:  # the best chain the calibrated rates predict, as the prior rate
+            conditional = [later] * (spec.k_max - 1)
+            prior = best_k(first, lambda k: profile.v(k, 256), costs.c, spec.k_max,
+                           tau=lambda k: tau_conditional(first, conditional, k))[1]
+        return TreeBudget(costs, k_max=spec.k_max, prior_rate=prior)
+    return CostAwareK(costs, k_max=spec.k_max, default_prior=first, default_later=later)
 
 
 def build_engine(engine: EngineConfig, spec: SpeculativeConfig, runtime: str = "auto",

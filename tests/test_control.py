@@ -15,7 +15,9 @@ from specdecode.cost.theory import (
     taus_conditional, wall_speedup,
 )
 from specdecode.config import ConfigError, SamplingParams, SpeculativeConfig
-from specdecode.control.policies import CostAwareK, CostModel, ThresholdK
+from specdecode.control.policies import CostAwareK, CostModel, ThresholdK, TreeBudget
+from specdecode.proposers.base import TreeProposal
+from specdecode.verify.tree import Tree
 from specdecode.engine import SpeculativeEngine
 from specdecode.factory import build_engine, load_model
 from specdecode.config import EngineConfig
@@ -212,6 +214,44 @@ def test_threshold_policy_follows_the_literature_rule():
     for _ in range(20):
         fresh.observe(5, 5)
     assert fresh.choose(0) == 10  # bounded above
+
+
+def chain_proposal(confidence: list[float], passes: int = 2) -> TreeProposal:
+    n = len(confidence)
+    return TreeProposal(Tree.chain(torch.arange(10, 10 + n)), confidence=torch.tensor(confidence), passes=passes)
+
+
+def test_tree_budget_keeps_the_nodes_worth_their_cost():
+    # v(1) = 1.2, v(2) = 1.4, v(3) = 1.6 at context 100; c = .05 per pass, 2 passes: d = .1
+    # r(0) = 1/1.1, r(1) = 1.9/1.3 = 1.46, r(2) = 2.7/1.5 = 1.8, r(3) = 2.8/1.7 = 1.65
+    policy = TreeBudget(CostModel(synthetic_profile(), "ngram"), k_max=3)
+    assert policy.choose(100) == 3  # the prior (no calibration): speculate, headroom over k_max / 2
+    kept = policy.trim(chain_proposal([0.9, 0.8, 0.1]), 100, passes=2)
+    assert kept.tree.tokens.tolist() == [10, 11]
+    policy.observe(2, 2)
+    assert policy.scale == pytest.approx((1 * 0.8 + 2) / (1 * 0.8 + 1.7))  # accepted / predicted, decayed
+    # a drafter that is sure and always wrong: s falls, trees shrink to nothing, then plain steps
+    for _ in range(12):
+        policy.choose(100)
+        kept = policy.trim(chain_proposal([0.99, 0.98, 0.97]), 100, passes=2)
+        policy.observe(kept.tree.size, 0)
+    assert kept.tree.size == 0 and policy.rate < 1.0
+    assert policy.choose(100) == 0
+
+
+def test_tree_budget_probes_and_returns_to_speculation():
+    policy = TreeBudget(CostModel(synthetic_profile(), "ngram"), k_max=3, prior_rate=0.5)
+    policy.base_probe_interval = policy.probe_interval = 4
+    chosen = [policy.choose(100) for _ in range(5)]
+    assert chosen == [0, 0, 0, 0, 3]  # the probe is a full tree
+    for _ in range(6):  # the workload turns predictable: every node offered is accepted
+        kept = policy.trim(chain_proposal([0.95, 0.9, 0.85], passes=1), 100, passes=1)
+        policy.observe(kept.tree.size, kept.tree.size)
+        policy.choose(100)
+    assert policy.chosen[-1] >= 2 and policy.chosen[-5:].count(0) <= 1
+    # no confidence: the step is not trimmed, and counts by its realized rate
+    untrimmed = TreeProposal(Tree.chain(torch.tensor([1, 2])), passes=1)
+    assert policy.trim(untrimmed, 100, passes=1) is untrimmed
 
 
 # -- lossless with every policy ------------------------------------------------------

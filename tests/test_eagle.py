@@ -198,6 +198,33 @@ def test_eagle_trees_are_lossless_and_well_formed(targets, width):
     assert any(int(tree.depths().max()) >= 2 and tree.size > int(tree.depths().max()) for _, tree in trees)
 
 
+def test_auto_tree_budgets_are_lossless(targets):
+    """--k auto for trees (TreeBudget): budgets and trims vary per step, output does not."""
+    from specdecode.control.policies import CostModel, TreeBudget
+    from specdecode.cost.profile import CostProfile
+    from specdecode.proposers.merged_tree import MergedTreeProposer
+    from specdecode.proposers.ngram import NgramProposer
+
+    profile = CostProfile("m", "fp32", "cpu", 2, contexts=[100], sizes=[1, 2, 4, 8, 16],
+                          step_ms=[[10, 11, 12, 14, 18]], drafters={"eagle": 0.02})
+    rng = random.Random(7)
+    sizes = []
+    for target in targets:
+        plain = SpeculativeEngine(target.runtime)
+        for seed in range(2):
+            eagle = proposer_for(target, random_head(target, 30 + seed))
+            eagle.tree_width = 3
+            for proposer in (eagle, MergedTreeProposer(NgramProposer((3, 2, 1)), eagle)):
+                policy = TreeBudget(CostModel(profile, "eagle"), k_max=8)
+                engine = SpeculativeEngine(target.runtime, proposer=proposer, k=policy)
+                base = [rng.randrange(3, 97) for _ in range(4)]
+                prompt = base * 3 + [rng.randrange(3, 97) for _ in range(rng.randint(0, 4))]
+                result = engine.generate(prompt, GREEDY)
+                assert result.token_ids == plain.generate(prompt, GREEDY).token_ids, (seed, proposer.name, prompt)
+                sizes += policy.kept_sizes
+    assert len(set(sizes)) >= 3 and max(sizes) >= 3  # trimmed to different sizes per step
+
+
 def test_merged_trees_are_lossless_and_hold_both_drafters(targets):
     """--method tree: prompt lookup's chain and the head's tree in one tree; greedy output
     equals plain decoding, and the n-gram continuation is a path of every merged tree."""

@@ -28,6 +28,21 @@ def test_tree_shape_depths_and_mask():
         tree([1, 2], [0, 2])
 
 
+def test_subtrees_keep_nodes_with_their_parents_and_the_most_confident_nodes():
+    from specdecode.proposers.base import TreeProposal
+
+    t = tree([5, 6, 7, 8, 9], [0, 0, 1, 3, 2])  # root -> 5, 6; 5 -> 7 -> 8; 6 -> 9
+    kept = t.keep([1, 3, 2])
+    assert kept.tokens.tolist() == [5, 6, 7] and kept.parents.tolist() == [0, 0, 1]
+    with pytest.raises(ValueError, match=r"nodes \[4\] are kept without their parents"):
+        t.keep([1, 4])
+    proposal = TreeProposal(t, confidence=torch.tensor([0.9, 0.3, 0.6, 0.6, 0.1]), passes=3)
+    best = proposal.best(3)  # 0.9, 0.6, 0.6 (node 3 before its equal child 4)
+    assert best.tree.tokens.tolist() == [5, 7, 8] and best.tree.parents.tolist() == [0, 1, 2]
+    assert best.confidence.tolist() == pytest.approx([0.9, 0.6, 0.6]) and best.passes == 3
+    assert proposal.best(0).tree.size == 0 and proposal.best(9) is proposal
+
+
 def test_static_tree_from_choice_paths():
     parents, nodes = tree_from_paths([[0, 1], [1], [0, 0]])
     assert nodes == [(0,), (1,), (0, 0), (0, 1)]

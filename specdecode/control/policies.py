@@ -44,6 +44,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from ..cost.theory import best_k, tau_conditional, taus_conditional
 from ..config import ConfigError
 
@@ -220,6 +222,145 @@ class CostAwareK:
 
     def describe(self) -> str:
         return f"auto(<= {self.k_max})"
+
+
+class TreeBudget:
+    """``--k auto`` for tree drafters: a node budget per step, 0 = a plain step.
+
+    A tree drafter ranks its nodes by confidence p_i, its estimate that node i will be
+    accepted (the product of the draft probabilities along the node's path; a node is never
+    more confident than its parent). Were those calibrated, a tree of the n most confident
+    nodes would accept P(n) = p_1 + .. + p_n nodes on average. A small head is not calibrated
+    (and less so off its training domain), so the policy learns a factor s = accepted /
+    predicted over recent steps (decayed counts) and, once the drafter has built its tree,
+    keeps the n nodes (``trim``) that maximise the expected rate
+
+        r(n) = (1 + s P(n)) / (v(n) + d)
+
+    v(n): the profile's cost of scoring n + 1 tokens at this context; d = c x the head
+    passes the tree took (already spent, but spent whether n is 0 or not). n = 0 is a plain
+    step. Whether to draft at all is decided before drafting, from the decayed mean of the
+    best rate recent trees offered (seeded by the chain rate the calibrated acceptance
+    predicts): below 1 + margin the policy decodes plainly and probes with a full tree now
+    and then, spaced like ``CostAwareK``'s probes. The budget handed to the drafter (which
+    bounds its tree's depth, hence its passes) is the last step's best n plus headroom, so a
+    run of confident drafts grows the tree step by step. A drafter that gives no confidence
+    is not trimmed, and its steps count by their realized rate (accepted + 1) / (v(n) + d).
+    """
+
+    name = "auto"
+
+    def __init__(self, costs: CostModel, k_max: int = 16, decay: float = 0.8, margin: float = 0.02,
+                 prior_rate: float | None = None, prior_strength: float = 3.0, probe_budget: float = 0.01,
+                 max_probe_interval: int = 128):
+        if k_max < 1:
+            raise ConfigError(f"k_max must be >= 1, got {k_max}")
+        if not 0.0 < decay <= 1.0:
+            raise ConfigError(f"decay must be in (0, 1], got {decay}")
+        self.costs, self.k_max, self.decay, self.margin = costs, k_max, decay, margin
+        self._c = costs.c
+        self.prior_rate = 1.0 + 2 * margin if prior_rate is None else prior_rate
+        self.prior_strength = prior_strength
+        self._tables: dict[int, list[float]] = {}
+        # a probe is a full tree: about v(k_max) - 1 + (depth) c steps beyond a plain one
+        probe_cost = max(self._v_table(256)[k_max] - 1.0, 0.0) + min(k_max, 8) * self._c
+        self.base_probe_interval = min(max(8, math.ceil(probe_cost / probe_budget)), max_probe_interval)
+        self.max_probe_interval = max_probe_interval
+        self.start()
+
+    def start(self, prior_alpha: float | None = None) -> None:
+        self.scale_counts = [1.0, 1.0]  # [accepted, predicted]: s starts at 1, weakly
+        self.rate_counts = [self.prior_rate * self.prior_strength, self.prior_strength]
+        self.last_best = max(2, self.k_max // 2)
+        self.plain_steps = 0
+        self.probe_interval = self.base_probe_interval
+        self.probing = False
+        self.context = 0
+        # the last trim: (every node's confidence, P(n) of the nodes kept, head passes)
+        self.last_step: tuple[torch.Tensor | None, float | None, int] = (None, None, 0)
+        self.chosen: list[int] = []  # budget per step (0 = plain), for reports
+        self.kept_sizes: list[int] = []  # nodes kept per drafted step
+
+    @property
+    def scale(self) -> float:
+        return self.scale_counts[0] / self.scale_counts[1]
+
+    @property
+    def rate(self) -> float:
+        """Expected tokens per unit of plain-step time when speculating (decayed)."""
+        return self.rate_counts[0] / self.rate_counts[1]
+
+    def _v_table(self, context: int) -> list[float]:
+        bucket = context // 64 * 64 + 32
+        table = self._tables.get(bucket)
+        if table is None:
+            table = self._tables[bucket] = [self.costs.v(n, bucket) for n in range(self.k_max + 1)]
+        return table
+
+    def choose(self, context: int) -> int:
+        self.context = context
+        self.probing = False
+        if self.rate > 1.0 + self.margin:
+            budget = min(self.k_max, max(2, self.last_best + max(2, self.last_best // 2)))
+        else:
+            budget = 0
+            self.plain_steps += 1
+            if self.plain_steps > self.probe_interval:
+                self.plain_steps, self.probing, budget = 0, True, self.k_max
+        self.chosen.append(budget)
+        return budget
+
+    def _rates(self, confidence: torch.Tensor, passes: int) -> list[float]:
+        """r(n) for n = 0..len(confidence), nodes most confident first."""
+        table, d, s = self._v_table(self.context), passes * self._c, self.scale
+        ordered = sorted(confidence.tolist(), reverse=True)[: self.k_max]
+        rates, predicted = [1.0 / (1.0 + d)], 0.0
+        for n, p in enumerate(ordered, start=1):
+            predicted += p
+            rates.append((1.0 + s * predicted) / (table[n] + d))
+        return rates
+
+    def trim(self, proposal, context: int, passes: int):
+        """The nodes of ``proposal`` (a TreeProposal, built in ``passes`` head passes)
+        worth their cost; may be none. ``observe`` then learns from the step."""
+        self.context = context
+        if proposal.confidence is None or proposal.num_tokens == 0:
+            self.last_step = (None, None, passes)
+            return proposal
+        rates = self._rates(proposal.confidence, passes)
+        best = max(range(len(rates)), key=rates.__getitem__)
+        kept = proposal.best(best)
+        self.last_step = (proposal.confidence, float(kept.confidence.sum()) if best else 0.0, passes)
+        self.last_best = best
+        return kept
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """After a tree step that kept ``drafted`` nodes and accepted ``accepted``."""
+        confidence, predicted, passes = self.last_step
+        self.last_step = (None, None, 0)
+        if drafted <= 0 and confidence is None:
+            return
+        self.kept_sizes.append(drafted)
+        if predicted:
+            counts = self.scale_counts
+            counts[0] = counts[0] * self.decay + accepted
+            counts[1] = counts[1] * self.decay + predicted
+        if confidence is not None:  # the best rate this tree offered, by what was learnt from it
+            offered = max(self._rates(confidence, passes))
+        else:
+            table = self._v_table(self.context)
+            offered = (accepted + 1) / (table[min(drafted, self.k_max)] + passes * self._c)
+        counts = self.rate_counts
+        counts[0] = counts[0] * self.decay + offered
+        counts[1] = counts[1] * self.decay + 1
+        if self.probing:
+            if self.rate > 1.0 + self.margin:
+                self.probe_interval = self.base_probe_interval
+            else:
+                self.probe_interval = min(max(self.probe_interval * 2, self.base_probe_interval), self.max_probe_interval)
+
+    def describe(self) -> str:
+        return f"auto tree(<= {self.k_max} nodes)"
 
 
 class ThresholdK:

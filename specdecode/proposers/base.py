@@ -38,10 +38,27 @@ class TreeProposal:
     # [n, V] float32: the distribution each node's token was drawn from; None: the
     # nodes were chosen deterministically (top-k), point masses to the verifier
     draft_probs: torch.Tensor | None = None
+    # [n] float32: the drafter's estimate of each node's chance to be accepted (the
+    # product of its path's draft probabilities), never above its parent's; None: no
+    # estimate. The tree budget policy keeps the nodes worth their cost by it.
+    confidence: torch.Tensor | None = None
+    passes: int = 0  # drafter passes this tree took (each costs the profile's c)
 
     @property
     def num_tokens(self) -> int:
         return self.tree.size
+
+    def best(self, count: int) -> "TreeProposal":
+        """The ``count`` most confident nodes (ties: the earlier node), a subtree since a
+        node is never more confident than its parent."""
+        if self.confidence is None or count >= self.tree.size:
+            return self
+        order = sorted(range(self.tree.size), key=lambda i: (-float(self.confidence[i]), i))[:count]
+        kept = sorted(order)
+        index = torch.tensor(kept, dtype=torch.int64)
+        return TreeProposal(self.tree.keep([i + 1 for i in kept]),
+                            None if self.draft_probs is None else self.draft_probs[index], self.confidence[index],
+                            self.passes)
 
 
 class Proposer(Protocol):

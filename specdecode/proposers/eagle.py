@@ -163,8 +163,10 @@ class EagleProposer:
         their ancestors' entries) and each offers its ``tree_width`` best children; the
         tree is the ``budget`` best-scored nodes (an ancestor scores at least as well as
         its descendants, so the set is closed under parents). Children are top-k choices,
-        so the verifier treats them as point masses, greedy or sampling."""
+        so the verifier treats them as point masses, greedy or sampling. Each node's
+        confidence is its path's draft probability, exp(score)."""
         empty = TreeProposal(Tree(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)))
+        passes = int(bool(self.pending))
         self._flush()
         if self.last_logits is None or self.length != len(tokens) - 1 or budget < 1:
             return empty
@@ -205,6 +207,7 @@ class EagleProposer:
                 mask[row, next_slot + row] = True
             positions = torch.tensor([committed + depth_of[i] - 1 for i in expand])
             g = self._run(hidden, [tokens_of[i] for i in expand], next_slot, positions, mask)
+            passes += 1
             logits = head.logits(g)
             frontier = []
             for row, node in enumerate(expand):
@@ -220,7 +223,7 @@ class EagleProposer:
         number = {candidate: n + 1 for n, candidate in enumerate(chosen)}
         tree = Tree(torch.tensor([tokens_of[i] for i in chosen], dtype=torch.int64),
                     torch.tensor([number[parent_of[i]] if parent_of[i] >= 0 else 0 for i in chosen], dtype=torch.int64))
-        return TreeProposal(tree)
+        return TreeProposal(tree, confidence=torch.tensor([scores[i] for i in chosen]).exp(), passes=passes)
 
     def _log_probs(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """Draft log-probabilities over the draft vocabulary for ranking children (the

@@ -69,6 +69,18 @@ class Tree:
             kids[parent].append(child)
         return kids
 
+    def keep(self, nodes: list[int]) -> "Tree":
+        """The subtree of ``nodes`` (1-based, closed under parents), renumbered in their
+        order here: e.g. the best n nodes of a scored tree."""
+        chosen = sorted(nodes)
+        number = {0: 0} | {node: i + 1 for i, node in enumerate(chosen)}
+        parents = self.parents.tolist()
+        missing = [node for node in chosen if parents[node - 1] not in number]
+        if missing:
+            raise ValueError(f"nodes {missing[:5]} are kept without their parents")
+        index = torch.tensor(chosen, dtype=torch.int64) - 1
+        return Tree(self.tokens[index], torch.tensor([number[parents[node - 1]] for node in chosen], dtype=torch.int64))
+
     def path_to(self, node: int) -> list[int]:
         """Nodes from the root's first child down to ``node`` (empty for the root)."""
         path = []
