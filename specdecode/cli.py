@@ -142,6 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
     eagle.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per optimizer step (default 2048)")
     eagle.add_argument("--corpus-tokens", type=int, default=200_000, help="tokens of the local code corpus to train on beside the answers")
     eagle.add_argument("--max-length", type=int, default=768, help="tokens per training sequence at most")
+    export = train_verbs.add_parser("export", help="write an EAGLE head in vLLM's eagle3 (EAGLE-3) or the speculators layout")
+    export.add_argument("--head", default=None, help="head directory (default: the head shipped for the default model)")
+    export.add_argument("--format", default="eagle3", choices=["eagle3", "speculators"], help="eagle3: vLLM --speculative-config method eagle3 / EAGLE-3; speculators: the speculators library (vLLM reads it too)")
+    export.add_argument("--out", required=True, help="directory to write (config.json, model.safetensors)")
+    export.add_argument("--target", "--model", dest="model", default="default", help="the head's target (its embedding goes into the speculators layout)")
+    export.add_argument("--verifier", default=None, help="the target's name for the speculators config (default: HuggingFaceTB/SmolLM2-135M-Instruct for the default model, else --target)")
+    export.add_argument("--k", type=int, default=3, help="speculative tokens the speculators config proposes (default 3)")
+    _target_flags(export)
+    eagle.add_argument("--init", default=None, help="go on training a head (a directory written by train eagle): its draft vocabulary and weights")
     _target_flags(eagle)
 
     mem = verbs.add_parser("memory", help="weights, KV cache and activation memory of target + drafter")
@@ -385,6 +394,8 @@ def cmd_train(args) -> int:
 
     if args.train_verb == "eagle":
         return cmd_train_eagle(args)
+    if args.train_verb == "export":
+        return cmd_train_export(args)
     check_settings(args.prompts, args.samples, args.temperature, args.max_new_tokens, args.corpus_tokens,
                    args.chunk_tokens)
     engine_config = _engine_config(args)
@@ -398,6 +409,39 @@ def cmd_train(args) -> int:
                          args.corpus_tokens, args.chunk_tokens, args.seed, plain.encode)
     print(summary.format())
     print(f"written to {args.out}/ (answers.jsonl, corpus.jsonl, summary.json)")
+    return 0
+
+
+DEFAULT_VERIFIER = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the default model's Hugging Face name
+
+
+def cmd_train_export(args) -> int:
+    from pathlib import Path
+
+    from .factory import DEFAULT_EAGLE_HEAD, load_target, log
+    from .proposers.eagle_formats import export_head
+    from .proposers.eagle_head import EagleHead
+
+    if args.k < 1:
+        raise SpecDecodeError(f"--k must be >= 1, got {args.k}")
+    if args.head is None and args.model != "default":
+        raise SpecDecodeError("--head HEAD_DIR is needed: a head is shipped only for the default model")
+    head_dir = Path(args.head) if args.head else DEFAULT_EAGLE_HEAD
+    if not head_dir.is_dir():
+        raise SpecDecodeError(f"EAGLE head not found: {head_dir} is not a directory")
+    target = load_target(_engine_config(args))
+    runtime = target.runtime
+    head = EagleHead.load(head_dir, target_layers=runtime.num_layers)
+    embed = runtime.weights.embed.dequantize().float() if args.format == "speculators" else None
+    verifier = args.verifier or (DEFAULT_VERIFIER if args.model == "default" else args.model)
+    files = export_head(head, Path(args.out), args.format, verifier=verifier, max_positions=runtime.max_positions,
+                        embed=embed, speculative_tokens=args.k)
+    log(f"wrote {', '.join(str(f) for f in files)} ({args.format} layout)")
+    if args.format == "eagle3":
+        print(f"vLLM: --speculative-config '{{\"method\": \"eagle3\", \"model\": \"{args.out}\", "
+              f"\"num_speculative_tokens\": {args.k}}}'")
+    else:
+        print(f"vLLM: vllm serve {args.out}  (the speculators config names the verifier {verifier})")
     return 0
 
 
@@ -416,7 +460,8 @@ def cmd_train_eagle(args) -> int:
         torch.set_num_threads(engine_config.num_threads)
     target = load_target(engine_config)
     report = train_eagle(target, Path(args.data), Path(args.out), args.draft_vocab, args.ttt_steps, args.minutes,
-                         args.lr, args.batch_tokens, args.corpus_tokens, args.max_length, args.seed, log=log)
+                         args.lr, args.batch_tokens, args.corpus_tokens, args.max_length, args.seed,
+                         init=Path(args.init) if args.init else None, log=log)
     print(json.dumps(report, indent=2))
     taus = ", ".join(f"k={k}: {t:.2f}" for k, t in report["chain_tau"].items())
     print(f"held-out acceptance: first token {report['first_token_agreement']:.1%}; chain tau {taus}")

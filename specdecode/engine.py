@@ -233,6 +233,7 @@ class SpeculativeEngine:
             self.target.rollback(context)
         new_tokens = [int(tree.tokens[node - 1]) for node in path] + [bonus]
         stats.observe_step(tree.size, len(path), int(depths.max()) if tree.size else 0)
+        stats.draft_passes += proposal.passes
         observed = time.perf_counter()
         stats.verify_seconds += observed - scored
         if features is not None:
@@ -282,6 +283,7 @@ class SpeculativeEngine:
         accepted = int(num_accepted[0])
         self.target.rollback(context + accepted)
         stats.observe_step(num_drafted, accepted)
+        stats.draft_passes += num_drafted
         new_tokens = output_ids[0, : accepted + 1].tolist()
         observed = time.perf_counter()
         stats.verify_seconds += observed - scored

@@ -192,8 +192,8 @@ def eagle_proposer(path: str | None, target: LoadedModel, tree_width: int = 1):
         path = str(DEFAULT_EAGLE_HEAD)
     if not Path(path).is_dir():
         raise ConfigError(f"EAGLE head not found: {path} is not a directory")
-    head = EagleHead.load(Path(path))
     runtime = target.runtime
+    head = EagleHead.load(Path(path), target_layers=getattr(runtime, "num_layers", None))
     if not hasattr(runtime, "weights"):
         raise ConfigError("--method eagle needs the native runtime (it reads the target's hidden states)")
     cfg, c = runtime.cfg, head.config

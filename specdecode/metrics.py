@@ -27,6 +27,8 @@ class GenerationStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     rejections: int = 0  # steps in which a draft token was rejected
+    # drafter calls, each costing the profile's c: one per chain draft token, a tree's passes
+    draft_passes: int = 0
     target_forwards: int = 0  # decoding passes after the prefill; each yields accepted + 1
     # steps by the number of draft tokens scored: {d: steps that scored d drafts + 1}
     steps_by_drafted: dict[int, int] = field(default_factory=dict)

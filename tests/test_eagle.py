@@ -136,6 +136,51 @@ def test_head_files_round_trip_and_bad_heads_are_refused(targets, tmp_path):
         build_proposer(SpeculativeConfig(method="eagle"), target, None)
 
 
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+def test_heads_export_to_vllm_layouts_and_import_back(targets, tmp_path, fmt):
+    """A head written in vLLM's eagle3 (EAGLE-3) or the speculators layout carries their
+    names and vocabulary maps (d2t offsets, t2d mask), and loads back to the same head:
+    same weights, same vocabulary, the same proposals."""
+    import json
+
+    from safetensors.torch import load_file
+    from specdecode.proposers.eagle_formats import export_head
+
+    target = targets[0]
+    head = random_head(target, 4)
+    head.save(tmp_path / "ours")  # bf16, like the export
+    ours = EagleHead.load(tmp_path / "ours")
+    embed = target.runtime.weights.embed_rows(torch.arange(target.runtime.vocab_size)).float()
+    export_head(ours, tmp_path / fmt, fmt, verifier="tiny", max_positions=256, embed=embed)
+    tensors = load_file(str(tmp_path / fmt / "model.safetensors"))
+    config = json.loads((tmp_path / fmt / "config.json").read_text())
+    layer = "midlayer." if fmt == "eagle3" else "layers.0."
+    assert tensors[layer + "self_attn.q_proj.weight"].shape == (head.config.num_heads * head.config.head_dim,
+                                                              2 * head.config.hidden_size)
+    assert torch.equal(tensors["d2t"] + torch.arange(60), head.d2t)  # offsets: target = draft + d2t[draft]
+    assert tensors["t2d"].dtype == torch.bool and int(tensors["t2d"].sum()) == 60 and bool(tensors["t2d"][head.d2t].all())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 1, 0] and config["norm_before_residual"] is False
+    if fmt == "eagle3":
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 60
+        assert "embed_tokens.weight" not in tensors
+    else:
+        assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny"
+        assert config["transformer_layer_config"]["num_hidden_layers"] == 1
+        assert torch.equal(tensors["embed_tokens.weight"], embed.to(torch.bfloat16))
+    back = EagleHead.load(tmp_path / fmt)
+    assert back.config == ours.config and torch.equal(back.d2t, ours.d2t)
+    for name, parameter in ours.state_dict().items():
+        assert torch.equal(back.state_dict()[name], parameter), name
+    prompt = [5, 9, 14, 3, 7, 22, 9, 14]
+    committed = prompt + [3]
+    assert fresh_proposal(target, back, committed, 4) == fresh_proposal(target, ours, committed, 4)
+    # a variant this head does not compute is refused by name
+    config["norm_before_residual"] = True
+    (tmp_path / fmt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception, match="norm_before_residual = true"):
+        EagleHead.load(tmp_path / fmt)
+
+
 def test_the_cost_profile_times_real_head_passes(targets):
     """measure_drafter shows a head drafter target features first, so its proposals are
     real drafts (an unfed head would propose nothing and look free)."""

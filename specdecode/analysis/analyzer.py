@@ -46,11 +46,16 @@ def _context(record: dict) -> int:
 
 def predicted_seconds(record: dict, profile, c: float, prefill: float) -> float:
     """Wall time the cost profile predicts for a run with this step structure: each step
-    that scored d drafts costs time(d+1); each draft token c target steps; plus prefill."""
+    that scored d drafts (chain tokens or tree nodes) costs time(d+1); each drafter pass c
+    target steps (a chain pays one per draft token, a tree one per depth it grew); plus prefill."""
     context = _context(record)
     decode_ms = sum(int(steps) * profile.time_ms(int(d) + 1, context) for d, steps in record["steps_by_drafted"].items())
-    decode_ms += record.get("draft_tokens", 0) * c * profile.time_ms(1, context)
+    decode_ms += _draft_passes(record) * c * profile.time_ms(1, context)
     return prefill + decode_ms / 1e3
+
+
+def _draft_passes(record: dict) -> int:
+    return record.get("draft_passes", record.get("draft_tokens", 0))
 
 
 def predict_record(record: dict, plain: dict, profile, c: float) -> float:
@@ -90,7 +95,7 @@ def summarize_group(rows: list[dict], profile, c: float, serving: str, batch: in
     plain_share = _mean([r["plain_steps_share"] for r in rows if r.get("plain_steps_share") is not None])
 
     balance = (f"tau = {tau:.2f} tokens per pass {'exceeds' if tau > step_cost else 'does not exceed'} the mean step "
-               f"cost v + k c = {step_cost:.2f} (mean {k_mean:.1f} drafts per pass)")
+               f"cost v + k c = {step_cost:.2f} (mean {k_mean:.1f} drafts or tree nodes per pass)")
     cost = f"{'wins' if measured >= 1.0 else 'loses'}: {balance} -> predicted {predicted:.2f}x, measured {measured:.2f}x"
     if measured < 1.0 <= predicted:
         cost += " (the model's cost alone would win; per-step work outside the forward pass eats the margin)"
@@ -133,7 +138,7 @@ def annotate(records: list[dict], profile, costs: dict[str, float]) -> None:
         context = _context(r)
         steps = sum(int(s) for s in r["steps_by_drafted"].values())
         cost = sum(int(s) * profile.v(int(d), context) for d, s in r["steps_by_drafted"].items())
-        r["step_cost"] = (cost + r["draft_tokens"] * c) / steps if steps else 1.0
+        r["step_cost"] = (cost + _draft_passes(r) * c) / steps if steps else 1.0
 
 
 def analyze(args, engine_config, spec_config, params, temperatures: list[float], methods: list[str],
@@ -264,7 +269,7 @@ def _table_rows(result: dict) -> list[list[str]]:
     return rows
 
 
-HEADER = ["T", "method", "category", "n", "alpha", "var", "tau", "acceptance by position 1..6",
+HEADER = ["T", "method", "category", "n", "alpha", "var", "tau", "acceptance by position (tree depth) 1..6",
           "predicted", "measured", "error", "same", "by acceptance"]
 
 

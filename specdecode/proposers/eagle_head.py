@@ -196,15 +196,23 @@ class EagleHead(nn.Module):
         (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
     @classmethod
-    def load(cls, directory: Path) -> "EagleHead":
+    def load(cls, directory: Path, target_layers: int | None = None) -> "EagleHead":
+        """A head written by ``save``, or by vLLM/EAGLE-3 or speculators (``eagle_formats``);
+        ``target_layers`` places the layers a foreign checkpoint reads if it does not say."""
         from safetensors.torch import load_file
+
+        from .eagle_formats import detect, import_head
 
         directory = Path(directory)
         if not (directory / "config.json").is_file() or not (directory / "model.safetensors").is_file():
             raise SpecDecodeError(f"{directory} is not an EAGLE head (needs config.json and model.safetensors)")
-        raw = json.loads((directory / "config.json").read_text())
-        if raw.get("architecture") != "specdecode-eagle3":
-            raise SpecDecodeError(f"{directory}/config.json is not a specdecode EAGLE head")
+        try:
+            raw = json.loads((directory / "config.json").read_text())
+        except json.JSONDecodeError as error:
+            raise SpecDecodeError(f"{directory}/config.json is not valid JSON: {error}") from None
+        fmt = detect(raw)
+        if fmt != "specdecode":
+            return import_head(directory, raw, fmt, target_layers)
         fields = EagleConfig.__dataclass_fields__
         config = EagleConfig(**{k: v for k, v in raw.items() if k in fields})
         config.capture_layers = tuple(config.capture_layers)

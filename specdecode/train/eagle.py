@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -88,39 +89,46 @@ def draft_vocabulary(sequences: list[Sequence], size: int, vocab_size: int, alwa
     return torch.tensor(sorted(chosen), dtype=torch.int64)
 
 
-def extract_features(runtime, sequences: list[Sequence], capture: tuple[int, ...], out: Path, progress=None) -> list[Path]:
-    """Run the target over every sequence; shards of features, final hidden, argmax.
-    Existing shards are kept (resume)."""
+def sequence_key(ids: list[int]) -> str:
+    """What a stored feature record belongs to: the token ids it was computed over."""
+    return hashlib.sha1(torch.tensor(ids, dtype=torch.int32).numpy().tobytes()).hexdigest()
+
+
+def extract_features(runtime, sequences: list[Sequence], capture: tuple[int, ...], out: Path,
+                     progress=None) -> dict[str, dict]:
+    """Run the target over every sequence: features, final hidden state and argmax per
+    token, by ``sequence_key``. Shards under ``out`` are kept and reused by content, so a
+    grown training set (more answers) only computes what is new, and an interrupted run
+    resumes after its last whole shard."""
     out.mkdir(parents=True, exist_ok=True)
-    groups, current, size = [], [], 0
-    for index, sequence in enumerate(sequences):
-        current.append(index)
+    records: dict[str, dict] = {}
+    shards = sorted(out.glob("shard-*.pt"))
+    for path in shards:
+        for record in torch.load(path):
+            if "key" in record:  # shards of an older layout (by index) are not reused
+                records[record["key"]] = record
+    wanted = {sequence_key(s.ids): s for s in sequences}
+    if progress is not None:
+        progress(sum(len(s.ids) for key, s in wanted.items() if key in records))
+    todo = [(key, s) for key, s in wanted.items() if key not in records]
+    number = int(shards[-1].stem.split("-")[1]) + 1 if shards else 0
+    batch, size = [], 0
+    for position, (key, sequence) in enumerate(todo):
+        runtime.reset(len(sequence.ids))
+        logits, hidden, features = runtime(torch.tensor([sequence.ids]), return_hidden=True, capture=capture)
+        record = {"key": key, "features": features[0].to(torch.bfloat16),
+                  "final": hidden[0].float().to(torch.bfloat16), "argmax": logits[0].argmax(-1).to(torch.int32)}
+        records[key] = record
+        batch.append(record)
         size += len(sequence.ids)
-        if size >= SHARD_TOKENS:
-            groups.append(current)
-            current, size = [], 0
-    if current:
-        groups.append(current)
-    paths = []
-    for number, group in enumerate(groups):
-        path = out / f"shard-{number:04d}.pt"
-        paths.append(path)
-        if path.is_file():
-            if progress is not None:
-                progress(sum(len(sequences[i].ids) for i in group))
-            continue
-        records = []
-        for index in group:
-            ids = sequences[index].ids
-            runtime.reset(len(ids))
-            logits, hidden, features = runtime(torch.tensor([ids]), return_hidden=True, capture=capture)
-            records.append({"index": index, "features": features[0].to(torch.bfloat16),
-                            "final": hidden[0].float().to(torch.bfloat16), "argmax": logits[0].argmax(-1).to(torch.int32)})
-            if progress is not None:
-                progress(len(ids))
-        torch.save(records, path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").rename(path)
-    return paths
+        if progress is not None:
+            progress(len(sequence.ids))
+        if size >= SHARD_TOKENS or position == len(todo) - 1:
+            path = out / f"shard-{number:04d}.pt"
+            torch.save(batch, path.with_suffix(".tmp"))
+            path.with_suffix(".tmp").rename(path)
+            number, batch, size = number + 1, [], 0
+    return records
 
 
 class Trainer:
@@ -222,7 +230,7 @@ def batches(items: list, batch_tokens: int, seed: int) -> list[list]:
 
 def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_steps: int = 3, minutes: float = 60.0,
                 lr: float = 3e-4, batch_tokens: int = 2048, corpus_tokens: int = 200_000, max_length: int = 768,
-                seed: int = 0, log=print) -> dict:
+                seed: int = 0, init: Path | None = None, log=print) -> dict:
     """The whole recipe; returns the evaluation report (also written to OUT/report.json)."""
     from tqdm import tqdm
 
@@ -231,27 +239,33 @@ def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_
     runtime, cfg = target.runtime, target.runtime.cfg
     torch.manual_seed(seed)
     sequences = training_sequences(Path(data_dir), corpus_tokens, max_length)
-    config = EagleConfig.for_target(cfg, draft_vocab)
-    head = EagleHead(config)
-    head.set_draft_vocab(draft_vocabulary(sequences, config.draft_vocab_size, cfg.vocab_size, target.eos_token_ids))
+    if init is not None:  # go on from a trained head: its sizes, vocabulary and weights
+        head = EagleHead.load(Path(init))
+        config = head.config
+        fresh = EagleConfig.for_target(cfg, config.draft_vocab_size)
+        if (config.hidden_size, config.target_vocab_size, tuple(config.capture_layers)) != (
+                fresh.hidden_size, fresh.target_vocab_size, tuple(fresh.capture_layers)):
+            raise SpecDecodeError(f"--init {init}: that head was trained for another target")
+        log(f"starting from the head in {init} (draft vocabulary {config.draft_vocab_size})")
+    else:
+        config = EagleConfig.for_target(cfg, draft_vocab)
+        head = EagleHead(config)
+        head.set_draft_vocab(draft_vocabulary(sequences, config.draft_vocab_size, cfg.vocab_size, target.eos_token_ids))
 
     total_tokens = sum(len(s.ids) for s in sequences)
     with tqdm(total=total_tokens, unit="tok", desc="target features") as bar:
-        shards = extract_features(runtime, sequences, config.capture_layers, out / "features", bar.update)
-    records = {}
-    for path in shards:
-        for record in torch.load(path):
-            records[record["index"]] = record
-    train_items = [(s, records[i]) for i, s in enumerate(sequences) if not s.held_out]
-    eval_items = [(s, records[i]) for i, s in enumerate(sequences) if s.held_out]
+        records = extract_features(runtime, sequences, config.capture_layers, out / "features", bar.update)
+    train_items = [(s, records[sequence_key(s.ids)]) for s in sequences if not s.held_out]
+    eval_items = [(s, records[sequence_key(s.ids)]) for s in sequences if s.held_out]
     log(f"sequences: {len(train_items)} training ({sum(len(s.ids) for s, _ in train_items)} tokens), "
         f"{len(eval_items)} held out; draft vocabulary {config.draft_vocab_size} of {cfg.vocab_size}")
 
     weights = runtime.weights
     embed = weights.embed.dequantize().float()
     target_rows = (embed if weights.lm_head is weights.embed else weights.lm_head.dequantize().float())[head.d2t]
-    with torch.no_grad():
-        head.lm_head.weight.copy_(target_rows)  # start from the target's rows
+    if init is None:
+        with torch.no_grad():
+            head.lm_head.weight.copy_(target_rows)  # start from the target's rows
     trainer = Trainer(head, embed, target_rows.contiguous(), lr, ttt_steps)
     checkpoint = out / "checkpoint.pt"
     state = {"epoch": 0, "batch": 0, "seconds": 0.0, "steps": 0}
@@ -303,7 +317,8 @@ def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_
                    "parameters": sum(p.numel() for p in head.parameters())})
     head.save(out, {"target": getattr(getattr(target, "source", None), "name", None), "report": report, "recipe": {"draft_vocab": draft_vocab, "ttt_steps": ttt_steps, "lr": lr,
                                                  "batch_tokens": batch_tokens, "corpus_tokens": corpus_tokens,
-                                                 "max_length": max_length, "seed": seed}})
+                                                 "max_length": max_length, "seed": seed,
+                                                 "init": None if init is None else str(init)}})
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 

@@ -1,0 +1,169 @@
+"""EAGLE-3 heads in the layouts other engines load: export, and import back.
+
+Two layouts besides ours (``config.json`` with ``"architecture": "specdecode-eagle3"``):
+
+- ``eagle3``: the original EAGLE-3 checkpoint, which vLLM's ``eagle3`` method loads
+  (``Eagle3LlamaForCausalLM``): a Llama config with ``num_hidden_layers`` 1,
+  ``draft_vocab_size`` and ``architectures: ["LlamaForCausalLMEagle3"]``; tensors
+  ``midlayer.*`` (the decoder layer, its q/k/v reading 2H), ``fc``, ``norm``,
+  ``lm_head`` [N, H], and the vocabulary maps ``d2t`` (int64 [N], an *offset*: target id =
+  draft id + d2t[draft id]) and ``t2d`` (bool [V], the target ids the head can draft). No
+  token embedding: the target's is shared, as ours does.
+- ``speculators``: the speculators library's ``Eagle3Speculator`` (vLLM reads it too):
+  the decoder layer under ``layers.0.*``, the Llama sizes under ``transformer_layer_config``,
+  ``speculators_config`` naming the verifier (the target) and a greedy proposal method,
+  and ``embed_tokens.weight`` (the target's, frozen) when exported with the target.
+
+Both read the target's residual stream entering the layers ``eagle_aux_hidden_state_layer_ids``
+(vLLM's convention and ours), and both put the fused feature, not its norm, on the
+residual path (``norm_before_residual: false``); a checkpoint that says otherwise (or uses
+the speculators variants ``norm_before_fc``, ``fc_norm``, ``norm_output``) is refused, since
+this head does not compute it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..config import SpecDecodeError
+
+FORMATS = ("eagle3", "speculators")
+
+# our parameter -> the decoder layer's name in the Llama layout (under midlayer. or layers.0.)
+LAYER_NAMES = {
+    "q_proj.weight": "self_attn.q_proj.weight", "k_proj.weight": "self_attn.k_proj.weight",
+    "v_proj.weight": "self_attn.v_proj.weight", "o_proj.weight": "self_attn.o_proj.weight",
+    "gate_proj.weight": "mlp.gate_proj.weight", "up_proj.weight": "mlp.up_proj.weight",
+    "down_proj.weight": "mlp.down_proj.weight", "input_norm.weight": "input_layernorm.weight",
+    "hidden_norm.weight": "hidden_norm.weight", "post_norm.weight": "post_attention_layernorm.weight",
+}
+OUTER_NAMES = ("fc.weight", "norm.weight", "lm_head.weight")
+UNSUPPORTED_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
+def detect(raw: dict) -> str:
+    """Which layout a head's config.json is: "specdecode", "eagle3" or "speculators"."""
+    if raw.get("architecture") == "specdecode-eagle3":
+        return "specdecode"
+    if raw.get("speculators_model_type") is not None:
+        if raw["speculators_model_type"] != "eagle3":
+            raise SpecDecodeError(f"a speculators {raw['speculators_model_type']!r} checkpoint is not an EAGLE-3 head")
+        return "speculators"
+    if "draft_vocab_size" in raw or any("Eagle3" in a for a in raw.get("architectures") or []):
+        return "eagle3"
+    raise SpecDecodeError("config.json is not an EAGLE-3 head (ours, vLLM/EAGLE's eagle3 or speculators')")
+
+
+def _llama_config(config) -> dict:
+    return {"model_type": "llama", "hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+            "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+            "head_dim": config.head_dim, "num_hidden_layers": 1, "rms_norm_eps": config.rms_norm_eps,
+            "rope_theta": config.rope_theta, "hidden_act": "silu", "vocab_size": config.target_vocab_size,
+            "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False}
+
+
+def export_head(head, out: Path, fmt: str, verifier: str | None = None, max_positions: int | None = None,
+                embed: torch.Tensor | None = None, speculative_tokens: int = 3) -> list[Path]:
+    """Write ``head`` to ``out`` in layout ``fmt``; returns the files written. ``verifier``:
+    the target's name or path (speculators names it); ``embed`` [V, H]: the target's token
+    embedding, stored by the speculators layout."""
+    from safetensors.torch import save_file
+
+    if fmt not in FORMATS:
+        raise SpecDecodeError(f"unknown head format {fmt!r}; one of {FORMATS}")
+    c = head.config
+    state = {k: v.detach() for k, v in head.state_dict().items()}
+    prefix = "midlayer." if fmt == "eagle3" else "layers.0."
+    tensors = {prefix + LAYER_NAMES[name]: state[name] for name in LAYER_NAMES}
+    tensors |= {name: state[name] for name in OUTER_NAMES}
+    tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}
+    d2t = head.d2t.to(torch.int64)
+    tensors["d2t"] = (d2t - torch.arange(c.draft_vocab_size)).contiguous()
+    t2d = torch.zeros(c.target_vocab_size, dtype=torch.bool)
+    t2d[d2t] = True
+    tensors["t2d"] = t2d
+    layers = list(c.capture_layers)
+    llama = _llama_config(c) | ({"max_position_embeddings": max_positions} if max_positions else {})
+    if fmt == "eagle3":
+        config = {"architectures": ["LlamaForCausalLMEagle3"], **llama, "draft_vocab_size": c.draft_vocab_size,
+                  "target_hidden_size": c.hidden_size, "eagle_aux_hidden_state_layer_ids": layers,
+                  "norm_before_residual": False, "torch_dtype": "bfloat16"}
+    else:
+        if embed is not None:
+            if tuple(embed.shape) != (c.target_vocab_size, c.hidden_size):
+                raise SpecDecodeError(f"target embedding {tuple(embed.shape)} does not fit the head "
+                                      f"({c.target_vocab_size} x {c.hidden_size})")
+            tensors["embed_tokens.weight"] = embed.to(torch.bfloat16).contiguous()
+        config = {
+            "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "draft_vocab_size": c.draft_vocab_size, "norm_before_residual": False, "norm_before_fc": False,
+            "fc_norm": False, "norm_output": False, "target_hidden_size": c.hidden_size,
+            "eagle_aux_hidden_state_layer_ids": layers, "embed_requires_grad": False, "torch_dtype": "bfloat16",
+            "transformer_layer_config": llama,
+            "speculators_config": {
+                "algorithm": "eagle3", "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                "verifier": {"name_or_path": verifier or "", "architectures": ["LlamaForCausalLM"]},
+            },
+        }
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return [out / "config.json", out / "model.safetensors"]
+
+
+def import_head(directory: Path, raw: dict, fmt: str, target_layers: int | None = None):
+    """An EagleHead from a directory in layout ``fmt`` ("eagle3" or "speculators").
+    ``target_layers``: the target's layer count, for checkpoints that do not name the
+    layers they read (the EAGLE-3 default 2, L/2, L-3 is taken then)."""
+    from safetensors.torch import load_file
+
+    from .eagle_head import EagleConfig, EagleHead
+
+    llama = raw.get("transformer_layer_config", {}) if fmt == "speculators" else raw
+    for flag in UNSUPPORTED_FLAGS:
+        if raw.get(flag, llama.get(flag, False)):
+            raise SpecDecodeError(f"{directory}: {flag} = true is a variant this head does not compute")
+    if llama.get("num_hidden_layers", 1) != 1:
+        raise SpecDecodeError(f"{directory}: {llama['num_hidden_layers']} decoder layers; heads with one are supported")
+    rope = llama.get("rope_scaling") or {}
+    if rope and rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise SpecDecodeError(f"{directory}: RoPE scaling {rope!r} is not supported by EAGLE heads here")
+    layers = raw.get("eagle_aux_hidden_state_layer_ids") or llama.get("eagle_aux_hidden_state_layer_ids")
+    if layers is None:
+        if target_layers is None:
+            raise SpecDecodeError(f"{directory} does not name the target layers it reads; load it for a target")
+        layers = (min(2, target_layers - 1), target_layers // 2, max(target_layers - 3, 0))
+    try:
+        hidden, heads = llama["hidden_size"], llama["num_attention_heads"]
+        config = EagleConfig(hidden, llama["intermediate_size"], heads, llama.get("num_key_value_heads", heads),
+                             llama.get("head_dim") or hidden // heads, llama.get("rms_norm_eps", 1e-6),
+                             llama.get("rope_theta", 10000.0), llama["vocab_size"],
+                             raw.get("draft_vocab_size") or llama["vocab_size"], tuple(int(i) for i in layers))
+    except KeyError as missing:
+        raise SpecDecodeError(f"{directory}/config.json lacks {missing}") from None
+    if raw.get("target_hidden_size") not in (None, config.hidden_size):
+        raise SpecDecodeError(f"{directory}: target hidden size {raw['target_hidden_size']} differs from the "
+                              f"head's {config.hidden_size}; not supported")
+    tensors = load_file(str(Path(directory) / "model.safetensors"))
+    prefix = next((p for p in ("midlayer.", "layers.0.") if p + "self_attn.q_proj.weight" in tensors), None)
+    if prefix is None:
+        raise SpecDecodeError(f"{directory}/model.safetensors has no decoder layer (midlayer.* or layers.0.*)")
+    names = {ours: prefix + theirs for ours, theirs in LAYER_NAMES.items()} | {n: n for n in OUTER_NAMES}
+    missing = [theirs for theirs in names.values() if theirs not in tensors]
+    if missing:
+        raise SpecDecodeError(f"{directory}/model.safetensors lacks {missing}")
+    head = EagleHead(config)
+    state = {ours: tensors[theirs].float() for ours, theirs in names.items()}
+    offsets = tensors.get("d2t")
+    state["d2t"] = torch.arange(config.draft_vocab_size) + (0 if offsets is None else offsets.to(torch.int64))
+    try:
+        head.load_state_dict(state)
+    except RuntimeError as error:
+        raise SpecDecodeError(f"{directory}: tensors do not fit the config: {str(error).splitlines()[-1].strip()}") from None
+    return head.eval()
