@@ -5,7 +5,7 @@
 Writes specdecode/data/heads/smollm2-135m-instruct-eagle3/{config.json, model.safetensors,
 MANIFEST.json}: sha256 and size of each file, the command that reproduces the head, the
 data recipe (from the data directory's summary and settings), the training report and wall
-time (from the head's config.json).
+time (from the head's config.json), and those of the heads it was trained on from (--init).
 """
 
 from __future__ import annotations
@@ -31,6 +31,18 @@ def sha256(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def earlier_stages(config: dict) -> list[dict]:
+    """The recipes and reports of the heads this one was trained on from (train eagle
+    --init), oldest last."""
+    stages = []
+    init = (config.get("recipe") or {}).get("init")
+    while init and (Path(init) / "config.json").is_file():
+        earlier = json.loads((Path(init) / "config.json").read_text())
+        stages.append({"head": init, "training": earlier.get("recipe"), "report": earlier.get("report")})
+        init = (earlier.get("recipe") or {}).get("init")
+    return stages
 
 
 def main() -> int:
@@ -59,6 +71,7 @@ def main() -> int:
         "data": recipe,
         "training": config.get("recipe"),
         "report": config.get("report"),
+        "earlier_stages": earlier_stages(config),
     }
     (DEFAULT_EAGLE_HEAD / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
     total = sum(f["bytes"] for f in manifest["files"].values())

@@ -114,22 +114,43 @@ def test_eagle_head_learns_the_targets_answers(tiny_runtime, tiny_answers, tmp_p
     """Smoke test of the training step: on a fixed batch the unrolled loss falls and the
     head's first-step agreement with the target rises."""
     from specdecode.proposers.eagle_head import EagleConfig, EagleHead
-    from specdecode.train.eagle import Trainer, draft_vocabulary, extract_features, training_sequences
+    from specdecode.train.eagle import Trainer, draft_vocabulary, extract_features, sequence_key, training_sequences
 
     torch.manual_seed(0)
     sequences = training_sequences(tiny_answers, 0, 64)[:8]
     config = EagleConfig.for_target(tiny_runtime.cfg, 64)
     head = EagleHead(config)
     head.set_draft_vocab(draft_vocabulary(sequences, 64, TINY_VOCAB, (2,)))
-    shards = extract_features(tiny_runtime, sequences, config.capture_layers, tmp_path / "features")
-    records = {r["index"]: r for path in shards for r in torch.load(path)}
-    batch = [(s, records[i]) for i, s in enumerate(sequences)]
+    records = extract_features(tiny_runtime, sequences, config.capture_layers, tmp_path / "features")
+    batch = [(s, records[sequence_key(s.ids)]) for s in sequences]
     weights = tiny_runtime.weights
     trainer = Trainer(head, weights.embed.dequantize(), weights.lm_head.dequantize()[head.d2t], 3e-3, 3)
     first_loss, first_top1 = trainer.step(batch, 3e-3)
     for _ in range(60):
         loss, top1 = trainer.step(batch, 3e-3)
     assert loss < 0.85 * first_loss and top1 > first_top1 + 0.5, (first_loss, loss, first_top1, top1)
+
+
+def test_features_are_reused_by_content_when_the_data_grows(tiny_runtime, tiny_answers, tmp_path):
+    from specdecode.train.eagle import extract_features, sequence_key, training_sequences
+
+    sequences = training_sequences(tiny_answers, 0, 64)
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape[1])
+        return tiny_runtime(*args, **kwargs)
+
+    counting.reset = tiny_runtime.reset
+    first = extract_features(counting, sequences[:5], (1, 0), tmp_path / "features")
+    assert len(calls) == 5
+    grown = [sequences[7]] + sequences[:6]  # answers added, order changed
+    again = extract_features(counting, grown, (1, 0), tmp_path / "features")
+    assert len(calls) == 7  # only the two new sequences ran
+    for sequence in sequences[:5]:
+        key = sequence_key(sequence.ids)
+        assert torch.equal(again[key]["features"], first[key]["features"])
+    assert again[sequence_key(sequences[7].ids)]["argmax"].numel() == len(sequences[7].ids)
 
 
 def test_train_eagle_end_to_end_writes_a_loadable_head_and_resumes(tiny_runtime, tiny_answers, tmp_path):
@@ -150,3 +171,10 @@ def test_train_eagle_end_to_end_writes_a_loadable_head_and_resumes(tiny_runtime,
     assert again["steps"] == report["steps"] and again["first_token_agreement"] == report["first_token_agreement"]
     with pytest.raises(Exception, match="other settings"):
         train_eagle(target, tiny_answers, out, draft_vocab=40, ttt_steps=2, minutes=0.05, log=lambda m: None)
+    # --init: a new run goes on from that head (its vocabulary; --draft-vocab is not used)
+    more = train_eagle(target, tiny_answers, tmp_path / "more", draft_vocab=40, ttt_steps=2, minutes=0.02,
+                       batch_tokens=256, init=out, log=lambda message: None)
+    assert more["held_out_chains"] == report["held_out_chains"]
+    continued = EagleHead.load(tmp_path / "more")
+    assert torch.equal(continued.d2t, head.d2t)
+    assert json.loads((tmp_path / "more" / "config.json").read_text())["recipe"]["init"] == str(out)
