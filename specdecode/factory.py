@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import torch
@@ -208,10 +209,24 @@ def eagle_proposer(path: str | None, target: LoadedModel, tree_width: int = 1):
                          tree_width=tree_width)
 
 
+@lru_cache(maxsize=16)
+def _head_fingerprint(weights: Path, size: int, mtime: float) -> str:
+    digest = hashlib.sha256()
+    with weights.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:8]
+
+
 def drafter_key(spec: SpeculativeConfig) -> str:
-    """How a drafter is named in cost profiles and reports."""
+    """How a drafter is named in cost profiles and reports. A head's name carries a
+    fingerprint of its weights, so a retrained head is calibrated anew."""
     if spec.method in ("eagle", "tree"):
-        return f"{spec.method}:{spec.draft or 'default'}" + (f"x{spec.tree_width}" if spec.tree_width > 1 else "")
+        weights = Path(spec.draft or DEFAULT_EAGLE_HEAD) / "model.safetensors"
+        stat = weights.stat() if weights.is_file() else None
+        mark = f" sha256:{_head_fingerprint(weights, stat.st_size, stat.st_mtime)}" if stat else ""
+        return (f"{spec.method}:{spec.draft or 'default'}{mark}"
+                + (f" width {spec.tree_width}" if spec.tree_width > 1 else ""))
     return "ngram" if spec.method == "ngram" else f"draft:{spec.draft}"
 
 
