@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from dataclasses import dataclass, replace
@@ -18,7 +17,7 @@ from .engine import SpeculativeEngine
 from .metrics import acceptance_rates
 from .models.hf import load_hf
 from .models.llama import DEFAULT_PREFILL_CHUNK, load_native
-from .models.loading import ModelSource, load_tokenizer, resolve_model
+from .models.loading import ModelSource, load_tokenizer, resolve_model, sha256_file
 from .models.quant import WEIGHT_CHOICES
 from .proposers.draft_model import DraftModelProposer
 from .proposers.ngram import NgramProposer
@@ -211,11 +210,7 @@ def eagle_proposer(path: str | None, target: LoadedModel, tree_width: int = 1):
 
 @lru_cache(maxsize=16)
 def _head_fingerprint(weights: Path, size: int, mtime: float) -> str:
-    digest = hashlib.sha256()
-    with weights.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()[:8]
+    return sha256_file(weights)[:8]
 
 
 def drafter_key(spec: SpeculativeConfig) -> str:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -85,10 +85,11 @@ class FixedK:
 
 @dataclass
 class CostModel:
-    """The two functions of cost the policy needs, from a CostProfile."""
+    """The functions of cost the policies need, from a CostProfile."""
 
     profile: object  # CostProfile
     drafter: str
+    _tables: dict = field(default_factory=dict, repr=False, compare=False)  # v_table's, by (bucket, k_max)
 
     def v(self, k: int, context: int) -> float:
         return self.profile.v(k, context)
@@ -96,6 +97,15 @@ class CostModel:
     @property
     def c(self) -> float:
         return self.profile.c(self.drafter)
+
+    def v_table(self, context: int, k_max: int) -> list[float]:
+        """v(0..k_max) at this context, rounded to 64 tokens: a step's decision must cost
+        microseconds, not a profile interpolation per k."""
+        bucket = context // 64 * 64 + 32
+        table = self._tables.get((bucket, k_max))
+        if table is None:
+            table = self._tables[(bucket, k_max)] = [self.v(k, bucket) for k in range(k_max + 1)]
+        return table
 
 
 class CostAwareK:
@@ -113,7 +123,6 @@ class CostAwareK:
         self.costs, self.k_max, self.decay, self.first_decay = costs, k_max, decay, first_decay
         self.prior_strength, self.margin = prior_strength, margin
         self._c = costs.c
-        self._tables: dict[int, list[float]] = {}
         self.default_prior = DEFAULT_PRIOR_ALPHA if default_prior is None else default_prior
         self.default_later = default_later  # None: the same as the first-position prior
         if probe_interval is None:
@@ -162,13 +171,7 @@ class CostAwareK:
         return tau_conditional(self.first, self.conditional, k)
 
     def _v_table(self, context: int) -> list[float]:
-        """v(0..k_max) at this context, rounded to 64 tokens: a step's decision must cost
-        microseconds, not a profile interpolation per k."""
-        bucket = context // 64 * 64 + 32
-        table = self._tables.get(bucket)
-        if table is None:
-            table = self._tables[bucket] = [self.costs.v(k, bucket) for k in range(self.k_max + 1)]
-        return table
+        return self.costs.v_table(context, self.k_max)
 
     def _best(self, context: int, explore: bool = False) -> int:
         table = self._v_table(context)
@@ -261,7 +264,6 @@ class TreeBudget:
         self._c = costs.c
         self.prior_rate = 1.0 + 2 * margin if prior_rate is None else prior_rate
         self.prior_strength = prior_strength
-        self._tables: dict[int, list[float]] = {}
         # a probe is a full tree: about v(k_max) - 1 + (depth) c steps beyond a plain one
         probe_cost = max(self._v_table(256)[k_max] - 1.0, 0.0) + min(k_max, 8) * self._c
         self.base_probe_interval = min(max(8, math.ceil(probe_cost / probe_budget)), max_probe_interval)
@@ -291,11 +293,7 @@ class TreeBudget:
         return self.rate_counts[0] / self.rate_counts[1]
 
     def _v_table(self, context: int) -> list[float]:
-        bucket = context // 64 * 64 + 32
-        table = self._tables.get(bucket)
-        if table is None:
-            table = self._tables[bucket] = [self.costs.v(n, bucket) for n in range(self.k_max + 1)]
-        return table
+        return self.costs.v_table(context, self.k_max)
 
     def choose(self, context: int) -> int:
         self.context = context
