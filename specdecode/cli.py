@@ -418,20 +418,14 @@ DEFAULT_VERIFIER = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the default model's 
 def cmd_train_export(args) -> int:
     from pathlib import Path
 
-    from .factory import DEFAULT_EAGLE_HEAD, load_target, log
+    from .factory import load_head, load_target, log
     from .proposers.eagle_formats import export_head
-    from .proposers.eagle_head import EagleHead
 
     if args.k < 1:
         raise SpecDecodeError(f"--k must be >= 1, got {args.k}")
-    if args.head is None and args.model != "default":
-        raise SpecDecodeError("--head HEAD_DIR is needed: a head is shipped only for the default model")
-    head_dir = Path(args.head) if args.head else DEFAULT_EAGLE_HEAD
-    if not head_dir.is_dir():
-        raise SpecDecodeError(f"EAGLE head not found: {head_dir} is not a directory")
     target = load_target(_engine_config(args))
     runtime = target.runtime
-    head = EagleHead.load(head_dir, target_layers=runtime.num_layers)
+    head = load_head(args.head, target)
     embed = runtime.weights.embed.dequantize().float() if args.format == "speculators" else None
     verifier = args.verifier or (DEFAULT_VERIFIER if args.model == "default" else args.model)
     files = export_head(head, Path(args.out), args.format, verifier=verifier, max_positions=runtime.max_positions,

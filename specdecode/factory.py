@@ -180,14 +180,23 @@ def build_proposer(spec: SpeculativeConfig, target: LoadedModel, engine: EngineC
 
 
 def eagle_proposer(path: str | None, target: LoadedModel, tree_width: int = 1):
-    """An EAGLE head from ``path`` (default: the one shipped for the default model),
-    checked against the target it is asked to draft for."""
+    """An EAGLE drafter with the head ``load_head`` finds for ``target``."""
     from .proposers.eagle import EagleProposer
+
+    head = load_head(path, target)
+    weights = target.runtime.weights
+    return EagleProposer(head, lambda ids: weights.embed_rows(ids.to(weights.device)).float().cpu(),
+                         tree_width=tree_width)
+
+
+def load_head(path: str | None, target: LoadedModel):
+    """An EAGLE head from ``path`` (default: the one shipped for the default model),
+    checked against the target it is to draft for."""
     from .proposers.eagle_head import EagleHead
 
     if path is None:
         if target.source.name != "default":
-            raise ConfigError("--method eagle needs --head HEAD_DIR (a head trained for this target with "
+            raise ConfigError("an EAGLE head needs --head HEAD_DIR (a head trained for this target with "
                               "`specdecode train eagle`); a head is shipped only for the default model")
         path = str(DEFAULT_EAGLE_HEAD)
     if not Path(path).is_dir():
@@ -195,7 +204,7 @@ def eagle_proposer(path: str | None, target: LoadedModel, tree_width: int = 1):
     runtime = target.runtime
     head = EagleHead.load(Path(path), target_layers=getattr(runtime, "num_layers", None))
     if not hasattr(runtime, "weights"):
-        raise ConfigError("--method eagle needs the native runtime (it reads the target's hidden states)")
+        raise ConfigError("an EAGLE head needs the native runtime (it reads the target's hidden states)")
     cfg, c = runtime.cfg, head.config
     if c.target_vocab_size != cfg.vocab_size or c.hidden_size != cfg.hidden_size:
         raise VocabularyMismatchError(
@@ -203,9 +212,7 @@ def eagle_proposer(path: str | None, target: LoadedModel, tree_width: int = 1):
             f"{c.hidden_size}; {target.source.name!r} has {cfg.vocab_size} and {cfg.hidden_size}")
     if max(c.capture_layers) >= runtime.num_layers:
         raise ConfigError(f"EAGLE head {path} reads layer {max(c.capture_layers)}; the target has {runtime.num_layers}")
-    weights = runtime.weights
-    return EagleProposer(head, lambda ids: weights.embed_rows(ids.to(weights.device)).float().cpu(),
-                         tree_width=tree_width)
+    return head
 
 
 @lru_cache(maxsize=16)
