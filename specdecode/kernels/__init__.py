@@ -137,11 +137,11 @@ def load_build(march: str) -> ctypes.CDLL:
         "sd_simd": ([], c_int),
         "sd_key_chunk": ([], c_int),
         "sd_team_size": ([c_int], c_int),
-        "sd_forward_layers": ([ctypes.POINTER(Model), c_int, c_int, ptr, c_int, c_int, c_int, ptr, ptr], None),
+        "sd_forward_layers": ([ctypes.POINTER(Model), c_int, c_int, ptr, c_int, c_int, ptr, ptr, ptr, ptr], None),
         "sd_linear_forward": ([ctypes.POINTER(Linear), ptr, c_i64, ptr, ptr, ptr, ptr, c_int], None),
         "sd_rms_norm": ([ptr, ptr, c_i64, c_int, ctypes.c_float, ptr, c_int], None),
         "sd_embed": ([ctypes.POINTER(Linear), ptr, c_i64, ptr], None),
-        "sd_attention": ([ctypes.POINTER(Model), c_int, ptr, c_int, c_int, c_int, ptr, ptr], None),
+        "sd_attention": ([ctypes.POINTER(Model), c_int, ptr, c_int, c_int, ptr, ptr, ptr, ptr], None),
     }
     for name, (argtypes, restype) in signatures.items():
         function = getattr(lib, name)

@@ -32,7 +32,7 @@
 #define SD_AVX2 0
 #endif
 
-#define SD_VERSION 1
+#define SD_VERSION 2
 #define SD_KEY_CHUNK 256  // keys per attention partial; fixed, so results never depend on T
 #define SD_MAX_HEAD_DIM 256
 #define SD_MAX_GROUP 16  // query heads per KV head
@@ -678,9 +678,9 @@ static inline void store_kv(void* cache, int fmt, int64_t index, const float* sr
 }
 
 // RoPE (rotate-half convention) on q and k of every row, then k and v into the cache at
-// slots start + t.
-static void rope_and_store(const sd_model* M, const sd_layer* L, float* qkv, int batch, int T, int start,
-                           const int64_t* positions) {
+// slots starts[b] + t of cache row cache_rows[b]; positions[b * T + t].
+static void rope_and_store(const sd_model* M, const sd_layer* L, float* qkv, int batch, int T, const int* starts,
+                           const int* cache_rows, const int64_t* positions) {
     const int H = M->heads, G = M->kv_heads, D = M->head_dim, half = D / 2;
     const int width = (H + 2 * G) * D;
     const int64_t rows = (int64_t)batch * T;
@@ -688,7 +688,7 @@ static void rope_and_store(const sd_model* M, const sd_layer* L, float* qkv, int
     for (int64_t row = 0; row < rows; row++) {
         const int b = (int)(row / T), t = (int)(row % T);
         float* v = qkv + row * width;
-        const int64_t pos = positions[t];
+        const int64_t pos = positions[row];
         const float* cs = M->rope_cos + pos * D;
         const float* sn = M->rope_sin + pos * D;
         for (int h = 0; h < H + G; h++) {
@@ -701,7 +701,7 @@ static void rope_and_store(const sd_model* M, const sd_layer* L, float* qkv, int
             memcpy(x, rotated, sizeof(float) * D);
         }
         for (int g = 0; g < G; g++) {
-            int64_t slot = (((int64_t)b * G + g) * M->capacity + start + t) * D;
+            int64_t slot = (((int64_t)cache_rows[b] * G + g) * M->capacity + starts[b] + t) * D;
             store_kv(L->k_cache, M->kv_fmt, slot, v + (H + g) * D, D);
             store_kv(L->v_cache, M->kv_fmt, slot, v + (H + G + g) * D, D);
         }
@@ -964,11 +964,12 @@ static void attend_chunk(const sd_model* M, const sd_layer* L, const float* cons
 }
 
 // out[row, h*D:(h+1)*D] for rows [row0, row0 + rows); partials: rows x G x chunks x per x (D+2)
-static void attention_rows(const sd_model* M, const sd_layer* L, const float* qkv, int batch, int T, int start,
-                           const uint8_t* mask, int64_t row0, int64_t rows, float* out) {
+static void attention_rows(const sd_model* M, const sd_layer* L, const float* qkv, int batch, int T, const int* starts,
+                           const int* cache_rows, int max_start, const uint8_t* mask, int64_t row0, int64_t rows,
+                           float* out) {
     const int D = M->head_dim, H = M->heads, G = M->kv_heads, per = H / G;
     const int width = (H + 2 * G) * D;
-    const int max_chunks = (start + T + SD_KEY_CHUNK - 1) / SD_KEY_CHUNK;
+    const int max_chunks = (max_start + T + SD_KEY_CHUNK - 1) / SD_KEY_CHUNK;
     const int64_t stride = (int64_t)per * (D + 2);
     // work items: (group of up to `group` consecutive rows, KV head, chunk); a group's rows
     // of one sequence share the chunks they all see whole
@@ -984,6 +985,7 @@ static void attention_rows(const sd_model* M, const sd_layer* L, const float* qk
             const int b = (int)((row0 + i) / T);
             int64_t run_end = i + 1;  // rows of the same sequence
             while (run_end < end_row && (row0 + run_end) / T == b) run_end++;
+            const int start = starts[b], cache_row = cache_rows[b];
             const float* qkv_rows[SD_SCORE_ROWS];
             float* partials[SD_SCORE_ROWS];
             int new_index[512];
@@ -993,7 +995,7 @@ static void attention_rows(const sd_model* M, const sd_layer* L, const float* qk
                     qkv_rows[r] = qkv + (row0 + i + r) * width;
                     partials[r] = M->partial + (((i + r) * G + g) * max_chunks + chunk) * stride;
                 }
-                attend_chunk(M, L, qkv_rows, partials, n, b, g, start, new_index, chunk, start);
+                attend_chunk(M, L, qkv_rows, partials, n, cache_row, g, start, new_index, chunk, start);
             } else {
                 for (int64_t r = i; r < run_end; r++) {
                     const int t = (int)((row0 + r) % T);
@@ -1001,7 +1003,7 @@ static void attention_rows(const sd_model* M, const sd_layer* L, const float* qk
                     if (chunk * SD_KEY_CHUNK >= visible) continue;
                     qkv_rows[0] = qkv + (row0 + r) * width;
                     partials[0] = M->partial + ((r * G + g) * max_chunks + chunk) * stride;
-                    attend_chunk(M, L, qkv_rows, partials, 1, b, g, start, new_index, chunk, visible);
+                    attend_chunk(M, L, qkv_rows, partials, 1, cache_row, g, start, new_index, chunk, visible);
                 }
             }
             i = run_end;
@@ -1014,7 +1016,7 @@ static void attention_rows(const sd_model* M, const sd_layer* L, const float* qk
         const int h = (int)(rh % H), g = h / per, hg = h % per;
         const int t = (int)(row % T);
         int new_index[512];
-        const int visible = start + visible_new(T, t, mask, new_index);
+        const int visible = starts[row / T] + visible_new(T, t, mask, new_index);
         const int chunks = (visible + SD_KEY_CHUNK - 1) / SD_KEY_CHUNK;
         const float* first = M->partial + ((rh / H) * G + g) * max_chunks * stride + hg * (D + 2);
         float mx = -INFINITY;
@@ -1033,15 +1035,18 @@ static void attention_rows(const sd_model* M, const sd_layer* L, const float* qk
     }
 }
 
-static void attention(const sd_model* M, const sd_layer* L, const float* qkv, int batch, int T, int start,
-                      const uint8_t* mask, float* out) {
+static void attention(const sd_model* M, const sd_layer* L, const float* qkv, int batch, int T, const int* starts,
+                      const int* cache_rows, const uint8_t* mask, float* out) {
     const int64_t rows = (int64_t)batch * T;
-    const int max_chunks = (start + T + SD_KEY_CHUNK - 1) / SD_KEY_CHUNK;
+    int max_start = 0;
+    for (int b = 0; b < batch; b++) max_start = starts[b] > max_start ? starts[b] : max_start;
+    const int max_chunks = (max_start + T + SD_KEY_CHUNK - 1) / SD_KEY_CHUNK;
     const int64_t per_row = (int64_t)M->kv_heads * max_chunks;
     int64_t group = M->partial_items / (per_row > 0 ? per_row : 1);
     if (group < 1) group = 1;
     for (int64_t row0 = 0; row0 < rows; row0 += group)
-        attention_rows(M, L, qkv, batch, T, start, mask, row0, rows - row0 < group ? rows - row0 : group, out);
+        attention_rows(M, L, qkv, batch, T, starts, cache_rows, max_start, mask, row0,
+                       rows - row0 < group ? rows - row0 : group, out);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1050,8 +1055,12 @@ static void attention(const sd_model* M, const sd_layer* L, const float* qkv, in
 extern "C" {
 
 // hidden[batch*T, hidden] through layers [first, last): the residual stream stays fp32.
-void sd_forward_layers(const sd_model* M, int first, int last, float* hidden, int batch, int T, int start,
-                       const int64_t* positions, const uint8_t* mask) {
+// Batch entry b is the sequence in cache row cache_rows[b]: its new tokens go to slots
+// starts[b] + t at positions[b * T + t] (the rows of a batch may hold sequences of
+// different lengths, and any subset of the cache's rows may run); mask: [T, T] shared by
+// every entry.
+void sd_forward_layers(const sd_model* M, int first, int last, float* hidden, int batch, int T, const int* starts,
+                       const int* cache_rows, const int64_t* positions, const uint8_t* mask) {
     const int64_t rows = (int64_t)batch * T;
     const int Hd = M->hidden, I = M->intermediate;
     const int qkv_width = (M->heads + 2 * M->kv_heads) * M->head_dim;
@@ -1061,8 +1070,8 @@ void sd_forward_layers(const sd_model* M, int first, int last, float* hidden, in
         const sd_layer* L = M->layers + l;
         rms_norm(hidden, L->input_norm, rows, Hd, M->eps, M->normed);
         linear(&L->qkv, M->normed, rows, Hd, M->qkv, qkv_width, 0, q);
-        rope_and_store(M, L, M->qkv, batch, T, start, positions);
-        attention(M, L, M->qkv, batch, T, start, mask, M->attn);
+        rope_and_store(M, L, M->qkv, batch, T, starts, cache_rows, positions);
+        attention(M, L, M->qkv, batch, T, starts, cache_rows, mask, M->attn);
         linear(&L->o, M->attn, rows, (int64_t)M->heads * M->head_dim, hidden, Hd, 1, q);
         rms_norm(hidden, L->post_norm, rows, Hd, M->eps, M->normed);
         linear(&L->gate_up, M->normed, rows, Hd, M->gate_up, 2 * I, 0, q);
@@ -1112,10 +1121,10 @@ void sd_embed(const sd_linear* E, const int64_t* ids, int64_t count, float* out)
 }
 
 // attention alone, for tests: q rows of the model's qkv layout, one layer's cache
-void sd_attention(const sd_model* M, int layer, const float* qkv, int batch, int T, int start, const uint8_t* mask,
-                  float* out) {
+void sd_attention(const sd_model* M, int layer, const float* qkv, int batch, int T, const int* starts,
+                  const int* cache_rows, const uint8_t* mask, float* out) {
 #pragma omp parallel num_threads(M->num_threads)
-    attention(M, M->layers + layer, qkv, batch, T, start, mask, out);
+    attention(M, M->layers + layer, qkv, batch, T, starts, cache_rows, mask, out);
 }
 
 // how many threads a parallel region of the kernels gets when asked for `num_threads`

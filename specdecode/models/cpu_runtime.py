@@ -159,17 +159,27 @@ class KernelStack:
 
     # -- forward --------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, tree_mask: torch.Tensor | None,
-                last_only: bool, return_hidden: bool, capture: tuple[int, ...] = ()):
+                last_only: bool, return_hidden: bool, capture: tuple[int, ...] = (),
+                starts: list[int] | None = None, cache_rows: list[int] | None = None):
+        """T new tokens for each of ``input_ids``' rows. Without ``starts`` the rows are the
+        cache's rows, all at the runtime's length, which advances. With ``starts`` and
+        ``cache_rows``, entry b is the sequence in cache row ``cache_rows[b]`` holding
+        ``starts[b]`` tokens (its new tokens go to the slots after them; the runtime's
+        length is left alone): the batched engine's ragged rows."""
         runtime, cfg, lib, model = self.runtime, self.runtime.cfg, self.lib, self.model
         batch, num_new = input_ids.shape
-        if batch != model.batch:
-            raise SpecDecodeError(f"batch of {batch} rows, but the cache was reset for {model.batch}")
+        shared = starts is None
+        if shared:
+            if batch != model.batch:
+                raise SpecDecodeError(f"batch of {batch} rows, but the cache was reset for {model.batch}")
+            starts, cache_rows = [runtime.length] * batch, list(range(batch))
         model.num_threads = torch.get_num_threads()
         ids = input_ids.to(torch.int64).contiguous()
-        start = runtime.length
+        starts_t = torch.tensor(starts, dtype=torch.int32)
+        rows_t = torch.tensor(cache_rows, dtype=torch.int32)
         if positions is None:
-            positions = torch.arange(start, start + num_new, dtype=torch.int64)
-        positions = positions.to(torch.int64).contiguous()
+            positions = starts_t.to(torch.int64)[:, None] + torch.arange(num_new, dtype=torch.int64)
+        positions = positions.to(torch.int64).expand(batch, num_new).contiguous()
         if int(positions.max()) >= cfg.max_positions or int(positions.min()) < 0:
             raise SpecDecodeError(f"positions must lie in 0..{cfg.max_positions - 1}")
         mask = None if tree_mask is None else tree_mask.to(torch.uint8).contiguous()
@@ -183,16 +193,19 @@ class KernelStack:
             hidden = hidden_buffer[:rows]
             chunk_ids = ids[:, begin:stop].contiguous()
             lib.sd_embed(ctypes.byref(self.embed), chunk_ids.data_ptr(), rows, hidden.data_ptr())
-            chunk_positions = positions[begin:stop].contiguous()
+            chunk_positions = positions[:, begin:stop].contiguous()
+            chunk_starts = (starts_t + begin).contiguous()
             captured = {}
             for first, last in zip(bounds, bounds[1:]):  # stop at each captured layer's input
                 if first in capture:
                     captured[first] = hidden.view(batch, stop - begin, -1).clone()
                 lib.sd_forward_layers(ctypes.byref(model), first, last, hidden.data_ptr(), batch, stop - begin,
-                                      runtime.length, chunk_positions.data_ptr(), _ptr(mask))
+                                      chunk_starts.data_ptr(), rows_t.data_ptr(), chunk_positions.data_ptr(),
+                                      _ptr(mask))
             if capture:
                 features.append(torch.cat([captured[layer] for layer in capture], dim=-1))
-            runtime.length += stop - begin
+            if shared:
+                runtime.length += stop - begin
             if last_only and stop < num_new:
                 continue
             selected = hidden.view(batch, stop - begin, -1)[:, -1:] if last_only else hidden.view(batch, stop - begin, -1)

@@ -504,6 +504,75 @@ class NativeRuntime:
             features.append(out[2])
         return _outputs(logits, hidden if return_hidden else None, features if capture else None)
 
+    @torch.inference_mode()
+    def forward_rows(self, input_ids: torch.Tensor, cache_rows: list[int], starts: list[int],
+                     last_only: bool = False, return_hidden: bool = False, capture: tuple[int, ...] = ()):
+        """The batched engine's step: entry b of ``input_ids`` [n, T] continues the sequence
+        in cache row ``cache_rows[b]``, which holds ``starts[b]`` tokens; its T new tokens
+        are written after them (a row's padding past its real tokens is harmless: causal
+        attention keeps it from the real tokens, and the slots are overwritten later). The
+        runtime's own length is left alone: the caller keeps each row's length. Returns
+        what ``forward`` returns."""
+        batch, num_new = input_ids.shape
+        if len(cache_rows) != batch or len(starts) != batch:
+            raise SpecDecodeError(f"{batch} rows need {batch} cache rows and starts, got {len(cache_rows)} and {len(starts)}")
+        if len(set(cache_rows)) != batch or any(not 0 <= r < self.k_cache.shape[1] for r in cache_rows):
+            raise SpecDecodeError(f"cache rows must be distinct and lie in 0..{self.k_cache.shape[1] - 1}, got {cache_rows}")
+        if any(start < 0 or start + num_new > self.capacity for start in starts):
+            raise SpecDecodeError(
+                f"a row of {max(starts) + num_new} tokens exceeds the KV cache capacity {self.capacity} "
+                f"(context limit {self.cfg.max_positions})")
+        if self.kernels is not None:
+            return self.kernels.forward(input_ids, None, None, last_only, return_hidden, capture,
+                                        starts=list(starts), cache_rows=list(cache_rows))
+        logits, hidden, features = [], [], []
+        for begin in range(0, num_new, self.prefill_chunk):
+            stop = min(begin + self.prefill_chunk, num_new)
+            final = stop == num_new
+            out = self._forward_rows_torch(input_ids[:, begin:stop], cache_rows, [s + begin for s in starts],
+                                           last_only and final, capture)
+            if final or not last_only:
+                logits.append(out[0])
+                hidden.append(out[1])
+            features.append(out[2])
+        return _outputs(logits, hidden if return_hidden else None, features if capture else None)
+
+    def _forward_rows_torch(self, input_ids, cache_rows, starts, last_only, capture=()):
+        cfg, w, device = self.cfg, self.weights, self.device
+        input_ids = input_ids.to(device)
+        batch, num_new = input_ids.shape
+        rows = torch.tensor(cache_rows, device=device)
+        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(num_new, device=device)  # [n, T]
+        end = max(starts) + num_new
+        cos = w.rope_cos[positions][:, :, None, :].to(self.dtype)  # [n, T, 1, head_dim]
+        sin = w.rope_sin[positions][:, :, None, :].to(self.dtype)
+        mask = (torch.arange(end, device=device)[None, None, :] <= positions[:, :, None])[:, None]  # [n, 1, T, end]
+        num_heads, num_kv = cfg.num_heads, cfg.num_kv_heads
+        hidden = w.embed_rows(input_ids)
+        captured = {}
+        for index, layer in enumerate(self.layers):
+            if index in capture:
+                captured[index] = hidden.float()
+            normed = _rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            qkv = _torch_linear(normed, layer.qkv).view(batch, num_new, num_heads + 2 * num_kv, cfg.head_dim)
+            qk = qkv[:, :, : num_heads + num_kv]
+            qk = qk * cos + _rotate_half(qk) * sin
+            q = qk[:, :, :num_heads].transpose(1, 2)
+            k_cache, v_cache = self.k_cache[index], self.v_cache[index]  # [B, G, C, D]
+            k_cache[rows[:, None], :, positions] = qk[:, :, num_heads:]  # [n, T, G, D]
+            v_cache[rows[:, None], :, positions] = qkv[:, :, num_heads + num_kv:]
+            attn = F.scaled_dot_product_attention(q, k_cache[rows, :, :end], v_cache[rows, :, :end], attn_mask=mask,
+                                                  enable_gqa=num_heads != num_kv)
+            hidden = hidden + _torch_linear(attn.transpose(1, 2).reshape(batch, num_new, -1), layer.o)
+            normed = _rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = _torch_linear(normed, layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + _torch_linear(F.silu(gate) * up, layer.down)
+        if last_only:
+            hidden = hidden[:, -1:]
+        hidden = _rms_norm(hidden, w.norm, cfg.rms_norm_eps)
+        logits = _torch_linear(hidden, w.lm_head)
+        return logits, hidden, torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+
     def _forward_torch(self, input_ids, positions, tree_mask, last_only, return_hidden, capture=()):
         cfg, w = self.cfg, self.weights
         device = self.device

@@ -1,0 +1,366 @@
+"""The batched engine: many sequences, one target pass per step for all of them.
+
+Each request is a ``Sequence``: its tokens, sampling parameters, random generator, drafter
+and k policy, and one row of the target's KV cache. ``BatchEngine.step`` runs one
+scheduling round:
+
+1. admit waiting sequences into free cache rows (at most ``max_num_seqs`` run at once);
+2. prefill: one chunk (at most ``prefill_chunk`` tokens) of one admitted prompt, so a long
+   prompt delays the running sequences by one chunk per step, never by its whole length;
+3. decode: every prefilled sequence drafts its own k (0 for plain decoding), and the
+   target scores all rows in one pass, ``[last, d_1 .. d_k]`` per row, ragged rows padded
+   to the longest with the row's last token (padding sits after a row's real tokens, so
+   causal attention keeps it out of them, and its cache slots are overwritten later);
+4. verify each row with the same functions as ``SpeculativeEngine`` (greedy or rejection
+   sampling with the row's generator) and commit: a row's cache length is simply its
+   committed length minus one (the engine's cache convention), so rejected slots cost no
+   copy.
+
+On specdecode's CPU kernels every row's logits are bitwise independent of the other rows
+and of the padding (``--exact``), so a request's greedy output is the same whatever else
+runs beside it. Tree drafters draft chains here (width 1): ragged trees in one pass would
+need per-row masks.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..config import SamplingParams, SpecDecodeError
+from ..engine import PromptError
+from ..metrics import GenerationStats
+from ..proposers.base import Proposal
+from ..text import TextTracker
+from ..verify.chain import greedy_verify, rejection_sample
+from ..verify.sampling import logits_to_probs
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class StepOutput:
+    """What one step added to a sequence: new token ids, the text now safe to show, and
+    the finish reason once it is done."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    drafted: int = 0  # draft tokens this step scored, and how many it accepted
+    accepted: int = 0
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    proposer: object | None = None
+    policy: object | None = None
+    prior_alpha: float | None = None
+    task_type: str | None = None
+    # called from the engine's thread after every step that changed the sequence
+    listener: Callable[["Sequence", StepOutput], None] | None = None
+    tokens: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    cache_row: int | None = None
+    prefilled: int = 0  # prompt tokens (of all but the last) whose KV is in the cache
+    finish_reason: str | None = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    aborted: bool = False
+    method: str = "none"  # the drafter's method name (reports)
+    error: str | None = None  # set when the engine failed the sequence
+    last_emit: float | None = None  # when the server last streamed from it
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt_ids)
+        self.stats.prompt_tokens = len(self.prompt_ids)
+        seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.tracker: TextTracker | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.prefilled >= len(self.prompt_ids) - 1
+
+    @property
+    def text(self) -> str:
+        return self.tracker.text if self.tracker is not None else ""
+
+
+class BatchEngine:
+    """Continuous batching over one target runtime (a ``NativeRuntime``).
+
+    ``make_drafter()`` returns a fresh proposer for one sequence, or None for plain
+    decoding; ``make_policy()`` a fresh k policy for it (an int: a fixed k). Both are
+    called once per request unless the request brings its own."""
+
+    def __init__(self, runtime, tokenizer=None, eos_token_ids: tuple[int, ...] = (), max_num_seqs: int = 8,
+                 max_model_len: int | None = None, make_drafter: Callable[[], object] | None = None,
+                 make_policy: Callable[[], object] | None = None, prefill_chunk: int | None = None):
+        if not hasattr(runtime, "forward_rows"):
+            raise SpecDecodeError("the batched engine needs the native runtime (a Llama-family model)")
+        if max_num_seqs < 1:
+            raise SpecDecodeError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.runtime = runtime
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = min(max_model_len or runtime.max_positions, runtime.max_positions)
+        self.prefill_chunk = prefill_chunk or runtime.prefill_chunk
+        self.make_drafter = make_drafter
+        self.make_policy = make_policy
+        runtime.reset(self.max_model_len, batch=max_num_seqs)
+        self.free_rows = deque(range(max_num_seqs))
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.lock = threading.Lock()  # guards waiting (other threads add and abort)
+        self._ids = itertools.count()
+        self.steps = 0
+        self.group_by_task = False  # schedule rows of one task type together (router label)
+
+    # -- requests ---------------------------------------------------------------------
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        if len(prompt_ids) == 0:
+            raise PromptError("prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise PromptError(f"prompt has {len(prompt_ids)} tokens but the context is {self.max_model_len} "
+                              "tokens; shorten the prompt")
+        bad = [t for t in prompt_ids if not 0 <= t < self.runtime.vocab_size]
+        if bad:
+            raise PromptError(f"prompt holds token ids outside the vocabulary (size {self.runtime.vocab_size}): {bad[:5]}")
+
+    def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+            speculate: bool = True, proposer=None, policy=None, listener=None, prior_alpha: float | None = None,
+            task_type: str | None = None) -> Sequence:
+        """Queue a request (thread-safe). ``speculate=False`` decodes it plainly."""
+        self.check_prompt(prompt_ids)
+        if speculate and proposer is None and self.make_drafter is not None:
+            proposer = self.make_drafter()
+        if proposer is not None and policy is None:
+            policy = self.make_policy() if self.make_policy is not None else 1
+        if isinstance(policy, int):
+            from ..control.policies import FixedK
+
+            policy = FixedK(policy)
+        sequence = Sequence(request_id or f"seq-{next(self._ids)}", list(prompt_ids), params, proposer,
+                            policy if proposer is not None else None, prior_alpha, task_type, listener)
+        if params.stop and self.tokenizer is None:
+            raise SpecDecodeError("stop strings need a tokenizer; this model has none")
+        sequence.tracker = TextTracker(self.tokenizer, params.stop)
+        with self.lock:
+            self.waiting.append(sequence)
+        return sequence
+
+    def abort(self, sequence: Sequence) -> None:
+        """Stop a sequence (thread-safe); its cache row is freed at the next step."""
+        sequence.aborted = True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- one scheduling round -----------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Sequence]:
+        """Admit, prefill one chunk, decode every prefilled row once. Returns the
+        sequences that finished in this step."""
+        finished: list[Sequence] = []
+        self._reap(finished)
+        self._admit()
+        pending = [s for s in self.running if not s.prefill_done]
+        if pending:
+            self._prefill_chunk(pending[0])
+        ready = [s for s in self.running if s.prefill_done]
+        if self.group_by_task and ready:
+            label = ready[0].task_type
+            ready = [s for s in ready if s.task_type == label] + [s for s in ready if s.task_type != label]
+        if ready:
+            self._decode(ready)
+        self._reap(finished)
+        self.steps += 1
+        return finished
+
+    def run(self) -> None:
+        """Step until every queued sequence has finished (offline use and tests)."""
+        while self.has_work:
+            self.step()
+
+    def _admit(self) -> None:
+        with self.lock:
+            while self.waiting and self.free_rows:
+                sequence = self.waiting.popleft()
+                if sequence.aborted:
+                    self._finish(sequence, "abort")
+                    continue
+                sequence.cache_row = self.free_rows.popleft()
+                capacity = min(len(sequence.prompt_ids) + sequence.params.max_new_tokens + 1 + self._k_max(sequence),
+                               self.max_model_len)
+                if sequence.proposer is not None:
+                    sequence.proposer.start(sequence.tokens, capacity)
+                    sequence.policy.start(sequence.prior_alpha)
+                self.running.append(sequence)
+
+    @staticmethod
+    def _k_max(sequence: Sequence) -> int:
+        return 0 if sequence.policy is None else sequence.policy.k_max
+
+    def _reap(self, finished: list[Sequence]) -> None:
+        keep = []
+        for sequence in self.running:
+            if sequence.aborted and not sequence.finished:
+                self._finish(sequence, "abort")
+            if sequence.finished:
+                self.free_rows.append(sequence.cache_row)
+                sequence.cache_row = None
+                finished.append(sequence)
+            else:
+                keep.append(sequence)
+        self.running = keep
+
+    def _capture(self, sequences: list[Sequence]) -> tuple[int, ...]:
+        layers = set()
+        for sequence in sequences:
+            layers.update(getattr(sequence.proposer, "capture", ()) or ())
+        return tuple(sorted(layers))
+
+    def _features(self, sequence: Sequence, features: torch.Tensor | None, layers: tuple[int, ...]):
+        """The feature columns of the layers ``sequence``'s drafter reads, or None."""
+        wanted = tuple(getattr(sequence.proposer, "capture", ()) or ())
+        if features is None or not wanted:
+            return None
+        if wanted == layers:
+            return features
+        width = features.shape[-1] // len(layers)
+        return torch.cat([features[..., layers.index(l) * width:(layers.index(l) + 1) * width] for l in wanted], dim=-1)
+
+    def _prefill_chunk(self, sequence: Sequence) -> None:
+        started = time.perf_counter()
+        begin = sequence.prefilled
+        end = min(begin + self.prefill_chunk, len(sequence.prompt_ids) - 1)
+        layers = self._capture([sequence])
+        out = self.runtime.forward_rows(torch.tensor([sequence.prompt_ids[begin:end]]), [sequence.cache_row], [begin],
+                                        last_only=True, capture=layers)
+        features = self._features(sequence, out[1] if layers else None, layers)
+        if features is not None:
+            sequence.proposer.observe(begin, features[0], sequence.tokens)
+        sequence.prefilled = end
+        sequence.stats.prefill_seconds += time.perf_counter() - started
+
+    def _decode(self, rows: list[Sequence]) -> None:
+        started = time.perf_counter()
+        room = min(self.max_model_len - len(s.tokens) for s in rows)  # padding must fit every row
+        plans = []
+        for sequence in rows:
+            wanted = sequence.policy.choose(len(sequence.tokens)) if sequence.policy is not None else 0
+            k = max(min(wanted, sequence.params.max_new_tokens - len(sequence.generated) - 1, room), 0)
+            proposal = (sequence.proposer.propose(sequence.tokens, k, sequence.params, sequence.generator)
+                        if k > 0 else Proposal.empty())
+            plans.append((proposal.draft_ids[:k].to(torch.int64), proposal.draft_probs))
+        width = 1 + max(d.numel() for d, _ in plans)
+        inputs = torch.empty(len(rows), width, dtype=torch.int64)
+        for i, (sequence, (drafts, _)) in enumerate(zip(rows, plans)):
+            inputs[i] = sequence.tokens[-1]  # padding: the row's last token
+            inputs[i, 1:1 + drafts.numel()] = drafts
+        drafted = time.perf_counter()
+        layers = self._capture(rows)
+        out = self.runtime.forward_rows(inputs, [s.cache_row for s in rows], [len(s.tokens) - 1 for s in rows],
+                                        capture=layers)
+        logits, features = (out[0], out[1]) if layers else (out, None)
+        scored = time.perf_counter()
+        share = 1.0 / len(rows)  # each row is charged its share of the pass
+        for i, (sequence, (drafts, draft_probs)) in enumerate(zip(rows, plans)):
+            new_tokens = self._verify(sequence, drafts, draft_probs, logits[i:i + 1, :1 + drafts.numel()])
+            accepted = len(new_tokens) - 1
+            stats = sequence.stats
+            stats.observe_step(drafts.numel(), accepted)
+            stats.draft_passes += drafts.numel()
+            stats.draft_seconds += (drafted - started) * share
+            stats.verify_seconds += (scored - drafted) * share
+            row_features = self._features(sequence, features[i:i + 1] if features is not None else None, layers)
+            context = len(sequence.tokens)
+            if sequence.policy is not None:
+                sequence.policy.observe(drafts.numel(), accepted)
+            self._commit(sequence, new_tokens, drafts.numel(), accepted)
+            if row_features is not None and not sequence.finished:
+                sequence.proposer.observe(context - 1, row_features[0, :accepted + 1], sequence.tokens)
+
+    @staticmethod
+    def _verify(sequence: Sequence, drafts: torch.Tensor, draft_probs, logits: torch.Tensor) -> list[int]:
+        draft_ids = drafts[None]
+        params = sequence.params
+        if params.greedy:
+            output_ids, num_accepted = greedy_verify(draft_ids, logits)
+        else:
+            target_probs = logits_to_probs(logits, params)
+            if draft_probs is not None:
+                probs = draft_probs[None, :drafts.numel()]
+            else:
+                probs = F.one_hot(draft_ids, target_probs.shape[-1]).float()
+            output_ids, num_accepted = rejection_sample(draft_ids, probs, target_probs, sequence.generator)
+        return output_ids[0, :int(num_accepted[0]) + 1].tolist()
+
+    def _commit(self, sequence: Sequence, new_tokens: list[int], drafted: int, accepted: int) -> None:
+        params, added, finish = sequence.params, [], None
+        for token in new_tokens:
+            if token in self.eos_token_ids and not params.ignore_eos:
+                finish = "stop"
+                break
+            sequence.tokens.append(token)
+            sequence.generated.append(token)
+            added.append(token)
+            if sequence.tracker is not None and sequence.tracker.add(token):
+                finish = "stop"
+            elif len(sequence.generated) >= params.max_new_tokens or len(sequence.tokens) >= self.max_model_len:
+                finish = "length"
+            if finish:
+                break  # accepted drafts past a stop are dropped
+        if sequence.first_token_time is None:
+            sequence.first_token_time = time.perf_counter()
+        if finish:
+            self._finish(sequence, finish, added, drafted, accepted)
+        elif sequence.listener is not None:
+            text = sequence.tracker.delta() if sequence.tracker is not None else ""
+            sequence.listener(sequence, StepOutput(added, text, None, drafted, accepted))
+
+    def _finish(self, sequence: Sequence, reason: str, added: list[int] | None = None, drafted: int = 0,
+                accepted: int = 0) -> None:
+        sequence.finish_reason = reason
+        sequence.finish_time = time.perf_counter()
+        stats = sequence.stats
+        stats.new_tokens = len(sequence.generated)
+        stats.wall_seconds = sequence.finish_time - sequence.arrival
+        if sequence.listener is not None:
+            text = sequence.tracker.delta(final=True) if sequence.tracker is not None else ""
+            sequence.listener(sequence, StepOutput(added or [], text, reason, drafted, accepted))
+
+
+def clone_policy(template):
+    """A fresh copy of a k policy for one sequence; its cost model (shared, read-only) is
+    not copied."""
+    costs = getattr(template, "costs", None)
+    return copy.deepcopy(template, {} if costs is None else {id(costs): costs})

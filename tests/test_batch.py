@@ -1,0 +1,188 @@
+"""The batched engine: ragged rows in one target pass, each request's output the same as
+its output alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import save_tiny_model
+from specdecode import kernels
+from specdecode.config import SamplingParams, SpecDecodeError
+from specdecode.control.policies import FixedK
+from specdecode.engine import PromptError, SpeculativeEngine
+from specdecode.models.llama import load_native
+from specdecode.proposers.ngram import NgramProposer
+from specdecode.serve.batch import BatchEngine
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="CPU kernels unavailable")
+BACKENDS = ["torch", pytest.param("kernels", marks=needs_kernels)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("batch"), "llama", seed=7, num_layers=2)
+
+
+def runtime_for(model_dir, backend, fmt=None, dtype=torch.float32, prefill_chunk=256):
+    fmt = fmt or ("fp32" if dtype == torch.float32 else "bf16")
+    return load_native(model_dir, dtype, fmt, backend, prefill_chunk=prefill_chunk)
+
+
+def random_prompt(rng: random.Random, vocab: int = 97) -> list[int]:
+    base = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 8))]
+    return (base * rng.randint(1, 5) + [rng.randrange(3, vocab) for _ in range(rng.randint(0, 9))])[:60]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_at_different_lengths_match_each_row_alone(model_dir, backend):
+    """forward_rows: rows of different lengths (and cache rows in any order) scored
+    together give each row's logits scored alone; bitwise on the kernels."""
+    runtime = runtime_for(model_dir, backend)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 97, (n,), generator=generator) for n in (5, 40, 17)]
+    news = torch.randint(3, 97, (3, 4), generator=generator)
+    alone = []
+    for prompt, new in zip(prompts, news):
+        runtime.reset(128)
+        runtime(prompt[None])
+        alone.append(runtime(new[None])[0])
+    runtime.reset(128, batch=4)
+    rows = [2, 0, 3]
+    for row, prompt in zip(rows, prompts):
+        runtime.forward_rows(prompt[None], [row], [0])
+    together = runtime.forward_rows(news, rows, [len(p) for p in prompts])
+    for i in range(3):
+        if backend == "kernels":
+            assert torch.equal(together[i], alone[i]), i
+        else:
+            torch.testing.assert_close(together[i], alone[i], rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt, dtype", [("q4_1", torch.bfloat16), ("fp32", torch.float32)])
+def test_padding_and_neighbours_never_change_a_row_bitwise(model_dir, fmt, dtype):
+    """A row scored with 1..6 real tokens, padded to 8 beside other rows, equals the same
+    tokens scored alone bit for bit (the invariance --exact promises, now across rows)."""
+    runtime = runtime_for(model_dir, "kernels", fmt, dtype)
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 97, (30,), generator=generator)
+    others = torch.randint(3, 97, (2, 50), generator=generator)
+    runtime.reset(128, batch=3)
+    runtime.forward_rows(prompt[None], [1], [0])
+    runtime.forward_rows(others, [0, 2], [0, 0])
+    for real in range(1, 7):
+        new = torch.randint(3, 97, (real,), generator=generator)
+        alone = runtime.forward_rows(new[None], [1], [30])
+        padded = torch.cat([new, new[-1:].expand(8 - real)])
+        inputs = torch.stack([torch.randint(3, 97, (8,), generator=generator), padded,
+                              torch.randint(3, 97, (8,), generator=generator)])
+        together = runtime.forward_rows(inputs, [0, 1, 2], [50, 30, 50])
+        assert torch.equal(together[1, :real], alone[0]), real
+
+
+def test_forward_rows_refuses_bad_rows(model_dir):
+    runtime = runtime_for(model_dir, "torch")
+    runtime.reset(32, batch=2)
+    with pytest.raises(SpecDecodeError, match="distinct"):
+        runtime.forward_rows(torch.zeros(2, 1, dtype=torch.int64), [0, 0], [0, 0])
+    with pytest.raises(SpecDecodeError, match="capacity"):
+        runtime.forward_rows(torch.zeros(1, 4, dtype=torch.int64), [1], [30])
+
+
+def alone_outputs(runtime, prompts, params, proposer_k):
+    outputs = []
+    for prompt, p in zip(prompts, params):
+        proposer, k = proposer_k
+        engine = SpeculativeEngine(runtime, None, proposer() if proposer else None, k)
+        outputs.append(engine.generate(prompt, p).token_ids)
+    return outputs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("k", [0, 3])
+def test_greedy_batch_outputs_equal_each_request_alone(model_dir, backend, k):
+    """Many concurrent requests of mixed lengths and budgets, arriving while others run,
+    some decoded plainly and some with prompt lookup: every output equals the request's
+    output from the single-sequence engine."""
+    rng = random.Random(k)
+    prompts = [random_prompt(rng) for _ in range(12)]
+    params = [SamplingParams(max_new_tokens=rng.randint(1, 30), ignore_eos=True) for _ in prompts]
+    runtime = runtime_for(model_dir, backend)
+    expected = alone_outputs(runtime, prompts, params, (NgramProposer if k else None, k or 1))
+    batch_runtime = runtime_for(model_dir, backend, prefill_chunk=16)  # long prompts take several chunks
+    engine = BatchEngine(batch_runtime, max_num_seqs=5, max_model_len=128,
+                         make_drafter=(lambda: NgramProposer()) if k else None, make_policy=lambda: k)
+    sequences = []
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        sequences.append(engine.add(prompt, p, speculate=i % 3 != 0))
+        if i % 2:
+            engine.step()  # arrivals interleave with steps
+    engine.run()
+    assert [s.generated for s in sequences] == expected
+    assert all(s.finish_reason == "length" for s in sequences)
+    if k:
+        assert sum(s.stats.draft_tokens for s in sequences) > 0
+        assert sum(s.stats.accepted_tokens for s in sequences) > 0
+    assert sorted(engine.free_rows) == list(range(5))
+
+
+@needs_kernels
+def test_seeded_sampling_is_reproducible_whatever_runs_beside_it(model_dir):
+    """A seeded sampled request draws the same tokens alone and among others (its own
+    generator; bitwise-independent rows)."""
+    rng = random.Random(5)
+    prompts = [random_prompt(rng) for _ in range(6)]
+    sampled = SamplingParams(temperature=0.9, top_k=20, max_new_tokens=25, seed=11, ignore_eos=True)
+
+    def run(batch):
+        engine = BatchEngine(runtime_for(model_dir, "kernels", "q4_1", torch.bfloat16), max_num_seqs=6,
+                             max_model_len=128, make_drafter=NgramProposer, make_policy=lambda: 2)
+        target = engine.add(prompts[0], sampled)
+        for prompt in prompts[1:batch]:
+            engine.add(prompt, SamplingParams(temperature=1.0, max_new_tokens=30, seed=rng.randrange(99), ignore_eos=True))
+        engine.run()
+        return target.generated
+
+    assert run(1) == run(6)
+
+
+def test_stop_eos_abort_and_bad_prompts(tmp_path, model_dir):
+    from conftest import save_char_tokenizer
+
+    tokenizer = save_char_tokenizer(tmp_path / "tok")
+    runtime = runtime_for(model_dir, "torch")
+    plain = SpeculativeEngine(runtime, tokenizer)
+    prompt = tokenizer("abcabcabc")["input_ids"]
+    reference = plain.generate(prompt, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    stop = reference.text[3:5]
+    eos_token = reference.token_ids[6]
+    engine = BatchEngine(runtime_for(model_dir, "torch"), tokenizer, eos_token_ids=(eos_token,),
+                         max_num_seqs=2, max_model_len=64)
+    stopped = engine.add(prompt, SamplingParams(max_new_tokens=20, stop=(stop,), ignore_eos=True))
+    eos = engine.add(prompt, SamplingParams(max_new_tokens=20))
+    aborted = engine.add(prompt, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    engine.abort(aborted)
+    engine.run()
+    assert stopped.finish_reason == "stop" and stopped.text == reference.text[: reference.text.find(stop)]
+    assert eos.finish_reason == "stop"
+    assert eos.generated == reference.token_ids[: reference.token_ids.index(eos_token)]
+    assert aborted.finish_reason == "abort" and aborted.generated == []
+    with pytest.raises(PromptError, match="context is 64 tokens"):
+        engine.add(list(range(3, 70)), SamplingParams())
+    with pytest.raises(PromptError, match="empty"):
+        engine.add([], SamplingParams())
+
+
+def test_listener_sees_every_token_once(model_dir):
+    seen = []
+    engine = BatchEngine(runtime_for(model_dir, "torch"), max_num_seqs=2, max_model_len=64,
+                         make_drafter=NgramProposer, make_policy=lambda: 4)
+    sequence = engine.add([5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(max_new_tokens=17, ignore_eos=True),
+                          listener=lambda s, out: seen.append(out))
+    engine.run()
+    assert [t for out in seen for t in out.token_ids] == sequence.generated
+    assert [out.finish_reason for out in seen][-1] == "length"
+    assert all(out.finish_reason is None for out in seen[:-1])
