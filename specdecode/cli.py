@@ -153,6 +153,25 @@ def build_parser() -> argparse.ArgumentParser:
     eagle.add_argument("--init", default=None, help="go on training a head (a directory written by train eagle): its draft vocabulary and weights")
     _target_flags(eagle)
 
+    srv = verbs.add_parser("serve", help="OpenAI-compatible HTTP server: continuous batching, per-request speculation, Prometheus metrics")
+    srv.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a HF directory or a .gguf file")
+    srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: SmolLM2-135M-Instruct, or --model)")
+    srv.add_argument("--speculative-config", default=None, help='JSON with vLLM\'s keys (method: ngram|eagle|eagle3|none, model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max) and ours ("num_speculative_tokens": "auto", preset, router); default: ngram, k auto, router on')
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    srv.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together (one target pass per step)")
+    srv.add_argument("--max-queued-requests", type=int, default=64, help="requests waiting for a batch row before 503")
+    srv.add_argument("--max-model-len", type=int, default=None, help="context per sequence (default: the model's)")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
+    srv.add_argument("--audit-rate", type=float, default=0.0, help="fraction of greedy speculative requests re-run plainly when idle and compared (/metrics)")
+    srv.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    srv.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"])
+    srv.add_argument("--backend", default="auto", choices=["auto", "kernels", "torch"])
+    srv.add_argument("--threads", type=int, default=None)
+    srv.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill chunk; chunks interleave with decode steps")
+    srv.set_defaults(exact=None, device="cpu")
+
     mem = verbs.add_parser("memory", help="weights, KV cache and activation memory of target + drafter")
     mem.add_argument("--target", default="default", help="model name, HF directory, config.json, or a named size (135M, 360M, 1B, 3B, 7B, 8B, 13B, 70B)")
     mem.add_argument("--draft", default=None, help="same forms, or self:L, or ngram")
@@ -472,12 +491,28 @@ def cmd_presets(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from .serve.server import build_state, serve
+
+    config = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads, weights=args.weights,
+                          backend=args.backend, prefill_chunk=args.prefill_chunk)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    state = build_state(config, args.speculative_config, args.max_num_seqs, args.max_queued_requests, args.api_key,
+                        args.max_model_len, args.served_model_name, args.audit_rate)
+    serve(state, args.host, args.port, args.shutdown_timeout)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="specdecode: %(message)s")
     try:
         args = parse_args(argv)
         return {"generate": cmd_generate, "bench": cmd_bench, "profile": cmd_profile, "presets": cmd_presets,
-                "check": cmd_check, "memory": cmd_memory, "analyze": cmd_analyze, "train": cmd_train}[args.verb](args)
+                "check": cmd_check, "memory": cmd_memory, "analyze": cmd_analyze, "train": cmd_train,
+                "serve": cmd_serve}[args.verb](args)
     except SpecDecodeError as error:
         print(f"specdecode: error: {error}", file=sys.stderr)
         return 2

@@ -1,0 +1,527 @@
+"""``specdecode serve``: an OpenAI-compatible HTTP server over the batched engine.
+
+One engine thread runs ``BatchEngine.step`` while there is work; request handlers queue
+sequences and read their outputs through an asyncio queue fed from that thread. Routes:
+POST /v1/completions and /v1/chat/completions (with and without ``stream``), GET
+/v1/models, /health and /metrics. Errors are OpenAI's JSON
+``{"error": {"message", "type", "param", "code"}}``; no stack trace reaches a client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..config import ConfigError, SamplingParams, SpecDecodeError
+from ..engine import PromptError
+from .batch import BatchEngine, Sequence, StepOutput
+from .metrics import ServerMetrics
+
+logger = logging.getLogger("specdecode.serve")
+
+
+# -- errors ------------------------------------------------------------------------------
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.type, self.param, self.code, self.headers)
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+# -- requests ----------------------------------------------------------------------------
+class SpeculativeOptions(BaseModel):
+    """Per-request speculation (the openai client's ``extra_body={"speculative": ...}``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = True
+    method: str | None = None
+    num_speculative_tokens: int | Literal["auto"] | None = None
+
+    @field_validator("num_speculative_tokens")
+    @classmethod
+    def _positive(cls, value):
+        if isinstance(value, int) and not 1 <= value <= 64:
+            raise ValueError("num_speculative_tokens must be 'auto' or an integer in 1..64")
+        return value
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1)
+    ignore_eos: bool = False
+    speculative: SpeculativeOptions | None = None
+    task_type: str | None = None
+    logprobs: Any = None
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        if self.n != 1:
+            raise APIError(400, "n > 1 is not supported; send n separate requests", param="n")
+        if self.logprobs not in (None, False, 0):
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stop):
+            raise APIError(400, "stop strings must be non-empty", param="stop")
+        if len(stop) > 4:
+            raise APIError(400, "at most 4 stop strings", param="stop")
+        temperature = 1.0 if self.temperature is None else self.temperature
+        return SamplingParams(temperature=temperature, top_p=1.0 if self.top_p is None else self.top_p,
+                              top_k=max(self.top_k or 0, 0), max_new_tokens=max_tokens, stop=tuple(stop),
+                              seed=self.seed, ignore_eos=self.ignore_eos)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str]
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, "only text content parts are supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+# -- the engine thread -------------------------------------------------------------------
+@dataclass
+class ServerState:
+    engine: BatchEngine
+    model_name: str
+    metrics: ServerMetrics
+    speculation: "SpeculationChoices"
+    max_queued_requests: int = 64
+    api_key: str | None = None
+    audit_rate: float = 0.0
+    accepting: bool = True
+    stopped: bool = False
+    wakeup: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    auditor: Any = None
+    tokenizer: Any = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._loop, name="specdecode-engine", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.wakeup.set()
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self.stopped:
+            if not engine.has_work:
+                if self.auditor is not None and self.auditor.run_one():
+                    continue
+                self.wakeup.wait(0.05)
+                self.wakeup.clear()
+                continue
+            try:
+                finished = engine.step()
+            except Exception:  # never let the thread die: fail the batch, keep serving
+                logger.exception("engine step failed; aborting the running requests")
+                finished = self._fail_all()
+            self.metrics.queue(engine.num_running, engine.num_waiting)
+            for sequence in finished:
+                self._finished(sequence)
+
+    def _fail_all(self) -> list[Sequence]:
+        engine, failed = self.engine, []
+        for sequence in list(engine.running):
+            sequence.error = "internal error while decoding"
+            engine._finish(sequence, "abort")
+        engine._reap(failed)
+        return failed
+
+    def _finished(self, sequence: Sequence) -> None:
+        if getattr(sequence, "audit_of", None) is not None:
+            self.auditor.offer(sequence)
+            return
+        stats = sequence.stats
+        ttft = None if sequence.first_token_time is None else sequence.first_token_time - sequence.arrival
+        saved = self.speculation.seconds_saved(sequence)
+        self.metrics.finished(sequence.finish_reason, len(sequence.prompt_ids), stats.new_tokens, stats.wall_seconds,
+                              ttft, sequence.task_type, saved)
+        self.speculation.observe(sequence, self.metrics)
+        if self.auditor is not None and sequence.finish_reason != "abort":
+            self.auditor.offer(sequence)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, options: SpeculativeOptions | None,
+               task_type: str | None, prompt_text: str, request_id: str):
+        if not self.accepting:
+            raise APIError(503, "the server is shutting down", "server_error", code="shutting_down",
+                           headers={"Retry-After": "5"})
+        if self.engine.num_waiting >= self.max_queued_requests:
+            raise APIError(503, f"the request queue is full ({self.max_queued_requests} waiting); retry later",
+                           "server_error", code="overloaded", headers={"Retry-After": "1"})
+        try:
+            self.engine.check_prompt(prompt_ids)
+        except PromptError as error:
+            raise APIError(400, str(error), param="prompt", code="context_length_exceeded"
+                           if "context" in str(error) else None) from None
+        plan = self.speculation.plan(options, task_type, prompt_text)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def listener(sequence: Sequence, output: StepOutput) -> None:
+            now = time.perf_counter()
+            if output.finish_reason != "abort":
+                self.metrics.step(output.drafted, output.accepted, sequence.task_type)
+            if sequence.last_emit is not None and output.token_ids:
+                self.metrics.token_gap(now - sequence.last_emit, len(output.token_ids))
+            sequence.last_emit = now
+            loop.call_soon_threadsafe(queue.put_nowait, output)
+
+        sequence = self.engine.add(prompt_ids, params, request_id, speculate=plan.speculate, proposer=plan.proposer,
+                                   policy=plan.policy, listener=listener, prior_alpha=plan.prior,
+                                   task_type=plan.task)
+        sequence.method = plan.method
+        self.metrics.queue(self.engine.num_running, self.engine.num_waiting)
+        self.wakeup.set()
+        return sequence, queue
+
+    def abort(self, sequence: Sequence) -> None:
+        self.engine.abort(sequence)
+        self.wakeup.set()
+
+
+# -- speculation per request -------------------------------------------------------------
+@dataclass
+class Plan:
+    speculate: bool
+    method: str
+    proposer: Any
+    policy: Any
+    prior: float | None
+    task: str
+
+
+class SpeculationChoices:
+    """Which drafter and k policy a request gets. ``drafters``: method -> (make_proposer,
+    make_policy(k) where k is an int or 'auto', drafter key); the server's configured
+    method is ``default``. ``router`` (control.router.Router) labels the task and may turn
+    speculation off for tasks where it measured a loss; ``profile`` prices seconds saved."""
+
+    def __init__(self, drafters: dict, default: str, router=None, profile=None):
+        self.drafters = drafters
+        self.default = default
+        self.router = router
+        self.profile = profile
+        self.lock = threading.Lock()
+
+    def plan(self, options: SpeculativeOptions | None, task_type: str | None, prompt_text: str) -> Plan:
+        from ..control.router import TASKS, classify
+
+        if task_type is not None and task_type not in TASKS:
+            raise APIError(400, f"unknown task_type {task_type!r}; choose from {sorted(TASKS)}", param="task_type")
+        task = task_type or (classify(prompt_text) if prompt_text else "unknown")
+        if options is not None and not options.enabled:
+            return Plan(False, "none", None, None, None, task)
+        method = (options.method if options is not None and options.method else self.default)
+        method = {"eagle3": "eagle", "draft_model": "draft", "[ngram]": "ngram"}.get(method, method)
+        if method == "none":
+            return Plan(False, "none", None, None, None, task)
+        if method not in self.drafters:
+            known = sorted(set(self.drafters) | {"none"})
+            raise APIError(400, f"speculative method {method!r} is not available on this server; choose from {known}",
+                           param="speculative.method", code="unknown_speculative_method")
+        make_proposer, make_policy, drafter = self.drafters[method]
+        prior = None
+        if self.router is not None:
+            with self.lock:
+                route = self.router.route(prompt_text, method, drafter) if prompt_text else None
+            if route is not None:
+                task = task_type or route.task
+                prior = self.router.prior(task, drafter)
+                if route.method == "none" and (options is None or options.method is None):
+                    return Plan(False, "none", None, None, None, task)
+        k = "auto" if options is None or options.num_speculative_tokens is None else options.num_speculative_tokens
+        return Plan(True, method, make_proposer(), make_policy(k), prior, task)
+
+    def seconds_saved(self, sequence: Sequence) -> float | None:
+        """Plain decoding's estimated decode time for the same tokens (cost profile, one
+        step per token) minus the decode time this request took; None without a
+        profile or without speculation."""
+        if self.profile is None or sequence.proposer is None or not sequence.stats.new_tokens:
+            return None
+        stats = sequence.stats
+        context = len(sequence.prompt_ids) + stats.new_tokens // 2
+        plain = stats.new_tokens * self.profile.time_ms(1, context) / 1000
+        return plain - (stats.wall_seconds - stats.prefill_seconds)
+
+    def observe(self, sequence: Sequence, metrics: ServerMetrics) -> None:
+        if sequence.proposer is None:
+            return
+        drafter = self.drafters[sequence.method][2]
+        prior = self.calibrated_prior(sequence.method)
+        metrics.drift_ratio(sequence.task_type, prior)
+        if self.router is not None and sequence.stats.draft_tokens and self.profile is not None:
+            from ..control.router import speedup_from_stats
+
+            speedup = speedup_from_stats(sequence.stats, self.profile, len(sequence.prompt_ids))
+            with self.lock:
+                self.router.observe(sequence.task_type, drafter, sequence.stats.first_alpha, speedup)
+
+    def calibrated_prior(self, method: str) -> float | None:
+        if self.profile is None:
+            return None
+        rates = self.profile.acceptance.get(self.drafters[method][2])
+        return rates[0] if rates else None
+
+
+# -- responses ---------------------------------------------------------------------------
+def usage(sequence: Sequence) -> dict:
+    prompt, completion = len(sequence.prompt_ids), len(sequence.generated)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def speculation_summary(sequence: Sequence) -> dict:
+    stats = sequence.stats
+    return {"method": getattr(sequence, "method", "none"), "drafted_tokens": stats.draft_tokens,
+            "accepted_tokens": stats.accepted_tokens, "acceptance_rate": round(stats.alpha, 4),
+            "mean_accepted_length": round(stats.tau, 4), "target_passes": stats.target_forwards,
+            "task_type": sequence.task_type}
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def create_app(state: ServerState, tokenizer) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state.start()
+        yield
+        state.accepting = False  # drain: uvicorn waits for in-flight requests first
+        state.stop()
+
+    app = FastAPI(title="specdecode", lifespan=lifespan)
+    app.state.server = state
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, error: RequestValidationError):
+        first = error.errors()[0] if error.errors() else {}
+        location = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = first.get("msg", "invalid request")
+        return error_response(400, f"{'.'.join(location) or 'body'}: {message}", param=".".join(location) or None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, error: APIError):
+        return error.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, error: StarletteHTTPException):
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return error_response(error.status_code, str(error.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception):
+        logger.exception("unexpected error serving %s", request.url.path)
+        return error_response(500, "internal server error", "server_error")
+
+    def authorize(request: Request) -> None:
+        if state.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')", "authentication_error",
+                           code="invalid_api_key")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != state.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {state.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def encode_completion(body: CompletionRequest) -> tuple[list[int], str]:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, "a batch of prompts is not supported; send one prompt per request", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, list):
+            return list(prompt), ""
+        if not prompt:
+            raise APIError(400, "prompt is empty", param="prompt")
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer; send the prompt as token ids", param="prompt")
+        return list(tokenizer(prompt)["input_ids"]), prompt
+
+    def encode_chat(body: ChatRequest) -> tuple[list[int], str]:
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in body.messages]
+        try:
+            encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=True)
+        except Exception as error:  # template errors (e.g. roles out of order) name the problem
+            raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
+        return list(encoded["input_ids"]), "\n".join(m["content"] for m in messages if m["role"] == "user")
+
+    async def run(request: Request, body, prompt_ids, prompt_text, max_tokens, chat: bool):
+        authorize(request)
+        check_model(body.model)
+        params = body.sampling(max_tokens)
+        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        sequence, queue = state.submit(prompt_ids, params, body.speculative, body.task_type, prompt_text, request_id)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(stream(sequence, queue, request_id, chat, include_usage),
+                                     media_type="text/event-stream")
+        return await collect(request, sequence, queue, request_id, chat)
+
+    async def collect(request: Request, sequence: Sequence, queue: asyncio.Queue, request_id: str, chat: bool):
+        text = []
+        try:
+            while True:
+                try:
+                    output = await asyncio.wait_for(queue.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        state.abort(sequence)
+                        return Response(status_code=499)
+                    continue
+                text.append(output.text)
+                if output.finish_reason is not None:
+                    break
+        except asyncio.CancelledError:
+            state.abort(sequence)
+            raise
+        if getattr(sequence, "error", None):
+            raise APIError(500, sequence.error, "server_error")
+        finish = sequence.finish_reason
+        body = {"id": request_id, "created": int(time.time()), "model": state.model_name, "usage": usage(sequence),
+                "speculative": speculation_summary(sequence)}
+        if chat:
+            body.update(object="chat.completion", choices=[{"index": 0, "message": {"role": "assistant",
+                        "content": "".join(text)}, "logprobs": None, "finish_reason": finish}])
+        else:
+            body.update(object="text_completion", choices=[{"index": 0, "text": "".join(text), "logprobs": None,
+                                                            "finish_reason": finish}])
+        return JSONResponse(body)
+
+    async def stream(sequence: Sequence, queue: asyncio.Queue, request_id: str, chat: bool, include_usage: bool):
+        created = int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, finish: str | None, first: bool = False) -> dict:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"id": request_id, "object": kind, "created": created, "model": state.model_name, "choices": [choice]}
+
+        try:
+            if chat:
+                yield _sse(chunk(None, None, first=True))
+            while True:
+                output = await queue.get()
+                if output.finish_reason is not None:
+                    if getattr(sequence, "error", None):
+                        yield _sse({"error": {"message": sequence.error, "type": "server_error", "param": None,
+                                              "code": None}})
+                        break
+                    if output.text:
+                        yield _sse(chunk(output.text, None))
+                    final = chunk(None, output.finish_reason)
+                    final["speculative"] = speculation_summary(sequence)
+                    yield _sse(final)
+                    if include_usage:
+                        yield _sse({"id": request_id, "object": kind, "created": created, "model": state.model_name,
+                                    "choices": [], "usage": usage(sequence)})
+                    break
+                if output.text:
+                    yield _sse(chunk(output.text, None))
+            yield _sse("[DONE]")
+        finally:
+            if not sequence.finished:  # the client went away: free its row
+                state.abort(sequence)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest):
+        authorize(request)
+        prompt_ids, text = encode_completion(body)
+        return await run(request, body, prompt_ids, text, body.max_tokens or 16, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatRequest):
+        authorize(request)
+        prompt_ids, text = encode_chat(body)
+        room = state.engine.max_model_len - len(prompt_ids)
+        max_tokens = body.max_completion_tokens or body.max_tokens or max(room, 1)
+        return await run(request, body, prompt_ids, text, max_tokens, chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "specdecode", "max_model_len": state.engine.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if state.thread is not None and not state.thread.is_alive():
+            return error_response(503, "the engine thread has stopped", "server_error")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

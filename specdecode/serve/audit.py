@@ -1,0 +1,71 @@
+"""The losslessness audit: a sampled fraction of finished greedy requests that speculated
+is decoded again without speculation, when the engine is otherwise idle, and compared
+token by token. A mismatch is counted in /metrics and logged with the request id, the
+first divergent position and the target's top-2 logit margin there (a margin near 0 is a
+numerical near-tie, a large one a bug)."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import deque
+
+import torch
+
+logger = logging.getLogger("specdecode.serve")
+
+
+class Auditor:
+    def __init__(self, engine, rate: float, metrics, seed: int = 0, backlog: int = 64):
+        self.engine = engine
+        self.rate = rate
+        self.metrics = metrics
+        self.rng = random.Random(seed)
+        self.backlog: deque = deque(maxlen=backlog)  # oldest audits are dropped under load
+        self.mismatches: list[dict] = []
+
+    def offer(self, sequence) -> None:
+        """A finished request; audited with probability ``rate`` if greedy and speculative."""
+        if getattr(sequence, "audit_of", None) is not None:
+            self.compare(sequence)
+            return
+        if sequence.params.greedy and sequence.proposer is not None and sequence.finish_reason != "abort" \
+                and self.rng.random() < self.rate:
+            self.backlog.append(sequence)
+
+    def run_one(self) -> bool:
+        """Queue one plain re-run (called by the engine thread when it has nothing else)."""
+        if not self.backlog:
+            return False
+        original = self.backlog.popleft()
+        audit = self.engine.add(original.prompt_ids, original.params, f"{original.request_id}-audit", speculate=False)
+        audit.audit_of = original
+        audit.task_type = original.task_type
+        return True
+
+    @torch.inference_mode()
+    def compare(self, audit) -> None:
+        original = audit.audit_of
+        self.metrics.labels(self.metrics.audit_checked).inc()
+        if audit.generated == original.generated and audit.finish_reason == original.finish_reason:
+            return
+        position = next((i for i, (a, b) in enumerate(zip(original.generated, audit.generated)) if a != b),
+                        min(len(original.generated), len(audit.generated)))
+        margin = self.margin(original.prompt_ids + original.generated[:position])
+        record = {"request_id": original.request_id, "position": position, "top2_margin": margin,
+                  "speculative_token": original.generated[position] if position < len(original.generated) else None,
+                  "plain_token": audit.generated[position] if position < len(audit.generated) else None}
+        self.mismatches.append(record)
+        self.metrics.labels(self.metrics.audit_mismatch).inc()
+        logger.warning("audit mismatch: request %s differs from plain decoding at token %d (top-2 margin %.4g)",
+                       original.request_id, position, margin if margin is not None else float("nan"))
+
+    def margin(self, tokens: list[int]) -> float | None:
+        """The target's top-2 logit margin for the token after ``tokens``, on a free row."""
+        engine = self.engine
+        if not engine.free_rows:
+            return None
+        row = engine.free_rows[0]
+        logits = engine.runtime.forward_rows(torch.tensor([tokens]), [row], [0], last_only=True)[0, -1].float()
+        top = logits.topk(2).values
+        return float(top[0] - top[1])

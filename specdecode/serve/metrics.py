@@ -1,0 +1,139 @@
+"""Prometheus metrics of the server (prometheus-client), named so a vLLM dashboard reads them.
+
+vLLM's series keep their names and labels under our prefix ``specdecode:`` (vLLM's is
+``vllm:``): the speculative-decoding counters ``spec_decode_num_drafts``,
+``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens`` and
+``spec_decode_num_accepted_tokens_per_pos{position}``, and the request series
+``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
+``e2e_request_latency_seconds`` (vLLM's bucket boundaries), ``num_requests_running``,
+``num_requests_waiting``, ``prompt_tokens``, ``generation_tokens`` and
+``request_success{finished_reason}``; every series carries ``model_name``. A dashboard
+built for vLLM reads ours after replacing ``vllm:`` with ``specdecode:``
+(docs/serving.md).
+
+Ours, by task type (the router's label): acceptance, mean accepted length, seconds saved
+against plain decoding (estimated from the cost profile), and acceptance drift: the
+acceptance over the last drafted tokens divided by the calibrated prior, so a domain
+shift that collapses acceptance shows as a drop below 1.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+disable_created_metrics()  # as vLLM does: no *_created series beside every counter
+
+PREFIX = "specdecode:"
+# vLLM's boundaries (vllm/v1/metrics/loggers.py)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+               960.0, 1920.0, 7680.0)
+DRIFT_WINDOW = 512  # drafted tokens per task in the drift window
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        r, m = self.registry, ["model_name"]
+
+        def counter(name, doc, labels=()):
+            return Counter(PREFIX + name, doc, m + list(labels), registry=r)
+
+        def gauge(name, doc, labels=()):
+            return Gauge(PREFIX + name, doc, m + list(labels), registry=r)
+
+        self.num_drafts = counter("spec_decode_num_drafts", "Steps that scored at least one draft token")
+        self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens scored")
+        self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted draft tokens by draft position (0-based)", ["position"])
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token", m, buckets=TTFT_BUCKETS,
+                              registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between output tokens (a step's tokens "
+                             "share its gap)", m, buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency, arrival to finish", m,
+                             buckets=E2E_BUCKETS, registry=r)
+        self.running = gauge("num_requests_running", "Sequences in the running batch")
+        self.waiting = gauge("num_requests_waiting", "Requests queued for a batch row")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self.success = counter("request_success", "Finished requests", ["finished_reason"])
+        # ours, by task type
+        task = ["task_type"]
+        self.task_drafted = counter("task_draft_tokens", "Draft tokens scored, by task type", task)
+        self.task_accepted = counter("task_accepted_tokens", "Draft tokens accepted, by task type", task)
+        self.task_acceptance = gauge("task_acceptance_rate", "Accepted / drafted since start, by task type", task)
+        self.task_tau = gauge("task_mean_accepted_length", "Tokens per target pass (bonus included), by task type",
+                              task)
+        self.task_saved = gauge("task_seconds_saved", "Estimated decode seconds saved against plain decoding "
+                                  "(cost profile), by task type; negative when speculation lost", task)
+        self.drift = gauge("acceptance_drift", "Acceptance over the last drafted tokens / calibrated prior, by task "
+                           "type (1 = as calibrated)", task)
+        self.audit_checked = counter("audit_requests", "Greedy requests re-run with plain decoding and compared")
+        self.audit_mismatch = counter("audit_mismatches", "Audited requests whose output differed from plain decoding")
+        self._lock = threading.Lock()
+        self._task_totals: dict[str, list[float]] = {}  # task -> [drafted, accepted, passes, tokens]
+        self._windows: dict[str, deque] = {}
+
+    def labels(self, metric, **labels):
+        return metric.labels(model_name=self.model_name, **labels)
+
+    def step(self, drafted: int, accepted: int, task: str | None) -> None:
+        """One verification pass of one sequence."""
+        if drafted:
+            self.labels(self.num_drafts).inc()
+            self.labels(self.num_draft_tokens).inc(drafted)
+            self.labels(self.num_accepted_tokens).inc(accepted)
+            for position in range(accepted):
+                self.labels(self.accepted_per_pos, position=str(position)).inc()
+        task = task or "unknown"
+        with self._lock:
+            totals = self._task_totals.setdefault(task, [0.0, 0.0, 0.0, 0.0])
+            totals[0] += drafted
+            totals[1] += accepted
+            totals[2] += 1
+            totals[3] += accepted + 1
+            if drafted:
+                window = self._windows.setdefault(task, deque(maxlen=DRIFT_WINDOW))
+                window.extend([1] * accepted + [0] * (drafted - accepted))
+            acceptance = totals[1] / totals[0] if totals[0] else 0.0
+            tau = totals[3] / totals[2]
+        if drafted:
+            self.labels(self.task_drafted, task_type=task).inc(drafted)
+            self.labels(self.task_accepted, task_type=task).inc(accepted)
+        self.labels(self.task_acceptance, task_type=task).set(acceptance)
+        self.labels(self.task_tau, task_type=task).set(tau)
+
+    def drift_ratio(self, task: str, prior: float | None) -> float | None:
+        window = self._windows.get(task or "unknown")
+        if not window or not prior:
+            return None
+        ratio = (sum(window) / len(window)) / prior
+        self.labels(self.drift, task_type=task or "unknown").set(ratio)
+        return ratio
+
+    def finished(self, reason: str, prompt_tokens: int, generated: int, e2e: float, ttft: float | None,
+                 task: str | None, saved_seconds: float | None) -> None:
+        self.labels(self.success, finished_reason=reason).inc()
+        self.labels(self.prompt_tokens).inc(prompt_tokens)
+        self.labels(self.generation_tokens).inc(generated)
+        self.labels(self.e2e).observe(e2e)
+        if ttft is not None:
+            self.labels(self.ttft).observe(ttft)
+        if saved_seconds is not None:
+            self.labels(self.task_saved, task_type=task or "unknown").inc(saved_seconds)
+
+    def token_gap(self, seconds: float, tokens: int) -> None:
+        for _ in range(tokens):
+            self.labels(self.itl).observe(seconds / max(tokens, 1))
+
+    def queue(self, running: int, waiting: int) -> None:
+        self.labels(self.running).set(running)
+        self.labels(self.waiting).set(waiting)

@@ -1,0 +1,135 @@
+"""Building the server from flags: the target, the drafters a request may ask for, the
+engine thread's state, and uvicorn."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+from ..config import ConfigError, EngineConfig, SpeculativeConfig, parse_k
+from .app import ServerState, SpeculationChoices, create_app
+from .batch import BatchEngine, clone_policy
+from .metrics import ServerMetrics
+
+# vLLM's method names -> ours
+VLLM_METHODS = {"ngram": "ngram", "[ngram]": "ngram", "eagle": "eagle", "eagle3": "eagle", "draft_model": "draft",
+                "tree": "tree", "none": "none"}
+SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "preset",
+             "router", "k_max", "k_policy"}
+
+
+def parse_speculative_config(text: str | dict | None) -> tuple[SpeculativeConfig, bool]:
+    """vLLM's ``--speculative-config`` JSON (method, model, num_speculative_tokens,
+    prompt_lookup_min/max) plus ours ("auto" k, preset, router) -> (config, router on)."""
+    if text is None or text == "":
+        return SpeculativeConfig(method="ngram"), True
+    try:
+        data = json.loads(text) if isinstance(text, str) else dict(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"--speculative-config is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("--speculative-config must be a JSON object")
+    unknown = sorted(set(data) - SPEC_KEYS)
+    if unknown:
+        raise ConfigError(f"--speculative-config has unknown keys {unknown}; known: {sorted(SPEC_KEYS)}")
+    if "preset" in data:
+        from ..config import preset
+
+        values = preset(data.pop("preset"))
+        data = {**{"method": values.get("method"), "num_speculative_tokens": values.get("k")}, **data}
+    method = data.get("method", "ngram")
+    if method not in VLLM_METHODS:
+        raise ConfigError(f"unknown speculative method {method!r}; choose from {sorted(VLLM_METHODS)}")
+    method = VLLM_METHODS[method]
+    ngram = (3, 2, 1)
+    if "prompt_lookup_min" in data or "prompt_lookup_max" in data:
+        low, high = int(data.get("prompt_lookup_min", 1)), int(data.get("prompt_lookup_max", 3))
+        if not 1 <= low <= high:
+            raise ConfigError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {low} and {high}")
+        ngram = tuple(range(high, low - 1, -1))
+    k = parse_k(str(data.get("num_speculative_tokens", "auto")))
+    spec = SpeculativeConfig(method=method, k=k, draft=data.get("model"), ngram_sizes=ngram,
+                             k_policy=data.get("k_policy", "cost"), k_max=int(data.get("k_max", 10)),
+                             tree_width=1 if method in ("eagle", "tree") else None)
+    if method in ("draft", "tree"):
+        raise ConfigError(f"method {method!r} is not served by the batched engine yet (a draft model keeps one "
+                          "sequence's cache; trees need per-row masks); serve 'ngram' or 'eagle' (chains)")
+    return spec, bool(data.get("router", True))
+
+
+def drafter_entry(spec: SpeculativeConfig, target, engine_config: EngineConfig):
+    """(make_proposer, make_policy(k), drafter key) for one method."""
+    from ..control.policies import FixedK
+    from ..factory import build_policy, build_proposer, drafter_key
+
+    template = build_proposer(spec, target, engine_config)
+    if spec.method == "eagle":
+        from ..proposers.eagle import EagleProposer
+
+        def make_proposer():
+            return EagleProposer(template.head, template.embed_rows, kernels=False)
+    else:
+        def make_proposer():
+            return type(template)(spec.ngram_sizes)
+    auto = []  # built on first use: calibrating a drafter and profiling the target take a while
+
+    def make_policy(k):
+        if k == "auto":
+            if not auto:
+                auto.append(build_policy(replace(spec, k="auto"), target, template, engine_config.dtype))
+            return clone_policy(auto[0]) if not isinstance(auto[0], int) else FixedK(auto[0])
+        return FixedK(int(k))
+
+    if spec.k != "auto":  # the configured fixed k is this method's default
+        fixed = spec.k
+        base = make_policy
+
+        def make_policy(k, base=base):
+            return base(fixed if k == "auto" else k)
+    return make_proposer, make_policy, drafter_key(spec)
+
+
+def build_state(engine_config: EngineConfig, speculative: str | None, max_num_seqs: int = 8,
+                max_queued_requests: int = 64, api_key: str | None = None, max_model_len: int | None = None,
+                served_model_name: str | None = None, audit_rate: float = 0.0, target=None) -> ServerState:
+    from ..control.router import Router
+    from ..factory import cost_profile, load_target, log
+
+    spec, use_router = parse_speculative_config(speculative)
+    if max_queued_requests < 0:
+        raise ConfigError(f"--max-queued-requests must be >= 0, got {max_queued_requests}")
+    if not 0.0 <= audit_rate <= 1.0:
+        raise ConfigError(f"--audit-rate must be in [0, 1], got {audit_rate}")
+    if target is None:
+        log(f"loading {engine_config.model} ({engine_config.dtype})")
+        target = load_target(engine_config)
+    runtime = target.runtime
+    if not hasattr(runtime, "forward_rows"):
+        raise ConfigError("the server needs the native runtime (a Llama-family model)")
+    drafters = {}
+    for method in dict.fromkeys(["ngram", spec.method]):
+        if method == "none":
+            continue
+        method_spec = spec if method == spec.method else SpeculativeConfig(method=method)
+        drafters[method] = drafter_entry(method_spec, target, engine_config)
+    # the cost profile prices seconds saved; measured (once, cached) when k is chosen by it
+    profile = cost_profile(target, engine_config.dtype) if drafters and spec.k == "auto" else None
+    engine = BatchEngine(runtime, target.tokenizer, target.eos_token_ids, max_num_seqs=max_num_seqs,
+                         max_model_len=max_model_len)
+    name = served_model_name or ("SmolLM2-135M-Instruct" if engine_config.model == "default" else engine_config.model)
+    metrics = ServerMetrics(name)
+    choices = SpeculationChoices(drafters, spec.method, Router() if use_router else None, profile)
+    state = ServerState(engine, name, metrics, choices, max_queued_requests, api_key, audit_rate)
+    if audit_rate > 0:
+        from .audit import Auditor
+
+        state.auditor = Auditor(engine, audit_rate, metrics)
+    state.tokenizer = target.tokenizer
+    return state
+
+
+def serve(state: ServerState, host: str, port: int, shutdown_timeout: float) -> None:
+    import uvicorn
+
+    app = create_app(state, state.tokenizer)
+    uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout, log_level="info")

@@ -1,0 +1,209 @@
+"""specdecode serve: the OpenAI API through the official client, errors, metrics."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import openai
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from conftest import save_char_tokenizer, save_tiny_model
+from specdecode.config import ConfigError, EngineConfig, SamplingParams
+from specdecode.engine import SpeculativeEngine
+from specdecode.factory import load_model
+from specdecode.serve.app import create_app
+from specdecode.serve.server import build_state, parse_speculative_config
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}\n{% endfor %}assistant:"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = save_tiny_model(tmp_path_factory.mktemp("serve"), "llama", seed=4, num_layers=2)
+    tokenizer = save_char_tokenizer(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def make_client(model_dir, spec='{"method": "ngram", "num_speculative_tokens": 3}', **kwargs):
+    config = EngineConfig(model=str(model_dir), dtype="fp32", backend="torch")
+    target = load_model(str(model_dir), torch.float32, backend="torch")
+    state = build_state(config, spec, target=target, served_model_name="tiny", **kwargs)
+    return TestClient(create_app(state, state.tokenizer)), state, target
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    client, state, _ = make_client(model_dir, max_num_seqs=4)
+    # the server owns its runtime's cache: references run on a second copy of the model
+    reference_model = load_model(str(model_dir), torch.float32, backend="torch")
+    with client:
+        yield client, state, reference_model
+
+
+def openai_client(client, api_key="unused"):
+    return openai.OpenAI(base_url="http://testserver/v1", api_key=api_key, http_client=client, max_retries=0)
+
+
+def reference(target, prompt_ids, max_tokens, stop=()):
+    engine = SpeculativeEngine(target.runtime, target.tokenizer, None, 1, target.eos_token_ids)
+    return engine.generate(prompt_ids, SamplingParams(max_new_tokens=max_tokens, stop=tuple(stop)))
+
+
+def test_completion_and_chat_match_plain_decoding(served):
+    client, state, target = served
+    api = openai_client(client)
+    prompt = "abcabcabcab"
+    completion = api.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0)
+    expected = reference(target, target.tokenizer(prompt)["input_ids"], 20)
+    assert completion.choices[0].text == expected.text
+    assert completion.choices[0].finish_reason == expected.finish_reason
+    assert completion.usage.completion_tokens == len(expected.token_ids)
+    extension = completion.model_extra["speculative"]
+    assert extension["method"] == "ngram" and extension["drafted_tokens"] >= extension["accepted_tokens"]
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "xyzxyz"}]
+    chat = api.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=15, temperature=0)
+    ids = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert chat.choices[0].message.content == reference(target, list(ids["input_ids"]), 15).text
+    assert chat.choices[0].message.role == "assistant"
+
+
+def test_streaming_with_usage_and_stop_strings(served):
+    client, state, target = served
+    api = openai_client(client)
+    prompt = "hello hello hello"
+    full = reference(target, target.tokenizer(prompt)["input_ids"], 24)
+    stop = full.text[5:7]
+    expected = full.text[: full.text.find(stop)]
+    chunks = list(api.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stop=stop,
+                                         stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+
+    stream = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=10,
+                                         temperature=0, stream=True)
+    deltas = list(stream)
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert deltas[-1].choices[0].finish_reason == "length"
+
+
+def test_seeded_sampling_repeats_and_per_request_speculation(served):
+    client, state, target = served
+    api = openai_client(client)
+    runs = [api.completions.create(model="tiny", prompt="qwerty", max_tokens=16, temperature=0.9, seed=3,
+                                   extra_body={"speculative": {"num_speculative_tokens": 2}}) for _ in range(2)]
+    assert runs[0].choices[0].text == runs[1].choices[0].text
+    plain = api.completions.create(model="tiny", prompt="abababab", max_tokens=12, temperature=0,
+                                   extra_body={"speculative": {"enabled": False}})
+    assert plain.model_extra["speculative"]["method"] == "none"
+    assert plain.model_extra["speculative"]["drafted_tokens"] == 0
+    drafted = api.completions.create(model="tiny", prompt="abababab", max_tokens=12, temperature=0,
+                                     extra_body={"speculative": {"method": "ngram", "num_speculative_tokens": 4},
+                                                 "task_type": "code"})
+    assert drafted.choices[0].text == plain.choices[0].text
+    assert drafted.model_extra["speculative"]["drafted_tokens"] > 0
+    assert drafted.model_extra["speculative"]["task_type"] == "code"
+
+
+def test_concurrent_greedy_requests_equal_their_outputs_alone(served):
+    client, state, target = served
+    prompts = [f"{chr(97 + i % 26) * (1 + i % 5)}{i}xy{i}" for i in range(16)]
+
+    def ask(prompt):
+        response = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 12,
+                                                        "temperature": 0})
+        return response.json()["choices"][0]["text"]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(ask, prompts))
+    assert texts == [reference(target, target.tokenizer(p)["input_ids"], 12).text for p in prompts]
+
+
+@pytest.mark.parametrize("body, status, fragment", [
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "hi", "n": 2}, 400, "n > 1"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
+    ({"prompt": "a" * 300}, 400, "context is 256 tokens"),
+    ({"prompt": "hi", "speculative": {"method": "medusa"}}, 400, "not available"),
+    ({"prompt": "hi", "speculative": {"num_speculative_tokens": 0}}, 400, "num_speculative_tokens"),
+    ({"prompt": "hi", "speculative": {"bogus": 1}}, 400, "bogus"),
+    ({"prompt": "hi", "task_type": "poetry"}, 400, "task_type"),
+    ({}, 400, "prompt"),
+])
+def test_errors_are_openai_json(served, body, status, fragment):
+    client, _, _ = served
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert fragment in error["message"] and set(error) == {"message", "type", "param", "code"}
+
+
+def test_malformed_json_unknown_route_and_models(served):
+    client, _, _ = served
+    response = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "error" in response.json()
+    assert client.get("/v1/nothing").status_code == 404
+    models = openai_client(client).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert client.get("/health").status_code == 200
+
+
+def test_metrics_use_vllm_names(served):
+    client, _, _ = served
+    client.post("/v1/completions", json={"prompt": "abcabcabc", "max_tokens": 8, "temperature": 0,
+                                         "speculative": {"num_speculative_tokens": 3}})
+    text = client.get("/metrics").text
+    for name in ("specdecode:spec_decode_num_drafts_total", "specdecode:spec_decode_num_draft_tokens_total",
+                 "specdecode:spec_decode_num_accepted_tokens_total", "specdecode:time_to_first_token_seconds_bucket",
+                 "specdecode:inter_token_latency_seconds_bucket", "specdecode:e2e_request_latency_seconds_bucket",
+                 "specdecode:num_requests_running", "specdecode:num_requests_waiting",
+                 "specdecode:prompt_tokens_total", "specdecode:generation_tokens_total",
+                 'specdecode:request_success_total{finished_reason="length",model_name="tiny"}',
+                 "specdecode:task_acceptance_rate"):
+        assert name in text, name
+    assert 'le="2560.0"' in text  # vLLM's TTFT buckets
+
+
+def test_api_key_and_full_queue(model_dir):
+    client, state, _ = make_client(model_dir, api_key="sekret", max_queued_requests=0)
+    with client:
+        with pytest.raises(openai.AuthenticationError):
+            openai_client(client, api_key="wrong").completions.create(model="tiny", prompt="hi", max_tokens=2)
+        assert client.post("/v1/completions", json={"prompt": "hi"}).status_code == 401
+        response = client.post("/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer sekret"})
+        assert response.status_code == 503 and response.headers["retry-after"]
+        assert response.json()["error"]["code"] == "overloaded"
+
+
+def test_audit_reruns_greedy_requests_and_finds_no_mismatch(model_dir):
+    client, state, _ = make_client(model_dir, audit_rate=1.0)
+    with client:
+        for prompt in ("abcabc", "xyxyxy", "hello"):
+            client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 10, "temperature": 0})
+        import time
+
+        deadline = time.time() + 30
+        while time.time() < deadline and state.metrics.audit_checked.labels(model_name="tiny")._value.get() < 3:
+            time.sleep(0.05)
+        assert state.metrics.audit_checked.labels(model_name="tiny")._value.get() == 3
+        assert state.auditor.mismatches == []
+
+
+def test_speculative_config_takes_vllm_keys():
+    spec, router = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4, '
+                                            '"prompt_lookup_min": 2, "prompt_lookup_max": 5}')
+    assert spec.method == "ngram" and spec.k == 4 and spec.ngram_sizes == (5, 4, 3, 2) and router
+    spec, _ = parse_speculative_config(json.dumps({"method": "eagle3", "num_speculative_tokens": "auto"}))
+    assert spec.method == "eagle" and spec.k == "auto" and spec.tree_width == 1
+    for bad, fragment in (('{"method": "medusa"}', "unknown speculative method"), ("{oops", "not valid JSON"),
+                          ('{"methd": "ngram"}', "unknown keys")):
+        with pytest.raises(ConfigError, match=fragment):
+            parse_speculative_config(bad)
