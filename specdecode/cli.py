@@ -172,6 +172,19 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill chunk; chunks interleave with decode steps")
     srv.set_defaults(exact=None, device="cpu")
 
+    bs = verbs.add_parser("bench-serve", help="load a server with concurrent streamed requests: TTFT, TPOT, ITL, latency, throughput, with and without speculation")
+    bs.add_argument("--url", default=None, help="a running server (default: start `specdecode serve` with --serve-args on a free port)")
+    bs.add_argument("--serve-args", default="", help="flags for the server this command starts, e.g. \"--max-num-seqs 8\"")
+    bs.add_argument("--concurrency", default="1,2,4,8", help="comma list of concurrent clients (closed loop)")
+    bs.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second instead of --concurrency")
+    bs.add_argument("--prompts", default=None, help="JSONL as for bench (default: our suite)")
+    bs.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
+    bs.add_argument("--num-prompts", type=int, default=16, help="requests per level (at least the concurrency)")
+    bs.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (EOS ignored)")
+    bs.add_argument("--modes", default="spec,plain", help="spec (the server's default speculation), plain (speculation off per request)")
+    bs.add_argument("--out", default=None, help="write the rows as JSON (and a plot beside it)")
+    bs.add_argument("--seed", type=int, default=0)
+
     mem = verbs.add_parser("memory", help="weights, KV cache and activation memory of target + drafter")
     mem.add_argument("--target", default="default", help="model name, HF directory, config.json, or a named size (135M, 360M, 1B, 3B, 7B, 8B, 13B, 70B)")
     mem.add_argument("--draft", default=None, help="same forms, or self:L, or ngram")
@@ -506,13 +519,33 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_bench_serve(args) -> int:
+    import shlex
+    from pathlib import Path
+
+    from .bench.serve import MODES, bench_serve
+    from .prompts import load_prompts
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        raise SpecDecodeError(f"--modes takes a comma list of {MODES}, got {args.modes!r}")
+    levels = list(_int_tuple(args.concurrency, "--concurrency"))
+    if args.request_rate is None and (not levels or min(levels) < 1):
+        raise SpecDecodeError("--concurrency needs positive integers")
+    if args.request_rate is not None and args.request_rate <= 0:
+        raise SpecDecodeError("--request-rate must be > 0")
+    bench_serve(load_prompts(args.prompts, args.limit), levels, args.request_rate, args.num_prompts, args.max_tokens,
+                modes, args.url, shlex.split(args.serve_args), Path(args.out) if args.out else None, args.seed)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="specdecode: %(message)s")
     try:
         args = parse_args(argv)
         return {"generate": cmd_generate, "bench": cmd_bench, "profile": cmd_profile, "presets": cmd_presets,
                 "check": cmd_check, "memory": cmd_memory, "analyze": cmd_analyze, "train": cmd_train,
-                "serve": cmd_serve}[args.verb](args)
+                "serve": cmd_serve, "bench-serve": cmd_bench_serve}[args.verb](args)
     except SpecDecodeError as error:
         print(f"specdecode: error: {error}", file=sys.stderr)
         return 2

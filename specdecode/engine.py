@@ -189,6 +189,8 @@ class SpeculativeEngine:
             if on_text is not None and (piece := tracker.delta()):
                 on_text(piece)
 
+        if tracker.finish() and finish == "length":
+            finish = "stop"  # the last tokens completed a character that completed a stop string
         if on_text is not None and (piece := tracker.delta(final=True)):
             on_text(piece)
         stats.new_tokens = len(generated)

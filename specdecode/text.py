@@ -1,11 +1,23 @@
 """Incremental detokenisation with stop strings.
 
-The engine appends tokens one at a time; ``TextTracker`` says when a stop string has
-appeared (the text is cut before it) and how much text is safe to stream: never a
-trailing partial UTF-8 character, never a suffix that could still become a stop string.
+The engine appends tokens one at a time; ``TextTracker`` turns them into text without
+decoding the whole output again per token: it keeps a prefix offset and a read offset
+into the token ids (as vLLM's detokenizer does) and decodes only the tokens from the
+prefix offset on, taking the part past the already-read tokens as new text. A token that
+ends inside a multi-byte character (byte-level BPE, or a byte-fallback tokenizer) yields
+no text until the character is complete.
+
+Stop strings are searched in the text around each new piece, so a stop that spans token
+boundaries is found on the token that completes it. A stop string that is one special
+token of the tokenizer (``<|im_end|>``), which decoding with special tokens skipped never
+shows, is matched on the token id. The text is cut before a stop. ``delta`` says how much
+text is safe to stream: never a trailing partial character, never a suffix that could
+still become a stop string.
 """
 
 from __future__ import annotations
+
+REPLACEMENT = "\ufffd"  # what decoding shows for an incomplete UTF-8 sequence
 
 
 class TextTracker:
@@ -13,29 +25,72 @@ class TextTracker:
         if stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         self.tokenizer = tokenizer
-        self.stop = stop
+        self.special_stops: dict[int, str] = {}
+        if tokenizer is not None:
+            specials = set(getattr(tokenizer, "all_special_tokens", ()) or ())
+            specials.update(t.content for t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values()
+                            if getattr(t, "special", False))
+            for string in stop:
+                if string in specials:
+                    self.special_stops[tokenizer.convert_tokens_to_ids(string)] = string
+        self.stop = tuple(s for s in stop if s not in self.special_stops.values())
+        self.longest_stop = max((len(s) for s in self.stop), default=0)
         self.token_ids: list[int] = []
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self.prefix_offset = 0  # tokens before it are never decoded again
+        self.read_offset = 0  # tokens before it have produced their text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _read(self, final: bool = False) -> str:
+        """Text of the tokens past the read offset, once it is complete (or ``final``)."""
+        ids = self.token_ids
+        prefix = self._decode(ids[self.prefix_offset:self.read_offset])
+        full = self._decode(ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or (full.endswith(REPLACEMENT) and not final):
+            return ""  # nothing new yet, or a character still incomplete
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        return full[len(prefix):]
 
     def add(self, token_id: int) -> bool:
         """Append a token; True if a stop string now appears (text is cut before it)."""
         self.token_ids.append(token_id)
-        if self.tokenizer is None:
+        if self.tokenizer is None or self.stopped:
+            return self.stopped
+        if token_id in self.special_stops:
+            self.stopped = True
+            return True
+        return self._append(self._read())
+
+    def _append(self, piece: str) -> bool:
+        if not piece:
             return False
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        search_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
-        hits = [i for i in (text.find(s, search_from) for s in self.stop) if i >= 0]
-        self.text = text[: min(hits)] if hits else text
-        self.stopped = bool(hits)
+        search_from = max(0, len(self.text) - self.longest_stop + 1)
+        self.text += piece
+        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
         return self.stopped
+
+    def finish(self) -> bool:
+        """At the end of generation: the text of trailing tokens that never completed a
+        character (shown with replacement characters, as a full decode would). True if
+        a stop string appears in it."""
+        if self.tokenizer is None or self.stopped or self.read_offset >= len(self.token_ids):
+            return self.stopped
+        return self._append(self._read(final=True))
 
     def delta(self, final: bool = False) -> str:
         """Text not yet streamed that no later token can change."""
+        if final:
+            self.finish()
         end = len(self.text)
         if not final:
-            while end > self.emitted and self.text[end - 1] == "\ufffd":
+            while end > self.emitted and self.text[end - 1] == REPLACEMENT:
                 end -= 1  # an incomplete multi-byte character
             for stop in self.stop:  # hold back a tail that may be the start of a stop string
                 for length in range(min(len(stop) - 1, end - self.emitted), 0, -1):

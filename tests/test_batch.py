@@ -186,3 +186,74 @@ def test_listener_sees_every_token_once(model_dir):
     assert [t for out in seen for t in out.token_ids] == sequence.generated
     assert [out.finish_reason for out in seen][-1] == "length"
     assert all(out.finish_reason is None for out in seen[:-1])
+
+
+@needs_kernels
+def test_eagle_rows_draft_exactly_what_they_draft_alone(model_dir):
+    """Each row's EAGLE drafter is fed its own rows of the target's captured features
+    (prefill chunks included): its drafts, acceptance per position and output equal the
+    single-sequence engine's for the same head and k, whatever runs beside it."""
+    from test_eagle import random_head
+    from specdecode.factory import load_model
+    from specdecode.proposers.eagle import EagleProposer
+
+    target = load_model(str(model_dir), torch.float32, backend="kernels")
+    head = random_head(target, 3, draft_vocab=90)
+    weights = target.runtime.weights
+
+    class Recording(EagleProposer):
+        def propose(self, tokens, k, params, generator):
+            proposal = super().propose(tokens, k, params, generator)
+            self.log.append(proposal.draft_ids.tolist())
+            return proposal
+
+    def drafter():
+        proposer = Recording(head, lambda ids: weights.embed_rows(ids).float())
+        proposer.log = []
+        return proposer
+
+    rng = random.Random(9)
+    prompts = [random_prompt(rng) for _ in range(6)]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    alone = []
+    for prompt in prompts:
+        proposer = drafter()
+        result = SpeculativeEngine(target.runtime, proposer=proposer, k=3).generate(prompt, params)
+        alone.append((result.token_ids, proposer.log, result.stats.accepted_per_position))
+    engine = BatchEngine(runtime_for(model_dir, "kernels", prefill_chunk=8), max_num_seqs=4, max_model_len=128,
+                         make_drafter=drafter, make_policy=lambda: 3)
+    sequences = [engine.add(prompt, params) for prompt in prompts]
+    engine.run()
+    together = [(s.generated, s.proposer.log, s.stats.accepted_per_position) for s in sequences]
+    assert together == alone  # the same drafts at every step, not only the same output
+    assert sum(len(d) for _, log, _ in alone for d in log) >= 100  # the drafters did draft
+
+
+class _Tau(FixedK):
+    """A policy that always wants k drafts and expects tau(k) = 1 + rate * k."""
+
+    def __init__(self, k, rate, probing=False):
+        super().__init__(k)
+        self.rate, self.probing = rate, probing
+
+    def tau(self, k):
+        return 1.0 + self.rate * k
+
+
+def test_batch_cap_drafts_only_when_the_batched_step_pays(model_dir):
+    engine = BatchEngine(runtime_for(model_dir, "torch"), max_num_seqs=4, max_model_len=64)
+    rows = [engine.add([5, 6, 7], SamplingParams(max_new_tokens=20), proposer=NgramProposer(), policy=_Tau(4, 0.9))
+            for _ in range(3)]
+    engine.batch_cost = lambda tokens, context: float(tokens)  # compute bound: every row costs the same
+    assert engine._batch_cap(rows, [4, 4, 4]) == [0, 0, 0]
+    engine.batch_cost = lambda tokens, context: 100.0 + tokens  # overhead bound: drafts are nearly free
+    assert engine._batch_cap(rows, [4, 4, 4]) == [4, 4, 4]
+    engine.batch_cost = lambda tokens, context: 2.0 + tokens  # in between: a short shared cap (2 here)
+    caps = engine._batch_cap(rows, [4, 2, 4])
+    assert caps == [2, 2, 2]
+    fixed = engine.add([5, 6], SamplingParams(), proposer=NgramProposer(), policy=3)  # a fixed k is kept
+    probing = engine.add([5, 6], SamplingParams(), proposer=NgramProposer(), policy=_Tau(1, 0.0, probing=True))
+    engine.batch_cost = lambda tokens, context: float(tokens)
+    # the fixed row pads the step to 4 tokens anyway, so drafting up to 3 costs the others nothing
+    assert engine._batch_cap(rows + [fixed, probing], [4, 4, 4, 3, 1]) == [3, 3, 3, 3, 1]
+    assert engine._batch_cap(rows + [probing], [4, 4, 4, 1]) == [1, 1, 1, 1]

@@ -134,6 +134,11 @@ class BatchEngine:
         self._ids = itertools.count()
         self.steps = 0
         self.group_by_task = False  # schedule rows of one task type together (router label)
+        # batch_cost(rows, context) -> ms to score that many rows (None: no batch-level cap);
+        # the server passes the cost profile's time_ms, which rows of several sequences
+        # approximate (the linear layers dominate; attention reads each row's own cache)
+        self.batch_cost: Callable[[int, int], float] | None = None
+        self.batch_caps: list[int] = []  # the shared draft cap per batched step (reports)
 
     # -- requests ---------------------------------------------------------------------
     def check_prompt(self, prompt_ids: list[int]) -> None:
@@ -274,10 +279,13 @@ class BatchEngine:
     def _decode(self, rows: list[Sequence]) -> None:
         started = time.perf_counter()
         room = min(self.max_model_len - len(s.tokens) for s in rows)  # padding must fit every row
-        plans = []
+        wanted = []
         for sequence in rows:
-            wanted = sequence.policy.choose(len(sequence.tokens)) if sequence.policy is not None else 0
-            k = max(min(wanted, sequence.params.max_new_tokens - len(sequence.generated) - 1, room), 0)
+            k = sequence.policy.choose(len(sequence.tokens)) if sequence.policy is not None else 0
+            wanted.append(max(min(k, sequence.params.max_new_tokens - len(sequence.generated) - 1, room), 0))
+        wanted = self._batch_cap(rows, wanted)
+        plans = []
+        for sequence, k in zip(rows, wanted):
             proposal = (sequence.proposer.propose(sequence.tokens, k, sequence.params, sequence.generator)
                         if k > 0 else Proposal.empty())
             plans.append((proposal.draft_ids[:k].to(torch.int64), proposal.draft_probs))
@@ -308,6 +316,28 @@ class BatchEngine:
             self._commit(sequence, new_tokens, drafts.numel(), accepted)
             if row_features is not None and not sequence.finished:
                 sequence.proposer.observe(context - 1, row_features[0, :accepted + 1], sequence.tokens)
+
+    def _batch_cap(self, rows: list[Sequence], wanted: list[int]) -> list[int]:
+        """Speculation under load: every row of a step is padded to the longest draft, so
+        the step costs batch_cost(rows x (1 + d)) for the largest d. Pick the cap d on the
+        adaptive rows' drafts that maximises the tokens the step is expected to yield
+        (each row's own tau(k), from its measured acceptance) per millisecond; 0 when
+        drafting would lose. Rows with a fixed k, and rows probing, keep their k."""
+        if self.batch_cost is None or len(rows) < 2 or max(wanted) == 0:
+            return wanted
+        adaptive = [hasattr(s.policy, "tau") and not getattr(s.policy, "probing", False) for s in rows]
+        if not any(adaptive):
+            return wanted
+        context = max(len(s.tokens) for s in rows)
+        best, best_rate = 0, 0.0
+        for cap in range(max(w for w, a in zip(wanted, adaptive) if a) + 1):
+            ks = [min(w, cap) if a else w for w, a in zip(wanted, adaptive)]
+            expected = sum(s.policy.tau(k) if a else 1.0 for s, k, a in zip(rows, ks, adaptive))
+            rate = expected / self.batch_cost(len(rows) * (1 + max(ks)), context)
+            if rate > best_rate * (1.02 if cap else 1.0):  # drafting must win by a margin
+                best, best_rate = cap, rate
+        self.batch_caps.append(best)
+        return [min(w, best) if a else w for w, a in zip(wanted, adaptive)]
 
     @staticmethod
     def _verify(sequence: Sequence, drafts: torch.Tensor, draft_probs, logits: torch.Tensor) -> list[int]:
@@ -349,6 +379,8 @@ class BatchEngine:
 
     def _finish(self, sequence: Sequence, reason: str, added: list[int] | None = None, drafted: int = 0,
                 accepted: int = 0) -> None:
+        if sequence.tracker is not None and sequence.tracker.finish() and reason == "length":
+            reason = "stop"  # the last tokens completed a character that completed a stop string
         sequence.finish_reason = reason
         sequence.finish_time = time.perf_counter()
         stats = sequence.stats

@@ -116,6 +116,8 @@ def build_state(engine_config: EngineConfig, speculative: str | None, max_num_se
     profile = cost_profile(target, engine_config.dtype) if drafters and spec.k == "auto" else None
     engine = BatchEngine(runtime, target.tokenizer, target.eos_token_ids, max_num_seqs=max_num_seqs,
                          max_model_len=max_model_len)
+    if profile is not None:
+        engine.batch_cost = profile.time_ms
     name = served_model_name or ("SmolLM2-135M-Instruct" if engine_config.model == "default" else engine_config.model)
     metrics = ServerMetrics(name)
     choices = SpeculationChoices(drafters, spec.method, Router() if use_router else None, profile)

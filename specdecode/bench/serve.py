@@ -1,0 +1,242 @@
+"""``specdecode bench-serve``: load a running server the way ``vllm bench serve`` does.
+
+For each concurrency level (a closed loop: N clients, each sending its next request when
+the last one finished) or request rate (an open loop: Poisson arrivals), and for each mode
+(the server's default speculation, and the same requests with ``"speculative":
+{"enabled": false}``), streamed chat completions report TTFT, TPOT (time per output token
+after the first), ITL (gaps between streamed chunks; a chunk carries a step's tokens) and
+end-to-end latency (mean, p50, p99), request and output-token throughput, and the
+acceptance the server counted meanwhile, scraped from /metrics.
+
+Without ``--url`` the command starts ``specdecode serve`` itself on a free loopback port
+and stops it at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..config import SpecDecodeError
+
+MODES = ("spec", "plain")
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    index = min(int(round(q / 100 * (len(ordered) - 1))), len(ordered) - 1)
+    return ordered[index]
+
+
+def summarize(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values) if values else 0.0, "p50": percentile(values, 50),
+            "p99": percentile(values, 99)}
+
+
+def scrape(text: str) -> dict[str, float]:
+    """The speculative counters of a Prometheus exposition (summed over labels)."""
+    wanted = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+              "spec_decode_num_accepted_tokens_total", "generation_tokens_total")
+    totals = dict.fromkeys(wanted, 0.0)
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0].split(":", 1)[-1]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+async def one_request(client, url: str, model: str, prompt: str, max_tokens: int, mode: str, results: list) -> None:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    if mode == "plain":
+        body["speculative"] = {"enabled": False}
+    started = time.perf_counter()
+    first, last, gaps, tokens, error = None, None, [], 0, None
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
+            if response.status_code != 200:
+                error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+            else:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    choices = chunk.get("choices") or []
+                    if choices and choices[0].get("delta", {}).get("content"):
+                        now = time.perf_counter()
+                        if first is None:
+                            first = now
+                        else:
+                            gaps.append(now - last)
+                        last = now
+    except Exception as exc:  # a failed request is counted, not fatal
+        error = repr(exc)
+    ended = time.perf_counter()
+    results.append({"ttft": None if first is None else first - started, "e2e": ended - started, "itl": gaps,
+                    "tokens": tokens, "error": error,
+                    "tpot": (ended - first) / (tokens - 1) if first is not None and tokens > 1 else None})
+
+
+async def run_level(url: str, model: str, prompts: list[str], max_tokens: int, mode: str, concurrency: int | None,
+                    rate: float | None, seed: int) -> dict:
+    import httpx
+
+    results: list[dict] = []
+    async with httpx.AsyncClient(timeout=600) as client:
+        before = scrape((await client.get(f"{url}/metrics")).text)
+        started = time.perf_counter()
+        if rate is None:
+            queue = list(prompts)
+
+            async def worker():
+                while queue:
+                    await one_request(client, url, model, queue.pop(0), max_tokens, mode, results)
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        else:
+            rng, tasks = random.Random(seed), []
+            for prompt in prompts:
+                tasks.append(asyncio.create_task(one_request(client, url, model, prompt, max_tokens, mode, results)))
+                await asyncio.sleep(rng.expovariate(rate))
+            await asyncio.gather(*tasks)
+        wall = time.perf_counter() - started
+        after = scrape((await client.get(f"{url}/metrics")).text)
+    done = [r for r in results if r["error"] is None]
+    drafted = after["spec_decode_num_draft_tokens_total"] - before["spec_decode_num_draft_tokens_total"]
+    accepted = after["spec_decode_num_accepted_tokens_total"] - before["spec_decode_num_accepted_tokens_total"]
+    output_tokens = sum(r["tokens"] for r in done)
+    return {
+        "mode": mode, "concurrency": concurrency, "request_rate": rate, "requests": len(results),
+        "failed": len(results) - len(done), "errors": [r["error"] for r in results if r["error"]][:3],
+        "wall_seconds": wall, "request_throughput": len(done) / wall, "output_throughput": output_tokens / wall,
+        "output_tokens": output_tokens,
+        "ttft": summarize([r["ttft"] for r in done if r["ttft"] is not None]),
+        "tpot": summarize([r["tpot"] for r in done if r["tpot"] is not None]),
+        "itl": summarize([g for r in done for g in r["itl"]]),
+        "e2e": summarize([r["e2e"] for r in done]),
+        "draft_tokens": drafted, "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else None,
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(serve_args: list[str], port: int, log_path: Path) -> subprocess.Popen:
+    import httpx
+
+    log = open(log_path, "w")
+    process = subprocess.Popen([sys.executable, "-m", "specdecode.cli", "serve", "--port", str(port), *serve_args],
+                               stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 900
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise SpecDecodeError(f"the server exited with {process.returncode}; see {log_path}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    process.terminate()
+    raise SpecDecodeError(f"the server did not come up within 900 s; see {log_path}")
+
+
+def print_table(rows: list[dict]) -> None:
+    header = (f"{'mode':<6} {'conc':>5} {'rate':>5} {'req':>4} {'fail':>4} {'req/s':>6} {'tok/s':>7} "
+              f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'ITL p50':>8} {'ITL p99':>8} {'E2E p50':>8} "
+              f"{'alpha':>6}")
+    print(header)
+    for r in rows:
+        alpha = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
+        print(f"{r['mode']:<6} {r['concurrency'] or '-':>5} {r['request_rate'] or '-':>5} {r['requests']:>4} "
+              f"{r['failed']:>4} {r['request_throughput']:>6.2f} {r['output_throughput']:>7.1f} "
+              f"{r['ttft']['p50'] * 1000:>7.0f}ms {r['ttft']['p99'] * 1000:>7.0f}ms "
+              f"{r['tpot']['p50'] * 1000:>7.1f}ms {r['itl']['p50'] * 1000:>6.1f}ms {r['itl']['p99'] * 1000:>6.1f}ms "
+              f"{r['e2e']['p50']:>7.2f}s {alpha:>6}")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode in MODES:
+        points = sorted((r["concurrency"], r) for r in rows if r["mode"] == mode and r["concurrency"])
+        if not points:
+            continue
+        xs = [c for c, _ in points]
+        left.plot(xs, [r["output_throughput"] for _, r in points], marker="o", label=mode)
+        right.plot(xs, [r["tpot"]["p50"] * 1000 for _, r in points], marker="o", label=mode)
+    left.set_xlabel("concurrent clients")
+    left.set_ylabel("output tokens/s")
+    left.set_title("Token throughput")
+    right.set_xlabel("concurrent clients")
+    right.set_ylabel("p50 TPOT (ms)")
+    right.set_title("Time per output token")
+    for axis in (left, right):
+        axis.set_xscale("log", base=2)
+        axis.legend()
+        axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def bench_serve(prompts: list[dict], concurrency: list[int], rate: float | None, num_prompts: int, max_tokens: int,
+                modes: list[str], url: str | None, serve_args: list[str], out: Path | None, seed: int = 0,
+                model: str | None = None) -> list[dict]:
+    from tqdm import tqdm
+
+    process = None
+    if url is None:
+        port = free_port()
+        log_path = (out.with_suffix(".server.log") if out else Path("bench-serve.server.log"))
+        print(f"specdecode: starting `specdecode serve {' '.join(serve_args)}` on port {port} (log: {log_path})",
+              file=sys.stderr)
+        process = start_server(serve_args, port, log_path)
+        url = f"http://127.0.0.1:{port}"
+    try:
+        import httpx
+
+        model = model or httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        texts = [p["prompt"] for p in prompts]
+        rows = []
+        levels = [None] if rate is not None else concurrency
+        plan = [(level, mode) for level in levels for mode in modes]
+        for level, mode in tqdm(plan, desc="bench-serve", unit="level", file=sys.stderr):
+            count = max(num_prompts, level or 1)
+            chosen = [texts[i % len(texts)] for i in range(count)]
+            rows.append(asyncio.run(run_level(url, model, chosen, max_tokens, mode, level, rate, seed)))
+    finally:
+        if process is not None:
+            process.terminate()
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    print_table(rows)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"url": url, "model": model, "max_tokens": max_tokens, "rows": rows}, indent=1))
+        plot(rows, out.with_suffix(".png"))
+        print(f"specdecode: wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
+    return rows

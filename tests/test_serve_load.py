@@ -1,0 +1,200 @@
+"""The server under load on loopback, client disconnects, and a graceful SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from conftest import save_char_tokenizer, save_tiny_model
+from specdecode.config import EngineConfig, SamplingParams
+from specdecode.engine import SpeculativeEngine
+from specdecode.factory import load_model
+from specdecode.serve.app import create_app
+from specdecode.serve.server import build_state
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = save_tiny_model(tmp_path_factory.mktemp("load"), "llama", seed=6, num_layers=2)
+    save_char_tokenizer(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """uvicorn serving the app in this process (loopback), stopped on exit."""
+
+    def __init__(self, model_dir, **kwargs):
+        import uvicorn
+
+        config = EngineConfig(model=str(model_dir), dtype="fp32", backend="torch")
+        target = load_model(str(model_dir), torch.float32, backend="torch")
+        self.state = build_state(config, '{"method": "ngram", "num_speculative_tokens": 3}', target=target,
+                                 served_model_name="tiny", **kwargs)
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.state, self.state.tokenizer), host="127.0.0.1",
+                                                    port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started and time.time() < deadline:
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+
+def wait_idle(state, seconds=30.0):
+    deadline = time.time() + seconds
+    while time.time() < deadline and (state.engine.num_running or state.engine.num_waiting):
+        time.sleep(0.02)
+
+
+async def streamed(client, url, body, disconnect_after=None):
+    text, finish = [], None
+    async with client.stream("POST", url, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"]:
+                text.append(chunk["choices"][0]["text"])
+                finish = chunk["choices"][0]["finish_reason"] or finish
+            if disconnect_after is not None and len(text) >= disconnect_after:
+                return None  # leaving the block closes the connection mid-stream
+    return "".join(text), finish
+
+
+def test_load_many_clients_mixed_requests(model_dir):
+    """32 concurrent clients, 320 requests: streamed, non-streamed and abandoned
+    mid-stream. Every completed response is whole and equals the prompt decoded alone;
+    every row is free at the end."""
+    rng = random.Random(1)
+    prompts = ["".join(rng.choice("abcdefgh") for _ in range(rng.randint(3, 30))) for _ in range(24)]
+    reference_model = load_model(str(model_dir), torch.float32, backend="torch")
+    plain = SpeculativeEngine(reference_model.runtime, reference_model.tokenizer)
+    expected = {}
+    with ServerThread(model_dir, max_num_seqs=8, max_queued_requests=400) as server:
+        jobs = []
+        for index in range(320):
+            prompt, max_tokens = prompts[index % len(prompts)], 4 + index % 13
+            kind = ("stream", "json", "disconnect")[index % 3]
+            jobs.append((prompt, max_tokens, kind))
+            key = (prompt, max_tokens)
+            if key not in expected:
+                ids = reference_model.tokenizer(prompt)["input_ids"]
+                expected[key] = plain.generate(ids, SamplingParams(max_new_tokens=max_tokens, ignore_eos=True)).text
+
+        async def main():
+            url = f"{server.url}/v1/completions"
+            queue = list(jobs)
+            results = []
+            limits = httpx.Limits(max_connections=64)
+            async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+                async def worker():
+                    while queue:
+                        prompt, max_tokens, kind = queue.pop()
+                        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+                        if kind == "json":
+                            response = await client.post(url, json=body)
+                            assert response.status_code == 200, response.text
+                            choice = response.json()["choices"][0]
+                            results.append((prompt, max_tokens, choice["text"], choice["finish_reason"]))
+                        elif kind == "stream":
+                            text, finish = await streamed(client, url, body)
+                            results.append((prompt, max_tokens, text, finish))
+                        else:
+                            await streamed(client, url, body, disconnect_after=1)
+                await asyncio.gather(*(worker() for _ in range(32)))
+            return results
+
+        started = time.time()
+        results = asyncio.run(main())
+        assert time.time() - started < 300
+        wait_idle(server.state)
+        engine = server.state.engine
+        assert engine.num_running == 0 and engine.num_waiting == 0
+        assert sorted(engine.free_rows) == list(range(8))
+    assert len(results) == sum(kind != "disconnect" for *_, kind in jobs)
+    for prompt, max_tokens, text, finish in results:
+        assert finish == "length" and text == expected[(prompt, max_tokens)], (prompt, max_tokens)
+
+
+def test_disconnect_mid_stream_frees_the_row(model_dir):
+    with ServerThread(model_dir, max_num_seqs=2, max_model_len=256) as server:
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as client:
+                body = {"prompt": "abc", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+                await streamed(client, f"{server.url}/v1/completions", body, disconnect_after=2)
+
+        asyncio.run(main())
+        wait_idle(server.state)
+        assert server.state.engine.num_running == 0
+        assert sorted(server.state.engine.free_rows) == [0, 1]
+        text = httpx.get(f"{server.url}/metrics").text
+        assert 'specdecode:request_success_total{finished_reason="abort",model_name="tiny"} 1.0' in text
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
+def test_sigterm_drains_in_flight_requests(model_dir, tmp_path):
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "specdecode.cli", "serve", "--model", str(model_dir),
+                                "--port", str(port), "--dtype", "fp32", "--backend", "torch", "--max-model-len", "256",
+                                "--speculative-config", '{"method": "none"}', "--shutdown-timeout", "30"],
+                               stdout=open(tmp_path / "log", "w"), stderr=subprocess.STDOUT, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        body = {"prompt": "abc", "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": True}
+        text, finish = [], None
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk["choices"]:
+                    text.append(chunk["choices"][0]["text"])
+                    finish = chunk["choices"][0]["finish_reason"] or finish
+                if len(text) == 1:
+                    process.send_signal(signal.SIGTERM)  # mid-request
+        assert finish == "length" and len("".join(text)) > 0
+        # uvicorn re-raises the signal once it has shut down gracefully
+        assert process.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    log = (tmp_path / "log").read_text()
+    assert "Traceback" not in log and "Finished server process" in log, log

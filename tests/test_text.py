@@ -1,0 +1,120 @@
+"""The incremental detokenizer: the same text as a full decode, stop strings on the token
+that completes them (across token and character boundaries), special-token stops."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from specdecode.text import TextTracker
+
+SAMPLES = ["plain ascii text", "caf\u00e9 cr\u00e8me", "price: 5\u20ac each", "emoji \U0001F600 here", "\u4e2d\u6587 mixed",
+           "\u20ac\u20ac\u20ac", "a\u00e9\U0001F600\u4e2d"]
+
+
+def byte_level_tokenizer():
+    """Every byte one token (GPT-2's byte-to-unicode alphabet): multi-byte characters span
+    2-4 tokens, as in SmolLM2's byte-level BPE."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<unk>": 0, "<|end|>": 1}
+    vocab.update({ch: i + 2 for i, ch in enumerate(sorted(alphabet))})
+    backend = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    tokenizer.add_special_tokens({"eos_token": "<|end|>"})
+    return tokenizer
+
+
+def byte_fallback_tokenizer():
+    """A Llama-style tokenizer: ASCII characters are tokens, anything else falls back to
+    <0xNN> byte tokens."""
+    vocab = {"<unk>": 0, "<|end|>": 1}
+    vocab.update({f"<0x{b:02X}>": 2 + b for b in range(256)})
+    vocab.update({chr(c): 258 + i for i, c in enumerate(range(32, 127))})
+    backend = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    tokenizer.add_special_tokens({"eos_token": "<|end|>"})
+    return tokenizer
+
+
+TOKENIZERS = {"byte_level": byte_level_tokenizer, "byte_fallback": byte_fallback_tokenizer}
+
+
+@pytest.fixture(scope="module", params=sorted(TOKENIZERS))
+def tokenizer(request):
+    return TOKENIZERS[request.param]()
+
+
+def encode(tokenizer, text):
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == text  # the tokenizer round-trips the sample
+    return ids
+
+
+def test_incremental_text_equals_a_full_decode(tokenizer):
+    rng = random.Random(0)
+    for _ in range(20):
+        text = "".join(rng.choice(SAMPLES) for _ in range(3))
+        ids = encode(tokenizer, text)
+        tracker = TextTracker(tokenizer)
+        streamed = []
+        for token in ids:
+            assert not tracker.add(token)
+            streamed.append(tracker.delta())
+            assert "\ufffd" not in streamed[-1]  # never half a character
+        streamed.append(tracker.delta(final=True))
+        assert tracker.text == text and "".join(streamed) == text
+
+
+def test_a_truncated_character_shows_as_a_full_decode_does(tokenizer):
+    ids = encode(tokenizer, "ok \u20ac")[:-1]  # the euro sign's last byte never comes
+    tracker = TextTracker(tokenizer)
+    for token in ids:
+        tracker.add(token)
+    assert tracker.text == "ok "
+    assert tracker.delta(final=True) == tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("text, stop", [("ab\u20acxcd", "\u20acx"), ("hello world", "o w"), ("x\U0001F600y", "\U0001F600"),
+                                        ("caf\u00e9!", "\u00e9!")])
+def test_stop_is_found_on_the_token_that_completes_it(tokenizer, text, stop):
+    ids = encode(tokenizer, text)
+    completes = len(encode(tokenizer, text[: text.find(stop) + len(stop)]))  # tokens up to the stop's end
+    tracker = TextTracker(tokenizer, (stop,))
+    hits = [index for index, token in enumerate(ids, 1) if tracker.add(token)]
+    assert hits and hits[0] == completes
+    assert tracker.text == text[: text.find(stop)]
+
+
+def test_stop_completed_by_the_last_token_of_the_budget(tokenizer):
+    ids = encode(tokenizer, "the end\u20ac")
+    tracker = TextTracker(tokenizer, ("end\u20ac",))
+    assert [tracker.add(token) for token in ids][-1] is True
+    assert tracker.text == "the "
+
+
+def test_a_special_token_stop_string_matches_its_token(tokenizer):
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    ids = encode(tokenizer, "answer") + [end] + encode(tokenizer, "more")
+    tracker = TextTracker(tokenizer, ("<|end|>",))
+    hits = [index for index, token in enumerate(ids) if tracker.add(token)]
+    assert hits[0] == len(encode(tokenizer, "answer")) and tracker.text == "answer"
+
+
+def test_streaming_holds_back_a_possible_stop_prefix(tokenizer):
+    tracker = TextTracker(tokenizer, ("STOP",))
+    pieces = []
+    for token in encode(tokenizer, "go ST"):
+        tracker.add(token)
+        pieces.append(tracker.delta())
+    assert "".join(pieces) == "go "  # "ST" may become "STOP"
+    for token in encode(tokenizer, "ART"):
+        tracker.add(token)
+        pieces.append(tracker.delta())
+    assert "".join(pieces) + tracker.delta(final=True) == "go START"
