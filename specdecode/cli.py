@@ -164,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-queued-requests", type=int, default=64, help="requests waiting for a batch row before 503")
     srv.add_argument("--max-model-len", type=int, default=None, help="context per sequence (default: the model's)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
+    srv.add_argument("--schedule", default="fcfs", choices=["fcfs", "task"], help="admission order: arrival, or requests of the running rows' task type first (docs/serving.md)")
     srv.add_argument("--audit-rate", type=float, default=0.0, help="fraction of greedy speculative requests re-run plainly when idle and compared (/metrics)")
     srv.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     srv.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"])
@@ -514,7 +515,7 @@ def cmd_serve(args) -> int:
 
         torch.set_num_threads(args.threads)
     state = build_state(config, args.speculative_config, args.max_num_seqs, args.max_queued_requests, args.api_key,
-                        args.max_model_len, args.served_model_name, args.audit_rate)
+                        args.max_model_len, args.served_model_name, args.audit_rate, schedule=args.schedule)
     serve(state, args.host, args.port, args.shutdown_timeout)
     return 0
 

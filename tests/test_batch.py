@@ -257,3 +257,25 @@ def test_batch_cap_drafts_only_when_the_batched_step_pays(model_dir):
     # the fixed row pads the step to 4 tokens anyway, so drafting up to 3 costs the others nothing
     assert engine._batch_cap(rows + [fixed, probing], [4, 4, 4, 3, 1]) == [3, 3, 3, 3, 1]
     assert engine._batch_cap(rows + [probing], [4, 4, 4, 1]) == [1, 1, 1, 1]
+
+
+def test_task_schedule_admits_the_running_rows_task_first(model_dir):
+    engine = BatchEngine(runtime_for(model_dir, "torch"), max_num_seqs=2, max_model_len=64)
+    engine.schedule = "task"
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    first = engine.add([5, 6, 7], params, task_type="code")
+    engine.step()  # admits `first` (fcfs when nothing runs)
+    creative = engine.add([8, 9], params, task_type="creative")
+    code = engine.add([10, 11], params, task_type="code")
+    engine.step()
+    assert code.cache_row is not None and creative.cache_row is None
+    engine.run()
+    assert first.finished and code.finished and creative.finished
+    running = engine.add([5, 6, 7], SamplingParams(max_new_tokens=30, ignore_eos=True), task_type="code")
+    engine.step()
+    waited = engine.add([8, 9], params, task_type="creative")
+    engine.add([10, 11], params, task_type="code")
+    engine.max_wait_seconds = 0.0  # every waiting request is now overdue: arrival order wins
+    with engine.lock:
+        assert engine._next_waiting() is waited
+    assert running.cache_row is not None

@@ -133,7 +133,12 @@ class BatchEngine:
         self.lock = threading.Lock()  # guards waiting (other threads add and abort)
         self._ids = itertools.count()
         self.steps = 0
-        self.group_by_task = False  # schedule rows of one task type together (router label)
+        # admission order: "fcfs" (arrival) or "task": prefer waiting requests of the task
+        # type most of the running rows have (the router's label), so a batch holds rows of
+        # similar acceptance and the shared draft cap suits them all; a request waiting
+        # longer than max_wait_seconds is admitted first whatever its type
+        self.schedule = "fcfs"
+        self.max_wait_seconds = 2.0
         # batch_cost(rows, context) -> ms to score that many rows (None: no batch-level cap);
         # the server passes the cost profile's time_ms, which rows of several sequences
         # approximate (the linear layers dominate; attention reads each row's own cache)
@@ -201,9 +206,6 @@ class BatchEngine:
         if pending:
             self._prefill_chunk(pending[0])
         ready = [s for s in self.running if s.prefill_done]
-        if self.group_by_task and ready:
-            label = ready[0].task_type
-            ready = [s for s in ready if s.task_type == label] + [s for s in ready if s.task_type != label]
         if ready:
             self._decode(ready)
         self._reap(finished)
@@ -215,10 +217,25 @@ class BatchEngine:
         while self.has_work:
             self.step()
 
+    def _next_waiting(self) -> Sequence:
+        """The waiting sequence to admit next (the lock is held)."""
+        if self.schedule != "task" or not self.running:
+            return self.waiting.popleft()
+        oldest = self.waiting[0]
+        if time.perf_counter() - oldest.arrival > self.max_wait_seconds:
+            return self.waiting.popleft()
+        labels = [s.task_type for s in self.running]
+        majority = max(set(labels), key=labels.count)
+        for index, sequence in enumerate(self.waiting):
+            if sequence.task_type == majority:
+                del self.waiting[index]
+                return sequence
+        return self.waiting.popleft()
+
     def _admit(self) -> None:
         with self.lock:
             while self.waiting and self.free_rows:
-                sequence = self.waiting.popleft()
+                sequence = self._next_waiting()
                 if sequence.aborted:
                     self._finish(sequence, "abort")
                     continue

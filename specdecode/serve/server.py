@@ -14,6 +14,7 @@ from .metrics import ServerMetrics
 # vLLM's method names -> ours
 VLLM_METHODS = {"ngram": "ngram", "[ngram]": "ngram", "eagle": "eagle", "eagle3": "eagle", "draft_model": "draft",
                 "tree": "tree", "none": "none"}
+SCHEDULES = ("fcfs", "task")
 SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "preset",
              "router", "k_max", "k_policy"}
 
@@ -91,13 +92,16 @@ def drafter_entry(spec: SpeculativeConfig, target, engine_config: EngineConfig):
 
 def build_state(engine_config: EngineConfig, speculative: str | None, max_num_seqs: int = 8,
                 max_queued_requests: int = 64, api_key: str | None = None, max_model_len: int | None = None,
-                served_model_name: str | None = None, audit_rate: float = 0.0, target=None) -> ServerState:
+                served_model_name: str | None = None, audit_rate: float = 0.0, target=None,
+                schedule: str = "fcfs") -> ServerState:
     from ..control.router import Router
     from ..factory import cost_profile, load_target, log
 
     spec, use_router = parse_speculative_config(speculative)
     if max_queued_requests < 0:
         raise ConfigError(f"--max-queued-requests must be >= 0, got {max_queued_requests}")
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"--schedule must be one of {SCHEDULES}, got {schedule!r}")
     if not 0.0 <= audit_rate <= 1.0:
         raise ConfigError(f"--audit-rate must be in [0, 1], got {audit_rate}")
     if target is None:
@@ -116,6 +120,7 @@ def build_state(engine_config: EngineConfig, speculative: str | None, max_num_se
     profile = cost_profile(target, engine_config.dtype) if drafters and spec.k == "auto" else None
     engine = BatchEngine(runtime, target.tokenizer, target.eos_token_ids, max_num_seqs=max_num_seqs,
                          max_model_len=max_model_len)
+    engine.schedule = schedule
     if profile is not None:
         engine.batch_cost = profile.time_ms
     name = served_model_name or ("SmolLM2-135M-Instruct" if engine_config.model == "default" else engine_config.model)
