@@ -166,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
     srv.add_argument("--schedule", default="fcfs", choices=["fcfs", "task"], help="admission order: arrival, or requests of the running rows' task type first (docs/serving.md)")
     srv.add_argument("--audit-rate", type=float, default=0.0, help="fraction of greedy speculative requests re-run plainly when idle and compared (/metrics)")
+    srv.add_argument("--replicas", type=int, default=None, help="serve N replicas of the engine behind Ray Serve's proxy (pip install 'specdecode[ray]'; docs/serving.md)")
     srv.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     srv.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"])
     srv.add_argument("--backend", default="auto", choices=["auto", "kernels", "torch"])
@@ -514,6 +515,15 @@ def cmd_serve(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.replicas is not None:
+        from .serve.server import ray_application, serve_ray
+
+        application = ray_application(config, args.speculative_config, args.replicas, args.max_num_seqs,
+                                      args.max_queued_requests, api_key=args.api_key, max_model_len=args.max_model_len,
+                                      served_model_name=args.served_model_name, audit_rate=args.audit_rate,
+                                      schedule=args.schedule)
+        serve_ray(application, args.host, args.port)
+        return 0
     state = build_state(config, args.speculative_config, args.max_num_seqs, args.max_queued_requests, args.api_key,
                         args.max_model_len, args.served_model_name, args.audit_rate, schedule=args.schedule)
     serve(state, args.host, args.port, args.shutdown_timeout)

@@ -14,6 +14,7 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -33,6 +34,7 @@ from .batch import BatchEngine, Sequence, StepOutput
 from .metrics import ServerMetrics
 
 logger = logging.getLogger("specdecode.serve")
+FINGERPRINT = f"specdecode-{os.getpid()}"  # which process (replica) answered
 
 
 # -- errors ------------------------------------------------------------------------------
@@ -154,6 +156,8 @@ class ServerState:
     tokenizer: Any = None
 
     def start(self) -> None:
+        if self.thread is not None:
+            return
         self.thread = threading.Thread(target=self._loop, name="specdecode-engine", daemon=True)
         self.thread.start()
 
@@ -447,7 +451,7 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
             raise APIError(500, sequence.error, "server_error")
         finish = sequence.finish_reason
         body = {"id": request_id, "created": int(time.time()), "model": state.model_name, "usage": usage(sequence),
-                "speculative": speculation_summary(sequence)}
+                "system_fingerprint": FINGERPRINT, "speculative": speculation_summary(sequence)}
         if chat:
             body.update(object="chat.completion", choices=[{"index": 0, "message": {"role": "assistant",
                         "content": "".join(text)}, "logprobs": None, "finish_reason": finish}])

@@ -4,6 +4,7 @@ engine thread's state, and uvicorn."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 
 from ..config import ConfigError, EngineConfig, SpeculativeConfig, parse_k
@@ -140,3 +141,43 @@ def serve(state: ServerState, host: str, port: int, shutdown_timeout: float) -> 
 
     app = create_app(state, state.tokenizer)
     uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout, log_level="info")
+
+
+def ray_application(engine_config: EngineConfig, speculative: str | None, replicas: int, max_num_seqs: int,
+                    max_queued_requests: int, **state_kwargs):
+    """The same app on Ray Serve: ``replicas`` replicas, each loading its own engine.
+
+    Ray Serve's backpressure takes our queue limit: a replica accepts at most
+    ``max_num_seqs + max_queued_requests`` requests at once (``max_ongoing_requests``),
+    and Ray's proxy queues at most ``max_queued_requests`` more before it answers 503."""
+    try:
+        from ray import serve
+    except ImportError:
+        raise ConfigError("--replicas needs Ray Serve: pip install 'specdecode[ray]'") from None
+    if replicas < 1:
+        raise ConfigError(f"--replicas must be >= 1, got {replicas}")
+
+    threads = engine_config.num_threads or max(1, (os.cpu_count() or 1) // replicas)  # replicas share the cores
+
+    def build():
+        import torch
+
+        torch.set_num_threads(threads)
+        state = build_state(engine_config, speculative, max_num_seqs, max_queued_requests, **state_kwargs)
+        state.start()  # whether or not the ingress runs the app's lifespan
+        return create_app(state, state.tokenizer)
+
+    deployment = serve.deployment(serve.ingress(build)(), name="specdecode")
+    return deployment.options(num_replicas=replicas, max_ongoing_requests=max_num_seqs + max(max_queued_requests, 1),
+                              max_queued_requests=max(max_queued_requests, 1),
+                              ray_actor_options={"num_cpus": 0}).bind()
+
+
+def serve_ray(application, host: str, port: int) -> None:
+    """Deploy on a local Ray instance (or the cluster RAY_ADDRESS names) and block."""
+    import ray
+    from ray import serve
+
+    ray.init(include_dashboard=False, ignore_reinit_error=True)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(application, name="specdecode", route_prefix="/", blocking=True)
