@@ -274,3 +274,34 @@ def test_memory_estimate_matches_the_peak_rss_of_a_run(repeats):
     estimate = deployment_memory("default", None, "bf16", context=context, k=0, weights="int4", process=True)["total"]
     measured = record["peak_rss_mb"] * 2**20
     assert abs(estimate / measured - 1) < 0.15, (context, estimate / 2**20, measured / 2**20, result.stderr[-2000:])
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_batched_engine_on_the_real_model_equals_each_request_alone(method):
+    """The default runtime (kernels, int4, bf16 cache): requests decoded together with
+    prompt lookup or the shipped head's chains give bit for bit each one's plain output."""
+    from specdecode.factory import build_proposer
+    from specdecode.proposers.eagle import EagleProposer
+    from specdecode.proposers.ngram import NgramProposer
+    from specdecode.serve.batch import BatchEngine
+
+    config = EngineConfig()
+    target = load_model("default", torch.bfloat16)
+    plain = build_engine(config, SpeculativeConfig(method="none"), target=target)
+    params = SamplingParams(max_new_tokens=40)
+    prompts = [plain.encode(p) for p in PROMPTS + ["Write a JSON object describing a cat named Tom, aged 3."]]
+    expected = [plain.generate(ids, params).token_ids for ids in prompts]
+    if method == "eagle":
+        template = build_proposer(SpeculativeConfig(method="eagle", tree_width=1), target, config)
+
+        def make_drafter():
+            return EagleProposer(template.head, template.embed_rows, kernels=False)
+    else:
+        make_drafter = NgramProposer
+    batch_target = load_model("default", torch.bfloat16)  # its own cache rows
+    engine = BatchEngine(batch_target.runtime, batch_target.tokenizer, batch_target.eos_token_ids, max_num_seqs=3,
+                         max_model_len=512, make_drafter=make_drafter, make_policy=lambda: 3)
+    sequences = [engine.add(ids, params) for ids in prompts]
+    engine.run()
+    assert [s.generated for s in sequences] == expected
+    assert sum(s.stats.accepted_tokens for s in sequences) > 0

@@ -45,7 +45,8 @@ def summarize(values: list[float]) -> dict:
 def scrape(text: str) -> dict[str, float]:
     """The speculative counters of a Prometheus exposition (summed over labels)."""
     wanted = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
-              "spec_decode_num_accepted_tokens_total", "generation_tokens_total")
+              "spec_decode_num_accepted_tokens_total", "generation_tokens_total", "audit_requests_total",
+              "audit_mismatches_total", "num_requests_running")
     totals = dict.fromkeys(wanted, 0.0)
     for line in text.splitlines():
         if line.startswith("#"):
@@ -130,6 +131,23 @@ async def run_level(url: str, model: str, prompts: list[str], max_tokens: int, m
         "draft_tokens": drafted, "accepted_tokens": accepted,
         "acceptance_rate": accepted / drafted if drafted else None,
     }
+
+
+def wait_for_audits(url: str, settle: float = 5.0, limit: float = 600.0) -> dict[str, float]:
+    """The server audits when idle: wait until its audit count stops moving (a server
+    without --audit-rate reports 0 at once)."""
+    import httpx
+
+    deadline, last, stable_since = time.time() + limit, None, time.time()
+    while True:
+        totals = scrape(httpx.get(f"{url}/metrics", timeout=10).text)
+        if totals["audit_requests_total"] == 0 or time.time() > deadline:
+            return totals
+        if totals["audit_requests_total"] != last:
+            last, stable_since = totals["audit_requests_total"], time.time()
+        elif time.time() - stable_since >= settle:
+            return totals
+        time.sleep(0.5)
 
 
 def free_port() -> int:
@@ -226,6 +244,7 @@ def bench_serve(prompts: list[dict], concurrency: list[int], rate: float | None,
             count = max(num_prompts, level or 1)
             chosen = [texts[i % len(texts)] for i in range(count)]
             rows.append(asyncio.run(run_level(url, model, chosen, max_tokens, mode, level, rate, seed)))
+        audit = wait_for_audits(url)
     finally:
         if process is not None:
             process.terminate()
@@ -234,9 +253,14 @@ def bench_serve(prompts: list[dict], concurrency: list[int], rate: float | None,
             except subprocess.TimeoutExpired:
                 process.kill()
     print_table(rows)
+    if audit["audit_requests_total"]:
+        print(f"audit: {audit['audit_requests_total']:.0f} greedy requests re-decoded plainly, "
+              f"{audit['audit_mismatches_total']:.0f} differed")
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"url": url, "model": model, "max_tokens": max_tokens, "rows": rows}, indent=1))
+        out.write_text(json.dumps({"url": url, "model": model, "max_tokens": max_tokens, "rows": rows,
+                                   "audit": {k: audit[k] for k in ("audit_requests_total", "audit_mismatches_total")}},
+                                  indent=1))
         plot(rows, out.with_suffix(".png"))
         print(f"specdecode: wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
     return rows
