@@ -103,6 +103,8 @@ def test_seeded_sampling_repeats_and_per_request_speculation(served):
     plain = api.completions.create(model="tiny", prompt="abababab", max_tokens=12, temperature=0,
                                    extra_body={"speculative": {"enabled": False}})
     assert plain.model_extra["speculative"]["method"] == "none"
+    echoed = api.completions.create(model="tiny", prompt="abababab", max_tokens=12, temperature=0, echo=True)
+    assert echoed.choices[0].text == "abababab" + plain.choices[0].text
     assert plain.model_extra["speculative"]["drafted_tokens"] == 0
     drafted = api.completions.create(model="tiny", prompt="abababab", max_tokens=12, temperature=0,
                                      extra_body={"speculative": {"method": "ngram", "num_speculative_tokens": 4},
@@ -137,6 +139,10 @@ def test_concurrent_greedy_requests_equal_their_outputs_alone(served):
     ({"prompt": "hi", "speculative": {"bogus": 1}}, 400, "bogus"),
     ({"prompt": "hi", "task_type": "poetry"}, 400, "task_type"),
     ({}, 400, "prompt"),
+    ({"prompt": "hi", "suffix": "end"}, 400, "suffix"),
+    ({"prompt": "hi", "seed": 2 ** 70}, 400, "seed"),
+    ({"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": ["a", "b"]}, 400, "batch of prompts"),
 ])
 def test_errors_are_openai_json(served, body, status, fragment):
     client, _, _ = served

@@ -69,6 +69,12 @@ class ServerThread:
         return f"http://127.0.0.1:{self.port}"
 
 
+def rss_mb() -> float:
+    """This process's resident memory (the server runs in it)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+
 def wait_idle(state, seconds=30.0):
     deadline = time.time() + seconds
     while time.time() < deadline and (state.engine.num_running or state.engine.num_waiting):
@@ -94,7 +100,7 @@ async def streamed(client, url, body, disconnect_after=None):
 def test_load_many_clients_mixed_requests(model_dir):
     """32 concurrent clients, 320 requests: streamed, non-streamed and abandoned
     mid-stream. Every completed response is whole and equals the prompt decoded alone;
-    every row is free at the end."""
+    every row is free at the end, and the process grew by less than 64 MB."""
     rng = random.Random(1)
     prompts = ["".join(rng.choice("abcdefgh") for _ in range(rng.randint(3, 30))) for _ in range(24)]
     reference_model = load_model(str(model_dir), torch.float32, backend="torch")
@@ -111,7 +117,7 @@ def test_load_many_clients_mixed_requests(model_dir):
                 ids = reference_model.tokenizer(prompt)["input_ids"]
                 expected[key] = plain.generate(ids, SamplingParams(max_new_tokens=max_tokens, ignore_eos=True)).text
 
-        async def main():
+        async def main(jobs):
             url = f"{server.url}/v1/completions"
             queue = list(jobs)
             results = []
@@ -134,9 +140,14 @@ def test_load_many_clients_mixed_requests(model_dir):
                 await asyncio.gather(*(worker() for _ in range(32)))
             return results
 
+        asyncio.run(main(jobs[:64]))  # warm: allocator pools, first requests of each shape
+        wait_idle(server.state)
+        resident = rss_mb()
         started = time.time()
-        results = asyncio.run(main())
+        results = asyncio.run(main(jobs))
         assert time.time() - started < 300
+        wait_idle(server.state)
+        assert rss_mb() - resident < 64, (resident, rss_mb())  # server memory stays bounded
         wait_idle(server.state)
         engine = server.state.engine
         assert engine.num_running == 0 and engine.num_waiting == 0

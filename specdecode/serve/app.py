@@ -83,7 +83,7 @@ class _Common(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2 ** 63), le=2 ** 63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1)
@@ -111,7 +111,7 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str]
     max_tokens: int | None = Field(default=16, ge=1)
-    echo: bool = False
+    echo: bool = False  # the prompt's text before the completion
     suffix: str | None = None
 
 
@@ -422,16 +422,22 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
         authorize(request)
         check_model(body.model)
         params = body.sampling(max_tokens)
+        if getattr(body, "suffix", None):
+            raise APIError(400, "suffix (insertion) is not supported", param="suffix")
+        echo = ""
+        if getattr(body, "echo", False):
+            echo = prompt_text or (tokenizer.decode(prompt_ids) if tokenizer is not None else "")
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         sequence, queue = state.submit(prompt_ids, params, body.speculative, body.task_type, prompt_text, request_id)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream(sequence, queue, request_id, chat, include_usage),
+            return StreamingResponse(stream(sequence, queue, request_id, chat, include_usage, echo),
                                      media_type="text/event-stream")
-        return await collect(request, sequence, queue, request_id, chat)
+        return await collect(request, sequence, queue, request_id, chat, echo)
 
-    async def collect(request: Request, sequence: Sequence, queue: asyncio.Queue, request_id: str, chat: bool):
-        text = []
+    async def collect(request: Request, sequence: Sequence, queue: asyncio.Queue, request_id: str, chat: bool,
+                      echo: str = ""):
+        text = [echo]
         try:
             while True:
                 try:
@@ -460,7 +466,8 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
                                                             "finish_reason": finish}])
         return JSONResponse(body)
 
-    async def stream(sequence: Sequence, queue: asyncio.Queue, request_id: str, chat: bool, include_usage: bool):
+    async def stream(sequence: Sequence, queue: asyncio.Queue, request_id: str, chat: bool, include_usage: bool,
+                     echo: str = ""):
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -475,6 +482,8 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
         try:
             if chat:
                 yield _sse(chunk(None, None, first=True))
+            elif echo:
+                yield _sse(chunk(echo, None))
             while True:
                 output = await queue.get()
                 if output.finish_reason is not None:
