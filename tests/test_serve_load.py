@@ -81,17 +81,24 @@ def wait_idle(state, seconds=30.0):
         time.sleep(0.02)
 
 
+def read_event(line: str, text: list[str], finish: str | None) -> str | None:
+    """One SSE line of a streamed completion: its text appended to ``text``; the finish
+    reason so far."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return finish
+    chunk = json.loads(line[6:])
+    if chunk["choices"]:
+        text.append(chunk["choices"][0]["text"])
+        finish = chunk["choices"][0]["finish_reason"] or finish
+    return finish
+
+
 async def streamed(client, url, body, disconnect_after=None):
     text, finish = [], None
     async with client.stream("POST", url, json={**body, "stream": True}) as response:
         assert response.status_code == 200, await response.aread()
         async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk["choices"]:
-                text.append(chunk["choices"][0]["text"])
-                finish = chunk["choices"][0]["finish_reason"] or finish
+            finish = read_event(line, text, finish)
             if disconnect_after is not None and len(text) >= disconnect_after:
                 return None  # leaving the block closes the connection mid-stream
     return "".join(text), finish
@@ -193,13 +200,9 @@ def test_sigterm_drains_in_flight_requests(model_dir, tmp_path):
         text, finish = [], None
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
             for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk["choices"]:
-                    text.append(chunk["choices"][0]["text"])
-                    finish = chunk["choices"][0]["finish_reason"] or finish
-                if len(text) == 1:
+                before = len(text)
+                finish = read_event(line, text, finish)
+                if before == 0 and len(text) == 1:
                     process.send_signal(signal.SIGTERM)  # mid-request
         assert finish == "length" and len("".join(text)) > 0
         # uvicorn re-raises the signal once it has shut down gracefully

@@ -538,46 +538,29 @@ class NativeRuntime:
         return _outputs(logits, hidden if return_hidden else None, features if capture else None)
 
     def _forward_rows_torch(self, input_ids, cache_rows, starts, last_only, capture=()):
-        cfg, w, device = self.cfg, self.weights, self.device
+        w, device = self.weights, self.device
         input_ids = input_ids.to(device)
-        batch, num_new = input_ids.shape
+        num_new = input_ids.shape[1]
         rows = torch.tensor(cache_rows, device=device)
         positions = torch.tensor(starts, device=device)[:, None] + torch.arange(num_new, device=device)  # [n, T]
         end = max(starts) + num_new
         cos = w.rope_cos[positions][:, :, None, :].to(self.dtype)  # [n, T, 1, head_dim]
         sin = w.rope_sin[positions][:, :, None, :].to(self.dtype)
         mask = (torch.arange(end, device=device)[None, None, :] <= positions[:, :, None])[:, None]  # [n, 1, T, end]
-        num_heads, num_kv = cfg.num_heads, cfg.num_kv_heads
-        hidden = w.embed_rows(input_ids)
-        captured = {}
-        for index, layer in enumerate(self.layers):
-            if index in capture:
-                captured[index] = hidden.float()
-            normed = _rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
-            qkv = _torch_linear(normed, layer.qkv).view(batch, num_new, num_heads + 2 * num_kv, cfg.head_dim)
-            qk = qkv[:, :, : num_heads + num_kv]
-            qk = qk * cos + _rotate_half(qk) * sin
-            q = qk[:, :, :num_heads].transpose(1, 2)
-            k_cache, v_cache = self.k_cache[index], self.v_cache[index]  # [B, G, C, D]
-            k_cache[rows[:, None], :, positions] = qk[:, :, num_heads:]  # [n, T, G, D]
-            v_cache[rows[:, None], :, positions] = qkv[:, :, num_heads + num_kv:]
-            attn = F.scaled_dot_product_attention(q, k_cache[rows, :, :end], v_cache[rows, :, :end], attn_mask=mask,
-                                                  enable_gqa=num_heads != num_kv)
-            hidden = hidden + _torch_linear(attn.transpose(1, 2).reshape(batch, num_new, -1), layer.o)
-            normed = _rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = _torch_linear(normed, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + _torch_linear(F.silu(gate) * up, layer.down)
-        if last_only:
-            hidden = hidden[:, -1:]
-        hidden = _rms_norm(hidden, w.norm, cfg.rms_norm_eps)
-        logits = _torch_linear(hidden, w.lm_head)
-        return logits, hidden, torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+
+        def store(index, keys, values):  # [n, T, G, D] into each row's slots
+            self.k_cache[index][rows[:, None], :, positions] = keys
+            self.v_cache[index][rows[:, None], :, positions] = values
+
+        def cached(index):
+            return self.k_cache[index][rows, :, :end], self.v_cache[index][rows, :, :end]
+
+        return self._layers_torch(input_ids, cos, sin, mask, store, cached, last_only, capture)
 
     def _forward_torch(self, input_ids, positions, tree_mask, last_only, return_hidden, capture=()):
-        cfg, w = self.cfg, self.weights
-        device = self.device
+        w, device = self.weights, self.device
         input_ids = input_ids.to(device)
-        batch, num_new = input_ids.shape
+        num_new = input_ids.shape[1]
         start, end = self.length, self.length + num_new
         if positions is None:
             cos, sin = w.rope_cos[start:end], w.rope_sin[start:end]
@@ -593,6 +576,23 @@ class NativeRuntime:
             mask = torch.ones(num_new, end, dtype=torch.bool, device=device)
             mask[:, start:] = tree_mask.to(device)
 
+        def store(index, keys, values):  # [B, T, G, D] into slots start..end of every row
+            self.k_cache[index, :, :, start:end] = keys.transpose(1, 2)
+            self.v_cache[index, :, :, start:end] = values.transpose(1, 2)
+
+        def cached(index):
+            return self.k_cache[index, :, :, :end], self.v_cache[index, :, :, :end]
+
+        out = self._layers_torch(input_ids, cos, sin, mask, store, cached, last_only, capture)
+        self.length = end
+        return out
+
+    def _layers_torch(self, input_ids, cos, sin, mask, store, cached, last_only, capture):
+        """The layer stack on torch ops: ``store(layer, keys, values)`` writes the new
+        tokens' entries, ``cached(layer)`` gives the keys and values they attend over
+        (under ``mask``). Returns (logits, final hidden states, captured layer inputs)."""
+        cfg, w = self.cfg, self.weights
+        batch, num_new = input_ids.shape
         num_heads, num_kv = cfg.num_heads, cfg.num_kv_heads
         hidden = w.embed_rows(input_ids)  # [B, T, H]
         captured = {}
@@ -604,21 +604,13 @@ class NativeRuntime:
             qk = qkv[:, :, : num_heads + num_kv]
             qk = qk * cos + _rotate_half(qk) * sin
             q = qk[:, :, :num_heads].transpose(1, 2)  # [B, heads, T, D]
-            self.k_cache[index, :, :, start:end] = qk[:, :, num_heads:].transpose(1, 2)
-            self.v_cache[index, :, :, start:end] = qkv[:, :, num_heads + num_kv :].transpose(1, 2)
-            attn = F.scaled_dot_product_attention(
-                q,
-                self.k_cache[index, :, :, :end],
-                self.v_cache[index, :, :, :end],
-                attn_mask=mask,
-                enable_gqa=num_heads != num_kv,
-            )  # [B, heads, T, D]
+            store(index, qk[:, :, num_heads:], qkv[:, :, num_heads + num_kv:])
+            keys, values = cached(index)
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=num_heads != num_kv)
             hidden = hidden + _torch_linear(attn.transpose(1, 2).reshape(batch, num_new, -1), layer.o)
             normed = _rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
             gate, up = _torch_linear(normed, layer.gate_up).chunk(2, dim=-1)
             hidden = hidden + _torch_linear(F.silu(gate) * up, layer.down)
-        self.length = end
-
         if last_only:
             hidden = hidden[:, -1:]
         hidden = _rms_norm(hidden, w.norm, cfg.rms_norm_eps)
