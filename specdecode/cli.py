@@ -372,6 +372,13 @@ def format_profile(profile, model: str) -> str:
                          f"{step / weights:.2f}x | {step / both:.2f}x")
     for name, c in profile.drafters.items():
         lines.append(f"drafter {name}: c = {c:.3f} of a target step per draft token")
+    if profile.batch_ms:
+        one = profile.batch_ms[0][0]
+        lines.append(f"batched steps (specdecode serve), ms at {profile.batch_context} tokens of context per row, "
+                     "and / one single-token step:")
+        lines.append(f"{'rows':>5}" + "".join(f"{f'width {w}':>16}" for w in profile.batch_widths))
+        for rows, cells in zip(profile.batch_rows, profile.batch_ms):
+            lines.append(f"{rows:>5}" + "".join(f"{ms:>9.2f} ({ms / one:4.1f})" for ms in cells))
     return "\n".join(lines)
 
 

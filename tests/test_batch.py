@@ -244,16 +244,16 @@ def test_batch_cap_drafts_only_when_the_batched_step_pays(model_dir):
     engine = BatchEngine(runtime_for(model_dir, "torch"), max_num_seqs=4, max_model_len=64)
     rows = [engine.add([5, 6, 7], SamplingParams(max_new_tokens=20), proposer=NgramProposer(), policy=_Tau(4, 0.9))
             for _ in range(3)]
-    engine.batch_cost = lambda tokens, context: float(tokens)  # compute bound: every row costs the same
+    engine.batch_cost = lambda rows, width, context: float(rows * width)  # compute bound: every token costs the same
     assert engine._batch_cap(rows, [4, 4, 4]) == [0, 0, 0]
-    engine.batch_cost = lambda tokens, context: 100.0 + tokens  # overhead bound: drafts are nearly free
+    engine.batch_cost = lambda rows, width, context: 100.0 + rows * width  # overhead bound: drafts are nearly free
     assert engine._batch_cap(rows, [4, 4, 4]) == [4, 4, 4]
-    engine.batch_cost = lambda tokens, context: 2.0 + tokens  # in between: a short shared cap (2 here)
+    engine.batch_cost = lambda rows, width, context: 2.0 + rows * width  # in between: a short shared cap (2 here)
     caps = engine._batch_cap(rows, [4, 2, 4])
     assert caps == [2, 2, 2]
     fixed = engine.add([5, 6], SamplingParams(), proposer=NgramProposer(), policy=3)  # a fixed k is kept
     probing = engine.add([5, 6], SamplingParams(), proposer=NgramProposer(), policy=_Tau(1, 0.0, probing=True))
-    engine.batch_cost = lambda tokens, context: float(tokens)
+    engine.batch_cost = lambda rows, width, context: float(rows * width)
     # the fixed row pads the step to 4 tokens anyway, so drafting up to 3 costs the others nothing
     assert engine._batch_cap(rows + [fixed, probing], [4, 4, 4, 3, 1]) == [3, 3, 3, 3, 1]
     assert engine._batch_cap(rows + [probing], [4, 4, 4, 1]) == [1, 1, 1, 1]
@@ -279,3 +279,17 @@ def test_task_schedule_admits_the_running_rows_task_first(model_dir):
     with engine.lock:
         assert engine._next_waiting() is waited
     assert running.cache_row is not None
+
+
+def test_batch_time_comes_from_the_measured_batch_table():
+    from specdecode.cost.profile import CostProfile
+
+    profile = CostProfile("m", "bf16", "x", 2, contexts=[100, 600], sizes=[1, 2, 4], step_ms=[[10, 12, 16], [20, 22, 26]])
+    assert profile.batch_time_ms(3, 2, 100) == profile.time_ms(6, 100)  # no table: rows x width tokens
+    profile.batch_rows, profile.batch_widths, profile.batch_context = [1, 2, 4], [1, 2], 100
+    profile.batch_ms = [[10, 12], [14, 18], [22, 30]]
+    assert profile.batch_time_ms(2, 2, 100) == 18
+    assert profile.batch_time_ms(3, 1, 100) == 18  # halfway between 2 and 4 rows
+    assert profile.batch_time_ms(8, 1, 100) == 22 + (22 - 14) / 2 * 4  # beyond the table: the last slope
+    # at a longer context every row pays the single-sequence difference: 4 rows x (20 - 10) ms
+    assert profile.batch_time_ms(4, 1, 600) == 22 + 4 * 10

@@ -127,6 +127,14 @@ def test_concurrent_greedy_requests_equal_their_outputs_alone(served):
         texts = list(pool.map(ask, prompts))
     assert texts == [reference(target, target.tokenizer(p)["input_ids"], 12).text for p in prompts]
 
+    def ask_auto(prompt):  # adaptive k per request, its policy built at startup, not mid-batch
+        response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                                        "speculative": {"num_speculative_tokens": "auto"}})
+        return response.json()["choices"][0]["text"]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(ask_auto, prompts)) == texts
+
 
 @pytest.mark.parametrize("body, status, fragment", [
     ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),

@@ -40,6 +40,10 @@ PROFILE_VERSION = 4
 # k + 1 for the k the policies choose (1..11) and the tree sizes to come (up to 64)
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 32, 64)
 CONTEXTS = (100, 600, 1500, 4000)
+# the batched engine's steps: rows (sequences) x width (1 + drafts per row), at one context
+BATCH_ROWS = (1, 2, 4, 8)
+BATCH_WIDTHS = (1, 2, 4, 6)
+BATCH_CONTEXT = 256
 
 
 def machine_id() -> str:
@@ -74,6 +78,12 @@ class CostProfile:
     weight_bytes: int = 0  # bytes of weights one step reads (layers and output head)
     kv_bytes_per_token: int = 0  # bytes of keys and values one step reads per cached token
     runtime: str = ""  # the runtime's description (backend, weight format, KV dtype)
+    # batched steps (measure_batches): [rows][width] median ms at BATCH_CONTEXT for each row;
+    # empty until a batched engine asks for it
+    batch_rows: list[int] = field(default_factory=list)
+    batch_widths: list[int] = field(default_factory=list)
+    batch_ms: list[list[float]] = field(default_factory=list)
+    batch_context: int = BATCH_CONTEXT
     version: int = PROFILE_VERSION
 
     def bandwidth_limit_ms(self, context: int, with_cache: bool = False) -> float:
@@ -108,6 +118,24 @@ class CostProfile:
             return float(np.interp(num_tokens, sizes, values))
 
         return self._at_context(row, context)
+
+    def batch_time_ms(self, rows: int, width: int, context: int = BATCH_CONTEXT) -> float:
+        """Milliseconds of one batched pass: ``rows`` sequences scoring ``width`` tokens
+        each, after about ``context`` cached tokens each. From the measured batch table
+        (interpolated, extended beyond it along its last slope), with each row's attention
+        over a longer or shorter context priced by the single-sequence table; without a
+        batch table, the single-sequence time of rows x width tokens."""
+        if not self.batch_ms:
+            return self.time_ms(rows * width, context)
+
+        def along(xs, ys, x):
+            if x >= xs[-1] and len(xs) > 1:
+                return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1])
+            return float(np.interp(x, xs, ys))
+
+        per_rows = [along(self.batch_widths, widths, width) for widths in self.batch_ms]
+        base = along(self.batch_rows, per_rows, rows)
+        return base + rows * (self.time_ms(width, context) - self.time_ms(width, self.batch_context))
 
     def v(self, k: int, context: int = 256) -> float:
         """Cost of scoring k+1 tokens relative to one decode step, at ``context``."""
@@ -215,6 +243,38 @@ def measure_target(runtime, contexts=CONTEXTS, sizes=SIZES, repeats: int = 4,
         table.append([statistics.median(times[size]) for size in sizes])
     bar.close()
     return list(contexts), list(sizes), table
+
+
+def measure_batches(runtime, rows=BATCH_ROWS, widths=BATCH_WIDTHS, context: int = BATCH_CONTEXT, repeats: int = 3,
+                    progress: bool = True) -> list[list[float]]:
+    """Median ms of ``forward_rows`` for each (rows, width), every row at ``context``
+    cached tokens, in interleaved shuffled rounds (as measure_target). The cache's contents
+    do not change the time, so it is not filled. Leaves the runtime's cache reset."""
+    generator = torch.Generator().manual_seed(2)
+    order = random.Random(1)
+    runtime.reset(context + max(widths) + 1, batch=max(rows))
+    cells = [(r, w) for r in rows for w in widths]
+    inputs = {cell: torch.randint(0, runtime.vocab_size, cell, generator=generator) for cell in cells}
+    times: dict[tuple, list[float]] = {cell: [] for cell in cells}
+    for round_ in tqdm(range(repeats + 1), desc="profile batches", unit="round", disable=not progress):
+        order.shuffle(cells)
+        for r, w in cells:
+            started = time.perf_counter()
+            runtime.forward_rows(inputs[(r, w)], list(range(r)), [context] * r)
+            if round_:  # round 0 warms up every shape
+                times[(r, w)].append((time.perf_counter() - started) * 1e3)
+    return [[statistics.median(times[(r, w)]) for w in widths] for r in rows]
+
+
+def with_batches(profile: CostProfile, model_key: str, runtime, progress: bool = True) -> CostProfile:
+    """The profile with its batch table, measured (once, then cached) if it lacks one."""
+    if profile.batch_ms or not hasattr(runtime, "forward_rows"):
+        return profile
+    context = max(min(BATCH_CONTEXT, runtime.max_positions - max(BATCH_WIDTHS) - 1), 0)
+    profile.batch_ms = measure_batches(runtime, context=context, progress=progress)
+    profile.batch_rows, profile.batch_widths, profile.batch_context = list(BATCH_ROWS), list(BATCH_WIDTHS), context
+    save_profile(profile, model_key)
+    return profile
 
 
 def measure_bandwidth(megabytes: int = 256, repeats: int = 7) -> float:

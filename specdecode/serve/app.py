@@ -295,7 +295,7 @@ class SpeculationChoices:
                 prior = self.router.prior(task, drafter)
                 if route.method == "none" and (options is None or options.method is None):
                     return Plan(False, "none", None, None, None, task)
-        k = "auto" if options is None or options.num_speculative_tokens is None else options.num_speculative_tokens
+        k = None if options is None else options.num_speculative_tokens  # None: the method's default
         return Plan(True, method, make_proposer(), make_policy(k), prior, task)
 
     def seconds_saved(self, sequence: Sequence) -> float | None:

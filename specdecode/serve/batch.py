@@ -139,10 +139,10 @@ class BatchEngine:
         # longer than max_wait_seconds is admitted first whatever its type
         self.schedule = "fcfs"
         self.max_wait_seconds = 2.0
-        # batch_cost(rows, context) -> ms to score that many rows (None: no batch-level cap);
-        # the server passes the cost profile's time_ms, which rows of several sequences
-        # approximate (the linear layers dominate; attention reads each row's own cache)
-        self.batch_cost: Callable[[int, int], float] | None = None
+        # batch_cost(rows, width, context) -> ms of a pass over that many rows of that many
+        # tokens each (None: no batch-level cap); the server passes the cost profile's
+        # batch_time_ms, measured on this machine at batch sizes
+        self.batch_cost: Callable[[int, int, int], float] | None = None
         self.batch_caps: list[int] = []  # the shared draft cap per batched step (reports)
 
     # -- requests ---------------------------------------------------------------------
@@ -336,7 +336,7 @@ class BatchEngine:
 
     def _batch_cap(self, rows: list[Sequence], wanted: list[int]) -> list[int]:
         """Speculation under load: every row of a step is padded to the longest draft, so
-        the step costs batch_cost(rows x (1 + d)) for the largest d. Pick the cap d on the
+        the step costs batch_cost(rows, 1 + d) for the largest d. Pick the cap d on the
         adaptive rows' drafts that maximises the tokens the step is expected to yield
         (each row's own tau(k), from its measured acceptance) per millisecond; 0 when
         drafting would lose. Rows with a fixed k, and rows probing, keep their k."""
@@ -350,7 +350,7 @@ class BatchEngine:
         for cap in range(max(w for w, a in zip(wanted, adaptive) if a) + 1):
             ks = [min(w, cap) if a else w for w, a in zip(wanted, adaptive)]
             expected = sum(s.policy.tau(k) if a else 1.0 for s, k, a in zip(rows, ks, adaptive))
-            rate = expected / self.batch_cost(len(rows) * (1 + max(ks)), context)
+            rate = expected / self.batch_cost(len(rows), 1 + max(ks), context)
             if rate > best_rate * (1.02 if cap else 1.0):  # drafting must win by a margin
                 best, best_rate = cap, rate
         self.batch_caps.append(best)

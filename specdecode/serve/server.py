@@ -73,21 +73,17 @@ def drafter_entry(spec: SpeculativeConfig, target, engine_config: EngineConfig):
     else:
         def make_proposer():
             return type(template)(spec.ngram_sizes)
-    auto = []  # built on first use: calibrating a drafter and profiling the target take a while
+    # built now, before the batched engine owns the runtime's cache: calibrating the
+    # drafter's acceptance decodes on the target (once per machine, then cached)
+    auto = build_policy(replace(spec, k="auto"), target, template, engine_config.dtype)
+    default = spec.k
 
     def make_policy(k):
+        k = default if k is None else k
         if k == "auto":
-            if not auto:
-                auto.append(build_policy(replace(spec, k="auto"), target, template, engine_config.dtype))
-            return clone_policy(auto[0]) if not isinstance(auto[0], int) else FixedK(auto[0])
+            return clone_policy(auto) if not isinstance(auto, int) else FixedK(auto)
         return FixedK(int(k))
 
-    if spec.k != "auto":  # the configured fixed k is this method's default
-        fixed = spec.k
-        base = make_policy
-
-        def make_policy(k, base=base):
-            return base(fixed if k == "auto" else k)
     return make_proposer, make_policy, drafter_key(spec)
 
 
@@ -117,13 +113,18 @@ def build_state(engine_config: EngineConfig, speculative: str | None, max_num_se
             continue
         method_spec = spec if method == spec.method else SpeculativeConfig(method=method)
         drafters[method] = drafter_entry(method_spec, target, engine_config)
-    # the cost profile prices seconds saved; measured (once, cached) when k is chosen by it
-    profile = cost_profile(target, engine_config.dtype) if drafters and spec.k == "auto" else None
+    # the cost profile prices seconds saved and the batch draft cap (measured once, cached)
+    profile = cost_profile(target, engine_config.dtype) if drafters else None
+    if profile is not None:  # what batched steps cost here (measured once, cached)
+        from ..cost.profile import with_batches
+        from ..factory import model_key
+
+        profile = with_batches(profile, model_key(target), runtime)
     engine = BatchEngine(runtime, target.tokenizer, target.eos_token_ids, max_num_seqs=max_num_seqs,
                          max_model_len=max_model_len)
     engine.schedule = schedule
     if profile is not None:
-        engine.batch_cost = profile.time_ms
+        engine.batch_cost = profile.batch_time_ms
     name = served_model_name or ("SmolLM2-135M-Instruct" if engine_config.model == "default" else engine_config.model)
     metrics = ServerMetrics(name)
     choices = SpeculationChoices(drafters, spec.method, Router() if use_router else None, profile)
