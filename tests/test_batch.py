@@ -256,6 +256,10 @@ def test_batch_cap_drafts_only_when_the_batched_step_pays(model_dir):
     engine.batch_cost = lambda rows, width, context: float(rows * width)
     # the fixed row pads the step to 4 tokens anyway, so drafting up to 3 costs the others nothing
     assert engine._batch_cap(rows + [fixed, probing], [4, 4, 4, 3, 1]) == [3, 3, 3, 3, 1]
+    # a probe widens every row: it goes through on one batched step in probe_every only
+    engine.steps = 1
+    assert engine._batch_cap(rows + [probing], [4, 4, 4, 1]) == [0, 0, 0, 0]
+    engine.steps = engine.probe_every
     assert engine._batch_cap(rows + [probing], [4, 4, 4, 1]) == [1, 1, 1, 1]
 
 

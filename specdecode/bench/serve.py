@@ -239,6 +239,11 @@ def bench_serve(prompts: list[dict], concurrency: list[int], rate: float | None,
         texts = [p["prompt"] for p in prompts]
         rows = []
         levels = [None] if rate is not None else concurrency
+        # untimed: one round at the widest level in every mode, so that no measured level
+        # pays first-time allocations (a batch of that many rows, each request shape)
+        widest = max(concurrency) if rate is None else 4
+        for mode in modes:
+            asyncio.run(run_level(url, model, texts[:widest], 16, mode, widest, None, seed))
         plan = [(level, mode) for level in levels for mode in modes]
         for level, mode in tqdm(plan, desc="bench-serve", unit="level", file=sys.stderr):
             count = max(num_prompts, level or 1)

@@ -144,6 +144,7 @@ class BatchEngine:
         # batch_time_ms, measured on this machine at batch sizes
         self.batch_cost: Callable[[int, int, int], float] | None = None
         self.batch_caps: list[int] = []  # the shared draft cap per batched step (reports)
+        self.probe_every = 64  # batched steps per step on which probing rows may draft
 
     # -- requests ---------------------------------------------------------------------
     def check_prompt(self, prompt_ids: list[int]) -> None:
@@ -339,10 +340,15 @@ class BatchEngine:
         the step costs batch_cost(rows, 1 + d) for the largest d. Pick the cap d on the
         adaptive rows' drafts that maximises the tokens the step is expected to yield
         (each row's own tau(k), from its measured acceptance) per millisecond; 0 when
-        drafting would lose. Rows with a fixed k, and rows probing, keep their k."""
+        drafting would lose. Rows with a fixed k keep theirs. A row probing (a policy
+        looking again at acceptance while speculation is off) would widen every row of
+        the step, so its probe goes through on one batched step in ``probe_every``
+        only, and is capped like the others in between."""
         if self.batch_cost is None or len(rows) < 2 or max(wanted) == 0:
             return wanted
-        adaptive = [hasattr(s.policy, "tau") and not getattr(s.policy, "probing", False) for s in rows]
+        probe_step = self.steps % self.probe_every == 0
+        adaptive = [hasattr(s.policy, "tau") and not (probe_step and getattr(s.policy, "probing", False))
+                    for s in rows]
         if not any(adaptive):
             return wanted
         context = max(len(s.tokens) for s in rows)
