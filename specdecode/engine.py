@@ -33,6 +33,57 @@ class PromptError(SpecDecodeError, ValueError):
     """The prompt cannot be run: empty, or longer than the model's context."""
 
 
+class ContextLengthError(PromptError):
+    """The prompt does not fit the context."""
+
+
+def check_prompt(prompt_ids: list[int], context: int, vocab_size: int, limit: str = "the model's context") -> None:
+    """Refuse an empty prompt, one of ``context`` tokens or more (``limit`` names that
+    bound in the message), and token ids outside the vocabulary."""
+    if len(prompt_ids) == 0:
+        raise PromptError("prompt is empty")
+    if len(prompt_ids) >= context:
+        raise ContextLengthError(f"prompt has {len(prompt_ids)} tokens but {limit} is {context} tokens; "
+                                 "shorten the prompt")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise PromptError(f"prompt holds token ids outside the vocabulary (size {vocab_size}): {bad[:5]}")
+
+
+def verify_chain(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
+                 params: SamplingParams, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify chain drafts ``[B, k]`` against ``target_logits`` ``[B, k+1, V]``: greedy, or
+    rejection sampling against the processed target distribution, with ``draft_probs``
+    ``[B, k, V]`` (None: a deterministic drafter, one-hot drafts). (output_ids, num_accepted)
+    as ``verify.chain`` returns them."""
+    if params.greedy:
+        return greedy_verify(draft_ids, target_logits)
+    target_probs = logits_to_probs(target_logits, params)
+    if draft_probs is None:
+        draft_probs = F.one_hot(draft_ids, target_probs.shape[-1]).float()
+    return rejection_sample(draft_ids, draft_probs, target_probs, generator)
+
+
+def commit_tokens(new_tokens: list[int], tokens: list[int], generated: list[int], tracker: "TextTracker | None",
+                  params: SamplingParams, eos_token_ids: frozenset, context: int) -> tuple[list[int], str | None]:
+    """Append a step's tokens to the sequence (``tokens``) and the output (``generated``)
+    until EOS, a stop string, the token budget or the context ends it. Returns the tokens
+    added and the finish reason ("stop", "length") or None; accepted drafts past the end
+    are dropped."""
+    added = []
+    for token in new_tokens:
+        if token in eos_token_ids and not params.ignore_eos:
+            return added, "stop"
+        tokens.append(token)
+        generated.append(token)
+        added.append(token)
+        if tracker is not None and tracker.add(token):
+            return added, "stop"
+        if len(generated) >= params.max_new_tokens or len(tokens) >= context:
+            return added, "length"
+    return added, None
+
+
 @dataclass
 class Generation:
     token_ids: list[int]  # new tokens only, EOS and anything past a stop excluded
@@ -121,18 +172,6 @@ class SpeculativeEngine:
                 "top1_token": int(top.indices[0]), "top2_token": int(top.indices[1]),
                 "top2_margin": float(top.values[0] - top.values[1])}
 
-    def _check_prompt(self, prompt_ids: list[int]) -> None:
-        if len(prompt_ids) == 0:
-            raise PromptError("prompt is empty")
-        if len(prompt_ids) >= self.target.max_positions:
-            raise PromptError(
-                f"prompt has {len(prompt_ids)} tokens but the model's context is "
-                f"{self.target.max_positions} tokens; shorten the prompt"
-            )
-        bad = [t for t in prompt_ids if not 0 <= t < self.target.vocab_size]
-        if bad:
-            raise PromptError(f"prompt holds token ids outside the vocabulary (size {self.target.vocab_size}): {bad[:5]}")
-
     def generate(
         self,
         prompt_ids: list[int],
@@ -143,7 +182,7 @@ class SpeculativeEngine:
         """Generate from ``prompt_ids``; ``on_text`` receives text as it is accepted.
         ``prior_alpha``: the acceptance at draft position 1 expected for this kind of request (router),
         which seeds an adaptive k policy."""
-        self._check_prompt(prompt_ids)
+        check_prompt(prompt_ids, self.target.max_positions, self.target.vocab_size)
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         max_positions = self.target.max_positions
         capacity = min(len(prompt_ids) + params.max_new_tokens + self.k + 1, max_positions)
@@ -174,18 +213,8 @@ class SpeculativeEngine:
                 new_tokens = self._step(tokens, k, params, generator, stats)
             if self.policy is not None:
                 self.policy.observe(stats.last_drafted, len(new_tokens) - 1)
-            for token in new_tokens:
-                if token in self.eos_token_ids and not params.ignore_eos:
-                    finish = "stop"
-                    break
-                tokens.append(token)
-                generated.append(token)
-                if tracker.add(token):
-                    finish = "stop"
-                elif len(generated) >= params.max_new_tokens or len(tokens) >= max_positions:
-                    finish = "length"
-                if finish:
-                    break  # accepted drafts past a stop are dropped
+            _, finish = commit_tokens(new_tokens, tokens, generated, tracker, params, self.eos_token_ids,
+                                      max_positions)
             if on_text is not None and (piece := tracker.delta()):
                 on_text(piece)
 
@@ -271,15 +300,8 @@ class SpeculativeEngine:
         target_logits, features = self._score(inputs)  # [1, k'+1, V]
 
         # 3. verify
-        if params.greedy:
-            output_ids, num_accepted = greedy_verify(draft_ids, target_logits)
-        else:
-            target_probs = logits_to_probs(target_logits, params)  # [1, k'+1, V]
-            if proposal.draft_probs is not None:
-                draft_probs = proposal.draft_probs[None, :num_drafted].to(self.device)
-            else:  # deterministic drafter: its distribution is one-hot
-                draft_probs = F.one_hot(draft_ids, target_probs.shape[-1]).float()
-            output_ids, num_accepted = rejection_sample(draft_ids, draft_probs, target_probs, generator)
+        draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[None, :num_drafted].to(self.device)
+        output_ids, num_accepted = verify_chain(draft_ids, draft_probs, target_logits, params, generator)
 
         # 4. commit: keep the last token and the accepted drafts in the cache
         accepted = int(num_accepted[0])

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ConfigError, SamplingParams, SpecDecodeError
-from ..engine import PromptError
+from ..engine import ContextLengthError, PromptError
 from .batch import BatchEngine, Sequence, StepOutput
 from .metrics import ServerMetrics
 
@@ -217,8 +217,8 @@ class ServerState:
         try:
             self.engine.check_prompt(prompt_ids)
         except PromptError as error:
-            raise APIError(400, str(error), param="prompt", code="context_length_exceeded"
-                           if "context" in str(error) else None) from None
+            code = "context_length_exceeded" if isinstance(error, ContextLengthError) else None
+            raise APIError(400, str(error), param="prompt", code=code) from None
         plan = self.speculation.plan(options, task_type, prompt_text)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()

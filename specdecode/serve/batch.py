@@ -34,15 +34,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from ..config import SamplingParams, SpecDecodeError
-from ..engine import PromptError
+from ..engine import check_prompt, commit_tokens, verify_chain
 from ..metrics import GenerationStats
 from ..proposers.base import Proposal
 from ..text import TextTracker
-from ..verify.chain import greedy_verify, rejection_sample
-from ..verify.sampling import logits_to_probs
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -148,14 +145,7 @@ class BatchEngine:
 
     # -- requests ---------------------------------------------------------------------
     def check_prompt(self, prompt_ids: list[int]) -> None:
-        if len(prompt_ids) == 0:
-            raise PromptError("prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise PromptError(f"prompt has {len(prompt_ids)} tokens but the context is {self.max_model_len} "
-                              "tokens; shorten the prompt")
-        bad = [t for t in prompt_ids if not 0 <= t < self.runtime.vocab_size]
-        if bad:
-            raise PromptError(f"prompt holds token ids outside the vocabulary (size {self.runtime.vocab_size}): {bad[:5]}")
+        check_prompt(prompt_ids, self.max_model_len, self.runtime.vocab_size, limit="the context")
 
     def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
             speculate: bool = True, proposer=None, policy=None, listener=None, prior_alpha: float | None = None,
@@ -364,34 +354,13 @@ class BatchEngine:
 
     @staticmethod
     def _verify(sequence: Sequence, drafts: torch.Tensor, draft_probs, logits: torch.Tensor) -> list[int]:
-        draft_ids = drafts[None]
-        params = sequence.params
-        if params.greedy:
-            output_ids, num_accepted = greedy_verify(draft_ids, logits)
-        else:
-            target_probs = logits_to_probs(logits, params)
-            if draft_probs is not None:
-                probs = draft_probs[None, :drafts.numel()]
-            else:
-                probs = F.one_hot(draft_ids, target_probs.shape[-1]).float()
-            output_ids, num_accepted = rejection_sample(draft_ids, probs, target_probs, sequence.generator)
+        probs = None if draft_probs is None else draft_probs[None, :drafts.numel()]
+        output_ids, num_accepted = verify_chain(drafts[None], probs, logits, sequence.params, sequence.generator)
         return output_ids[0, :int(num_accepted[0]) + 1].tolist()
 
     def _commit(self, sequence: Sequence, new_tokens: list[int], drafted: int, accepted: int) -> None:
-        params, added, finish = sequence.params, [], None
-        for token in new_tokens:
-            if token in self.eos_token_ids and not params.ignore_eos:
-                finish = "stop"
-                break
-            sequence.tokens.append(token)
-            sequence.generated.append(token)
-            added.append(token)
-            if sequence.tracker is not None and sequence.tracker.add(token):
-                finish = "stop"
-            elif len(sequence.generated) >= params.max_new_tokens or len(sequence.tokens) >= self.max_model_len:
-                finish = "length"
-            if finish:
-                break  # accepted drafts past a stop are dropped
+        added, finish = commit_tokens(new_tokens, sequence.tokens, sequence.generated, sequence.tracker,
+                                      sequence.params, self.eos_token_ids, self.max_model_len)
         if sequence.first_token_time is None:
             sequence.first_token_time = time.perf_counter()
         if finish:
