@@ -61,6 +61,15 @@ def machine_id() -> str:
     return f"{name} x{os.cpu_count()}"
 
 
+def _interp_extended(xs, ys, x: float) -> float:
+    """Linear interpolation of the measured points (xs, ys) at x; beyond the last point,
+    the last segment's slope extended."""
+    if x >= xs[-1]:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+        return ys[-1] + slope * (x - xs[-1])
+    return float(np.interp(x, xs, ys))
+
+
 @dataclass
 class CostProfile:
     model: str
@@ -107,17 +116,8 @@ class CostProfile:
 
     def time_ms(self, num_tokens: int, context: int = 256) -> float:
         """Milliseconds to score ``num_tokens`` tokens after ``context`` cached ones."""
-        sizes = self.sizes
         num_tokens = max(1, num_tokens)
-
-        def row(index: int) -> float:
-            values = self.step_ms[index]
-            if num_tokens >= sizes[-1]:  # beyond the table: extend the last slope
-                slope = (values[-1] - values[-2]) / (sizes[-1] - sizes[-2]) if len(sizes) > 1 else 0.0
-                return values[-1] + slope * (num_tokens - sizes[-1])
-            return float(np.interp(num_tokens, sizes, values))
-
-        return self._at_context(row, context)
+        return self._at_context(lambda index: _interp_extended(self.sizes, self.step_ms[index], num_tokens), context)
 
     def batch_time_ms(self, rows: int, width: int, context: int = BATCH_CONTEXT) -> float:
         """Milliseconds of one batched pass: ``rows`` sequences scoring ``width`` tokens
@@ -127,14 +127,8 @@ class CostProfile:
         batch table, the single-sequence time of rows x width tokens."""
         if not self.batch_ms:
             return self.time_ms(rows * width, context)
-
-        def along(xs, ys, x):
-            if x >= xs[-1] and len(xs) > 1:
-                return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1])
-            return float(np.interp(x, xs, ys))
-
-        per_rows = [along(self.batch_widths, widths, width) for widths in self.batch_ms]
-        base = along(self.batch_rows, per_rows, rows)
+        per_rows = [_interp_extended(self.batch_widths, widths, width) for widths in self.batch_ms]
+        base = _interp_extended(self.batch_rows, per_rows, rows)
         return base + rows * (self.time_ms(width, context) - self.time_ms(width, self.batch_context))
 
     def v(self, k: int, context: int = 256) -> float:
