@@ -491,13 +491,22 @@ class NativeRuntime:
             raise SpecDecodeError(f"capture layers must lie in 0..{self.num_layers - 1}, got {capture}")
         if self.kernels is not None:
             return self.kernels.forward(input_ids, positions, tree_mask, last_only, return_hidden, capture)
-        logits, hidden, features = [], [], []
-        for begin in range(0, num_new, self.prefill_chunk):  # chunked prefill bounds activations
-            stop = min(begin + self.prefill_chunk, num_new)
+        def run(begin, stop, last):
             chunk_positions = None if positions is None else positions[begin:stop]
+            return self._forward_torch(input_ids[:, begin:stop], chunk_positions, tree_mask, last, return_hidden,
+                                       capture)
+
+        return self._chunked(num_new, last_only, return_hidden, capture, run)
+
+    def _chunked(self, num_new: int, last_only: bool, return_hidden: bool, capture: tuple[int, ...], run):
+        """The torch backend's chunked prefill (bounded activations): ``run(begin, stop,
+        last_only)`` scores tokens [begin, stop) and returns (logits, hidden, features);
+        the chunks' outputs are joined as ``forward`` returns them."""
+        logits, hidden, features = [], [], []
+        for begin in range(0, num_new, self.prefill_chunk):
+            stop = min(begin + self.prefill_chunk, num_new)
             final = stop == num_new
-            out = self._forward_torch(input_ids[:, begin:stop], chunk_positions, tree_mask,
-                                      last_only and final, return_hidden, capture)
+            out = run(begin, stop, last_only and final)
             if final or not last_only:
                 logits.append(out[0])
                 hidden.append(out[1])
@@ -525,17 +534,11 @@ class NativeRuntime:
         if self.kernels is not None:
             return self.kernels.forward(input_ids, None, None, last_only, return_hidden, capture,
                                         starts=list(starts), cache_rows=list(cache_rows))
-        logits, hidden, features = [], [], []
-        for begin in range(0, num_new, self.prefill_chunk):
-            stop = min(begin + self.prefill_chunk, num_new)
-            final = stop == num_new
-            out = self._forward_rows_torch(input_ids[:, begin:stop], cache_rows, [s + begin for s in starts],
-                                           last_only and final, capture)
-            if final or not last_only:
-                logits.append(out[0])
-                hidden.append(out[1])
-            features.append(out[2])
-        return _outputs(logits, hidden if return_hidden else None, features if capture else None)
+        def run(begin, stop, last):
+            return self._forward_rows_torch(input_ids[:, begin:stop], cache_rows, [s + begin for s in starts], last,
+                                            capture)
+
+        return self._chunked(num_new, last_only, return_hidden, capture, run)
 
     def _forward_rows_torch(self, input_ids, cache_rows, starts, last_only, capture=()):
         w, device = self.weights, self.device
