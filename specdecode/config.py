@@ -21,6 +21,9 @@ class ConfigError(SpecDecodeError, ValueError):
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 METHODS = ("none", "ngram", "draft", "eagle", "tree")
+# vLLM's speculative method names (--speculative-config, per request) -> ours
+VLLM_METHODS = {"ngram": "ngram", "[ngram]": "ngram", "eagle": "eagle", "eagle3": "eagle", "draft_model": "draft",
+                "tree": "tree", "none": "none"}
 K_POLICIES = ("cost", "threshold")
 
 

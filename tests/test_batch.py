@@ -181,7 +181,8 @@ def test_listener_sees_every_token_once(model_dir):
     engine = BatchEngine(runtime_for(model_dir, "torch"), max_num_seqs=2, max_model_len=64,
                          make_drafter=NgramProposer, make_policy=lambda: 4)
     sequence = engine.add([5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(max_new_tokens=17, ignore_eos=True),
-                          listener=lambda s, out: seen.append(out))
+                          listener=lambda s, out: seen.append(out), method="ngram")
+    assert sequence.method == "ngram"  # set before the engine thread can see the sequence
     engine.run()
     assert [t for out in seen for t in out.token_ids] == sequence.generated
     assert [out.finish_reason for out in seen][-1] == "length"

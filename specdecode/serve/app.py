@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..config import ConfigError, SamplingParams, SpecDecodeError
+from ..config import VLLM_METHODS, SamplingParams
 from ..engine import ContextLengthError, PromptError
 from .batch import BatchEngine, Sequence, StepOutput
 from .metrics import ServerMetrics
@@ -234,8 +234,7 @@ class ServerState:
 
         sequence = self.engine.add(prompt_ids, params, request_id, speculate=plan.speculate, proposer=plan.proposer,
                                    policy=plan.policy, listener=listener, prior_alpha=plan.prior,
-                                   task_type=plan.task)
-        sequence.method = plan.method
+                                   task_type=plan.task, method=plan.method)
         self.metrics.queue(self.engine.num_running, self.engine.num_waiting)
         self.wakeup.set()
         return sequence, queue
@@ -274,27 +273,30 @@ class SpeculationChoices:
 
         if task_type is not None and task_type not in TASKS:
             raise APIError(400, f"unknown task_type {task_type!r}; choose from {sorted(TASKS)}", param="task_type")
-        task = task_type or (classify(prompt_text) if prompt_text else "unknown")
+        def plain() -> Plan:
+            return Plan(False, "none", None, None, None, task_type or (classify(prompt_text) if prompt_text else "unknown"))
+
         if options is not None and not options.enabled:
-            return Plan(False, "none", None, None, None, task)
+            return plain()
         method = (options.method if options is not None and options.method else self.default)
-        method = {"eagle3": "eagle", "draft_model": "draft", "[ngram]": "ngram"}.get(method, method)
+        method = VLLM_METHODS.get(method, method)
         if method == "none":
-            return Plan(False, "none", None, None, None, task)
+            return plain()
         if method not in self.drafters:
             known = sorted(set(self.drafters) | {"none"})
             raise APIError(400, f"speculative method {method!r} is not available on this server; choose from {known}",
                            param="speculative.method", code="unknown_speculative_method")
         make_proposer, make_policy, drafter = self.drafters[method]
-        prior = None
-        if self.router is not None:
-            with self.lock:
-                route = self.router.route(prompt_text, method, drafter) if prompt_text else None
-            if route is not None:
-                task = task_type or route.task
-                prior = self.router.prior(task, drafter)
-                if route.method == "none" and (options is None or options.method is None):
-                    return Plan(False, "none", None, None, None, task)
+        task, prior = task_type or "unknown", None
+        if self.router is not None and prompt_text:
+            with self.lock:  # the router classifies the prompt (its task label) and may turn speculation off
+                route = self.router.route(prompt_text, method, drafter)
+            task = task_type or route.task
+            prior = self.router.prior(task, drafter)
+            if route.method == "none" and (options is None or options.method is None):
+                return Plan(False, "none", None, None, None, task)
+        elif prompt_text and task_type is None:
+            task = classify(prompt_text)
         k = None if options is None else options.num_speculative_tokens  # None: the method's default
         return Plan(True, method, make_proposer(), make_policy(k), prior, task)
 

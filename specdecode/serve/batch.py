@@ -140,7 +140,6 @@ class BatchEngine:
         # tokens each (None: no batch-level cap); the server passes the cost profile's
         # batch_time_ms, measured on this machine at batch sizes
         self.batch_cost: Callable[[int, int, int], float] | None = None
-        self.batch_caps: list[int] = []  # the shared draft cap per batched step (reports)
         self.probe_every = 64  # batched steps per step on which probing rows may draft
 
     # -- requests ---------------------------------------------------------------------
@@ -149,8 +148,10 @@ class BatchEngine:
 
     def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
             speculate: bool = True, proposer=None, policy=None, listener=None, prior_alpha: float | None = None,
-            task_type: str | None = None) -> Sequence:
-        """Queue a request (thread-safe). ``speculate=False`` decodes it plainly."""
+            task_type: str | None = None, method: str = "none") -> Sequence:
+        """Queue a request (thread-safe). ``speculate=False`` decodes it plainly. Everything
+        the sequence carries is set before it is queued: the engine thread may finish it
+        before this returns."""
         self.check_prompt(prompt_ids)
         if speculate and proposer is None and self.make_drafter is not None:
             proposer = self.make_drafter()
@@ -161,7 +162,8 @@ class BatchEngine:
 
             policy = FixedK(policy)
         sequence = Sequence(request_id or f"seq-{next(self._ids)}", list(prompt_ids), params, proposer,
-                            policy if proposer is not None else None, prior_alpha, task_type, listener)
+                            policy if proposer is not None else None, prior_alpha, task_type, listener,
+                            method=method if proposer is not None else "none")
         if params.stop and self.tokenizer is None:
             raise SpecDecodeError("stop strings need a tokenizer; this model has none")
         sequence.tracker = TextTracker(self.tokenizer, params.stop)
@@ -349,7 +351,6 @@ class BatchEngine:
             rate = expected / self.batch_cost(len(rows), 1 + max(ks), context)
             if rate > best_rate * (1.02 if cap else 1.0):  # drafting must win by a margin
                 best, best_rate = cap, rate
-        self.batch_caps.append(best)
         return [min(w, best) if a else w for w, a in zip(wanted, adaptive)]
 
     @staticmethod

@@ -7,14 +7,11 @@ import json
 import os
 from dataclasses import replace
 
-from ..config import ConfigError, EngineConfig, SpeculativeConfig, parse_k
+from ..config import VLLM_METHODS, ConfigError, EngineConfig, SpeculativeConfig, parse_k
 from .app import ServerState, SpeculationChoices, create_app
 from .batch import BatchEngine, clone_policy
 from .metrics import ServerMetrics
 
-# vLLM's method names -> ours
-VLLM_METHODS = {"ngram": "ngram", "[ngram]": "ngram", "eagle": "eagle", "eagle3": "eagle", "draft_model": "draft",
-                "tree": "tree", "none": "none"}
 SCHEDULES = ("fcfs", "task")
 SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "preset",
              "router", "k_max", "k_policy"}
@@ -80,9 +77,7 @@ def drafter_entry(spec: SpeculativeConfig, target, engine_config: EngineConfig):
 
     def make_policy(k):
         k = default if k is None else k
-        if k == "auto":
-            return clone_policy(auto) if not isinstance(auto, int) else FixedK(auto)
-        return FixedK(int(k))
+        return clone_policy(auto) if k == "auto" else FixedK(int(k))
 
     return make_proposer, make_policy, drafter_key(spec)
 
