@@ -83,3 +83,27 @@ def tiny_text_model_dir(tmp_path_factory):
     path = save_tiny_model(tmp_path_factory.mktemp("tiny-text"), "llama", seed=7)
     save_char_tokenizer(path)
     return path
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}\n{% endfor %}assistant:"
+
+
+def save_chat_model(path, seed: int, num_layers: int = 2):
+    """A tiny random Llama with the character tokenizer and a plain chat template: what
+    the server's tests serve."""
+    save_tiny_model(path, "llama", seed=seed, num_layers=num_layers)
+    tokenizer = save_char_tokenizer(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def tiny_server_state(model_dir, speculative: str, **kwargs):
+    """The server's state for a tiny model on the torch backend in fp32, named 'tiny'."""
+    from specdecode.config import EngineConfig
+    from specdecode.factory import load_model
+    from specdecode.serve.server import build_state
+
+    config = EngineConfig(model=str(model_dir), dtype="fp32", backend="torch")
+    target = load_model(str(model_dir), torch.float32, backend="torch")
+    return build_state(config, speculative, target=target, served_model_name="tiny", **kwargs)

@@ -10,35 +10,26 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from conftest import save_char_tokenizer, save_tiny_model
-from specdecode.config import ConfigError, EngineConfig, SamplingParams
+from conftest import save_chat_model, tiny_server_state
+from specdecode.config import ConfigError, SamplingParams
 from specdecode.engine import SpeculativeEngine
 from specdecode.factory import load_model
 from specdecode.serve.app import create_app
-from specdecode.serve.server import build_state, parse_speculative_config
-
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}\n{% endfor %}assistant:"
-
+from specdecode.serve.server import parse_speculative_config
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = save_tiny_model(tmp_path_factory.mktemp("serve"), "llama", seed=4, num_layers=2)
-    tokenizer = save_char_tokenizer(path)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-    return path
+    return save_chat_model(tmp_path_factory.mktemp("serve"), seed=4)
 
 
 def make_client(model_dir, spec='{"method": "ngram", "num_speculative_tokens": 3}', **kwargs):
-    config = EngineConfig(model=str(model_dir), dtype="fp32", backend="torch")
-    target = load_model(str(model_dir), torch.float32, backend="torch")
-    state = build_state(config, spec, target=target, served_model_name="tiny", **kwargs)
-    return TestClient(create_app(state, state.tokenizer)), state, target
+    state = tiny_server_state(model_dir, spec, **kwargs)
+    return TestClient(create_app(state, state.tokenizer)), state
 
 
 @pytest.fixture(scope="module")
 def served(model_dir):
-    client, state, _ = make_client(model_dir, max_num_seqs=4)
+    client, state = make_client(model_dir, max_num_seqs=4)
     # the server owns its runtime's cache: references run on a second copy of the model
     reference_model = load_model(str(model_dir), torch.float32, backend="torch")
     with client:
@@ -187,7 +178,7 @@ def test_metrics_use_vllm_names(served):
 
 
 def test_api_key_and_full_queue(model_dir):
-    client, state, _ = make_client(model_dir, api_key="sekret", max_queued_requests=0)
+    client, state = make_client(model_dir, api_key="sekret", max_queued_requests=0)
     with client:
         with pytest.raises(openai.AuthenticationError):
             openai_client(client, api_key="wrong").completions.create(model="tiny", prompt="hi", max_tokens=2)
@@ -198,7 +189,7 @@ def test_api_key_and_full_queue(model_dir):
 
 
 def test_audit_reruns_greedy_requests_and_finds_no_mismatch(model_dir):
-    client, state, _ = make_client(model_dir, audit_rate=1.0)
+    client, state = make_client(model_dir, audit_rate=1.0)
     with client:
         for prompt in ("abcabc", "xyxyxy", "hello"):
             client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 10, "temperature": 0})

@@ -7,7 +7,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,25 +16,17 @@ import httpx
 import pytest
 import torch
 
-from conftest import save_char_tokenizer, save_tiny_model
-from specdecode.config import EngineConfig, SamplingParams
+from conftest import save_chat_model, tiny_server_state
+from specdecode.bench.serve import free_port
+from specdecode.config import SamplingParams
 from specdecode.engine import SpeculativeEngine
 from specdecode.factory import load_model
 from specdecode.serve.app import create_app
-from specdecode.serve.server import build_state
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = save_tiny_model(tmp_path_factory.mktemp("load"), "llama", seed=6, num_layers=2)
-    save_char_tokenizer(path)
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return save_chat_model(tmp_path_factory.mktemp("load"), seed=6)
 
 
 class ServerThread:
@@ -44,10 +35,7 @@ class ServerThread:
     def __init__(self, model_dir, **kwargs):
         import uvicorn
 
-        config = EngineConfig(model=str(model_dir), dtype="fp32", backend="torch")
-        target = load_model(str(model_dir), torch.float32, backend="torch")
-        self.state = build_state(config, '{"method": "ngram", "num_speculative_tokens": 3}', target=target,
-                                 served_model_name="tiny", **kwargs)
+        self.state = tiny_server_state(model_dir, '{"method": "ngram", "num_speculative_tokens": 3}', **kwargs)
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(create_app(self.state, self.state.tokenizer), host="127.0.0.1",
                                                     port=self.port, log_level="warning"))

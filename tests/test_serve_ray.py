@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import concurrent.futures
-import socket
 
 import httpx
 import pytest
 import torch
 
-from conftest import save_char_tokenizer, save_tiny_model
+from conftest import save_chat_model
+from specdecode.bench.serve import free_port
 from specdecode.config import EngineConfig, SamplingParams
 from specdecode.engine import SpeculativeEngine
 from specdecode.factory import load_model
@@ -23,11 +23,8 @@ def test_two_replicas_serve_the_same_answers(tmp_path):
 
     from specdecode.serve.server import ray_application
 
-    path = save_tiny_model(tmp_path / "m", "llama", seed=12, num_layers=2)
-    save_char_tokenizer(path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    path = save_chat_model(tmp_path / "m", seed=12)
+    port = free_port()
     config = EngineConfig(model=str(path), dtype="fp32", backend="torch", num_threads=1)
     application = ray_application(config, '{"method": "ngram", "num_speculative_tokens": 2}', replicas=2,
                                   max_num_seqs=4, max_queued_requests=16, served_model_name="tiny")

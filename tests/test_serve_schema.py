@@ -3,30 +3,18 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import HealthCheck, settings
 
 schemathesis = pytest.importorskip("schemathesis")
 from schemathesis.checks import not_a_server_error  # noqa: E402
 
-from conftest import save_char_tokenizer, save_tiny_model  # noqa: E402
-from specdecode.config import EngineConfig  # noqa: E402
-from specdecode.factory import load_model  # noqa: E402
+from conftest import save_chat_model, tiny_server_state  # noqa: E402
 from specdecode.serve.app import create_app  # noqa: E402
-from specdecode.serve.server import build_state  # noqa: E402
-
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}\n{% endfor %}assistant:"
 
 
 def build_app(tmp_dir):
-    path = save_tiny_model(tmp_dir, "llama", seed=8, num_layers=1)
-    tokenizer = save_char_tokenizer(path)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-    target = load_model(str(path), torch.float32, backend="torch")
-    state = build_state(EngineConfig(model=str(path), dtype="fp32", backend="torch"),
-                        '{"method": "ngram", "num_speculative_tokens": 2}', target=target, served_model_name="tiny",
-                        max_model_len=128)
+    state = tiny_server_state(save_chat_model(tmp_dir, seed=8, num_layers=1),
+                              '{"method": "ngram", "num_speculative_tokens": 2}', max_model_len=128)
     return create_app(state, state.tokenizer)
 
 
