@@ -7,7 +7,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 from conftest import save_chat_model, tiny_server_state
-from specdecode.bench.serve import free_port
+from specdecode.bench.serve import free_port, start_server
 from specdecode.config import SamplingParams
 from specdecode.engine import SpeculativeEngine
 from specdecode.factory import load_model
@@ -170,20 +169,11 @@ def test_disconnect_mid_stream_frees_the_row(model_dir):
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
 def test_sigterm_drains_in_flight_requests(model_dir, tmp_path):
     port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "specdecode.cli", "serve", "--model", str(model_dir),
-                                "--port", str(port), "--dtype", "fp32", "--backend", "torch", "--max-model-len", "256",
-                                "--speculative-config", '{"method": "none"}', "--shutdown-timeout", "30"],
-                               stdout=open(tmp_path / "log", "w"), stderr=subprocess.STDOUT, env=env)
+    process = start_server(["--model", str(model_dir), "--dtype", "fp32", "--backend", "torch", "--max-model-len",
+                            "256", "--speculative-config", '{"method": "none"}', "--shutdown-timeout", "30"], port,
+                           tmp_path / "log")
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         body = {"prompt": "abc", "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": True}
         text, finish = [], None
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
