@@ -183,7 +183,10 @@ class ServerState:
                 finished = self._fail_all()
             self.metrics.queue(engine.num_running, engine.num_waiting)
             for sequence in finished:
-                self._finished(sequence)
+                try:  # reports and the audit: a failure there must not stop decoding either
+                    self._finished(sequence)
+                except Exception:
+                    logger.exception("reporting finished request %s failed", sequence.request_id)
 
     def _fail_all(self) -> list[Sequence]:
         engine, failed = self.engine, []
