@@ -20,12 +20,19 @@ from specdecode.proposers.ngram import NgramProposer
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels unavailable: {kernels.unavailable_reason()}")
 
-FORMATS = ("fp32", "bf16", "q8_0", "q4_1")
+FORMATS = ("fp32", "bf16", "q8_0", "q4_1", "q4_1x8")  # q4_1x8: Q4_1 regrouped by 8 rows, as layers run
+
+
+def quantized(weight: torch.Tensor, fmt: str) -> PackedLinear:
+    layer = PackedLinear.quantize(weight, "q4_1" if fmt == "q4_1x8" else fmt)
+    if fmt == "q4_1x8":
+        layer.interleave_rows8()
+    return layer
 
 
 def kernel_linear(layer: PackedLinear, x: torch.Tensor, threads: int = 2) -> torch.Tensor:
     lib = kernels.load()
-    entry = kernels.Linear(kernels.FORMATS[layer.fmt], layer.rows, layer.cols, 0)
+    entry = kernels.Linear(kernels.FORMATS["q4_1x8" if layer.layout == "rows8" else layer.fmt], layer.rows, layer.cols, 0)
     if layer.weight is not None:
         entry.w = layer.weight.data_ptr()
     else:
@@ -51,23 +58,24 @@ def quantized_reference(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
     inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     codes_x = (blocks * inverse).round()  # fp32 product, as the kernel computes it
     scale_x = (amax / 127.0).double()
+    qweight, scales, mins = layer.blocks()
     if layer.fmt == "q8_0":
-        codes_w = layer.qweight.reshape(layer.rows, cols // 32, 32).double()
+        codes_w = qweight.reshape(layer.rows, cols // 32, 32).double()
     else:
-        codes_w = unpack_nibbles(layer.qweight.reshape(layer.rows, cols // 32, 16)).double()
+        codes_w = unpack_nibbles(qweight.reshape(layer.rows, cols // 32, 16)).double()
     sums = torch.einsum("rbi,nbi->rnb", codes_x.double(), codes_w)  # exact integers
-    out = (sums * layer.scales.double()[None] * scale_x[:, None, :, 0]).sum(-1)
+    out = (sums * scales.double()[None] * scale_x[:, None, :, 0]).sum(-1)
     if layer.fmt == "q4_1":
-        out = out + (layer.mins.double()[None] * blocks.double().sum(-1)[:, None, :]).sum(-1)
+        out = out + (mins.double()[None] * blocks.double().sum(-1)[:, None, :]).sum(-1)
     return out
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_linear_matches_its_reference(fmt):
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(71, 192, generator=generator) * 0.05  # odd: the last weight row alone
+    weight = torch.randn(72 if fmt == "q4_1x8" else 71, 192, generator=generator) * 0.05  # odd: the last row alone
     x = torch.randn(5, 192, generator=generator)
-    layer = PackedLinear.quantize(weight, fmt)
+    layer = quantized(weight, fmt)
     out = kernel_linear(layer, x).double()
     if fmt in ("fp32", "bf16"):
         reference = x.double() @ layer.dequantize().double().T
@@ -78,7 +86,7 @@ def test_linear_matches_its_reference(fmt):
     assert (out - reference).abs().max() < tolerance * reference.abs().max()
     # and the format's total error against the dense weight, with quantized activations
     dense = x.double() @ weight.double().T
-    bound = {"fp32": 1e-6, "bf16": 1e-2, "q8_0": 2e-2, "q4_1": 0.1}[fmt]
+    bound = {"fp32": 1e-6, "bf16": 1e-2, "q8_0": 2e-2, "q4_1": 0.1, "q4_1x8": 0.1}[fmt]
     assert (out - dense).abs().max() < bound * dense.abs().max()
 
 
@@ -87,13 +95,34 @@ def test_linear_rows_are_independent_of_the_batch(fmt):
     """Each row alone equals the same row inside batches of 2..64 rows, bit for bit, with
     1 or 2 threads."""
     generator = torch.Generator().manual_seed(1)
-    layer = PackedLinear.quantize(torch.randn(131, 320, generator=generator) * 0.05, fmt)  # odd rows
+    layer = quantized(torch.randn(136 if fmt == "q4_1x8" else 131, 320, generator=generator) * 0.05, fmt)  # odd rows
     rows = torch.randn(64, 320, generator=generator)
     alone = torch.cat([kernel_linear(layer, rows[i : i + 1]) for i in range(64)])
     for batch in (2, 3, 5, 16, 33, 64):
         for threads in (1, 2):
             together = kernel_linear(layer, rows[:batch], threads)
             assert torch.equal(together, alone[:batch]), (batch, threads)
+
+
+def test_rows8_regrouping_keeps_the_blocks():
+    """interleave_rows8 moves Q4_1's bytes, scales and minima without changing a value, the
+    kernels read the moved layout (q4_1x8 equals q4_1 up to the order of the float sums), and
+    every view still sees GGUF's order."""
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(48, 256, generator=generator) * 0.05
+    plain, moved = PackedLinear.quantize(weight, "q4_1"), PackedLinear.quantize(weight, "q4_1")
+    moved.interleave_rows8()
+    moved.interleave_rows8()  # a second call leaves it as it is
+    assert not torch.equal(moved.qweight, plain.qweight)
+    for a, b in zip(moved.blocks(), plain.blocks()):
+        assert torch.equal(a, b)
+    assert torch.equal(moved.dequantize(), plain.dequantize())
+    assert torch.equal(moved.rows_selected(torch.tensor([3, 17])).dequantize(), plain.dequantize()[[3, 17]])
+    x = torch.randn(3, 256, generator=generator)
+    assert torch.allclose(kernel_linear(moved, x), kernel_linear(plain, x), rtol=1e-5, atol=1e-5)
+    assert not torch.equal(kernel_linear(moved, x), kernel_linear(plain, x[:, torch.randperm(256, generator=generator)]))
+    with pytest.raises(ConfigError, match="multiple of 8 rows"):
+        PackedLinear.quantize(torch.randn(12, 64), "q4_1").interleave_rows8()
 
 
 def kernel_model(tmp_path, fmt="q4_1", dtype=torch.bfloat16, seed=3, prefill_chunk=256):
@@ -268,7 +297,7 @@ def test_portable_build_without_avx2(monkeypatch, tmp_path):
     generator = torch.Generator().manual_seed(11)
     x = torch.randn(3, 128, generator=generator)
     for fmt in FORMATS:
-        layer = PackedLinear.quantize(torch.randn(40, 128, generator=generator) * 0.05, fmt)
+        layer = quantized(torch.randn(40, 128, generator=generator) * 0.05, fmt)
         out = kernel_linear(layer, x).double()
         reference = x.double() @ layer.dequantize().double().T if fmt in ("fp32", "bf16") else quantized_reference(layer, x)
         assert (out - reference).abs().max() < 1e-5 * reference.abs().max(), fmt

@@ -54,6 +54,7 @@ class PackedLinear(nn.Module):
         if fmt not in WEIGHT_FORMATS:
             raise ConfigError(f"weight format must be one of {WEIGHT_FORMATS}, got {fmt!r}")
         self.fmt, self.rows, self.cols = fmt, rows, cols
+        self.layout = "rows"  # q4_1 only: "rows8" once interleave_rows8 regrouped the blocks
         if fmt in ("fp32", "bf16"):
             self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype), requires_grad=False)
         else:
@@ -108,18 +109,54 @@ class PackedLinear(nn.Module):
         codes = ((blocks - mins.float()[..., None]) * inverse).round().clamp(0, 15).to(torch.uint8)
         return cls.from_blocks(fmt, pack_nibbles(codes).reshape(rows, cols // 2), scales, mins, bias)
 
+    # -- the CPU kernels' 8-row layout ---------------------------------------------------
+    def interleave_rows8(self) -> None:
+        """Regroup a q4_1 layer's blocks in place into the CPU kernels' Q4_1X8 layout
+        (specdecode/kernels/cpu.cpp): per 8 output rows and block of 32, 128 bytes whose
+        byte ``32 i + 4 r + t`` holds row r's weights ``8 i + t`` (low nibble) and
+        ``8 i + 4 + t`` (high), and the 8 rows' scales and minima side by side. The same
+        values, bytes and memory: nothing is quantized again. Every view below
+        (``dequantize``, ``blocks``) still returns GGUF's order."""
+        if self.layout == "rows8":
+            return
+        if self.fmt != "q4_1" or self.rows % 8:
+            raise ConfigError(f"only q4_1 layers with a multiple of 8 rows regroup by 8 rows, not {self.fmt} x {self.rows}")
+        groups, blocks = self.rows // 8, self.cols // BLOCK
+        codes = unpack_nibbles(self.qweight.reshape(self.rows, blocks, BLOCK // 2))
+        codes = codes.reshape(groups, 8, blocks, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # g, b, i, nibble, r, t
+        packed = (codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)).to(torch.uint8)
+        self.qweight.copy_(packed.reshape(self.rows, self.cols // 2))
+        for name in ("scales", "mins"):
+            values = getattr(self, name)
+            values.copy_(values.reshape(groups, 8, blocks).transpose(1, 2).reshape(self.rows, blocks).clone())
+        self.layout = "rows8"
+
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(qweight, scales, mins) in GGUF's order, whatever the layout in memory."""
+        if self.layout != "rows8":
+            return self.qweight, self.scales, self.mins
+        groups, blocks = self.rows // 8, self.cols // BLOCK
+        packed = self.qweight.reshape(groups, blocks, 4, 8, 4)
+        codes = torch.stack([packed & 0x0F, packed >> 4], dim=3)  # g, b, i, nibble, r, t
+        codes = codes.permute(0, 4, 1, 2, 3, 5).reshape(self.rows, blocks, BLOCK)
+        qweight = pack_nibbles(codes).reshape(self.rows, self.cols // 2)
+        scales, mins = (v.reshape(groups, blocks, 8).transpose(1, 2).reshape(self.rows, blocks)
+                        for v in (self.scales, self.mins))
+        return qweight, scales, mins
+
     # -- views ----------------------------------------------------------------------------
     def dequantize(self) -> torch.Tensor:
         """The weight as fp32 [rows, cols]: exactly the values the format stores."""
         if self.weight is not None:
             return self.weight.float()
         blocks = self.cols // BLOCK
-        scales = self.scales.float()[..., None]
+        qweight, scales, mins = self.blocks()
+        scales = scales.float()[..., None]
         if self.fmt == "q8_0":
-            codes = self.qweight.reshape(self.rows, blocks, BLOCK).float()
+            codes = qweight.reshape(self.rows, blocks, BLOCK).float()
             return (codes * scales).reshape(self.rows, self.cols)
-        codes = unpack_nibbles(self.qweight.reshape(self.rows, blocks, BLOCK // 2)).float()
-        return (codes * scales + self.mins.float()[..., None]).reshape(self.rows, self.cols)
+        codes = unpack_nibbles(qweight.reshape(self.rows, blocks, BLOCK // 2)).float()
+        return (codes * scales + mins.float()[..., None]).reshape(self.rows, self.cols)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = (self.weight if self.weight is not None else self.dequantize()).to(x.dtype)
@@ -138,8 +175,8 @@ class PackedLinear(nn.Module):
         bias = None if self.bias is None else self.bias[index]
         if self.weight is not None:
             return PackedLinear.dense(self.weight[index], bias)
-        mins = None if self.mins is None else self.mins[index]
-        return PackedLinear.from_blocks(self.fmt, self.qweight[index], self.scales[index], mins, bias)
+        qweight, scales, mins = self.blocks()
+        return PackedLinear.from_blocks(self.fmt, qweight[index], scales[index], None if mins is None else mins[index], bias)
 
     @staticmethod
     def concat(parts: list["PackedLinear"]) -> "PackedLinear":
@@ -152,9 +189,10 @@ class PackedLinear(nn.Module):
             [b if b is not None else torch.zeros(p.rows, dtype=torch.float32) for b, p in zip(biases, parts)])
         if parts[0].weight is not None:
             return PackedLinear.dense(torch.cat([p.weight for p in parts]), bias)
-        mins = None if parts[0].mins is None else torch.cat([p.mins for p in parts])
-        return PackedLinear.from_blocks(fmt, torch.cat([p.qweight for p in parts]),
-                                        torch.cat([p.scales for p in parts]), mins, bias)
+        blocks = [p.blocks() for p in parts]
+        mins = None if blocks[0][2] is None else torch.cat([b[2] for b in blocks])
+        return PackedLinear.from_blocks(fmt, torch.cat([b[0] for b in blocks]), torch.cat([b[1] for b in blocks]), mins,
+                                        bias)
 
     def extra_repr(self) -> str:
         return f"rows={self.rows}, cols={self.cols}, fmt={self.fmt}"
