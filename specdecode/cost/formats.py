@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from ..kernels import source_digest
 from ..models.loading import cache_dir
 from .profile import extend_context, machine_id, timed_forward_ms
 
@@ -25,7 +26,7 @@ VERSION = 1
 
 
 def _path(model_key: str, dtype: torch.dtype, candidates: list[str]):
-    key = f"{model_key}|{dtype}|{machine_id()}|{torch.get_num_threads()}|{','.join(candidates)}|{VERSION}"
+    key = f"{model_key}|{dtype}|{machine_id()}|{torch.get_num_threads()}|{','.join(candidates)}|{VERSION}|kernels {source_digest()}"
     return cache_dir() / "formats" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 

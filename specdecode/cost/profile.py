@@ -13,7 +13,7 @@ keys and values per cached token), so a step can be compared with the time readi
 takes (``bandwidth_limit_ms``).
 
 Profiles are cached as JSON in ``<cache>/profiles/`` keyed by model and runtime (backend,
-weight format), dtype, CPU and thread count, and reused by adaptive k, the analyzer,
+weight format), dtype, CPU, thread count and the CPU kernels' source, and reused by adaptive k, the analyzer,
 ``check`` and the router. ``--remeasure`` (``get_profile(..., force=True)``) replaces a
 cached profile.
 """
@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..kernels import source_digest
 from ..models.loading import cache_dir
 
 PROFILE_VERSION = 4
@@ -150,7 +151,7 @@ class CostProfile:
 
 # -- storage ------------------------------------------------------------------------
 def profile_path(model_key: str, dtype: str) -> Path:
-    key = f"{model_key}|{dtype}|{machine_id()}|{torch.get_num_threads()}"
+    key = f"{model_key}|{dtype}|{machine_id()}|{torch.get_num_threads()}|kernels {source_digest()}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_dir() / "profiles" / f"{dtype}-{digest}.json"
 

@@ -83,6 +83,12 @@ def _march() -> str:
     return os.environ.get("SPECDECODE_KERNELS_MARCH", DEFAULT_MARCH)
 
 
+def source_digest() -> str:
+    """A digest of the kernels' source: measured costs (profiles, the weight format chosen
+    by ``--weights auto``) are keyed by it, so a changed kernel is measured anew."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+
+
 def _build_key(compiler: str, march: str) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     digest = hashlib.sha256()
