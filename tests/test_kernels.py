@@ -121,6 +121,13 @@ def test_rows8_regrouping_keeps_the_blocks():
     x = torch.randn(3, 256, generator=generator)
     assert torch.allclose(kernel_linear(moved, x), kernel_linear(plain, x), rtol=1e-5, atol=1e-5)
     assert not torch.equal(kernel_linear(moved, x), kernel_linear(plain, x[:, torch.randperm(256, generator=generator)]))
+    ids = torch.tensor([0, 5, 13, 47], dtype=torch.int64)  # embedding rows read from either layout
+    for layer in (plain, moved):
+        entry = kernels.Linear(kernels.FORMATS["q4_1x8" if layer.layout == "rows8" else "q4_1"], layer.rows, layer.cols, 0)
+        entry.w, entry.d, entry.m = layer.qweight.data_ptr(), layer.scales.data_ptr(), layer.mins.data_ptr()
+        rows = torch.empty(len(ids), layer.cols)
+        kernels.load().sd_embed(ctypes.byref(entry), ids.data_ptr(), len(ids), rows.data_ptr())
+        assert torch.equal(rows, plain.dequantize()[ids])
     with pytest.raises(ConfigError, match="multiple of 8 rows"):
         PackedLinear.quantize(torch.randn(12, 64), "q4_1").interleave_rows8()
 

@@ -1228,6 +1228,15 @@ void sd_embed(const sd_linear* E, const int64_t* ids, int64_t count, float* out)
                     o[k] = fp16_to_f32(E->d[blk]) * (float)v + fp16_to_f32(E->m[blk]);
                 }
                 break;
+            case SD_Q4_1X8:  // row r of its group of 8: lane r of each block (see sd_linear)
+                for (int k = 0; k < cols; k++) {
+                    const int64_t blk = (row / 8) * blocks + k / 32;
+                    const int r = (int)(row % 8), e = k % 32, i = e / 8, t = e % 8;
+                    const uint8_t q = ((const uint8_t*)E->w)[128 * blk + 32 * i + 4 * r + t % 4];
+                    const int v = t < 4 ? (q & 0x0F) : (q >> 4);
+                    o[k] = fp16_to_f32(E->d[8 * blk + r]) * (float)v + fp16_to_f32(E->m[8 * blk + r]);
+                }
+                break;
         }
     }
 }

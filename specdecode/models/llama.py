@@ -207,10 +207,7 @@ class LlamaWeights(nn.Module):
         embed = self.embed
         if embed.weight is not None:
             return F.embedding(ids, embed.weight).to(self.dtype)
-        flat = ids.reshape(-1)
-        rows = PackedLinear.from_blocks(embed.fmt, embed.qweight[flat], embed.scales[flat],
-                                        None if embed.mins is None else embed.mins[flat])
-        return rows.dequantize().to(self.dtype).reshape(*ids.shape, -1)
+        return embed.rows_selected(ids.reshape(-1)).dequantize().to(self.dtype).reshape(*ids.shape, -1)
 
 
 def embed_format(fmt: str) -> str:
