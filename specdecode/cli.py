@@ -400,7 +400,7 @@ def cmd_analyze(args) -> int:
 
     temperatures = _float_list(args.temperatures, "--temperatures")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    result = analyze(args, _engine_config(args), _spec_config, _sampling(args), temperatures, methods, Path(args.out))
+    analyze(args, _engine_config(args), _spec_config, _sampling(args), temperatures, methods, Path(args.out))
     print((Path(args.out) / "summary.md").read_text())
     log(f"wrote {args.out}: summary.md, analysis.json, report.html and PNG plots")
     return 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from conftest import save_char_tokenizer, save_tiny_model
 from specdecode.analysis.analyzer import acceptance_recommendation, predict_record

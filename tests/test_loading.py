@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from specdecode.models import loading
 from specdecode.models.loading import ModelNotFoundError, resolve_model

@@ -144,7 +144,7 @@ def annotate(records: list[dict], profile, costs: dict[str, float]) -> None:
 def analyze(args, engine_config, spec_config, params, temperatures: list[float], methods: list[str],
             out_dir: Path) -> dict:
     from ..analysis.memory import deployment_memory
-    from ..factory import build_engine, cost_profile, drafter_key, load_target, log
+    from ..factory import cost_profile, drafter_key, load_target, log
 
     for spec in methods:
         parse_method(spec)

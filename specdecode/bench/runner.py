@@ -15,7 +15,6 @@ import dataclasses
 import json
 import platform
 import statistics
-import time
 from collections import defaultdict
 from pathlib import Path
 

@@ -476,7 +476,7 @@ class NativeRuntime:
         ``last_only`` (what an EAGLE head reads).
         """
         batch, num_new = input_ids.shape
-        start, end = self.length, self.length + num_new
+        end = self.length + num_new
         if end > self.capacity:
             raise SpecDecodeError(
                 f"sequence of {end} tokens exceeds the KV cache capacity {self.capacity} "
