@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 
 from specdecode.config import SamplingParams
 from specdecode.verify.chain import PAD_ID, greedy_verify, rejection_sample
-from specdecode.verify.sampling import logits_to_probs, sample
+from specdecode.verify.sampling import argmax_ids, logits_to_probs, sample
 
 
 def one_hot_logits(ids: list[int], vocab: int = 6) -> torch.Tensor:
@@ -166,3 +166,16 @@ def test_sample_survives_zero_exponential_noise(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "exponential_", zeros)
     probs = torch.tensor([[0.0, 0.7, 0.3, 0.0], [0.0, 0.0, 0.0, 1.0]])
     assert sample(probs, None).tolist() == [1, 3]
+
+
+def test_argmax_ids_is_torch_argmax():
+    """The numpy argmax the verifiers use on CPU picks what torch's does: the first of tied
+    maxima, on strided views too, with the same shape and dtype."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randint(0, 4, (3, 5, 257), generator=generator).float()  # many ties
+    for view in (logits, logits.transpose(0, 1), logits[:, ::2, 1:]):
+        ours, theirs = argmax_ids(view), view.argmax(dim=-1)
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+    assert torch.equal(argmax_ids(logits.double()), logits.double().argmax(dim=-1))
+    row = logits[0, 0]  # one row: a 0-d index, as torch gives
+    assert argmax_ids(row).shape == () and int(argmax_ids(row)) == int(row.argmax())

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import sample
+from .sampling import argmax_ids, sample
 
 PAD_ID = -1
 
@@ -40,7 +40,9 @@ def greedy_verify(
     target_logits: torch.Tensor,  # [B, k+1, V]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept drafts while they equal the target's argmax; the bonus is the argmax after."""
-    target_ids = target_logits.argmax(dim=-1)  # [B, k+1]
+    target_ids = argmax_ids(target_logits)  # [B, k+1]
+    if draft_ids.shape[1] == 0:  # a plain step: the argmax is the output (what _assemble gives)
+        return target_ids, torch.zeros(target_ids.shape[0], dtype=torch.int64, device=target_ids.device)
     num_accepted = _accepted_prefix_length(draft_ids == target_ids[:, :-1])  # [B]
     bonus = target_ids.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
     return _assemble(draft_ids, num_accepted, bonus), num_accepted

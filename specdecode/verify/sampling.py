@@ -34,6 +34,15 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return logits.softmax(-1)
 
 
+def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` (the first maximal index, as torch's), through numpy for
+    CPU float32: torch's CPU argmax over a 49,152-token vocabulary took 92 µs per row here,
+    numpy's about a sixth of that, and a plain decoding step pays it every token."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.as_tensor(logits.detach().numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Draw one index per row of ``[..., V]`` probs: argmax of probs / Exp(1) noise.
 
@@ -42,4 +51,4 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
     # an exponential draw of exactly 0 would make probs / noise inf (or nan for a
     # zero-probability token, which argmax would then pick); a tiny floor keeps it finite
-    return (probs / noise.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(-1)
+    return argmax_ids(probs / noise.clamp_min_(torch.finfo(probs.dtype).tiny))

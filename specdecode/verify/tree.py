@@ -28,7 +28,7 @@ from functools import lru_cache
 
 import torch
 
-from .sampling import sample
+from .sampling import argmax_ids, sample
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def tree_from_paths(paths: list[list[int]]) -> tuple[torch.Tensor, list[tuple[in
 
 def greedy_tree_verify(tree: Tree, target_logits: torch.Tensor) -> tuple[list[int], int]:
     """``target_logits`` [n+1, V] for nodes 0..n -> (accepted nodes root-down, bonus token)."""
-    argmax = target_logits.argmax(dim=-1).tolist()
+    argmax = argmax_ids(target_logits).tolist()
     tokens, children = tree.tokens.tolist(), tree.children()
     node, path = 0, []
     while True:
