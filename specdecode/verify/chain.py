@@ -42,7 +42,7 @@ def greedy_verify(
     """Accept drafts while they equal the target's argmax; the bonus is the argmax after."""
     target_ids = argmax_ids(target_logits)  # [B, k+1]
     if draft_ids.shape[1] == 0:  # a plain step: the argmax is the output (what _assemble gives)
-        return target_ids, torch.zeros(target_ids.shape[0], dtype=torch.int64, device=target_ids.device)
+        return target_ids[:, :1], torch.zeros(target_ids.shape[0], dtype=torch.int64, device=target_ids.device)
     num_accepted = _accepted_prefix_length(draft_ids == target_ids[:, :-1])  # [B]
     bonus = target_ids.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
     return _assemble(draft_ids, num_accepted, bonus), num_accepted
