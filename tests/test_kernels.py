@@ -13,6 +13,7 @@ from conftest import save_tiny_model
 from specdecode import kernels
 from specdecode.config import ConfigError, SamplingParams
 from specdecode.engine import SpeculativeEngine
+from specdecode.models.cpu_runtime import linear_entry
 from specdecode.models.llama import load_native
 from specdecode.models.quant import PackedLinear, unpack_nibbles
 from specdecode.proposers.draft_model import DraftModelProposer
@@ -32,12 +33,8 @@ def quantized(weight: torch.Tensor, fmt: str) -> PackedLinear:
 
 def kernel_linear(layer: PackedLinear, x: torch.Tensor, threads: int = 2) -> torch.Tensor:
     lib = kernels.load()
-    entry = kernels.Linear(kernels.FORMATS["q4_1x8" if layer.layout == "rows8" else layer.fmt], layer.rows, layer.cols, 0)
-    if layer.weight is not None:
-        entry.w = layer.weight.data_ptr()
-    else:
-        entry.w, entry.d = layer.qweight.data_ptr(), layer.scales.data_ptr()
-        entry.m = None if layer.mins is None else layer.mins.data_ptr()
+    keep: list[torch.Tensor] = []
+    entry = linear_entry(layer, keep, rows8=False)  # the layout the layer already has
     rows = x.shape[0]
     x = x.float().contiguous()
     out = torch.empty(rows, layer.rows)
@@ -123,8 +120,7 @@ def test_rows8_regrouping_keeps_the_blocks():
     assert not torch.equal(kernel_linear(moved, x), kernel_linear(plain, x[:, torch.randperm(256, generator=generator)]))
     ids = torch.tensor([0, 5, 13, 47], dtype=torch.int64)  # embedding rows read from either layout
     for layer in (plain, moved):
-        entry = kernels.Linear(kernels.FORMATS["q4_1x8" if layer.layout == "rows8" else "q4_1"], layer.rows, layer.cols, 0)
-        entry.w, entry.d, entry.m = layer.qweight.data_ptr(), layer.scales.data_ptr(), layer.mins.data_ptr()
+        entry = linear_entry(layer, [], rows8=False)
         rows = torch.empty(len(ids), layer.cols)
         kernels.load().sd_embed(ctypes.byref(entry), ids.data_ptr(), len(ids), rows.data_ptr())
         assert torch.equal(rows, plain.dequantize()[ids])

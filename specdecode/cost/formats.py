@@ -26,7 +26,8 @@ VERSION = 1
 
 
 def _path(model_key: str, dtype: torch.dtype, candidates: list[str]):
-    key = f"{model_key}|{dtype}|{machine_id()}|{torch.get_num_threads()}|{','.join(candidates)}|{VERSION}|kernels {source_digest()}"
+    key = (f"{model_key}|{dtype}|{machine_id()}|{torch.get_num_threads()}|{','.join(candidates)}|{VERSION}"
+           f"|kernels {source_digest()}")
     return cache_dir() / "formats" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 

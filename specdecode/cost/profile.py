@@ -13,8 +13,8 @@ keys and values per cached token), so a step can be compared with the time readi
 takes (``bandwidth_limit_ms``).
 
 Profiles are cached as JSON in ``<cache>/profiles/`` keyed by model and runtime (backend,
-weight format), dtype, CPU, thread count and the CPU kernels' source, and reused by adaptive k, the analyzer,
-``check`` and the router. ``--remeasure`` (``get_profile(..., force=True)``) replaces a
+weight format), dtype, CPU, thread count and the CPU kernels' source, and reused by
+adaptive k, the analyzer, ``check`` and the router. ``--remeasure`` (``get_profile(..., force=True)``) replaces a
 cached profile.
 """
 

@@ -35,7 +35,7 @@ def linear_entry(layer: PackedLinear, keep: list, rows8: bool = True) -> kernels
     whose rows are also looked up one by one, keep GGUF's."""
     if rows8 and layer.fmt == "q4_1" and layer.rows % 8 == 0:
         layer.interleave_rows8()
-    fmt = "q4_1x8" if layer.weight is None and layer.layout == "rows8" else layer.fmt
+    fmt = "q4_1x8" if layer.layout == "rows8" else layer.fmt
     entry = kernels.Linear(kernels.FORMATS[fmt], layer.rows, layer.cols, 0)
     if layer.weight is not None:
         weight = layer.weight.detach().contiguous()
