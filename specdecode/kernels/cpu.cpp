@@ -828,6 +828,55 @@ static inline void load_row(const void* cache, int fmt, int64_t index, int D, fl
     for (; i < D; i++) out[i] = fmt == SD_BF16 ? bf16_to_f32(src[i]) : fp16_to_f32(src[i]);
 }
 
+// Keys in "split" order (AVX2 builds): within each block of 16 elements, the 8 even ones
+// then the 8 odd ones. A bf16 row converts to it with one AND and one shift per 16
+// elements (a bf16 is the high half of its fp32), where widening in order costs a shuffle
+// and a shift per 8, and on Zen 1 both compete with the FMAs for the same pipes. Queries
+// are put in the same order, so a dot product is the same sum whichever path computes it;
+// a tail of 8 elements (head_dim % 16 == 8) stays in order.
+static inline void split_order(const float* x, int D, float* out) {
+    int i = 0;
+    for (; i + 16 <= D; i += 16)
+        for (int l = 0; l < 8; l++) out[i + l] = x[i + 2 * l], out[i + 8 + l] = x[i + 2 * l + 1];
+    for (; i < D; i++) out[i] = x[i];
+}
+
+#if SD_AVX2
+static inline void load16_bf16_split(const uint16_t* p, __m256* even, __m256* odd) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i*)p);
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+// the inverse of split order for 16 elements held as (even, odd): out[0..15] in order
+static inline void store16_unsplit(__m256 even, __m256 odd, float* out) {
+    const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);
+    _mm256_storeu_ps(out, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(out + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+#endif
+
+// one cached key row as fp32 in split order
+static inline void load_row_split(const void* cache, int fmt, int64_t index, int D, float* out) {
+#if SD_AVX2
+    if (fmt == SD_BF16) {
+        const uint16_t* src = (const uint16_t*)cache + index;
+        int i = 0;
+        for (; i + 16 <= D; i += 16) {
+            __m256 even, odd;
+            load16_bf16_split(src + i, &even, &odd);
+            _mm256_storeu_ps(out + i, even);
+            _mm256_storeu_ps(out + i + 8, odd);
+        }
+        if (i < D) _mm256_storeu_ps(out + i, load8_bf16(src + i));
+        return;
+    }
+#endif
+    float row[SD_MAX_HEAD_DIM];
+    load_row(cache, fmt, index, D, row);
+    split_order(row, D, out);
+}
+
 static inline float dot_row(const float* a, const float* b, int D) {
 #if SD_AVX2
     __m256 acc = _mm256_setzero_ps();
@@ -883,11 +932,14 @@ static inline __m256 dot8_keys(const float* q, const float* keys, int D) {
 
 // fp32 copies of `count` visible key (or value) rows starting at visible index `first`
 static inline void gather_rows(const void* cache, int fmt, int64_t base, int start, const int* new_index, int first,
-                               int count, int D, float* out) {
+                               int count, int D, float* out, bool split) {
     for (int n = 0; n < count; n++) {
         const int visible_index = first + n;
         const int64_t slot = visible_index < start ? visible_index : start + new_index[visible_index - start];
-        load_row(cache, fmt, (base + slot) * D, D, out + (int64_t)n * D);
+        if (split)
+            load_row_split(cache, fmt, (base + slot) * D, D, out + (int64_t)n * D);
+        else
+            load_row(cache, fmt, (base + slot) * D, D, out + (int64_t)n * D);
     }
 }
 
@@ -936,34 +988,36 @@ static void attend_chunk_direct(const sd_model* M, const sd_layer* L, const floa
     static const uint16_t zeros[64] = {0};
     float scores[NH][SD_KEY_CHUNK + 8];
     const __m256 attn_scale = _mm256_set1_ps(M->attn_scale);
-    auto key_row = [&](const uint16_t* cache, int n) -> const uint16_t* {
-        if (n >= count) return zeros;
+    // the chunk's key and value rows, then zero rows for the last group of 4 and for
+    // prefetching past the end
+    const uint16_t* krow[SD_KEY_CHUNK + 20];
+    const uint16_t* vrow[SD_KEY_CHUNK + 4];
+    for (int n = 0; n < count; n++) {
         const int visible_index = first + n;
         const int64_t slot = visible_index < start ? visible_index : start + new_index[visible_index - start];
-        return cache + (base + slot) * 64;
-    };
+        krow[n] = kc + (base + slot) * 64;
+        vrow[n] = vc + (base + slot) * 64;
+    }
+    for (int n = count; n < count + 20; n++) krow[n] = zeros;
+    for (int n = count; n < count + 4; n++) vrow[n] = zeros;
     for (int n = 0; n < count; n += 4) {
         __m256 a[NH][4];
-        const uint16_t* k[4];
-        for (int j = 0; j < 4; j++) k[j] = key_row(kc, n + j);
+        const uint16_t* const* k = krow + n;
         for (int j = 0; j < 4; j++) {  // the keys 16 ahead, and these keys' values for the second pass
-            const char* kn = (const char*)key_row(kc, n + 16 + j);
-            const char* vn = (const char*)key_row(vc, n + j);
-            _mm_prefetch(kn, _MM_HINT_T0);
-            _mm_prefetch(kn + 64, _MM_HINT_T0);
-            _mm_prefetch(vn, _MM_HINT_T1);
-            _mm_prefetch(vn + 64, _MM_HINT_T1);
+            _mm_prefetch((const char*)krow[n + 16 + j], _MM_HINT_T0);
+            _mm_prefetch((const char*)krow[n + 16 + j] + 64, _MM_HINT_T0);
+            _mm_prefetch((const char*)vrow[n + j], _MM_HINT_T1);
+            _mm_prefetch((const char*)vrow[n + j] + 64, _MM_HINT_T1);
         }
         for (int h = 0; h < NH; h++)
             for (int j = 0; j < 4; j++) a[h][j] = _mm256_setzero_ps();
-        for (int i = 0; i < 64; i += 8) {
-            __m256 qv[NH];
-            for (int h = 0; h < NH; h++) qv[h] = _mm256_loadu_ps(q[h] + i);
+        for (int i = 0; i < 64; i += 16)  // q in split order (attend_chunk), read from L1 by each FMA
             for (int j = 0; j < 4; j++) {
-                __m256 kv = load8_bf16(k[j] + i);
-                for (int h = 0; h < NH; h++) a[h][j] = _mm256_fmadd_ps(qv[h], kv, a[h][j]);
+                __m256 even, odd;
+                load16_bf16_split(k[j] + i, &even, &odd);
+                for (int h = 0; h < NH; h++) a[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q[h] + i), even, a[h][j]);
+                for (int h = 0; h < NH; h++) a[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q[h] + i + 8), odd, a[h][j]);
             }
-        }
         for (int h = 0; h < NH; h++) {
             __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(a[h][0], a[h][1]), _mm256_hadd_ps(a[h][2], a[h][3]));
             __m128 dots = _mm_add_ps(_mm256_castps256_ps128(lo), _mm256_extractf128_ps(lo, 1));
@@ -975,17 +1029,20 @@ static void attend_chunk_direct(const sd_model* M, const sd_layer* L, const floa
         __m256 o[NH][4];
         for (int h = 0; h < NH; h++)
             for (int c = 0; c < 4; c++) o[h][c] = _mm256_setzero_ps();
-        for (int n = 0; n < count; n++) {
-            const uint16_t* v = key_row(vc, n) + half;
+        for (int n = 0; n < count; n++) {  // o[h]: elements (even, odd) of 16, twice
+            const uint16_t* v = vrow[n] + half;
             __m256 vv[4];
-            for (int c = 0; c < 4; c++) vv[c] = load8_bf16(v + 8 * c);
+            load16_bf16_split(v, &vv[0], &vv[1]);
+            load16_bf16_split(v + 16, &vv[2], &vv[3]);
             for (int h = 0; h < NH; h++) {
                 __m256 pv = _mm256_set1_ps(scores[h][n]);
                 for (int c = 0; c < 4; c++) o[h][c] = _mm256_fmadd_ps(pv, vv[c], o[h][c]);
             }
         }
-        for (int h = 0; h < NH; h++)
-            for (int c = 0; c < 4; c++) _mm256_storeu_ps(out_partials[h] + 2 + half + 8 * c, o[h][c]);
+        for (int h = 0; h < NH; h++) {
+            store16_unsplit(o[h][0], o[h][1], out_partials[h] + 2 + half);
+            store16_unsplit(o[h][2], o[h][3], out_partials[h] + 2 + half + 16);
+        }
     }
 }
 #endif
@@ -1005,8 +1062,17 @@ static void attend_chunk(const sd_model* M, const sd_layer* L, const float* cons
     float scores[SD_SCORE_ROWS][SD_KEY_CHUNK + 8];
     float rows[SD_KEY_TILE * SD_MAX_HEAD_DIM];
     const float* q[SD_SCORE_ROWS];
+#if SD_AVX2
+    float q_split[SD_SCORE_ROWS][SD_MAX_HEAD_DIM];  // the keys' split order
+#endif
     for (int r = 0; r < n_rows; r++)
-        for (int h = 0; h < per; h++) q[r * per + h] = qkv_rows[r] + (g * per + h) * D;
+        for (int h = 0; h < per; h++) {
+            q[r * per + h] = qkv_rows[r] + (g * per + h) * D;
+#if SD_AVX2
+            split_order(q[r * per + h], D, q_split[r * per + h]);
+            q[r * per + h] = q_split[r * per + h];
+#endif
+        }
 #if SD_AVX2
     if (M->kv_fmt == SD_BF16 && D == 64 && heads <= 3) {
         float* outs[3];
@@ -1022,7 +1088,7 @@ static void attend_chunk(const sd_model* M, const sd_layer* L, const float* cons
 #endif
     for (int tile = 0; tile < count; tile += SD_KEY_TILE) {
         const int n_tile = count - tile < SD_KEY_TILE ? count - tile : SD_KEY_TILE;
-        gather_rows(L->k_cache, M->kv_fmt, base, start, new_index, first + tile, n_tile, D, rows);
+        gather_rows(L->k_cache, M->kv_fmt, base, start, new_index, first + tile, n_tile, D, rows, SD_AVX2);
         const int padded = (n_tile + 7) / 8 * 8;
         memset(rows + (int64_t)n_tile * D, 0, sizeof(float) * D * (padded - n_tile));
         for (int h = 0; h < heads; h++) {
@@ -1054,7 +1120,7 @@ static void attend_chunk(const sd_model* M, const sd_layer* L, const float* cons
     }
     for (int tile = 0; tile < count; tile += SD_KEY_TILE) {
         const int n_tile = count - tile < SD_KEY_TILE ? count - tile : SD_KEY_TILE;
-        gather_rows(L->v_cache, M->kv_fmt, base, start, new_index, first + tile, n_tile, D, rows);
+        gather_rows(L->v_cache, M->kv_fmt, base, start, new_index, first + tile, n_tile, D, rows, false);
         for (int h = 0; h < heads; h++) {
             float* out = partials[h / per] + (int64_t)(h % per) * (D + 2) + 2;
             const float* s = scores[h] + tile;
