@@ -31,7 +31,7 @@ FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17
 # the instruction set: the machine's own by default; SPECDECODE_KERNELS_MARCH=x86-64 (no
 # AVX2) builds the portable scalar code, which the tests also check
 DEFAULT_MARCH = "native"
-FORMATS = {"fp32": 0, "bf16": 1, "q8_0": 2, "q4_1": 3, "fp16": 4, "q4_1x8": 5}
+FORMATS = {"fp32": 0, "bf16": 1, "q8_0": 2, "q4_1": 3, "fp16": 4, "q4_1x8": 5, "q8_0x8": 6}
 
 
 class KernelsUnavailable(SpecDecodeError, RuntimeError):

@@ -30,12 +30,13 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
 
 def linear_entry(layer: PackedLinear, keep: list, rows8: bool = True) -> kernels.Linear:
     """The kernels' view of a PackedLinear; tensors it points to are appended to ``keep``.
-    With ``rows8`` a q4_1 layer is regrouped in place into the kernels' 8-row layout (about
-    1.5x fewer instructions per weight on AVX2; docs/performance.md); embedding tables,
-    whose rows are also looked up one by one, keep GGUF's."""
-    if rows8 and layer.fmt == "q4_1" and layer.rows % 8 == 0:
+    With ``rows8`` a q4_1 or q8_0 layer is regrouped in place into the kernels' 8-row
+    layout (about 1.5x fewer instructions per weight on AVX2; docs/performance.md). A
+    regrouped layer keeps its layout in every later entry (a tied embedding's lookups read
+    it too)."""
+    if rows8 and layer.fmt in ("q4_1", "q8_0") and layer.rows % 8 == 0:
         layer.interleave_rows8()
-    fmt = "q4_1x8" if layer.layout == "rows8" else layer.fmt
+    fmt = layer.fmt + "x8" if layer.layout == "rows8" else layer.fmt
     entry = kernels.Linear(kernels.FORMATS[fmt], layer.rows, layer.cols, 0)
     if layer.weight is not None:
         weight = layer.weight.detach().contiguous()
@@ -97,8 +98,10 @@ class KernelStack:
             entry.input_norm = self._fp32(layer.input_norm)
             entry.post_norm = self._fp32(layer.post_norm)
         weights = runtime.weights
+        # the head first: a tied embedding is the same table, regrouped with it (sd_embed
+        # reads either layout); an untied one is only looked up and keeps GGUF's
+        self.head = linear_entry(weights.lm_head, self._keep)
         self.embed = linear_entry(weights.embed, self._keep, rows8=False)
-        self.head = linear_entry(weights.lm_head, self._keep, rows8=weights.lm_head is not weights.embed)
         self.final_norm = self._fp32(weights.norm)
         self.rope_cos = weights.rope_cos.float().contiguous()
         self.rope_sin = weights.rope_sin.float().contiguous()

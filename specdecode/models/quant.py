@@ -54,7 +54,7 @@ class PackedLinear(nn.Module):
         if fmt not in WEIGHT_FORMATS:
             raise ConfigError(f"weight format must be one of {WEIGHT_FORMATS}, got {fmt!r}")
         self.fmt, self.rows, self.cols = fmt, rows, cols
-        self.layout = "rows"  # q4_1 only: "rows8" once interleave_rows8 regrouped the blocks
+        self.layout = "rows"  # q4_1 and q8_0: "rows8" once interleave_rows8 regrouped the blocks
         if fmt in ("fp32", "bf16"):
             self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype), requires_grad=False)
         else:
@@ -111,36 +111,52 @@ class PackedLinear(nn.Module):
 
     # -- the CPU kernels' 8-row layout ---------------------------------------------------
     def interleave_rows8(self) -> None:
-        """Regroup a q4_1 layer's blocks in place into the CPU kernels' Q4_1X8 layout
-        (specdecode/kernels/cpu.cpp): per 8 output rows and block of 32, 128 bytes whose
-        byte ``32 i + 4 r + t`` holds row r's weights ``8 i + t`` (low nibble) and
-        ``8 i + 4 + t`` (high), and the 8 rows' scales and minima side by side. The same
-        values, bytes and memory: nothing is quantized again. Every view below
-        (``dequantize``, ``blocks``) still returns GGUF's order."""
+        """Regroup a q4_1 or q8_0 layer's blocks in place into the CPU kernels' 8-row
+        layouts (specdecode/kernels/cpu.cpp): per 8 output rows and block of 32, the 8 rows'
+        codes interleaved 4 weights at a time, and their scales (and minima) side by side.
+        Q4_1X8: 128 bytes whose byte ``32 i + 4 r + t`` holds row r's weights ``8 i + t``
+        (low nibble) and ``8 i + 4 + t`` (high); Q8_0X8: 256 bytes whose byte
+        ``32 i + 4 r + t`` holds row r's weight ``4 i + t``. The same values, bytes and
+        memory: nothing is quantized again. Every view below (``dequantize``, ``blocks``)
+        still returns GGUF's order."""
         if self.layout == "rows8":
             return
-        if self.fmt != "q4_1" or self.rows % 8:
-            raise ConfigError(f"only q4_1 layers with a multiple of 8 rows regroup by 8 rows, not {self.fmt} x {self.rows}")
+        if self.fmt not in ("q4_1", "q8_0") or self.rows % 8:
+            raise ConfigError(f"only q4_1 and q8_0 layers with a multiple of 8 rows regroup by 8 rows, "
+                              f"not {self.fmt} x {self.rows}")
         groups, blocks = self.rows // 8, self.cols // BLOCK
-        codes = unpack_nibbles(self.qweight.reshape(self.rows, blocks, BLOCK // 2))
-        codes = codes.reshape(groups, 8, blocks, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # g, b, i, nibble, r, t
-        packed = (codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)).to(torch.uint8)
-        self.qweight.copy_(packed.reshape(self.rows, self.cols // 2))
-        for name in ("scales", "mins"):
-            values = getattr(self, name)
-            values.copy_(values.reshape(groups, 8, blocks).transpose(1, 2).reshape(self.rows, blocks).clone())
+        if self.fmt == "q8_0":
+            codes = self.qweight.reshape(groups, 8, blocks, 8, 4).permute(0, 2, 3, 1, 4)  # g, b, i, r, t
+            self.qweight.copy_(codes.reshape(self.rows, self.cols).clone())
+        else:
+            codes = unpack_nibbles(self.qweight.reshape(self.rows, blocks, BLOCK // 2))
+            codes = codes.reshape(groups, 8, blocks, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # g, b, i, nibble, r, t
+            packed = (codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)).to(torch.uint8)
+            self.qweight.copy_(packed.reshape(self.rows, self.cols // 2))
+        for values in (self.scales, self.mins):
+            if values is not None:
+                values.copy_(values.reshape(groups, 8, blocks).transpose(1, 2).reshape(self.rows, blocks).clone())
         self.layout = "rows8"
 
-    def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(qweight, scales, mins) in GGUF's order, whatever the layout in memory."""
+    def blocks(self, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(qweight, scales, mins) in GGUF's order, whatever the layout in memory: of every
+        row, or of the rows ``index`` names (a few embedding rows read only their groups)."""
         if self.layout != "rows8":
-            return self.qweight, self.scales, self.mins
+            if index is None:
+                return self.qweight, self.scales, self.mins
+            return self.qweight[index], self.scales[index], None if self.mins is None else self.mins[index]
         groups, blocks = self.rows // 8, self.cols // BLOCK
-        packed = self.qweight.reshape(groups, blocks, 4, 8, 4)
-        codes = torch.stack([packed & 0x0F, packed >> 4], dim=3)  # g, b, i, nibble, r, t
-        codes = codes.permute(0, 4, 1, 2, 3, 5).reshape(self.rows, blocks, BLOCK)
-        qweight = pack_nibbles(codes).reshape(self.rows, self.cols // 2)
-        scales, mins = (v.reshape(groups, blocks, 8).transpose(1, 2).reshape(self.rows, blocks)
+        index = torch.arange(self.rows) if index is None else index.reshape(-1).to(torch.int64)
+        group, lane, count = index // 8, index % 8, index.numel()
+        if self.fmt == "q8_0":
+            codes = self.qweight.reshape(groups, blocks, 8, 8, 4)[group]  # n, b, i, r, t
+            qweight = codes[torch.arange(count), :, :, lane].reshape(count, self.cols)
+        else:
+            packed = self.qweight.reshape(groups, blocks, 4, 8, 4)[group]  # n, b, i, r, t
+            packed = packed[torch.arange(count), :, :, lane]  # n, b, i, t
+            codes = torch.stack([packed & 0x0F, packed >> 4], dim=3).reshape(count, blocks, BLOCK)
+            qweight = pack_nibbles(codes).reshape(count, self.cols // 2)
+        scales, mins = (None if v is None else v.reshape(groups, blocks, 8)[group, :, lane]
                         for v in (self.scales, self.mins))
         return qweight, scales, mins
 
@@ -175,8 +191,7 @@ class PackedLinear(nn.Module):
         bias = None if self.bias is None else self.bias[index]
         if self.weight is not None:
             return PackedLinear.dense(self.weight[index], bias)
-        qweight, scales, mins = self.blocks()
-        return PackedLinear.from_blocks(self.fmt, qweight[index], scales[index], None if mins is None else mins[index], bias)
+        return PackedLinear.from_blocks(self.fmt, *self.blocks(index), bias)
 
     @staticmethod
     def concat(parts: list["PackedLinear"]) -> "PackedLinear":
