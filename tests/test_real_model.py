@@ -232,15 +232,22 @@ def test_weight_format_error_against_fp32(real_fp32):
 
     path = real_fp32.source.path
     text = ("The history of the bicycle begins in the early 19th century, when inventors in Germany and France "
-            "built the first machines. Over the following decades")
-    ids = torch.tensor([real_fp32.tokenizer(text)["input_ids"]])
+            "built the first machines. Over the following decades the frame, the wheels and the brakes changed "
+            "many times: wooden frames gave way to iron and then steel, solid tyres to pneumatic ones, and the chain "
+            "drive made the safety bicycle the standard design. By 1900 millions of people rode to work, and clubs "
+            "organised races across the country")
+    ids = torch.tensor([real_fp32.tokenizer(text)["input_ids"]])  # 91 tokens
     logits = {}
     for fmt in ("fp32", "bf16", "q8_0", "q4_1"):
         runtime = load_native(path, torch.float32 if fmt == "fp32" else torch.bfloat16, fmt, "kernels")
-        runtime.reset(64)
+        runtime.reset(128)
         logits[fmt] = runtime(ids).float()[0]
     reference = logits["fp32"]
-    for fmt, mean_error, agreement in (("bf16", 0.1, 0.95), ("q8_0", 0.6, 0.9), ("q4_1", 1.0, 0.85)):
+    # Quantizing activations makes these figures move with the order of float sums: a change
+    # of ~1e-6 flips a rounding here and there, and int4's top-1 agreement with fp32 measured
+    # 0.83-0.97 over 30 tokens across kernel versions whose fp32 logits differ by 3e-6
+    # (0.88-0.92 over these 91). A broken format agrees on next to nothing.
+    for fmt, mean_error, agreement in (("bf16", 0.1, 0.95), ("q8_0", 0.6, 0.9), ("q4_1", 1.0, 0.8)):
         error = (logits[fmt] - reference).abs().mean().item()
         same = (logits[fmt].argmax(-1) == reference.argmax(-1)).float().mean().item()
         assert error < mean_error and same >= agreement, (fmt, error, same)

@@ -146,19 +146,24 @@ class PackedLinear(nn.Module):
                 return self.qweight, self.scales, self.mins
             return self.qweight[index], self.scales[index], None if self.mins is None else self.mins[index]
         groups, blocks = self.rows // 8, self.cols // BLOCK
-        index = torch.arange(self.rows) if index is None else index.reshape(-1).to(torch.int64)
-        group, lane, count = index // 8, index % 8, index.numel()
-        if self.fmt == "q8_0":
-            codes = self.qweight.reshape(groups, blocks, 8, 8, 4)[group]  # n, b, i, r, t
-            qweight = codes[torch.arange(count), :, :, lane].reshape(count, self.cols)
-        else:
-            packed = self.qweight.reshape(groups, blocks, 4, 8, 4)[group]  # n, b, i, r, t
-            packed = packed[torch.arange(count), :, :, lane]  # n, b, i, t
-            codes = torch.stack([packed & 0x0F, packed >> 4], dim=3).reshape(count, blocks, BLOCK)
-            qweight = pack_nibbles(codes).reshape(count, self.cols // 2)
-        scales, mins = (None if v is None else v.reshape(groups, blocks, 8)[group, :, lane]
-                        for v in (self.scales, self.mins))
-        return qweight, scales, mins
+        per_row = 8 if self.fmt == "q8_0" else 4  # 4-byte runs of a row in a block
+        grouped = self.qweight.reshape(groups, blocks, per_row, 8, 4)  # g, b, i, r, t
+        scales, mins = (None if v is None else v.reshape(groups, blocks, 8) for v in (self.scales, self.mins))
+        if index is None:  # every row: g, b, i, r, t -> g, r, b, i, t
+            codes = grouped.permute(0, 3, 1, 2, 4)
+            scales, mins = (None if v is None else v.transpose(1, 2).reshape(self.rows, blocks) for v in (scales, mins))
+        else:  # only the named rows' groups (numpy indexes a few rows in µs, torch in ~100)
+            index = index.reshape(-1).cpu().numpy()
+            group, lane = index // 8, index % 8
+            codes = torch.from_numpy(grouped.numpy()[group, :, :, lane])  # n, b, i, t
+            scales, mins = (None if v is None else torch.from_numpy(v.numpy()[group, :, lane]) for v in (scales, mins))
+        count = self.rows if index is None else len(index)
+        codes = codes.reshape(count, blocks, per_row, 4)
+        if self.fmt == "q8_0":  # byte (i, t) is weight 4 i + t
+            return codes.reshape(count, self.cols), scales, mins
+        # byte (i, t) holds weights 8 i + t (low nibble) and 8 i + 4 + t (high)
+        values = torch.stack([codes & 0x0F, codes >> 4], dim=3).reshape(count, blocks, BLOCK)
+        return pack_nibbles(values).reshape(count, self.cols // 2), scales, mins
 
     # -- views ----------------------------------------------------------------------------
     def dequantize(self) -> torch.Tensor:
