@@ -36,7 +36,7 @@
 #define SD_KEY_CHUNK 256  // keys per attention partial; fixed, so results never depend on T
 #define SD_MAX_HEAD_DIM 256
 #define SD_MAX_GROUP 16  // query heads per KV head
-#define SD_PREFETCH 2048  // bytes of Q4_1X8 weights prefetched ahead
+#define SD_PREFETCH 2048  // bytes of Q4_1X8 weights prefetched ahead (Q8_0X8, twice as long a block: twice)
 
 enum { SD_F32 = 0, SD_BF16 = 1, SD_Q8_0 = 2, SD_Q4_1 = 3, SD_F16 = 4, SD_Q4_1X8 = 5, SD_Q8_0X8 = 6 };
 

@@ -114,7 +114,7 @@ class KernelStack:
         weights = runtime.weights
         # the head first: a tied embedding is the same table, regrouped with it (sd_embed
         # reads either layout); an untied one is only looked up and keeps GGUF's
-        self.head = linear_entry(weights.lm_head, self._keep)
+        self.head = self._linear(weights.lm_head)
         self.embed = linear_entry(weights.embed, self._keep, rows8=False)
         self.final_norm = self._fp32(weights.norm)
         self.rope_cos = weights.rope_cos.float().contiguous()
