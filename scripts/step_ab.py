@@ -12,6 +12,7 @@ of the round minima:
 """
 import ctypes
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -25,7 +26,12 @@ from specdecode import kernels
 from specdecode.models.llama import load_native
 from specdecode.models.loading import resolve_model
 
-CONTEXTS, SIZES, ROUNDS = (100, 600, 1500, 4000), (1, 2, 4), 6
+def _ints(name: str, default: str) -> tuple[int, ...]:
+    return tuple(int(value) for value in os.environ.get(name, default).split(","))
+
+
+# AB_CONTEXTS=100,1500 AB_SIZES=1,2 narrow the table
+CONTEXTS, SIZES, ROUNDS = _ints("AB_CONTEXTS", "100,600,1500,4000"), _ints("AB_SIZES", "1,2,4"), 6
 
 reference = kernels.load()
 libraries = {}
