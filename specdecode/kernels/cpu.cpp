@@ -746,8 +746,9 @@ static void linear_x8(const sd_linear* L, const float* x, int64_t rows, int64_t 
     // A few rows: each thread broadcasts their codes into a table of its own (8x their size,
     // at most SD_ACT_TABLE bytes: it stays in L1/L2), which the kernels then load. The
     // regrouped layers are bound by their instructions on Zen 1, not by memory (the same
-    // time with the weights in cache), and this takes 8 of about 45 off per block: one
-    // token 5.09 -> 4.82 ms at 100 tokens of context, 4 tokens 16.7 -> 15.8 ms.
+    // time with the weights in cache), and this takes the 8 broadcasts per block and row
+    // off the vector pipes: one token 5.09 -> 4.82 ms at 100 tokens of context, 4 tokens
+    // 16.7 -> 15.8 ms.
     if (rows * L->cols * 8 <= SD_ACT_TABLE) {
         alignas(32) int32_t table[SD_ACT_TABLE / 4];
         for (int64_t i = 0; i < rows * L->cols / 4; i++) {
