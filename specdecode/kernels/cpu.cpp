@@ -726,7 +726,7 @@ static inline void linear_x8_tile(const sd_linear* L, const scratch_q& q, const 
     const float *dr[R], *sr[R];
     for (int r = 0; r < R; r++) {
         xr[r] = q.xq + (r0 + r) * cols, dr[r] = q.xd + (r0 + r) * blocks, sr[r] = q.xs + (r0 + r) * blocks;
-        br[r] = table + (r0 + r) * cols * 2;  // 8 int32 per 4 codes
+        br[r] = TABLE ? table + (r0 + r) * cols * 2 : nullptr;  // 8 int32 per 4 codes
     }
     const int64_t at = (int64_t)g * blocks;
     float vals[8 * R];
