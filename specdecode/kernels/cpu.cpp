@@ -535,7 +535,7 @@ static inline __m256i act4(const int8_t* xq, const int32_t* xb, int64_t i4) {
 
 // Q4_1X8 weights x Q8 activations (plain layout): 8 output rows against R activation
 // rows, out[r * 8 + f]. Within a block, each 32-bit lane holds one weight row, so the
-// activations are broadcast 4 at a time and the block's 32 products of a row add up in
+// activations are broadcast 4 at a time (act4) and the block's 32 products of a row add up in
 // its lane: in int16 (at most 16 products of 15 x 127 per lane: 30,480, no overflow), then
 // one widening to int32. No horizontal sums, and the 8 rows' scales convert in one
 // instruction: on AVX2 cores without VNNI this takes about two thirds of the
@@ -583,6 +583,7 @@ static inline void dot_q4_1x8(const int8_t* const* xq, const int32_t* const* xb,
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, _mm256_add_ps(acc[r], macc[r]));
 #else
+    (void)xb;  // the portable code reads the codes themselves
     for (int r = 0; r < R; r++)
         for (int f = 0; f < 8; f++) {
             float s = 0.0f, ms = 0.0f;
@@ -636,6 +637,7 @@ static inline void dot_q8_0x8(const int8_t* const* xq, const int32_t* const* xb,
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
 #else
+    (void)xb;  // the portable code reads the codes themselves
     for (int r = 0; r < R; r++)
         for (int f = 0; f < 8; f++) {
             float s = 0.0f;
