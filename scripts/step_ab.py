@@ -26,6 +26,7 @@ from specdecode import kernels
 from specdecode.models.llama import load_native
 from specdecode.models.loading import resolve_model
 
+
 def _ints(name: str, default: str) -> tuple[int, ...]:
     return tuple(int(value) for value in os.environ.get(name, default).split(","))
 

@@ -14,8 +14,8 @@ takes (``bandwidth_limit_ms``).
 
 Profiles are cached as JSON in ``<cache>/profiles/`` keyed by model and runtime (backend,
 weight format), dtype, CPU, thread count and the CPU kernels' source, and reused by
-adaptive k, the analyzer, ``check`` and the router. ``--remeasure`` (``get_profile(..., force=True)``) replaces a
-cached profile.
+adaptive k, the analyzer, ``check`` and the router. ``--remeasure``
+(``get_profile(..., force=True)``) replaces a cached profile.
 """
 
 from __future__ import annotations

@@ -717,8 +717,7 @@ static inline void store_out(const sd_linear* L, float* out, int64_t out_stride,
     *dst = accumulate ? *dst + v : v;
 }
 
-// Q4_1X8 and Q8_0X8: output features in groups of 8 split over the threads (one contiguous
-// stream of weights per thread), activation rows two at a time
+// Q4_1X8 and Q8_0X8: one group of 8 output features against R activation rows
 template <int R, bool TABLE>
 static inline void linear_x8_tile(const sd_linear* L, const scratch_q& q, const int32_t* table, int64_t r0, int g,
                                   float* out, int64_t out_stride, int accumulate) {
@@ -740,10 +739,23 @@ static inline void linear_x8_tile(const sd_linear* L, const scratch_q& q, const 
         for (int f = 0; f < 8; f++) store_out(L, out, out_stride, accumulate, r0 + r, 8 * g + f, vals[8 * r + f]);
 }
 
+// every group of 8 output features, split over the threads (one contiguous stream of
+// weights per thread), the activation rows two at a time
+template <bool TABLE>
+static inline void x8_groups(const sd_linear* L, const scratch_q& q, const int32_t* table, int64_t rows, float* out,
+                             int64_t out_stride, int accumulate) {
+    const int groups = L->rows / 8;
+#pragma omp for schedule(static)
+    for (int g = 0; g < groups; g++) {
+        int64_t r = 0;
+        for (; r + 2 <= rows; r += 2) linear_x8_tile<2, TABLE>(L, q, table, r, g, out, out_stride, accumulate);
+        if (r < rows) linear_x8_tile<1, TABLE>(L, q, table, r, g, out, out_stride, accumulate);
+    }
+}
+
 static void linear_x8(const sd_linear* L, const float* x, int64_t rows, int64_t x_stride, float* out,
                       int64_t out_stride, int accumulate, const scratch_q& q) {
     quantize_rows(x, rows, L->cols, x_stride, 0, q.xq, q.xd, q.xs);  // ends with a barrier
-    const int groups = L->rows / 8;
 #if SD_AVX2
     // A few rows: each thread broadcasts their codes into a table of its own (8x their size,
     // at most SD_ACT_TABLE bytes: it stays in L1/L2), which the kernels then load. The
@@ -758,21 +770,10 @@ static void linear_x8(const sd_linear* L, const float* x, int64_t rows, int64_t 
             memcpy(&v, q.xq + 4 * i, 4);
             _mm256_store_si256((__m256i*)(table + 8 * i), _mm256_set1_epi32(v));
         }
-#pragma omp for schedule(static)
-        for (int g = 0; g < groups; g++) {
-            int64_t r = 0;
-            for (; r + 2 <= rows; r += 2) linear_x8_tile<2, true>(L, q, table, r, g, out, out_stride, accumulate);
-            if (r < rows) linear_x8_tile<1, true>(L, q, table, r, g, out, out_stride, accumulate);
-        }
-        return;
+        return x8_groups<true>(L, q, table, rows, out, out_stride, accumulate);
     }
 #endif
-#pragma omp for schedule(static)
-    for (int g = 0; g < groups; g++) {
-        int64_t r = 0;
-        for (; r + 2 <= rows; r += 2) linear_x8_tile<2, false>(L, q, nullptr, r, g, out, out_stride, accumulate);
-        if (r < rows) linear_x8_tile<1, false>(L, q, nullptr, r, g, out, out_stride, accumulate);
-    }
+    x8_groups<false>(L, q, nullptr, rows, out, out_stride, accumulate);
 }
 
 static void linear(const sd_linear* L, const float* x, int64_t rows, int64_t x_stride, float* out, int64_t out_stride,
