@@ -520,6 +520,11 @@ static inline void dot_q4_1(const int8_t* const* xq, const float* const* xd, con
 }
 
 #if SD_AVX2
+// The value as computed here, in a register: the compiler may not regroup the integer sums
+// across it. Left free, it sums the products of one activation row as they come and keeps
+// the other rows' products for a tree at the end, which spills them for two or more rows.
+static inline void pin(__m256i& v) { asm("" : "+x"(v)); }
+
 // Four activation codes, xq[4 i4 .. 4 i4 + 3], in every 32-bit lane: from the row's
 // pre-broadcast table (linear_x8 builds one for a few rows: a load instead of a
 // broadcast, which on Zen 1 takes an FP pipe beside the multiplies) or broadcast here.
@@ -548,6 +553,10 @@ static inline void dot_q4_1x8(const int8_t* const* xq, const int32_t* const* xb,
                               float* out) {
 #if SD_AVX2
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    // From 3 rows the min terms go in a loop of their own (the same FMAs in the same order),
+    // which leaves the main loop R registers more; for 1 or 2 rows their serial FMAs would
+    // cost more there than the registers gain.
+    constexpr bool SPLIT = R > 2;
     __m256 acc[R], macc[R];
     for (int r = 0; r < R; r++) acc[r] = macc[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
@@ -572,14 +581,22 @@ static inline void dot_q4_1x8(const int8_t* const* xq, const int32_t* const* xb,
                 const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, act4<TABLE>(xq[r], xb[r], 8 * b + 2 * i)),
                                                    _mm256_maddubs_epi16(hi, act4<TABLE>(xq[r], xb[r], 8 * b + 2 * i + 1)));
                 s16[r] = i == 0 ? p : _mm256_add_epi16(s16[r], p);
+                pin(s16[r]);
             }
         }
-        const __m256 dw = load8_f16(d + 8 * b), mw = load8_f16(m + 8 * b);
+        const __m256 dw = load8_f16(d + 8 * b);
         for (int r = 0; r < R; r++) {
             const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones));
             acc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, _mm256_set1_ps(xd[r][b])), acc[r]);
-            macc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[r][b]), macc[r]);
         }
+        if (!SPLIT) {
+            const __m256 mw = load8_f16(m + 8 * b);
+            for (int r = 0; r < R; r++) macc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[r][b]), macc[r]);
+        }
+    }
+    for (int b = 0; SPLIT && b < blocks; b++) {
+        const __m256 mw = load8_f16(m + 8 * b);
+        for (int r = 0; r < R; r++) macc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[r][b]), macc[r]);
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, _mm256_add_ps(acc[r], macc[r]));
 #else
@@ -629,6 +646,7 @@ static inline void dot_q8_0x8(const int8_t* const* xq, const int32_t* const* xb,
                 const __m256i signed_x = _mm256_sign_epi8(act4<TABLE>(xq[r], xb[r], 8 * b + i), v);
                 const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones);
                 s32[r] = i == 0 ? p : _mm256_add_epi32(s32[r], p);
+                pin(s32[r]);
             }
         }
         const __m256 dw = load8_f16(d + 8 * b);
@@ -739,17 +757,34 @@ static inline void linear_x8_tile(const sd_linear* L, const scratch_q& q, const 
         for (int f = 0; f < 8; f++) store_out(L, out, out_stride, accumulate, r0 + r, 8 * g + f, vals[8 * r + f]);
 }
 
+// The tiles of two or more rows are called, not inlined: inside one large function the
+// register allocator spilled their sums and masks (2 tokens 9.0 -> 8.3 ms a step here). A
+// call per group of 8 features costs nothing beside the 18-48 blocks each one reads.
+template <int R, bool TABLE>
+__attribute__((noinline)) static void linear_x8_rows(const sd_linear* L, const scratch_q& q, const int32_t* table,
+                                                     int64_t r0, int g, float* out, int64_t out_stride, int accumulate) {
+    linear_x8_tile<R, TABLE>(L, q, table, r0, g, out, out_stride, accumulate);
+}
+
 // every group of 8 output features, split over the threads (one contiguous stream of
-// weights per thread), the activation rows two at a time
+// weights per thread), the activation rows up to four at a time: each row is computed the
+// same way in every tile (integer sums, then the same float operations in the same order)
 template <bool TABLE>
 static inline void x8_groups(const sd_linear* L, const scratch_q& q, const int32_t* table, int64_t rows, float* out,
                              int64_t out_stride, int accumulate) {
     const int groups = L->rows / 8;
+    if (rows == 1) {
+#pragma omp for schedule(static)
+        for (int g = 0; g < groups; g++) linear_x8_tile<1, TABLE>(L, q, table, 0, g, out, out_stride, accumulate);
+        return;
+    }
 #pragma omp for schedule(static)
     for (int g = 0; g < groups; g++) {
         int64_t r = 0;
-        for (; r + 2 <= rows; r += 2) linear_x8_tile<2, TABLE>(L, q, table, r, g, out, out_stride, accumulate);
-        if (r < rows) linear_x8_tile<1, TABLE>(L, q, table, r, g, out, out_stride, accumulate);
+        for (; r + 4 <= rows; r += 4) linear_x8_rows<4, TABLE>(L, q, table, r, g, out, out_stride, accumulate);
+        if (rows - r == 3) linear_x8_rows<3, TABLE>(L, q, table, r, g, out, out_stride, accumulate);
+        if (rows - r == 2) linear_x8_rows<2, TABLE>(L, q, table, r, g, out, out_stride, accumulate);
+        if (rows - r == 1) linear_x8_rows<1, TABLE>(L, q, table, r, g, out, out_stride, accumulate);
     }
 }
 
