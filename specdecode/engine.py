@@ -24,7 +24,7 @@ from .control.policies import FixedK, KPolicy
 from .metrics import GenerationStats
 from .proposers.base import Proposal, Proposer
 from .text import TextTracker
-from .verify.chain import greedy_verify, rejection_sample
+from .verify.chain import greedy_verify, greedy_verify_rows, rejection_sample
 from .verify.tree import greedy_tree_verify, tree_rejection_sample
 from .verify.sampling import logits_to_probs
 
@@ -227,6 +227,12 @@ class SpeculativeEngine:
         text = tracker.text if self.tokenizer is not None else ""
         return Generation(generated, text, finish, stats)
 
+    def _lazy(self, params: SamplingParams, drafted: int) -> dict:
+        """The target-pass option for logits computed on demand: for greedy verification of
+        drafts, on a target that can (the CPU kernels), where the rows past the first
+        rejection then cost nothing in the output head."""
+        return {"lazy_logits": True} if drafted and params.greedy and getattr(self.target, "lazy_logits", False) else {}
+
     def _score(self, inputs: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One target pass: logits, and the captured layer inputs a head drafter reads (else None)."""
         if self.capture:
@@ -250,9 +256,11 @@ class SpeculativeEngine:
         context = len(tokens)
         depths = tree.depths()
         inputs = torch.cat([torch.tensor([tokens[-1]]), tree.tokens]).to(self.device)[None]
-        target_logits, features = self._score(inputs, positions=context - 1 + depths, tree_mask=tree.mask())
+        target_logits, features = self._score(inputs, positions=context - 1 + depths, tree_mask=tree.mask(),
+                                              **self._lazy(params, tree.size))
         if params.greedy:
-            path, bonus = greedy_tree_verify(tree, target_logits[0])
+            rows = target_logits[0] if isinstance(target_logits, torch.Tensor) else lambda node: target_logits.row(0, node)
+            path, bonus = greedy_tree_verify(tree, rows)
         else:
             target_probs = logits_to_probs(target_logits[0], params)
             draft_probs = None if proposal.draft_probs is None else proposal.draft_probs.to(self.device)
@@ -297,18 +305,23 @@ class SpeculativeEngine:
         # 2. score: the last committed token and every draft, one target pass
         context = len(tokens)
         inputs = torch.cat([torch.tensor([[tokens[-1]]], device=self.device), draft_ids], dim=1)
-        target_logits, features = self._score(inputs)  # [1, k'+1, V]
+        target_logits, features = self._score(inputs, **self._lazy(params, num_drafted))  # [1, k'+1, V]
 
         # 3. verify
-        draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[None, :num_drafted].to(self.device)
-        output_ids, num_accepted = verify_chain(draft_ids, draft_probs, target_logits, params, generator)
+        if isinstance(target_logits, torch.Tensor):
+            draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[None, :num_drafted].to(self.device)
+            output_ids, num_accepted = verify_chain(draft_ids, draft_probs, target_logits, params, generator)
+            accepted = int(num_accepted[0])
+            new_tokens = output_ids[0, : accepted + 1].tolist()
+        else:  # greedy on logits computed on demand: the rows up to the first rejection
+            drafts = draft_ids[0].tolist()
+            accepted, bonus = greedy_verify_rows(drafts, lambda position: target_logits.row(0, position))
+            new_tokens = drafts[:accepted] + [bonus]
 
         # 4. commit: keep the last token and the accepted drafts in the cache
-        accepted = int(num_accepted[0])
         self.target.rollback(context + accepted)
         stats.observe_step(num_drafted, accepted)
         stats.draft_passes += num_drafted
-        new_tokens = output_ids[0, : accepted + 1].tolist()
         observed = time.perf_counter()
         stats.verify_seconds += observed - scored
         if features is not None:  # the head's entries for the committed tokens (drafting work)

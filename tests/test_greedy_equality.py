@@ -78,6 +78,25 @@ def test_full_acceptance_keeps_draft_cache_in_sync(models):
     assert proposer.cached[: proposer.runtime.length] == (prompt + result.token_ids)[: proposer.runtime.length]
 
 
+def test_greedy_verification_computes_the_head_up_to_the_first_rejection(models):
+    """On the CPU kernels the target's logits are computed row by row as greedy
+    verification reads them: accepted + 1 rows per drafting step, none past a rejection,
+    and the output is still plain decoding's."""
+    targets, drafts = models
+    target = targets[0]
+    assert target.runtime.lazy_logits
+    stack = target.runtime.kernels
+    for proposer in (DraftModelProposer(drafts[0].runtime), NgramProposer((1,))):
+        engine = SpeculativeEngine(target.runtime, proposer=proposer, k=4)
+        prompt = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6]
+        before = stack.head_rows
+        result = engine.generate(prompt, GREEDY)
+        rows, steps = stack.head_rows - before, result.stats.drafted_per_position[0]
+        assert result.token_ids == SpeculativeEngine(target.runtime).generate(prompt, GREEDY).token_ids
+        assert steps > 0 and rows == result.stats.accepted_tokens + steps
+        assert result.stats.rejections > 0 and rows < result.stats.draft_tokens + steps
+
+
 def test_native_plain_matches_transformers_generate(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 

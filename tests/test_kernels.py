@@ -137,6 +137,24 @@ def kernel_model(tmp_path, fmt="q4_1", dtype=torch.bfloat16, seed=3, prefill_chu
     return load_native(path, dtype, fmt, "kernels", prefill_chunk=prefill_chunk)
 
 
+def test_lazy_logits_rows_are_the_full_pass_rows(tmp_path):
+    """Logits computed row by row on demand (greedy verification's) are the full head
+    pass's, bit for bit, for a chain and a tree; only the rows asked for are computed."""
+    runtime = kernel_model(tmp_path, "q4_1", torch.bfloat16)
+    prompt, block = torch.tensor([[5, 9, 11, 5, 9, 11, 7]]), torch.tensor([[4, 8, 15, 16, 23]])
+    mask = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]]).bool()
+    for kwargs in ({}, {"positions": torch.tensor([7, 8, 8, 9, 9]), "tree_mask": mask}):
+        results = []
+        for lazy in (False, True):
+            runtime.reset(32)
+            runtime(prompt)
+            results.append(runtime(block, lazy_logits=lazy, **kwargs))
+        full, lazy = results
+        assert isinstance(full, torch.Tensor) and lazy.shape == full.shape and lazy.computed == 0
+        assert torch.equal(lazy.row(0, 3), full[0, 3]) and lazy.computed == 1
+        assert torch.equal(lazy.full(), full) and lazy.computed == 5
+
+
 @pytest.mark.parametrize("fmt, dtype", [("q4_1", torch.bfloat16), ("bf16", torch.bfloat16), ("fp32", torch.float32)])
 def test_scored_row_is_bitwise_independent_of_what_else_is_scored(tmp_path, fmt, dtype):
     """The logits of a token scored alone equal its logits scored first among T = 2..64

@@ -62,6 +62,9 @@ def logits_for(argmax_rows: list[int], vocab: int = 10) -> torch.Tensor:
 ])
 def test_greedy_tree_verify_table(tokens, parents, argmax, path, bonus):
     assert greedy_tree_verify(tree(tokens, parents), logits_for(argmax)) == (path, bonus)
+    asked = []  # logits row by row (LazyLogits): only the walk's nodes are asked for
+    assert greedy_tree_verify(tree(tokens, parents), lambda n: asked.append(n) or logits_for(argmax)[n]) == (path, bonus)
+    assert asked == [0] + path
 
 
 def test_greedy_tree_on_a_chain_agrees_with_the_chain_verifier():

@@ -7,7 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from specdecode.config import SamplingParams
-from specdecode.verify.chain import PAD_ID, greedy_verify, rejection_sample
+from specdecode.verify.chain import PAD_ID, greedy_verify, greedy_verify_rows, rejection_sample
 from specdecode.verify.sampling import argmax_ids, logits_to_probs, sample
 
 
@@ -37,6 +37,21 @@ def test_greedy_verify_batched_rows_are_independent():
     output, accepted = greedy_verify(drafts, logits)
     assert output.tolist() == [[1, 2, 0], [3, 1, PAD_ID]]
     assert accepted.tolist() == [2, 1]
+
+
+def test_greedy_verify_rows_agrees_and_stops_at_the_first_rejection():
+    """The row-at-a-time verifier gives greedy_verify's result and asks for no row past
+    the first rejection (nor past the bonus)."""
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(300):
+        k = int(torch.randint(0, 6, (1,), generator=generator))
+        drafts = torch.randint(0, 3, (k,), generator=generator)
+        logits = torch.randn(k + 1, 3, generator=generator)
+        output, accepted = greedy_verify(drafts[None], logits[None])
+        asked = []
+        n, bonus = greedy_verify_rows(drafts.tolist(), lambda i: asked.append(i) or logits[i])
+        assert (n, bonus) == (int(accepted[0]), int(output[0, n]))
+        assert asked == list(range(n + 1))
 
 
 def test_rejection_sample_certain_cases():

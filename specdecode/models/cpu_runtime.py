@@ -95,10 +95,42 @@ class KernelLinear:
         return out.view(*x.shape[:-1], self.rows)
 
 
+class LazyLogits:
+    """The logits of a scored block, each row computed when first asked for.
+
+    On these CPUs the output head is about a fifth of a one-token step (30 MB of int8
+    weights for 49,152 tokens), and with more rows it is bound by its multiplies: about
+    0.9 ms a row. Greedy verification reads the rows in order and stops at the first
+    rejection, so the rows after it are never computed. A row is bit for bit the row a
+    full head pass gives (the kernels compute each row alone)."""
+
+    def __init__(self, stack: "KernelStack", hidden: torch.Tensor):
+        self._stack, self._hidden = stack, hidden  # [B, T, H] final hidden states, before the norm
+        self._rows: dict[tuple[int, int], torch.Tensor] = {}
+        self.shape = (*hidden.shape[:2], stack.runtime.cfg.vocab_size)
+
+    def row(self, b: int, t: int) -> torch.Tensor:
+        """Logits [V] of entry b's t-th scored token."""
+        if (b, t) not in self._rows:
+            self._rows[b, t] = self._stack.head_logits(self._hidden[b, t : t + 1])[0]
+        return self._rows[b, t]
+
+    @property
+    def computed(self) -> int:
+        """How many rows have been computed."""
+        return len(self._rows)
+
+    def full(self) -> torch.Tensor:
+        """Every row, [B, T, V]."""
+        batch, width, _ = self.shape
+        return torch.stack([torch.stack([self.row(b, t) for t in range(width)]) for b in range(batch)])
+
+
 class KernelStack:
     def __init__(self, runtime):
         self.lib = kernels.load()
         self.runtime = runtime
+        self.head_rows = 0  # rows through the output head via head_logits (lazy logits)
         cfg = runtime.cfg
         if cfg.head_dim > 256 or cfg.head_dim % 8 or cfg.num_heads % cfg.num_kv_heads or cfg.num_heads // cfg.num_kv_heads > 16:
             raise SpecDecodeError(f"the CPU kernels need head_dim <= 256 (a multiple of 8) and at most 16 query heads "
@@ -184,12 +216,13 @@ class KernelStack:
     # -- forward --------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, tree_mask: torch.Tensor | None,
                 last_only: bool, return_hidden: bool, capture: tuple[int, ...] = (),
-                starts: list[int] | None = None, cache_rows: list[int] | None = None):
+                starts: list[int] | None = None, cache_rows: list[int] | None = None, lazy_logits: bool = False):
         """T new tokens for each of ``input_ids``' rows. Without ``starts`` the rows are the
         cache's rows, all at the runtime's length, which advances. With ``starts`` and
         ``cache_rows``, entry b is the sequence in cache row ``cache_rows[b]`` holding
         ``starts[b]`` tokens (its new tokens go to the slots after them; the runtime's
-        length is left alone): the batched engine's ragged rows."""
+        length is left alone): the batched engine's ragged rows. ``lazy_logits`` (one
+        chunk, no hidden states asked): a ``LazyLogits`` in place of the logits."""
         runtime, cfg, lib, model = self.runtime, self.runtime.cfg, self.lib, self.model
         batch, num_new = input_ids.shape
         shared = starts is None
@@ -236,10 +269,20 @@ class KernelStack:
             if last_only and stop < num_new:
                 continue
             selected = hidden.view(batch, stop - begin, -1)[:, -1:] if last_only else hidden.view(batch, stop - begin, -1)
+            if lazy_logits and stop == num_new and begin == 0 and not return_hidden:
+                outputs.append(LazyLogits(self, selected.clone()))
+                continue
             logits, normed = self._head(selected.reshape(-1, cfg.hidden_size).contiguous())
             outputs.append(logits.view(batch, -1, cfg.vocab_size))
             states.append(normed.view(batch, -1, cfg.hidden_size))
         return _outputs(outputs, states if return_hidden else None, features if capture else None)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final RMSNorm and output head for final hidden states [rows, H] -> logits
+        [rows, V]; every row the same bits as in any other call (the kernels' rows are
+        independent)."""
+        self.head_rows += hidden.shape[0]
+        return self._head(hidden.float().contiguous())[0]
 
     def _head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Final RMSNorm and output head for [rows, H] fp32 -> (logits [rows, V], normed)."""

@@ -425,6 +425,12 @@ class NativeRuntime:
         """True when every scored row's logits are independent of the other rows."""
         return self.backend == "kernels"
 
+    @property
+    def lazy_logits(self) -> bool:
+        """True when ``forward(..., lazy_logits=True)`` returns logits computed row by row
+        on demand, each the same bits as in a full pass."""
+        return self.kernels is not None
+
     def describe(self) -> str:
         return f"{self.backend} backend, {self.weight_format} weights, {str(self.dtype).removeprefix('torch.')} KV cache"
 
@@ -470,6 +476,7 @@ class NativeRuntime:
         last_only: bool = False,
         return_hidden: bool = False,
         capture: tuple[int, ...] = (),
+        lazy_logits: bool = False,
     ):
         """Run T new tokens, write their KV at ``[length, length+T)``, advance the length.
 
@@ -477,7 +484,10 @@ class NativeRuntime:
         normalised hidden states ``[B, T, H]`` too if ``return_hidden``. ``capture``: layer
         indices whose inputs (the residual stream entering them, fp32) are returned last,
         concatenated as ``[B, T, len(capture) * H]`` for every new token even when
-        ``last_only`` (what an EAGLE head reads).
+        ``last_only`` (what an EAGLE head reads). ``lazy_logits``: where ``self.lazy_logits``
+        holds (the CPU kernels), a ``cpu_runtime.LazyLogits`` in place of the logits, whose
+        rows are computed when read (greedy verification reads them up to the first
+        rejection); elsewhere ignored.
         """
         batch, num_new = input_ids.shape
         end = self.length + num_new
@@ -491,7 +501,8 @@ class NativeRuntime:
         if any(not 0 <= layer < self.num_layers for layer in capture):
             raise SpecDecodeError(f"capture layers must lie in 0..{self.num_layers - 1}, got {capture}")
         if self.kernels is not None:
-            return self.kernels.forward(input_ids, positions, tree_mask, last_only, return_hidden, capture)
+            return self.kernels.forward(input_ids, positions, tree_mask, last_only, return_hidden, capture,
+                                        lazy_logits=lazy_logits)
         def run(begin, stop, last):
             chunk_positions = None if positions is None else positions[begin:stop]
             return self._forward_torch(input_ids[:, begin:stop], chunk_positions, tree_mask, last, return_hidden,

@@ -14,6 +14,8 @@ inputs' device; the generator must live there too.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .sampling import argmax_ids, sample
@@ -46,6 +48,19 @@ def greedy_verify(
     num_accepted = _accepted_prefix_length(draft_ids == target_ids[:, :-1])  # [B]
     bonus = target_ids.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
     return _assemble(draft_ids, num_accepted, bonus), num_accepted
+
+
+def greedy_verify_rows(draft: list[int], row: Callable[[int], torch.Tensor]) -> tuple[int, int]:
+    """Greedy verification of one chain that asks for the target's logits a position at a
+    time, ``row(i)`` -> [V] at draft position i (0 = the last committed token), and stops at
+    the first rejection: (accepted, bonus), what ``greedy_verify`` gives on the full logits.
+    The rows after the first rejection are never asked for, so a target that computes rows
+    on demand (``LazyLogits``) skips their share of the output head."""
+    for position, token in enumerate(draft):
+        best = int(argmax_ids(row(position)))
+        if best != token:
+            return position, best
+    return len(draft), int(argmax_ids(row(len(draft))))
 
 
 def rejection_sample(

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Callable
 
 import torch
 
@@ -110,15 +111,22 @@ def tree_from_paths(paths: list[list[int]]) -> tuple[torch.Tensor, list[tuple[in
     return torch.tensor(parents, dtype=torch.int64), nodes
 
 
-def greedy_tree_verify(tree: Tree, target_logits: torch.Tensor) -> tuple[list[int], int]:
-    """``target_logits`` [n+1, V] for nodes 0..n -> (accepted nodes root-down, bonus token)."""
-    argmax = argmax_ids(target_logits).tolist()
+def greedy_tree_verify(tree: Tree, target_logits: "torch.Tensor | Callable[[int], torch.Tensor]") -> tuple[list[int], int]:
+    """``target_logits`` [n+1, V] for nodes 0..n, or a function node -> logits [V] (asked
+    only for the nodes on the walk: ``LazyLogits`` rows) -> (accepted nodes root-down,
+    bonus token)."""
+    if callable(target_logits):
+        def best(node: int) -> int:
+            return int(argmax_ids(target_logits(node)))
+    else:
+        best = argmax_ids(target_logits).tolist().__getitem__
     tokens, children = tree.tokens.tolist(), tree.children()
     node, path = 0, []
     while True:
-        following = next((c for c in children[node] if tokens[c - 1] == argmax[node]), None)
+        wanted = best(node)
+        following = next((c for c in children[node] if tokens[c - 1] == wanted), None)
         if following is None:
-            return path, argmax[node]
+            return path, wanted
         path.append(following)
         node = following
 
