@@ -196,6 +196,9 @@ class SpeculativeEngine:
         self.target.reset(capacity)
         if self.proposer is not None:
             self.proposer.start(tokens, capacity)
+            costs = getattr(self.policy, "costs", None)
+            if costs is not None:  # what a step costs depends on whether the head runs lazily
+                costs.lazy_head = bool(self._lazy(params, 1))
             self.policy.start(prior_alpha)
         if len(tokens) > 1:
             _, features = self._score(torch.tensor([tokens[:-1]]), last_only=True)

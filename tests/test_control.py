@@ -101,6 +101,7 @@ def test_profile_is_measured_once_cached_and_remeasured_on_request(tiny_llama_di
     assert first.sizes[0] == 1 and first.sizes[-1] == 64 and all(t > 0 for row in first.step_ms for t in row)
     assert first.drafters["ngram"] >= 0
     assert load_profile("tiny", "fp32").step_ms == first.step_ms
+    assert model.runtime.lazy_logits and 0 < first.head_share(100) < 1  # one head row, measured
 
     calls = []
     original = profile_module.measure_target
@@ -174,6 +175,25 @@ def test_cost_aware_k_does_not_extrapolate_short_runs_across_a_cost_cliff():
     for _ in range(12):
         policy.observe(10, 10)
     assert policy.choose(100) == 10
+
+
+def test_policies_charge_the_head_only_for_the_rows_greedy_verification_reads():
+    """With logits computed on demand (lazy_head), a step costs v(k) less the output head
+    of the k + 1 - tau rows past the first rejection: drafting pays at an acceptance where
+    it would not with every row's head charged, for chains and for trees."""
+    profile = CostProfile("m", "fp32", "cpu", 2, contexts=[100], sizes=[1, 2, 4], step_ms=[[10, 18, 34]],
+                          drafters={"ngram": 0.0}, head_ms=5.0)
+    chosen = {}
+    for lazy in (False, True):
+        costs = CostModel(profile, "ngram", lazy_head=lazy)
+        assert costs.head_share(100) == (pytest.approx(0.5) if lazy else 0.0)
+        policy = CostAwareK(costs, k_max=3, default_later=0.75)
+        policy.start(prior_alpha=0.75)  # k = 1: tau 1.75 against 1.8 steps, or 1.675 lazily
+        chosen[lazy] = policy.choose(100)
+    assert chosen == {False: 0, True: 1}
+    trees = [TreeBudget(CostModel(profile, "ngram", lazy_head=lazy), k_max=3) for lazy in (False, True)]
+    full, lazy = (tree._rates(torch.tensor([0.9, 0.5, 0.2]), 1) for tree in trees)
+    assert lazy[0] == full[0] and all(a > b for a, b in zip(lazy[1:], full[1:]))
 
 
 def test_cost_aware_k_learns_each_position():

@@ -9,6 +9,8 @@ import torch
 
 from conftest import save_tiny_model
 from specdecode.config import SamplingParams
+from specdecode.control.policies import CostAwareK, CostModel
+from specdecode.cost.profile import CostProfile
 from specdecode.engine import SpeculativeEngine
 from specdecode.factory import load_model
 from specdecode.proposers.draft_model import DraftModelProposer
@@ -95,6 +97,15 @@ def test_greedy_verification_computes_the_head_up_to_the_first_rejection(models)
         assert result.token_ids == SpeculativeEngine(target.runtime).generate(prompt, GREEDY).token_ids
         assert steps > 0 and rows == result.stats.accepted_tokens + steps
         assert result.stats.rejections > 0 and rows < result.stats.draft_tokens + steps
+    # the k policy is told, per request, that greedy steps pay the head only for rows read
+    profile = CostProfile("m", "fp32", "cpu", 1, contexts=[100], sizes=[1, 2], step_ms=[[10, 11]],
+                          drafters={"ngram": 0.0}, head_ms=1.0)
+    policy = CostAwareK(CostModel(profile, "ngram"), k_max=3)
+    engine = SpeculativeEngine(target.runtime, proposer=NgramProposer(), k=policy)
+    engine.generate(prompt, GREEDY)
+    assert policy.costs.lazy_head
+    engine.generate(prompt, SamplingParams(temperature=0.8, max_new_tokens=8, seed=1))
+    assert not policy.costs.lazy_head
 
 
 def test_native_plain_matches_transformers_generate(tiny_llama_dir):

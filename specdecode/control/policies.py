@@ -90,9 +90,24 @@ class CostModel:
     profile: object  # CostProfile
     drafter: str
     _tables: dict = field(default_factory=dict, repr=False, compare=False)  # v_table's, by (bucket, k_max)
+    # True while the engine verifies greedily on a runtime that computes logits row by row
+    # (it sets this per request): a step then pays the output head only for the rows read
+    lazy_head: bool = False
 
     def v(self, k: int, context: int) -> float:
         return self.profile.v(k, context)
+
+    def head_share(self, context: int) -> float:
+        """What one unread row's output head saves, in decode steps (0 unless lazy_head):
+        a step scoring k + 1 tokens of which verification reads tau costs
+        v(k) - head_share (k + 1 - tau)."""
+        if not self.lazy_head:
+            return 0.0
+        bucket = context // 64 * 64 + 32
+        share = self._tables.get(("head", bucket))
+        if share is None:
+            share = self._tables[("head", bucket)] = getattr(self.profile, "head_ms", 0.0) / self.profile.time_ms(1, bucket)
+        return share
 
     @property
     def c(self) -> float:
@@ -176,6 +191,9 @@ class CostAwareK:
     def _best(self, context: int, explore: bool = False) -> int:
         table = self._v_table(context)
         taus = taus_conditional(self.first, self.conditional)
+        head = self.costs.head_share(context)
+        if head:  # the rows past the first rejection skip the output head
+            table = [v - head * (k + 1 - taus[k]) for k, v in enumerate(table)]
         k, speedup = best_k(self.alpha, table.__getitem__, self._c, self.k_max, tau=taus.__getitem__)
         depth = self.explore_from if explore else 0
         if 0 < depth < self.k_max and k <= depth:
@@ -240,7 +258,9 @@ class TreeBudget:
 
         r(n) = (1 + s P(n)) / (v(n) + d)
 
-    v(n): the profile's cost of scoring n + 1 tokens at this context; d = c x the head
+    v(n): the profile's cost of scoring n + 1 tokens at this context, less the output head
+    of the n - s P(n) nodes greedy verification is expected never to read where logits are
+    computed on demand (``CostModel.head_share``); d = c x the head
     passes the tree took (already spent, but spent whether n is 0 or not). n = 0 is a plain
     step. Whether to draft at all is decided before drafting, from the decayed mean of the
     best rate recent trees offered (seeded by the chain rate the calibrated acceptance
@@ -311,11 +331,13 @@ class TreeBudget:
     def _rates(self, confidence: torch.Tensor, passes: int) -> list[float]:
         """r(n) for n = 0..len(confidence), nodes most confident first."""
         table, d, s = self._v_table(self.context), passes * self._c, self.scale
+        head = self.costs.head_share(self.context)  # the nodes off the accepted path skip the output head
         ordered = sorted(confidence.tolist(), reverse=True)[: self.k_max]
         rates, predicted = [1.0 / (1.0 + d)], 0.0
         for n, p in enumerate(ordered, start=1):
             predicted += p
-            rates.append((1.0 + s * predicted) / (table[n] + d))
+            accepted = min(s * predicted, n)
+            rates.append((1.0 + accepted) / (table[n] - head * (n - accepted) + d))
         return rates
 
     def trim(self, proposal, context: int, passes: int):
@@ -346,8 +368,9 @@ class TreeBudget:
         if confidence is not None:  # the best rate this tree offered, by what was learnt from it
             offered = max(self._rates(confidence, passes))
         else:
-            table = self._v_table(self.context)
-            offered = (accepted + 1) / (table[min(drafted, self.k_max)] + passes * self._c)
+            table, kept = self._v_table(self.context), min(drafted, self.k_max)
+            head = self.costs.head_share(self.context)
+            offered = (accepted + 1) / (table[kept] - head * (kept - min(accepted, kept)) + passes * self._c)
         counts = self.rate_counts
         counts[0] = counts[0] * self.decay + offered
         counts[1] = counts[1] * self.decay + 1

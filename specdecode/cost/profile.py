@@ -37,7 +37,7 @@ from tqdm import tqdm
 from ..kernels import source_digest
 from ..models.loading import cache_dir
 
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
 # k + 1 for the k the policies choose (1..11) and the tree sizes to come (up to 64)
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 32, 64)
 CONTEXTS = (100, 600, 1500, 4000)
@@ -94,6 +94,10 @@ class CostProfile:
     batch_widths: list[int] = field(default_factory=list)
     batch_ms: list[list[float]] = field(default_factory=list)
     batch_context: int = BATCH_CONTEXT
+    # ms of one row through the final norm and output head alone, where the runtime computes
+    # logits row by row on demand (greedy verification stops at the first rejection); 0: not
+    # such a runtime
+    head_ms: float = 0.0
     version: int = PROFILE_VERSION
 
     def bandwidth_limit_ms(self, context: int, with_cache: bool = False) -> float:
@@ -135,6 +139,11 @@ class CostProfile:
     def v(self, k: int, context: int = 256) -> float:
         """Cost of scoring k+1 tokens relative to one decode step, at ``context``."""
         return self.time_ms(k + 1, context) / self.time_ms(1, context)
+
+    def head_share(self, context: int = 256) -> float:
+        """One output-head row relative to one decode step, at ``context`` (0 if unmeasured):
+        what a step saves per scored row that greedy verification never reads."""
+        return self.head_ms / self.time_ms(1, context)
 
     def c(self, drafter: str) -> float:
         if drafter not in self.drafters:
@@ -238,6 +247,15 @@ def measure_target(runtime, contexts=CONTEXTS, sizes=SIZES, repeats: int = 4,
         table.append([statistics.median(times[size]) for size in sizes])
     bar.close()
     return list(contexts), list(sizes), table
+
+
+def measure_head(runtime, repeats: int = 9) -> float:
+    """Median ms of one row through the final norm and output head on a runtime that
+    computes logits on demand (``lazy_logits``); 0.0 on any other."""
+    if not getattr(runtime, "lazy_logits", False):
+        return 0.0
+    row = torch.randn(1, runtime.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    return _median_ms(lambda: runtime.kernels.head_logits(row), repeats)
 
 
 def measure_batches(runtime, rows=BATCH_ROWS, widths=BATCH_WIDTHS, context: int = BATCH_CONTEXT, repeats: int = 3,
@@ -345,7 +363,7 @@ def get_profile(model_key: str, dtype: str, runtime, drafters: dict | None = Non
         describe = getattr(runtime, "describe", None)
         profile = CostProfile(model_key, dtype, machine_id(), torch.get_num_threads(), contexts, sizes, table,
                               bandwidth_gbs=measure_bandwidth(), weight_bytes=weight_bytes, kv_bytes_per_token=kv_bytes,
-                              runtime=describe() if describe else "")
+                              runtime=describe() if describe else "", head_ms=measure_head(runtime))
         changed = True
     for name, proposer in (drafters or {}).items():
         if name in profile.drafters and not force:
