@@ -370,6 +370,9 @@ def format_profile(profile, model: str) -> str:
             step = profile.step_ms[row][0]
             lines.append(f"  ctx {context:>5}: limit {weights:6.2f} ms | {both:6.2f} ms; step {step:6.2f} ms = "
                          f"{step / weights:.2f}x | {step / both:.2f}x")
+    if profile.head_ms:
+        lines.append(f"output head: {profile.head_ms:.2f} ms a row ({profile.head_share(profile.contexts[0]):.2f} of a "
+                     f"step at {profile.contexts[0]} tokens); greedy verification computes it only for the rows it reads")
     for name, c in profile.drafters.items():
         lines.append(f"drafter {name}: c = {c:.3f} of a target step per draft token")
     if profile.batch_ms:
