@@ -34,38 +34,51 @@ def _ints(name: str, default: str) -> tuple[int, ...]:
 # AB_CONTEXTS=100,1500 AB_SIZES=1,2 narrow the table
 CONTEXTS, SIZES, ROUNDS = _ints("AB_CONTEXTS", "100,600,1500,4000"), _ints("AB_SIZES", "1,2,4"), 6
 
-reference = kernels.load()
-libraries = {}
-build_dir = Path(tempfile.mkdtemp(prefix="step_ab_"))
-for argument in sys.argv[1:]:
-    name, source = argument.split("=", 1)
-    target = build_dir / f"{name}.so"
-    subprocess.run(["g++", *kernels.FLAGS, f"-march={kernels._march()}", source, "-o", str(target)], check=True)
-    library = ctypes.CDLL(str(target))
-    for function in ("sd_forward_layers", "sd_linear_forward", "sd_rms_norm", "sd_embed"):
-        getattr(library, function).argtypes = getattr(reference, function).argtypes
-    libraries[name] = library
 
-runtime = load_native(resolve_model("default").path, torch.bfloat16, weights="q4_1", backend="kernels")
-runtime.reset(max(CONTEXTS) + 100)
-generator = torch.Generator().manual_seed(0)
-minima: dict[str, list[float]] = {}
-for context in CONTEXTS:
-    while runtime.length < context:
-        runtime(torch.randint(0, 49152, (1, min(256, context - runtime.length)), generator=generator), last_only=True)
-    for size in SIZES:
-        ids = torch.randint(0, 49152, (1, size), generator=generator)
-        for _ in range(ROUNDS):
-            for name, library in libraries.items():
-                runtime.kernels.lib = library
-                times = []
-                for _ in range(12 if size == 1 else 6):
-                    started = time.perf_counter()
-                    runtime(ids)
-                    times.append(time.perf_counter() - started)
-                    runtime.rollback(context)
-                minima.setdefault(f"{context}/{size}/{name}", []).append(min(times) * 1e3)
-        print(f"context {context:5d} T {size}: " + "  ".join(
-            f"{name} {min(minima[f'{context}/{size}/{name}']):6.2f} ms (median {statistics.median(minima[f'{context}/{size}/{name}']):6.2f})"
-            for name in libraries), flush=True)
-print(json.dumps(minima))
+def build_libraries(arguments: list[str], functions=("sd_forward_layers", "sd_linear_forward", "sd_rms_norm",
+                                                     "sd_embed")) -> dict:
+    """``name=source.cpp`` arguments -> {name: the library built from it for this CPU}, with
+    the signatures of ``functions`` set as the installed kernels' (scripts/linear_ab.py too)."""
+    reference = kernels.load()
+    libraries = {}
+    build_dir = Path(tempfile.mkdtemp(prefix="step_ab_"))
+    for argument in arguments:
+        name, source = argument.split("=", 1)
+        target = build_dir / f"{name}.so"
+        subprocess.run(["g++", *kernels.FLAGS, f"-march={kernels._march()}", source, "-o", str(target)], check=True)
+        library = ctypes.CDLL(str(target))
+        for function in functions:
+            getattr(library, function).argtypes = getattr(reference, function).argtypes
+        libraries[name] = library
+    return libraries
+
+
+def main() -> None:
+    libraries = build_libraries(sys.argv[1:])
+    runtime = load_native(resolve_model("default").path, torch.bfloat16, weights="q4_1", backend="kernels")
+    runtime.reset(max(CONTEXTS) + 100)
+    generator = torch.Generator().manual_seed(0)
+    minima: dict[str, list[float]] = {}
+    for context in CONTEXTS:
+        while runtime.length < context:
+            runtime(torch.randint(0, 49152, (1, min(256, context - runtime.length)), generator=generator), last_only=True)
+        for size in SIZES:
+            ids = torch.randint(0, 49152, (1, size), generator=generator)
+            for _ in range(ROUNDS):
+                for name, library in libraries.items():
+                    runtime.kernels.lib = library
+                    times = []
+                    for _ in range(12 if size == 1 else 6):
+                        started = time.perf_counter()
+                        runtime(ids)
+                        times.append(time.perf_counter() - started)
+                        runtime.rollback(context)
+                    minima.setdefault(f"{context}/{size}/{name}", []).append(min(times) * 1e3)
+            print(f"context {context:5d} T {size}: " + "  ".join(
+                f"{name} {min(minima[f'{context}/{size}/{name}']):6.2f} ms (median {statistics.median(minima[f'{context}/{size}/{name}']):6.2f})"
+                for name in libraries), flush=True)
+    print(json.dumps(minima))
+
+
+if __name__ == "__main__":
+    main()
