@@ -106,7 +106,7 @@ class CostModel:
         bucket = context // 64 * 64 + 32
         share = self._tables.get(("head", bucket))
         if share is None:
-            share = self._tables[("head", bucket)] = getattr(self.profile, "head_ms", 0.0) / self.profile.time_ms(1, bucket)
+            share = self._tables[("head", bucket)] = self.profile.head_share(bucket)
         return share
 
     @property

@@ -120,11 +120,6 @@ class LazyLogits:
         """How many rows have been computed."""
         return len(self._rows)
 
-    def full(self) -> torch.Tensor:
-        """Every row, [B, T, V]."""
-        batch, width, _ = self.shape
-        return torch.stack([torch.stack([self.row(b, t) for t in range(width)]) for b in range(batch)])
-
 
 class KernelStack:
     def __init__(self, runtime):
