@@ -294,6 +294,27 @@ def test_greedy_speculation_is_bit_for_bit_plain_decoding_in_bf16(tmp_path, fmt)
     assert accepted > 0
 
 
+def test_vnni_build_equals_the_avx2_build(monkeypatch):
+    """Where the CPU has AVX-512 VNNI, the int8 and int4 products use vpdpbusd; their integer
+    sums are exact, so every row equals, bit for bit, what the AVX2-only build computes."""
+    if kernels.load().sd_simd() != 3:
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    native, avx2 = kernels.load(), kernels.load_build("haswell")
+    assert avx2.sd_simd() == 2
+    generator = torch.Generator().manual_seed(17)
+    for fmt in ("q4_1x8", "q8_0x8"):
+        layer = quantized(torch.randn(72, 320, generator=generator) * 0.05, fmt)
+        layer.qweight[:8] = 255 if fmt == "q4_1x8" else -128  # the first 8 rows' codes at their extremes
+        x = torch.randn(38, 320, generator=generator)
+        x[0] = x[0].sign() * 4.0  # every activation code at +-127
+        outputs = []
+        for library in (native, avx2):
+            monkeypatch.setattr(kernels, "load", lambda library=library: library)
+            outputs.append([kernel_linear(layer, x[:rows]) for rows in (1, 2, 3, 4, 5, 38)])
+        for vnni, plain in zip(*outputs):
+            assert torch.equal(vnni, plain), fmt
+
+
 def test_backend_choice_without_kernels(monkeypatch, tiny_llama_dir):
     """No compiler: the torch backend takes over for dense weights; int4, --exact and
     --backend kernels say why they cannot run."""

@@ -31,6 +31,14 @@
 #else
 #define SD_AVX2 0
 #endif
+// AVX-512 VNNI (Zen 4 and later, Intel from Ice Lake): vpdpbusd multiplies 4 unsigned by 4
+// signed bytes and adds them to a 32-bit lane in one instruction, where AVX2 needs maddubs
+// then madd. The integer sums are exact either way, so the results are bit for bit the same.
+#if SD_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define SD_VNNI 1
+#else
+#define SD_VNNI 0
+#endif
 
 #define SD_VERSION 4
 #define SD_KEY_CHUNK 256  // keys per attention partial; fixed, so results never depend on T
@@ -97,7 +105,7 @@ typedef struct {
 } sd_model;
 
 int sd_version(void) { return SD_VERSION; }
-int sd_simd(void) { return SD_AVX2 ? 2 : 0; }
+int sd_simd(void) { return SD_VNNI ? 3 : SD_AVX2 ? 2 : 0; }  // 3: AVX2 + AVX-512 VNNI
 int sd_key_chunk(void) { return SD_KEY_CHUNK; }
 
 }  // extern "C"
@@ -523,7 +531,11 @@ static inline void dot_q4_1(const int8_t* const* xq, const float* const* xd, con
 // The value as computed here, in a register: the compiler may not regroup the integer sums
 // across it. Left free, it sums the products of one activation row as they come and keeps
 // the other rows' products for a tree at the end, which spills them for two or more rows.
+#if SD_VNNI
+static inline void pin(__m256i& v) { asm("" : "+v"(v)); }  // any of the 32 EVEX registers
+#else
 static inline void pin(__m256i& v) { asm("" : "+x"(v)); }
+#endif
 
 // Four activation codes, xq[4 i4 .. 4 i4 + 3], in every 32-bit lane: from the row's
 // pre-broadcast table (linear_x8 builds one for a few rows: a load instead of a
@@ -573,6 +585,23 @@ static inline void dot_q4_1x8(const int8_t* const* xq, const int32_t* const* xb,
             _mm_prefetch((const char*)(d + 8 * b + SD_PREFETCH / 16), _MM_HINT_NTA);
             _mm_prefetch((const char*)(m + 8 * b + SD_PREFETCH / 16), _MM_HINT_NTA);
         }
+#if SD_VNNI
+        // low and high nibbles in two chains of 4 vpdpbusd each, added at the end
+        __m256i slo[R], shi[R];
+        for (int r = 0; r < R; r++) slo[r] = shi[r] = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(wb + 32 * i));
+            const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            for (int r = 0; r < R; r++) {
+                slo[r] = _mm256_dpbusd_epi32(slo[r], lo, act4<TABLE>(xq[r], xb[r], 8 * b + 2 * i));
+                shi[r] = _mm256_dpbusd_epi32(shi[r], hi, act4<TABLE>(xq[r], xb[r], 8 * b + 2 * i + 1));
+            }
+        }
+        (void)ones;  // AVX2's widening only
+        const __m256 dw = load8_f16(d + 8 * b);
+        for (int r = 0; r < R; r++) {
+            const __m256 isum = _mm256_cvtepi32_ps(_mm256_add_epi32(slo[r], shi[r]));
+#else
         __m256i s16[R];
         for (int i = 0; i < 4; i++) {
             const __m256i v = _mm256_loadu_si256((const __m256i*)(wb + 32 * i));
@@ -587,6 +616,7 @@ static inline void dot_q4_1x8(const int8_t* const* xq, const int32_t* const* xb,
         const __m256 dw = load8_f16(d + 8 * b);
         for (int r = 0; r < R; r++) {
             const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones));
+#endif
             acc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, _mm256_set1_ps(xd[r][b])), acc[r]);
         }
         if (!SPLIT) {
@@ -644,8 +674,12 @@ static inline void dot_q8_0x8(const int8_t* const* xq, const int32_t* const* xb,
             const __m256i magnitude = _mm256_sign_epi8(v, v);
             for (int r = 0; r < R; r++) {
                 const __m256i signed_x = _mm256_sign_epi8(act4<TABLE>(xq[r], xb[r], 8 * b + i), v);
+#if SD_VNNI
+                s32[r] = _mm256_dpbusd_epi32(i == 0 ? _mm256_setzero_si256() : s32[r], magnitude, signed_x);
+#else
                 const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones);
                 s32[r] = i == 0 ? p : _mm256_add_epi32(s32[r], p);
+#endif
                 pin(s32[r]);
             }
         }
@@ -767,8 +801,9 @@ __attribute__((noinline)) static void linear_x8_rows(const sd_linear* L, const s
 }
 
 // every group of 8 output features, split over the threads (one contiguous stream of
-// weights per thread), the activation rows up to four at a time: each row is computed the
-// same way in every tile (integer sums, then the same float operations in the same order)
+// weights per thread), the activation rows up to four (eight with VNNI) at a time: each
+// row is computed the same way in every tile (integer sums, then the same float operations
+// in the same order)
 template <bool TABLE>
 static inline void x8_groups(const sd_linear* L, const scratch_q& q, const int32_t* table, int64_t rows, float* out,
                              int64_t out_stride, int accumulate) {
@@ -781,6 +816,9 @@ static inline void x8_groups(const sd_linear* L, const scratch_q& q, const int32
 #pragma omp for schedule(static)
     for (int g = 0; g < groups; g++) {
         int64_t r = 0;
+#if SD_VNNI  // 32 vector registers: tiles of 8 rows (8 rows of a step 12.1 -> 9.5 ms on Zen 4)
+        for (; r + 8 <= rows; r += 8) linear_x8_rows<8, TABLE>(L, q, table, r, g, out, out_stride, accumulate);
+#endif
         for (; r + 4 <= rows; r += 4) linear_x8_rows<4, TABLE>(L, q, table, r, g, out, out_stride, accumulate);
         if (rows - r == 3) linear_x8_rows<3, TABLE>(L, q, table, r, g, out, out_stride, accumulate);
         if (rows - r == 2) linear_x8_rows<2, TABLE>(L, q, table, r, g, out, out_stride, accumulate);
@@ -797,8 +835,9 @@ static void linear_x8(const sd_linear* L, const float* x, int64_t rows, int64_t 
     // regrouped layers are bound by their instructions on Zen 1, not by memory (the same
     // time with the weights in cache), and this takes the 8 broadcasts per block and row
     // off the vector pipes: one token 5.09 -> 4.82 ms at 100 tokens of context, 4 tokens
-    // 16.7 -> 15.8 ms.
-    if (rows * L->cols * 8 <= SD_ACT_TABLE) {
+    // 16.7 -> 15.8 ms. With VNNI (Zen 4) the broadcasts from memory cost less than the
+    // table's loads: 8 rows of gate/up 84 -> 64 µs without it.
+    if (!SD_VNNI && rows * L->cols * 8 <= SD_ACT_TABLE) {
         alignas(32) int32_t table[SD_ACT_TABLE / 4];
         for (int64_t i = 0; i < rows * L->cols / 4; i++) {
             int32_t v;
