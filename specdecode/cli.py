@@ -371,8 +371,11 @@ def format_profile(profile, model: str) -> str:
             lines.append(f"  ctx {context:>5}: limit {weights:6.2f} ms | {both:6.2f} ms; step {step:6.2f} ms = "
                          f"{step / weights:.2f}x | {step / both:.2f}x")
     if profile.head_ms:
-        lines.append(f"output head: {profile.head_ms:.2f} ms a row ({profile.head_share(profile.contexts[0]):.2f} of a "
-                     f"step at {profile.contexts[0]} tokens); greedy verification computes it only for the rows it reads")
+        passes = " / ".join(f"{ms:.2f}" for ms in profile.head_full_ms[1:])
+        sizes = "/".join(str(size) for size in profile.head_sizes[1:])
+        lines.append(f"output head after the layers: on demand {profile.head_ms:.2f} ms for the first row read, "
+                     f"{profile.head_next_ms:.2f} ms for each further one; one pass over {sizes} rows {passes} ms")
+        lines.append("  greedy verification computes logits on demand where the k policy expects that to cost less")
     for name, c in profile.drafters.items():
         lines.append(f"drafter {name}: c = {c:.3f} of a target step per draft token")
     if profile.batch_ms:

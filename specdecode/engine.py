@@ -198,7 +198,7 @@ class SpeculativeEngine:
             self.proposer.start(tokens, capacity)
             costs = getattr(self.policy, "costs", None)
             if costs is not None:  # what a step costs depends on whether the head runs lazily
-                costs.lazy_head = bool(self._lazy(params, 1))
+                costs.lazy_head = self._can_lazy(params)
             self.policy.start(prior_alpha)
         if len(tokens) > 1:
             _, features = self._score(torch.tensor([tokens[:-1]]), last_only=True)
@@ -230,11 +230,20 @@ class SpeculativeEngine:
         text = tracker.text if self.tokenizer is not None else ""
         return Generation(generated, text, finish, stats)
 
+    def _can_lazy(self, params: SamplingParams) -> bool:
+        """Whether this request's steps may compute logits on demand: greedy verification
+        on a target that can (the CPU kernels), where the rows past the first rejection
+        then skip the output head."""
+        return params.greedy and getattr(self.target, "lazy_logits", False)
+
     def _lazy(self, params: SamplingParams, drafted: int) -> dict:
-        """The target-pass option for logits computed on demand: for greedy verification of
-        drafts, on a target that can (the CPU kernels), where the rows past the first
-        rejection then cost nothing in the output head."""
-        return {"lazy_logits": True} if drafted and params.greedy and getattr(self.target, "lazy_logits", False) else {}
+        """The target-pass option for logits on demand, for a step with ``drafted`` drafts:
+        where the request can, and the k policy (if it weighs costs) expects it to cost
+        less than one pass of the head over every row."""
+        if not (drafted and self._can_lazy(params)):
+            return {}
+        decide = getattr(self.policy, "lazy", None)
+        return {"lazy_logits": True} if decide is None or decide(drafted) else {}
 
     def _score(self, inputs: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One target pass: logits, and the captured layer inputs a head drafter reads (else None)."""

@@ -101,7 +101,8 @@ def test_profile_is_measured_once_cached_and_remeasured_on_request(tiny_llama_di
     assert first.sizes[0] == 1 and first.sizes[-1] == 64 and all(t > 0 for row in first.step_ms for t in row)
     assert first.drafters["ngram"] >= 0
     assert load_profile("tiny", "fp32").step_ms == first.step_ms
-    assert model.runtime.lazy_logits and 0 < first.head_share(100) < 1  # one head row, measured
+    assert model.runtime.lazy_logits and first.head_ms > 0 and first.head_next_ms > 0  # the head, measured
+    assert first.head_sizes[0] == 1 and len(first.head_full_ms) == len(first.head_sizes)
 
     calls = []
     original = profile_module.measure_target
@@ -186,7 +187,7 @@ def test_policies_charge_the_head_only_for_the_rows_greedy_verification_reads():
     chosen = {}
     for lazy in (False, True):
         costs = CostModel(profile, "ngram", lazy_head=lazy)
-        assert costs.head_share(100) == (pytest.approx(0.5) if lazy else 0.0)
+        assert costs.head_saving(1, 1.0, 100) == (pytest.approx(0.5) if lazy else 0.0)
         policy = CostAwareK(costs, k_max=3, default_later=0.75)
         policy.start(prior_alpha=0.75)  # k = 1: tau 1.75 against 1.8 steps, or 1.675 lazily
         chosen[lazy] = policy.choose(100)
@@ -194,6 +195,30 @@ def test_policies_charge_the_head_only_for_the_rows_greedy_verification_reads():
     trees = [TreeBudget(CostModel(profile, "ngram", lazy_head=lazy), k_max=3) for lazy in (False, True)]
     full, lazy = (tree._rates(torch.tensor([0.9, 0.5, 0.2]), 1) for tree in trees)
     assert lazy[0] == full[0] and all(a > b for a, b in zip(lazy[1:], full[1:]))
+
+
+def test_logits_on_demand_only_where_they_cost_less():
+    """A head bound by reading its weights costs about as much for one row as for all: each
+    row read on demand reads them again. The policies then price a step at the full pass
+    and ask for it, unless verification is expected to read a single row."""
+    profile = CostProfile("m", "fp32", "cpu", 2, contexts=[100], sizes=[1, 2, 4], step_ms=[[10, 11, 13]],
+                          drafters={"ngram": 0.0}, head_ms=2.0, head_next_ms=2.0, head_sizes=[1, 2, 4],
+                          head_full_ms=[2.0, 2.2, 2.6])
+    costs = CostModel(profile, "ngram", lazy_head=True)
+    assert profile.lazy_head_saving_ms(4, 1.0) == pytest.approx(0.6)
+    assert profile.lazy_head_saving_ms(4, 2.5) == pytest.approx(2.6 - 5.0)
+    assert costs.step_cost(3, 1.0, 100) == (pytest.approx(1.3 - 0.06), True)
+    assert costs.step_cost(3, 2.5, 100) == (pytest.approx(1.3), False)  # never priced above the full pass
+    chain = CostAwareK(costs, k_max=3, default_later=0.9)
+    for alpha, lazy in ((0.02, True), (0.9, False)):
+        chain.start(prior_alpha=alpha)
+        chain.choose(100)
+        assert chain.lazy(3) == lazy, alpha
+    tree = TreeBudget(costs, k_max=3)
+    for confidence, lazy in (([0.01, 0.01, 0.01], True), ([0.95, 0.9, 0.85], False)):
+        tree.start()
+        tree.trim(chain_proposal(confidence, passes=1), 100, 1)
+        assert tree.lazy(3) == lazy, confidence
 
 
 def test_cost_aware_k_learns_each_position():

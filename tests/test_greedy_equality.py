@@ -106,6 +106,17 @@ def test_greedy_verification_computes_the_head_up_to_the_first_rejection(models)
     assert policy.costs.lazy_head
     engine.generate(prompt, SamplingParams(temperature=0.8, max_new_tokens=8, seed=1))
     assert not policy.costs.lazy_head
+    # where one pass of the head over every row costs what one row on demand does (a head
+    # bound by reading its weights), the policy asks for the full pass and the engine obeys
+    for full_ms, computed in (([1.0, 2.0], True), ([1.0, 1.0], False)):
+        profile = CostProfile("m", "fp32", "cpu", 1, contexts=[100], sizes=[1, 2], step_ms=[[10, 11]],
+                              drafters={"ngram": 0.0}, head_ms=1.0, head_next_ms=1.0, head_sizes=[1, 2],
+                              head_full_ms=full_ms)
+        engine = SpeculativeEngine(target.runtime, proposer=NgramProposer((1,)), k=CostAwareK(CostModel(profile, "ngram"), k_max=1))
+        before = stack.head_rows
+        result = engine.generate(prompt, GREEDY)
+        assert result.stats.drafted_per_position[0] > 0 and (stack.head_rows > before) == computed
+        assert result.token_ids == SpeculativeEngine(target.runtime).generate(prompt, GREEDY).token_ids
 
 
 def test_native_plain_matches_transformers_generate(tiny_llama_dir):

@@ -90,24 +90,30 @@ class CostModel:
     profile: object  # CostProfile
     drafter: str
     _tables: dict = field(default_factory=dict, repr=False, compare=False)  # v_table's, by (bucket, k_max)
-    # True while the engine verifies greedily on a runtime that computes logits row by row
-    # (it sets this per request): a step then pays the output head only for the rows read
+    # True while the engine verifies greedily on a runtime that can compute logits row by
+    # row (it sets this per request): a step may then pay the output head only for the rows
+    # read, where that costs less than one pass over all (step_cost says which)
     lazy_head: bool = False
 
     def v(self, k: int, context: int) -> float:
         return self.profile.v(k, context)
 
-    def head_share(self, context: int) -> float:
-        """What one unread row's output head saves, in decode steps (0 unless lazy_head):
-        a step scoring k + 1 tokens of which verification reads tau costs
-        v(k) - head_share (k + 1 - tau)."""
-        if not self.lazy_head:
+    def head_saving(self, k: int, read: float, context: int) -> float:
+        """Decode steps a step scoring k + 1 tokens saves when its logits are computed on
+        demand and verification reads ``read`` rows (expected), against one pass of the
+        head over all k + 1: from the profile's measured head costs; negative where on
+        demand costs more (a head bound by reading its weights). 0 unless lazy_head."""
+        if not self.lazy_head or k < 1:
             return 0.0
-        bucket = context // 64 * 64 + 32
-        share = self._tables.get(("head", bucket))
-        if share is None:
-            share = self._tables[("head", bucket)] = self.profile.head_share(bucket)
-        return share
+        return self.profile.lazy_head_saving_ms(k + 1, read) / self.profile.time_ms(1, context // 64 * 64 + 32)
+
+    def step_cost(self, k: int, read: float, context: int, table: list[float] | None = None) -> tuple[float, bool]:
+        """(cost in decode steps, whether logits on demand) of a greedy-or-not step scoring
+        k + 1 tokens of which verification reads ``read`` (expected): v(k), less what
+        computing logits on demand saves where it saves."""
+        v = (table or self.v_table(context, k))[k]
+        saving = self.head_saving(k, read, context)
+        return (v - saving, True) if saving > 0 else (v, False)
 
     @property
     def c(self) -> float:
@@ -191,9 +197,8 @@ class CostAwareK:
     def _best(self, context: int, explore: bool = False) -> int:
         table = self._v_table(context)
         taus = taus_conditional(self.first, self.conditional)
-        head = self.costs.head_share(context)
-        if head:  # the rows past the first rejection skip the output head
-            table = [v - head * (k + 1 - taus[k]) for k, v in enumerate(table)]
+        if self.costs.lazy_head:  # the rows past the first rejection may skip the output head
+            table = [self.costs.step_cost(k, taus[k], context, table)[0] for k in range(len(table))]
         k, speedup = best_k(self.alpha, table.__getitem__, self._c, self.k_max, tau=taus.__getitem__)
         depth = self.explore_from if explore else 0
         if 0 < depth < self.k_max and k <= depth:
@@ -218,6 +223,11 @@ class CostAwareK:
         self.explore_from = 0
         self.chosen.append(k)
         return k
+
+    def lazy(self, drafted: int) -> bool:
+        """Whether this step, with ``drafted`` drafts, should compute logits on demand."""
+        taus = taus_conditional(self.first, self.conditional)
+        return self.costs.step_cost(drafted, taus[min(drafted, len(taus) - 1)], self.context)[1]
 
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
@@ -260,7 +270,7 @@ class TreeBudget:
 
     v(n): the profile's cost of scoring n + 1 tokens at this context, less the output head
     of the n - s P(n) nodes greedy verification is expected never to read where logits are
-    computed on demand (``CostModel.head_share``); d = c x the head
+    computed on demand, where that is cheaper (``CostModel.step_cost``); d = c x the head
     passes the tree took (already spent, but spent whether n is 0 or not). n = 0 is a plain
     step. Whether to draft at all is decided before drafting, from the decayed mean of the
     best rate recent trees offered (seeded by the chain rate the calibrated acceptance
@@ -331,13 +341,12 @@ class TreeBudget:
     def _rates(self, confidence: torch.Tensor, passes: int) -> list[float]:
         """r(n) for n = 0..len(confidence), nodes most confident first."""
         table, d, s = self._v_table(self.context), passes * self._c, self.scale
-        head = self.costs.head_share(self.context)  # the nodes off the accepted path skip the output head
         ordered = sorted(confidence.tolist(), reverse=True)[: self.k_max]
         rates, predicted = [1.0 / (1.0 + d)], 0.0
         for n, p in enumerate(ordered, start=1):
             predicted += p
-            accepted = min(s * predicted, n)
-            rates.append((1.0 + accepted) / (table[n] - head * (n - accepted) + d))
+            accepted = min(s * predicted, n)  # the nodes off the accepted path may skip the output head
+            rates.append((1.0 + accepted) / (self.costs.step_cost(n, 1.0 + accepted, self.context, table)[0] + d))
         return rates
 
     def trim(self, proposal, context: int, passes: int):
@@ -354,6 +363,12 @@ class TreeBudget:
         self.last_best = best
         return kept
 
+    def lazy(self, nodes: int) -> bool:
+        """Whether this step, a tree of ``nodes`` kept nodes, should compute logits on demand."""
+        _, predicted, _ = self.last_step
+        accepted = min(self.scale * predicted, nodes) if predicted is not None else nodes / 2
+        return self.costs.step_cost(nodes, 1.0 + accepted, self.context)[1]
+
     def observe(self, drafted: int, accepted: int) -> None:
         """After a tree step that kept ``drafted`` nodes and accepted ``accepted``."""
         confidence, predicted, passes = self.last_step
@@ -369,8 +384,8 @@ class TreeBudget:
             offered = max(self._rates(confidence, passes))
         else:
             table, kept = self._v_table(self.context), min(drafted, self.k_max)
-            head = self.costs.head_share(self.context)
-            offered = (accepted + 1) / (table[kept] - head * (kept - min(accepted, kept)) + passes * self._c)
+            cost = self.costs.step_cost(kept, 1.0 + min(accepted, kept), self.context, table)[0]
+            offered = (accepted + 1) / (cost + passes * self._c)
         counts = self.rate_counts
         counts[0] = counts[0] * self.decay + offered
         counts[1] = counts[1] * self.decay + 1

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from ..kernels import source_digest
 from ..models.loading import cache_dir
 
-PROFILE_VERSION = 5
+PROFILE_VERSION = 6
 # k + 1 for the k the policies choose (1..11) and the tree sizes to come (up to 64)
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 32, 64)
 CONTEXTS = (100, 600, 1500, 4000)
@@ -94,10 +94,17 @@ class CostProfile:
     batch_widths: list[int] = field(default_factory=list)
     batch_ms: list[list[float]] = field(default_factory=list)
     batch_context: int = BATCH_CONTEXT
-    # ms of one row through the final norm and output head alone, where the runtime computes
-    # logits row by row on demand (greedy verification stops at the first rejection); 0: not
-    # such a runtime
+    # Where the runtime computes logits row by row on demand (greedy verification stops at
+    # the first rejection), what the output head costs after a step's layers, in ms: the
+    # first row read (head_ms), each further row (head_next_ms), and the whole head over n
+    # rows in one pass (head_full_ms at head_sizes). head_ms 0: not such a runtime. Where
+    # the head is compute bound (AVX2 Zen 1) a row on demand saves most of a full row;
+    # where it is bound by reading its weights (Zen 4), every row read streams them again
+    # and one pass over all rows costs about what one row does.
     head_ms: float = 0.0
+    head_next_ms: float = 0.0
+    head_sizes: list[int] = field(default_factory=list)
+    head_full_ms: list[float] = field(default_factory=list)
     version: int = PROFILE_VERSION
 
     def bandwidth_limit_ms(self, context: int, with_cache: bool = False) -> float:
@@ -140,10 +147,18 @@ class CostProfile:
         """Cost of scoring k+1 tokens relative to one decode step, at ``context``."""
         return self.time_ms(k + 1, context) / self.time_ms(1, context)
 
-    def head_share(self, context: int = 256) -> float:
-        """One output-head row relative to one decode step, at ``context`` (0 if unmeasured):
-        what a step saves per scored row that greedy verification never reads."""
-        return self.head_ms / self.time_ms(1, context)
+    def lazy_head_saving_ms(self, rows: int, read: float) -> float:
+        """Milliseconds a step scoring ``rows`` tokens saves by computing logits on demand
+        when verification reads ``read`` rows (expected; at least 1), against one pass of the
+        head over every row; negative where on demand costs more. 0 if unmeasured. Without
+        a full-pass table (older or synthetic profiles) a row costs head_ms either way."""
+        if not self.head_ms:
+            return 0.0
+        read = min(max(read, 1.0), float(rows))
+        if self.head_full_ms:
+            full = _interp_extended(self.head_sizes, self.head_full_ms, rows)
+            return full - (self.head_ms + (read - 1.0) * self.head_next_ms)
+        return self.head_ms * (rows - read)
 
     def c(self, drafter: str) -> float:
         if drafter not in self.drafters:
@@ -249,13 +264,46 @@ def measure_target(runtime, contexts=CONTEXTS, sizes=SIZES, repeats: int = 4,
     return list(contexts), list(sizes), table
 
 
-def measure_head(runtime, repeats: int = 9) -> float:
-    """Median ms of one row through the final norm and output head on a runtime that
-    computes logits on demand (``lazy_logits``); 0.0 on any other."""
+def measure_head(runtime, sizes=(2, 4, 8), context: int = 100, repeats: int = 15) -> dict:
+    """What the output head costs after a step's layers on a runtime that computes logits
+    on demand (``lazy_logits``), as CostProfile's head_* fields; {} on any other. Each
+    repetition times, back to back on the same tokens, the layers alone (no row read), then
+    with the first row read, with two rows read, and the plain pass (the head over every
+    row); the costs are medians of the differences, so the head is charged cold, as a
+    step's last read."""
     if not getattr(runtime, "lazy_logits", False):
-        return 0.0
-    row = torch.randn(1, runtime.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    return _median_ms(lambda: runtime.kernels.head_logits(row), repeats)
+        return {}
+    context = max(0, min(context, runtime.max_positions - max(sizes) - 1))
+    generator = torch.Generator().manual_seed(0)
+    runtime.reset(context + max(sizes) + 1)
+    extend_context(runtime, context, generator)
+
+    def timed(tokens, read: int | None) -> float:
+        started = time.perf_counter()
+        if read is None:
+            runtime(tokens)
+        else:
+            logits = runtime(tokens, lazy_logits=True)
+            for position in range(read):
+                logits.row(0, position)
+        elapsed = (time.perf_counter() - started) * 1e3
+        runtime.rollback(context)
+        return elapsed
+
+    first, further, full = [], [], {size: [] for size in sizes}
+    for size in sizes:
+        tokens = torch.randint(0, runtime.vocab_size, (1, size), generator=generator)
+        for round_ in range(repeats + 1):  # round 0 warms up
+            layers, one, two, every = (timed(tokens, read) for read in (0, 1, 2, None))
+            if round_:
+                first.append(one - layers)
+                further.append(two - one)
+                full[size].append(every - layers)
+    positive = lambda values: max(statistics.median(values), 1e-3)  # noqa: E731 (a difference of noisy times)
+    passes = [positive(first)]
+    for size in sizes:  # more rows never cost less: a dip is noise
+        passes.append(max(positive(full[size]), passes[-1]))
+    return {"head_ms": passes[0], "head_next_ms": positive(further), "head_sizes": [1, *sizes], "head_full_ms": passes}
 
 
 def measure_batches(runtime, rows=BATCH_ROWS, widths=BATCH_WIDTHS, context: int = BATCH_CONTEXT, repeats: int = 3,
@@ -363,7 +411,7 @@ def get_profile(model_key: str, dtype: str, runtime, drafters: dict | None = Non
         describe = getattr(runtime, "describe", None)
         profile = CostProfile(model_key, dtype, machine_id(), torch.get_num_threads(), contexts, sizes, table,
                               bandwidth_gbs=measure_bandwidth(), weight_bytes=weight_bytes, kv_bytes_per_token=kv_bytes,
-                              runtime=describe() if describe else "", head_ms=measure_head(runtime))
+                              runtime=describe() if describe else "", **measure_head(runtime))
         changed = True
     for name, proposer in (drafters or {}).items():
         if name in profile.drafters and not force:
