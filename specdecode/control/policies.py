@@ -108,9 +108,9 @@ class CostModel:
         return self.profile.lazy_head_saving_ms(k + 1, read) / self.profile.time_ms(1, context // 64 * 64 + 32)
 
     def step_cost(self, k: int, read: float, context: int, table: list[float] | None = None) -> tuple[float, bool]:
-        """(cost in decode steps, whether logits on demand) of a greedy-or-not step scoring
-        k + 1 tokens of which verification reads ``read`` (expected): v(k), less what
-        computing logits on demand saves where it saves."""
+        """(cost in decode steps, whether to compute logits on demand) of a step scoring
+        k + 1 tokens of which verification is expected to read ``read``: v(k), less what
+        logits on demand save where they save anything."""
         v = (table or self.v_table(context, k))[k]
         saving = self.head_saving(k, read, context)
         return (v - saving, True) if saving > 0 else (v, False)
