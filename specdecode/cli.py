@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     srv.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"])
     srv.add_argument("--backend", default="auto", choices=["auto", "kernels", "torch"])
-    srv.add_argument("--threads", type=int, default=None)
+    srv.add_argument("--threads", type=int, default=None, help="kernel threads (default: every core but one, which the HTTP front end keeps; docs/serving.md)")
     srv.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill chunk; chunks interleave with decode steps")
     srv.set_defaults(exact=None, device="cpu")
 
@@ -520,8 +520,10 @@ def cmd_presets(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from .serve.server import build_state, serve
+    from .serve.server import build_state, serve, serving_threads
 
+    if args.threads is None and args.replicas is None:
+        args.threads = serving_threads()
     config = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads, weights=args.weights,
                           backend=args.backend, prefill_chunk=args.prefill_chunk)
     if args.threads:
