@@ -24,10 +24,12 @@ test: install
 
 # llama.cpp (llama-cpp-python) for `specdecode bench --methods none,ngram,llamacpp`: built from
 # source for this machine's instruction set (GGML_NATIVE=ON segfaulted on one of our machines);
-# AVX-512 only where the CPU has it. Not part of `make test`.
+# AVX-512 (and its VNNI and BF16 extensions) only where the CPU has it. Not part of `make test`.
 GGML_AVX512 := $(shell grep -q avx512f /proc/cpuinfo 2>/dev/null && echo ON || echo OFF)
+GGML_AVX512_VNNI := $(shell grep -q avx512_vnni /proc/cpuinfo 2>/dev/null && echo ON || echo OFF)
+GGML_AVX512_BF16 := $(shell grep -q avx512_bf16 /proc/cpuinfo 2>/dev/null && echo ON || echo OFF)
 peers: install
-	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=$(GGML_AVX512) -DGGML_OPENMP=OFF" \
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=$(GGML_AVX512) -DGGML_AVX512_VNNI=$(GGML_AVX512_VNNI) -DGGML_AVX512_BF16=$(GGML_AVX512_BF16) -DGGML_OPENMP=OFF" \
 		$(BIN)/pip install --quiet 'llama-cpp-python==0.3.36'
 
 bench: install
