@@ -247,22 +247,41 @@ def cost_profile(target: LoadedModel, dtype: str, drafters: dict | None = None, 
     return get_profile(model_key(target), dtype, target.runtime, drafters, force=force)
 
 
-CALIBRATION_PROMPTS = ("code-03", "summarization-03", "open_qa-03")
+# One prompt per task type of the suite, written for calibration alone: neither the
+# benchmark suite's prompts nor the drafter training set's (a head calibrated on prompts it
+# was trained on would start every request too hopeful), so the adaptive-k priors come
+# from a mixed workload no measurement is taken on.
+CALIBRATION_PROMPTS = (
+    "Write a Python function `merge_intervals(intervals)` that merges overlapping [start, end] "
+    "pairs and returns them sorted.",
+    "Write a four-line poem about a night train crossing a snowy valley.",
+    "From the sentence 'The bakery on Mill Road, opened by Ana Ruiz in 2011, sells 300 loaves a "
+    "day', extract the owner, the street and the year as a list.",
+    "Return a JSON object describing a book: title 'The Quiet Harbour', author Mei Lin, year 2019, "
+    "pages 312. Output only JSON.",
+    "A shop sells pencils in packs of 12. A school needs 150 pencils. How many packs must it buy?",
+    "Why do leaves change colour in autumn?",
+    "Summarize in two sentences: The village council voted to close the main street to cars on "
+    "Saturdays from May to September. Shop owners had asked for the change after a trial last "
+    "year brought more visitors. Buses will be rerouted along the river road, and parking will "
+    "be free at the station on those days.",
+    "Complete this message by filling the brackets: 'Dear [name], your order [number] will "
+    "arrive on [date]. Thank you for shopping with [shop].'",
+    "Translate into French: 'The museum opens at nine and closes at six on weekdays.'",
+)
 
 
 def calibration_runs(target: LoadedModel, proposer, k: int = 4, max_new_tokens: int = 32) -> list:
-    """Greedy generations with a fixed k on three built-in prompts (code, summary,
-    question); their GenerationStats. Empty without a tokenizer."""
-    from .prompts import load_prompts
+    """Greedy generations with a fixed k on the calibration prompts (one per task type);
+    their GenerationStats. Empty without a tokenizer."""
     from .config import SamplingParams
 
     if target.tokenizer is None:
         return []
-    prompts = {p["question_id"]: p["prompt"] for p in load_prompts(None)}
     engine = SpeculativeEngine(target.runtime, target.tokenizer, proposer, k, target.eos_token_ids)
     room = target.runtime.max_positions - max_new_tokens - k - 2
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    return [engine.generate(engine.encode(prompts[q])[-room:], params).stats for q in CALIBRATION_PROMPTS]
+    return [engine.generate(engine.encode(prompt)[-room:], params).stats for prompt in CALIBRATION_PROMPTS]
 
 
 def calibrate_acceptance(target: LoadedModel, proposer) -> tuple[float, float] | None:
@@ -286,7 +305,7 @@ def build_policy(spec: SpeculativeConfig, target: LoadedModel, proposer, dtype: 
     name = drafter_key(spec)
     profile = cost_profile(target, dtype, {name: proposer})
     if name not in profile.acceptance:
-        log(f"calibrating the acceptance of {name} on 3 built-in prompts (once; cached)")
+        log(f"calibrating the acceptance of {name} on {len(CALIBRATION_PROMPTS)} built-in prompts (once; cached)")
         rates = calibrate_acceptance(target, proposer)
         if rates is not None:
             profile.acceptance[name] = list(rates)

@@ -132,7 +132,7 @@ def test_check_compatible_pair_calibrates(tmp_path, capsys):
     assert result.compatible and result.verdict == "COMPATIBLE"
     assert main(["check", str(target), str(draft), "--dtype", "fp32", "--k", "3"]) == 0
     out = capsys.readouterr().out
-    assert "calibration (greedy, 3 prompts): per-trial alpha" in out and "expected speedup" in out
+    assert "calibration (greedy, 9 prompts): per-trial alpha" in out and "expected speedup" in out
     verdict = next(line for line in out.splitlines() if line.startswith("verdict:"))
     assert verdict.startswith(("verdict: COMPATIBLE - expected ", "verdict: COMPATIBLE - but speculation does not pay"))
 

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from ..kernels import source_digest
 from ..models.loading import cache_dir
 
-PROFILE_VERSION = 6
+PROFILE_VERSION = 8
 # k + 1 for the k the policies choose (1..11) and the tree sizes to come (up to 64)
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 32, 64)
 CONTEXTS = (100, 600, 1500, 4000)
@@ -230,9 +230,10 @@ def timed_forward_ms(runtime, tokens: torch.Tensor, context: int) -> float:
     return elapsed
 
 
-def measure_target(runtime, contexts=CONTEXTS, sizes=SIZES, repeats: int = 4,
+def measure_target(runtime, contexts=CONTEXTS, sizes=SIZES, repeats: int = 6,
                    progress: bool = True) -> tuple[list[int], list[int], list[list[float]]]:
-    """Median forward time for each (context, size) the model's context allows.
+    """Forward time for each (context, size) the model's context allows: the median of the
+    single-token times, times the median of each size's ratio to them round by round.
 
     Sizes are timed in interleaved rounds (each round visits every size once, in a
     shuffled order) rather than one size at a time, so that a transient slowdown of the
@@ -259,7 +260,12 @@ def measure_target(runtime, contexts=CONTEXTS, sizes=SIZES, repeats: int = 4,
                 if round_:
                     times[size].append(elapsed)
             bar.update()
-        table.append([statistics.median(times[size]) for size in sizes])
+        # v(T) is what the policies read: each size's time over the same round's T = 1 time,
+        # medians of those ratios, so a drift of the whole machine between rounds (±15% over
+        # minutes here) cancels instead of landing in one size's median
+        single = statistics.median(times[sizes[0]])
+        table.append([single * statistics.median(t / one for t, one in zip(times[size], times[sizes[0]]))
+                      for size in sizes])
     bar.close()
     return list(contexts), list(sizes), table
 
