@@ -208,6 +208,9 @@ def test_long_context_rows_are_invariant_across_key_chunks(tmp_path, hidden_size
     runtime.rollback(600)
     one_by_one = torch.cat([runtime(tokens[:, 600 + i : 601 + i]) for i in range(64)], dim=1)
     assert torch.equal(one_by_one, together)
+    for count in (2, 3):  # 4 and 6 query heads per chunk (the direct path, with 32 registers)
+        runtime.rollback(600)
+        assert torch.equal(runtime(tokens[:, 600 : 600 + count]), one_by_one[:, :count]), count
 
 
 def test_tree_node_equals_the_same_token_in_a_chain(tmp_path):
