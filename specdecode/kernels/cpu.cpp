@@ -1261,17 +1261,28 @@ static void attend_chunk(const sd_model* M, const sd_layer* L, const float* cons
 #endif
         }
 #if SD_AVX2
-    if (M->kv_fmt == SD_BF16 && D == 64 && heads <= (SD_AVX512 ? 6 : 3)) {
-        float* outs[6];
+    if (M->kv_fmt == SD_BF16 && D == 64 && (SD_AVX512 || heads <= 3)) {
+        float* outs[SD_SCORE_ROWS];
         for (int h = 0; h < heads; h++) outs[h] = partials[h / per] + (int64_t)(h % per) * (D + 2);
 #if SD_AVX512
+        // more heads in groups of 6, each group reading the chunk's rows again (from L2): 4
+        // tokens at 4,000 of context 17.3 -> 14.2 ms a step on Zen 4, prefill unchanged
         if (heads > 3) {
-            if (heads == 6)
-                attend_chunk_direct<6>(M, L, q, outs, base, start, new_index, first, count);
-            else if (heads == 5)
-                attend_chunk_direct<5>(M, L, q, outs, base, start, new_index, first, count);
-            else
-                attend_chunk_direct<4>(M, L, q, outs, base, start, new_index, first, count);
+            for (int h0 = 0; h0 < heads; h0 += 6) {
+                const int n = heads - h0 < 6 ? heads - h0 : 6;
+                if (n == 6)
+                    attend_chunk_direct<6>(M, L, q + h0, outs + h0, base, start, new_index, first, count);
+                else if (n == 5)
+                    attend_chunk_direct<5>(M, L, q + h0, outs + h0, base, start, new_index, first, count);
+                else if (n == 4)
+                    attend_chunk_direct<4>(M, L, q + h0, outs + h0, base, start, new_index, first, count);
+                else if (n == 3)
+                    attend_chunk_direct<3>(M, L, q + h0, outs + h0, base, start, new_index, first, count);
+                else if (n == 2)
+                    attend_chunk_direct<2>(M, L, q + h0, outs + h0, base, start, new_index, first, count);
+                else
+                    attend_chunk_direct<1>(M, L, q + h0, outs + h0, base, start, new_index, first, count);
+            }
             return;
         }
 #endif
