@@ -234,7 +234,7 @@ class SpeculativeEngine:
         """Whether this request's steps may compute logits on demand: greedy verification
         on a target that can (the CPU kernels), where the rows past the first rejection
         then skip the output head."""
-        return params.greedy and getattr(self.target, "lazy_logits", False)
+        return bool(params.greedy and getattr(self.target, "lazy_logits", False))
 
     def _lazy(self, params: SamplingParams, drafted: int) -> dict:
         """The target-pass option for logits on demand, for a step with ``drafted`` drafts:

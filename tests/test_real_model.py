@@ -169,7 +169,7 @@ def test_real_model_check(capsys):
 
     assert main(["check", "default", "self:4", "--dtype", "bf16"]) == 0
     out = capsys.readouterr().out
-    assert "verdict: COMPATIBLE" in out and "calibration (greedy, 3 prompts): per-trial alpha" in out
+    assert "verdict: COMPATIBLE" in out and "calibration (greedy, 9 prompts): per-trial alpha" in out
     # the untrained first-4-layer drafter accepts ~1% of drafts: plain decoding must win
     assert "speculation does not pay with this pair on this machine" in out
 

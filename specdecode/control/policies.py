@@ -105,7 +105,14 @@ class CostModel:
         demand costs more (a head bound by reading its weights). 0 unless lazy_head."""
         if not self.lazy_head or k < 1:
             return 0.0
-        return self.profile.lazy_head_saving_ms(k + 1, read) / self.profile.time_ms(1, context // 64 * 64 + 32)
+        bucket = context // 64 * 64 + 32
+        single = self._tables.get(("single", bucket))  # a step's decision must cost microseconds
+        if single is None:
+            single = self._tables[("single", bucket)] = self.profile.time_ms(1, bucket)
+        full = self._tables.get(("head pass", k))
+        if full is None:
+            full = self._tables[("head pass", k)] = self.profile.head_pass_ms(k + 1)
+        return (full - self.profile.lazy_head_ms(read, k + 1)) / single
 
     def step_cost(self, k: int, read: float, context: int, table: list[float] | None = None) -> tuple[float, bool]:
         """(cost in decode steps, whether to compute logits on demand) of a step scoring
@@ -364,7 +371,9 @@ class TreeBudget:
         return kept
 
     def lazy(self, nodes: int) -> bool:
-        """Whether this step, a tree of ``nodes`` kept nodes, should compute logits on demand."""
+        """Whether this step, a tree of ``nodes`` kept nodes, should compute logits on demand:
+        the accepted count expected from the last trim's confidences (half the nodes for a
+        drafter that gives none)."""
         _, predicted, _ = self.last_step
         accepted = min(self.scale * predicted, nodes) if predicted is not None else nodes / 2
         return self.costs.step_cost(nodes, 1.0 + accepted, self.context)[1]

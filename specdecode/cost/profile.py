@@ -147,18 +147,25 @@ class CostProfile:
         """Cost of scoring k+1 tokens relative to one decode step, at ``context``."""
         return self.time_ms(k + 1, context) / self.time_ms(1, context)
 
+    def head_pass_ms(self, rows: int) -> float:
+        """The output head over ``rows`` rows in one pass, after a step's layers (0 if
+        unmeasured). Without a full-pass table (a synthetic profile) a row costs head_ms."""
+        if self.head_full_ms:
+            return _interp_extended(self.head_sizes, self.head_full_ms, rows)
+        return self.head_ms * rows
+
+    def lazy_head_ms(self, read: float, rows: int) -> float:
+        """The output head on demand for ``read`` of ``rows`` rows (expected; at least 1)."""
+        read = min(max(read, 1.0), float(rows))
+        return self.head_ms + (read - 1.0) * (self.head_next_ms if self.head_full_ms else self.head_ms)
+
     def lazy_head_saving_ms(self, rows: int, read: float) -> float:
         """Milliseconds a step scoring ``rows`` tokens saves by computing logits on demand
-        when verification reads ``read`` rows (expected; at least 1), against one pass of the
-        head over every row; negative where on demand costs more. 0 if unmeasured. Without
-        a full-pass table (older or synthetic profiles) a row costs head_ms either way."""
+        when verification reads ``read`` rows, against one pass of the head over every row;
+        negative where on demand costs more. 0 if unmeasured."""
         if not self.head_ms:
             return 0.0
-        read = min(max(read, 1.0), float(rows))
-        if self.head_full_ms:
-            full = _interp_extended(self.head_sizes, self.head_full_ms, rows)
-            return full - (self.head_ms + (read - 1.0) * self.head_next_ms)
-        return self.head_ms * (rows - read)
+        return self.head_pass_ms(rows) - self.lazy_head_ms(read, rows)
 
     def c(self, drafter: str) -> float:
         if drafter not in self.drafters:

@@ -136,7 +136,8 @@ def serving_threads() -> int:
     """Kernel threads for a server: every core torch would use but one. The event loop
     (HTTP, streaming, detokenizing) runs beside the engine thread, and a kernel whose team
     of threads is preempted waits at each barrier for the one descheduled: on 2 cores, one
-    kernel thread served 190 tok/s to one client where two served 79 (docs/serving.md)."""
+    kernel thread served 171 tok/s to one client where two served 79 (docs/serving.md).
+    A profile is measured per thread count, so the first start at a new count measures one."""
     import torch
 
     return max(1, torch.get_num_threads() - 1)
