@@ -299,6 +299,25 @@ def test_tree_budget_probes_and_returns_to_speculation():
     assert policy.trim(untrimmed, 100, passes=1) is untrimmed
 
 
+def test_tree_budget_starts_each_request_from_what_the_last_measured():
+    """A request starts from the prior rate moved halfway to the rate the last request
+    ended at: after requests whose trees lost, the next one starts plain."""
+    policy = TreeBudget(CostModel(synthetic_profile(), "ngram"), k_max=3, prior_rate=1.3)
+    policy.start()
+    assert policy.choose(100) > 0 and policy.prior_rate == 1.3  # nothing observed: the prior stays
+    first_choices = []
+    for _ in range(3):  # requests where the drafter is sure and always wrong
+        for _ in range(12):
+            kept = policy.trim(chain_proposal([0.99, 0.98, 0.97]), 100, passes=2)
+            policy.observe(kept.tree.size, 0)
+            policy.choose(100)
+        prior, ended = policy.prior_rate, policy.rate
+        policy.start()
+        assert policy.prior_rate == pytest.approx(0.5 * prior + 0.5 * ended) and ended < 1.0
+        first_choices.append(policy.choose(100))
+    assert first_choices[0] > 0 and first_choices[-1] == 0
+
+
 # -- lossless with every policy ------------------------------------------------------
 def test_adaptive_policies_are_token_identical_to_plain(tmp_path):
     target = load_model(save_tiny_model(tmp_path / "t", seed=30, num_layers=3), torch.float32)

@@ -284,7 +284,11 @@ class TreeBudget:
     predicts): below 1 + margin the policy decodes plainly and probes with a full tree now
     and then, spaced like ``CostAwareK``'s probes. The budget handed to the drafter (which
     bounds its tree's depth, hence its passes) is the last step's best n plus headroom, so a
-    run of confident drafts grows the tree step by step. A drafter that gives no confidence
+    run of confident drafts grows the tree step by step. Each request starts from the prior
+    rate moved halfway to the rate the last request ended at, so a workload where trees
+    lose starts its next requests plain instead of spending their first steps learning it
+    again (18 suite prompts on Zen 4: EAGLE trees 0.85x -> 0.96x plain, the merged tree
+    0.87x -> 0.97x). A drafter that gives no confidence
     is not trimmed, and its steps count by their realized rate (accepted + 1) / (v(n) + d).
     """
 
@@ -308,6 +312,9 @@ class TreeBudget:
         self.start()
 
     def start(self, prior_alpha: float | None = None) -> None:
+        if getattr(self, "observed", 0):  # the workload so far: half the prior, half the last request
+            self.prior_rate = 0.5 * self.prior_rate + 0.5 * self.rate
+        self.observed = 0
         self.scale_counts = [1.0, 1.0]  # [accepted, predicted]: s starts at 1, weakly
         self.rate_counts = [self.prior_rate * self.prior_strength, self.prior_strength]
         self.last_best = max(2, self.k_max // 2)
@@ -384,6 +391,7 @@ class TreeBudget:
         self.last_step = (None, None, 0)
         if drafted <= 0 and confidence is None:
             return
+        self.observed += 1
         self.kept_sizes.append(drafted)
         if predicted:
             counts = self.scale_counts
