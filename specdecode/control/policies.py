@@ -309,10 +309,11 @@ class TreeBudget:
         probe_cost = max(self._v_table(256)[k_max] - 1.0, 0.0) + min(k_max, 8) * self._c
         self.base_probe_interval = min(max(8, math.ceil(probe_cost / probe_budget)), max_probe_interval)
         self.max_probe_interval = max_probe_interval
+        self.observed = 0  # steps the current request has observed
         self.start()
 
     def start(self, prior_alpha: float | None = None) -> None:
-        if getattr(self, "observed", 0):  # the workload so far: half the prior, half the last request
+        if self.observed:  # the workload so far: half the prior, half the last request
             self.prior_rate = 0.5 * self.prior_rate + 0.5 * self.rate
         self.observed = 0
         self.scale_counts = [1.0, 1.0]  # [accepted, predicted]: s starts at 1, weakly

@@ -98,11 +98,13 @@ class KernelLinear:
 class LazyLogits:
     """The logits of a scored block, each row computed when first asked for.
 
-    On these CPUs the output head is about a fifth of a one-token step (30 MB of int8
-    weights for 49,152 tokens), and with more rows it is bound by its multiplies: about
-    0.9 ms a row. Greedy verification reads the rows in order and stops at the first
-    rejection, so the rows after it are never computed. A row is bit for bit the row a
-    full head pass gives (the kernels compute each row alone)."""
+    The output head is a fifth of a one-token step here (30 MB of int8 weights for 49,152
+    tokens). Greedy verification reads the rows in order and stops at the first rejection,
+    so the rows after it are never computed. That saves where the head is bound by its
+    multiplies (AVX2 Zen 1: about 0.9 ms a row); where it is bound by reading its weights
+    (Zen 4) each row read streams them again, and the k policy asks for one full pass
+    instead (``CostModel.step_cost``). A row is bit for bit the row a full head pass gives
+    (the kernels compute each row alone)."""
 
     def __init__(self, stack: "KernelStack", hidden: torch.Tensor):
         self._stack, self._hidden = stack, hidden  # [B, T, H] final hidden states, before the norm
