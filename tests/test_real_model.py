@@ -149,7 +149,12 @@ def test_real_model_adaptive_k_is_lossless(real_fp32, policy):
     assert isinstance(engine.policy, CostAwareK if policy == "cost" else ThresholdK)
     params = SamplingParams(max_new_tokens=64)
     chosen = []
-    for prompt in PROMPTS + ["Write a short poem about the sea at night."]:
+    # the summary copies a little; the repetition copies throughout. In fp32 three rows cost
+    # 1.3-1.5 single steps on a Zen 4 (two, 1.05-1.1), so a second draft pays only where the
+    # first is nearly always right: without the repetition this failed in 1 of 4 full runs
+    repeat = ("Repeat the following sentence exactly, twice: The bicycle lane network was completed in "
+              "April, and cyclists on the main bridge rose from 2,100 to 3,400 per day.")
+    for prompt in PROMPTS + [repeat, "Write a short poem about the sea at night."]:
         ids = plain.encode(prompt)
         assert engine.generate(ids, params).token_ids == plain.generate(ids, params).token_ids, prompt
         chosen += engine.policy.chosen
