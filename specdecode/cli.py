@@ -125,8 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--target", "--model", dest="model", default="default", help="'default' (SmolLM2-135M-Instruct), a HF directory or a .gguf file")
     data.add_argument("--out", default="data/train", help="directory to write (and resume) answers.jsonl, corpus.jsonl, summary.json (default data/train)")
     data.add_argument("--prompts", type=int, default=540, help="training prompts to answer (of 552, the nine categories interleaved; default 540)")
-    data.add_argument("--samples", type=int, default=1, help="sampled answers per prompt beside the greedy one, decoded as one batch (default 1)")
+    data.add_argument("--samples", type=int, default=1, help="sampled answers per prompt beside the greedy one (default 1)")
     data.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled answers (default 0.8)")
+    data.add_argument("--batch", type=int, default=16, help="rows decoded together by the batching engine (default 16; 1: one prompt's rows at a time)")
     data.add_argument("--max-new-tokens", type=int, default=256)
     data.add_argument("--corpus-tokens", type=int, default=2_000_000, help="tokens of the standard library's sources to keep (0: none)")
     data.add_argument("--chunk-tokens", type=int, default=512, help="tokens per corpus chunk")
@@ -453,7 +454,7 @@ def cmd_train(args) -> int:
     target = load_target(engine_config)
     plain = SpeculativeEngine(target.runtime, target.tokenizer, None, 0, target.eos_token_ids)
     summary = build_data(target, Path(args.out), args.prompts, args.samples, args.temperature, args.max_new_tokens,
-                         args.corpus_tokens, args.chunk_tokens, args.seed, plain.encode)
+                         args.corpus_tokens, args.chunk_tokens, args.seed, plain.encode, args.batch)
     print(summary.format())
     print(f"written to {args.out}/ (answers.jsonl, corpus.jsonl, summary.json)")
     return 0

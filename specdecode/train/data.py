@@ -1,10 +1,11 @@
 """``specdecode train data``: what a drafter for a target is trained on, built here.
 
 1. The target's own answers to the training prompt set (``train/prompts.py``): per prompt
-   one greedy answer and ``samples`` sampled ones (temperature ``temperature``), computed
-   together as rows of one batch (the same prompt, so the rows share one cache length;
-   the kernels score every row as they would alone, so the greedy row is the target's
-   plain greedy decoding, token for token).
+   one greedy answer and ``samples`` sampled ones (temperature ``temperature``), decoded
+   ``batch`` rows at a time by the continuous-batching engine (rows of different prompts
+   at their own lengths; the kernels score every row as they would alone, so the greedy
+   row is the target's plain greedy decoding, token for token). Each sampled row draws
+   from its own generator, seeded by (seed, prompt, row).
 2. Local text and code for teacher forcing: the Python standard library's sources on this
    machine, tokenized in chunks.
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import json
 import sysconfig
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -102,7 +103,7 @@ def _rewrite_complete(path: Path, records: list[dict]) -> None:
 
 
 def build_answers(target, out: Path, prompt_count: int, samples: int, temperature: float, max_new_tokens: int,
-                  seed: int, summary: DataSummary, encode) -> None:
+                  seed: int, summary: DataSummary, encode, batch: int = 1) -> None:
     settings = {"samples": samples, "temperature": temperature, "max_new_tokens": max_new_tokens, "seed": seed}
     settings_path = out / "answers.settings.json"
     if settings_path.is_file() and json.loads(settings_path.read_text()) != settings:
@@ -125,15 +126,11 @@ def build_answers(target, out: Path, prompt_count: int, samples: int, temperatur
     row_params = [SamplingParams(max_new_tokens=max_new_tokens)]
     row_params += [SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)] * samples
     todo = [p for p in prompts if p["id"] not in done]
+    index_of = {p["id"]: i for i, p in enumerate(prompts)}
     progress = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="answers", unit="prompt")
     with path.open("a") as sink:
-        for prompt in todo:
-            prompt_ids = encode(prompt["prompt"])
-            index = [p["id"] for p in prompts].index(prompt["id"])
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
-            started = time.perf_counter()
-            answers = answer_rows(target.runtime, prompt_ids, row_params, target.eos_token_ids, generator)
-            summary.generation_seconds += time.perf_counter() - started
+        def write(prompt: dict, prompt_ids: list[int], answers: list[list[int]], seconds: float) -> None:
+            summary.generation_seconds += seconds
             lines = []
             for row, (params, answer) in enumerate(zip(row_params, answers)):
                 lines.append(json.dumps({"prompt_id": prompt["id"], "category": prompt["category"], "row": row,
@@ -142,11 +139,53 @@ def build_answers(target, out: Path, prompt_count: int, samples: int, temperatur
                 summary.answers += 1
                 summary.answer_tokens += len(answer)
                 summary.generated_tokens += len(answer)
-            sink.write("".join(lines))
+            sink.write("".join(lines))  # a prompt's rows are written together, or not at all
             sink.flush()
             progress.update(1)
             progress.set_postfix(tok_s=f"{summary.tokens_per_second:.1f}")
+
+        if hasattr(target.runtime, "forward_rows") and batch > 1:
+            answer_batched(target, todo, index_of, row_params, seed, batch, encode, write)
+        else:
+            for prompt in todo:
+                prompt_ids = encode(prompt["prompt"])
+                generator = torch.Generator().manual_seed(seed * 1_000_003 + index_of[prompt["id"]])
+                started = time.perf_counter()
+                answers = answer_rows(target.runtime, prompt_ids, row_params, target.eos_token_ids, generator)
+                write(prompt, prompt_ids, answers, time.perf_counter() - started)
     progress.close()
+
+
+def answer_batched(target, prompts: list[dict], index_of: dict[str, int], row_params: list[SamplingParams],
+                   seed: int, batch: int, encode, write) -> None:
+    """Every row of every prompt through the continuous-batching engine, ``batch`` rows at
+    a time (rows of different prompts at their own lengths). The greedy row is still the
+    target's plain greedy decoding token for token (the kernels score a row of a batch as
+    they would alone); a sampled row draws from its own seeded generator. Prompts are
+    handed to ``write`` as their last row finishes (seconds: the wall time since the
+    previous hand-over, so the rates add up)."""
+    from ..serve.batch import BatchEngine
+
+    encoded = [encode(p["prompt"]) for p in prompts]
+    longest = max((len(ids) for ids in encoded), default=0) + max(p.max_new_tokens for p in row_params) + 1
+    engine = BatchEngine(target.runtime, None, target.eos_token_ids, max_num_seqs=batch,
+                         max_model_len=longest)
+    pending: dict[str, list] = {}
+    for prompt, prompt_ids in zip(prompts, encoded):
+        rows = []
+        for row, params in enumerate(row_params):
+            row_seed = (seed * 1_000_003 + index_of[prompt["id"]]) * 64 + row
+            rows.append(engine.add(prompt_ids, replace(params, seed=row_seed), speculate=False))
+        pending[prompt["id"]] = [prompt, prompt_ids, rows]
+    last = time.perf_counter()
+    while engine.has_work:
+        if not engine.step():
+            continue
+        for key in [k for k, (_, _, rows) in pending.items() if all(r.finished for r in rows)]:
+            prompt, prompt_ids, rows = pending.pop(key)
+            now = time.perf_counter()
+            write(prompt, prompt_ids, [list(r.generated) for r in rows], now - last)
+            last = now
 
 
 def stdlib_sources() -> list[Path]:
@@ -196,25 +235,25 @@ def build_corpus(tokenizer, out: Path, max_tokens: int, chunk_tokens: int, summa
 
 
 def check_settings(prompt_count: int, samples: int, temperature: float, max_new_tokens: int, corpus_tokens: int,
-                   chunk_tokens: int) -> None:
-    if prompt_count < 1 or samples < 0 or max_new_tokens < 1 or corpus_tokens < 0 or chunk_tokens < 16:
+                   chunk_tokens: int, batch: int = 1) -> None:
+    if prompt_count < 1 or samples < 0 or max_new_tokens < 1 or corpus_tokens < 0 or chunk_tokens < 16 or batch < 1:
         raise ConfigError("train data needs --prompts >= 1, --samples >= 0, --max-new-tokens >= 1, "
-                          "--corpus-tokens >= 0 and --chunk-tokens >= 16")
+                          "--corpus-tokens >= 0, --chunk-tokens >= 16 and --batch >= 1")
     if not 0.0 < temperature <= 2.0:
         raise ConfigError(f"--temperature must be in (0, 2], got {temperature}")
 
 
 def build_data(target, out: Path, prompt_count: int = 540, samples: int = 1, temperature: float = 0.8,
                max_new_tokens: int = 256, corpus_tokens: int = 2_000_000, chunk_tokens: int = 512,
-               seed: int = 0, encode=None) -> DataSummary:
+               seed: int = 0, encode=None, batch: int = 16) -> DataSummary:
     """Answers then corpus into ``out`` (resuming what is there); the summary, also
     written to ``out/summary.json``."""
-    check_settings(prompt_count, samples, temperature, max_new_tokens, corpus_tokens, chunk_tokens)
+    check_settings(prompt_count, samples, temperature, max_new_tokens, corpus_tokens, chunk_tokens, batch)
     if target.tokenizer is None:
         raise ConfigError("train data needs a target with a tokenizer (its chat template renders the prompts)")
     out.mkdir(parents=True, exist_ok=True)
     summary = DataSummary()
-    build_answers(target, out, prompt_count, samples, temperature, max_new_tokens, seed, summary, encode)
+    build_answers(target, out, prompt_count, samples, temperature, max_new_tokens, seed, summary, encode, batch)
     if corpus_tokens:
         build_corpus(target.tokenizer, out, corpus_tokens, chunk_tokens, summary)
     (out / "summary.json").write_text(json.dumps({**asdict(summary), "tokens_per_second": summary.tokens_per_second},
