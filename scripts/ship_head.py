@@ -41,6 +41,11 @@ def earlier_stages(config: dict) -> list[dict]:
     while init and (Path(init) / "config.json").is_file():
         earlier = json.loads((Path(init) / "config.json").read_text())
         stages.append({"head": init, "training": earlier.get("recipe"), "report": earlier.get("report")})
+        manifest = Path(init) / "MANIFEST.json"
+        if manifest.is_file():  # a shipped head: its manifest already lists the stages before it
+            shipped = json.loads(manifest.read_text())
+            stages[-1]["data"] = shipped.get("data")
+            return stages + shipped.get("earlier_stages", [])
         init = (earlier.get("recipe") or {}).get("init")
     return stages
 

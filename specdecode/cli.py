@@ -141,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     eagle.add_argument("--minutes", type=float, default=60.0, help="training time budget, feature extraction excluded (default 60)")
     eagle.add_argument("--lr", type=float, default=3e-4)
     eagle.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per optimizer step (default 2048)")
+    eagle.add_argument("--bf16", action="store_true", help="mixed precision: the head's products in bf16 (weights, optimizer state and losses stay fp32)")
     eagle.add_argument("--corpus-tokens", type=int, default=200_000, help="tokens of the local code corpus to train on beside the answers")
     eagle.add_argument("--max-length", type=int, default=768, help="tokens per training sequence at most")
     export = train_verbs.add_parser("export", help="write an EAGLE head in vLLM's eagle3 (EAGLE-3) or the speculators layout")
@@ -503,7 +504,7 @@ def cmd_train_eagle(args) -> int:
     target = load_target(engine_config)
     report = train_eagle(target, Path(args.data), Path(args.out), args.draft_vocab, args.ttt_steps, args.minutes,
                          args.lr, args.batch_tokens, args.corpus_tokens, args.max_length, args.seed,
-                         init=Path(args.init) if args.init else None, log=log)
+                         init=Path(args.init) if args.init else None, log=log, bf16=args.bf16)
     print(json.dumps(report, indent=2))
     taus = ", ".join(f"k={k}: {t:.2f}" for k, t in report["chain_tau"].items())
     print(f"held-out acceptance: first token {report['first_token_agreement']:.1%}; chain tau {taus}")

@@ -131,9 +131,10 @@ def tiny_answers(tmp_path_factory, tiny_runtime):
     return directory
 
 
-def test_eagle_head_learns_the_targets_answers(tiny_runtime, tiny_answers, tmp_path):
-    """Smoke test of the training step: on a fixed batch the unrolled loss falls and the
-    head's first-step agreement with the target rises."""
+@pytest.mark.parametrize("bf16", [False, True])
+def test_eagle_head_learns_the_targets_answers(tiny_runtime, tiny_answers, tmp_path, bf16):
+    """Smoke test of the training step (fp32 and bf16 autocast): on a fixed batch the
+    unrolled loss falls and the head's first-step agreement with the target rises."""
     from specdecode.proposers.eagle_head import EagleConfig, EagleHead
     from specdecode.train.eagle import Trainer, draft_vocabulary, extract_features, sequence_key, training_sequences
 
@@ -145,11 +146,59 @@ def test_eagle_head_learns_the_targets_answers(tiny_runtime, tiny_answers, tmp_p
     records = extract_features(tiny_runtime, sequences, config.capture_layers, tmp_path / "features")
     batch = [(s, records[sequence_key(s.ids)]) for s in sequences]
     weights = tiny_runtime.weights
-    trainer = Trainer(head, weights.embed.dequantize(), weights.lm_head.dequantize()[head.d2t], 3e-3, 3)
+    trainer = Trainer(head, weights.embed.dequantize(), weights.lm_head.dequantize()[head.d2t], 3e-3, 3, bf16=bf16)
     first_loss, first_top1 = trainer.step(batch, 3e-3)
     for _ in range(60):
         loss, top1 = trainer.step(batch, 3e-3)
     assert loss < 0.85 * first_loss and top1 > first_top1 + 0.5, (first_loss, loss, first_top1, top1)
+
+
+def test_training_loss_is_the_soft_cross_entropy_of_the_trained_rows(tiny_runtime, tiny_answers, tmp_path):
+    """The trainer takes the head's logits only for rows that train; its loss and agreement
+    equal a reference that scores every row and masks afterwards."""
+    from specdecode.proposers.eagle_head import EagleConfig, EagleHead
+    from specdecode.train.eagle import STEP_DECAY, Trainer, draft_vocabulary, extract_features, sequence_key, training_sequences
+
+    torch.manual_seed(1)
+    sequences = training_sequences(tiny_answers, 0, 64)[:6]
+    config = EagleConfig.for_target(tiny_runtime.cfg, 24)  # small: some target tokens fall outside
+    head = EagleHead(config)
+    head.set_draft_vocab(draft_vocabulary(sequences, 24, TINY_VOCAB, (2,)))
+    records = extract_features(tiny_runtime, sequences, config.capture_layers, tmp_path / "features")
+    batch = [(s, records[sequence_key(s.ids)]) for s in sequences]
+    weights = tiny_runtime.weights
+    rows_of_head = weights.lm_head.dequantize()[head.d2t]
+    trainer = Trainer(head, weights.embed.dequantize(), rows_of_head, 3e-3, 3)
+    with torch.no_grad():
+        loss, agreement = trainer.batch_loss(batch)
+    length = max(len(s.ids) for s, _ in batch)
+    expected, out_of_vocab = 0.0, 0
+    for j in range(3):
+        per_row, weight, correct_rows = [], [], []
+        for b, (sequence, record) in enumerate(batch):
+            n = len(sequence.ids)
+            ids = torch.tensor(sequence.ids + [0] * 3)
+            embeds = [trainer.embed[ids[1 + i : 1 + i + n - 1]].unsqueeze(0) for i in range(3)]
+            with torch.no_grad():
+                state = head.unrolled(record["features"][: n - 1].float().unsqueeze(0), embeds, torch.arange(n - 1))[j][0]
+                logits = head.logits(state)
+            for p in range(n - 1):
+                q = p + 1 + j
+                if q >= n - 1 or q < max(sequence.trained_from, 0):
+                    continue
+                target = int(record["argmax"][q])
+                in_vocab = bool((head.d2t == target).any())
+                out_of_vocab += not in_vocab
+                probs = (record["final"][q].float() @ rows_of_head.T).softmax(-1)
+                per_row.append(-(probs * logits[p].log_softmax(-1)).sum())
+                weight.append(float(in_vocab))
+                correct_rows.append(int(head.d2t[logits[p].argmax()]) == target)
+        per_row, weight = torch.stack(per_row), torch.tensor(weight)
+        expected += STEP_DECAY ** j * float((per_row * weight).sum() / weight.sum())
+        correct, mask = agreement[j]
+        assert int(mask.sum()) == len(correct_rows) and int((correct & mask).sum()) == sum(correct_rows)
+    assert out_of_vocab > 0 and length > 3
+    assert float(loss) == pytest.approx(expected, rel=1e-4)
 
 
 def test_features_are_reused_by_content_when_the_data_grows(tiny_runtime, tiny_answers, tmp_path):

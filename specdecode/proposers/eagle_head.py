@@ -160,7 +160,8 @@ class EagleHead(nn.Module):
     def unrolled(self, features: torch.Tensor, embeds: list[torch.Tensor], positions: torch.Tensor) -> list[torch.Tensor]:
         """Training-time test. ``features`` [B, T, 3H]: the target's captured states at
         positions 0..T-1; ``embeds[j]`` [B, T, H]: the embedding of the token at position
-        p+1+j for row p. Returns draft logits [B, T, N] per step j; step j's row p predicts
+        p+1+j for row p. Returns the layer's output [B, T, H] per step j (``logits`` of it
+        drafts; the trainer takes them only for the rows it trains); step j's row p predicts
         the token at p+2+j."""
         scale = 1.0 / math.sqrt(self.config.head_dim)
         hidden = self.project("fc", features)
@@ -180,7 +181,7 @@ class EagleHead(nn.Module):
             for index, value in enumerate(values[1:]):
                 attn = attn + probs[..., length + index : length + index + 1] * value
             hidden = self.finish(hidden, attn)
-            outputs.append(self.logits(hidden))
+            outputs.append(hidden)
         return outputs
 
     # -- files ----------------------------------------------------------------------------
