@@ -1,11 +1,12 @@
 """Copy a trained EAGLE head into the package as the default model's head, with a manifest.
 
-    python scripts/ship_head.py data/eagle [--data data/train] [--command "..."]
+    python scripts/ship_head.py data/eagle [--data data/train] [--command "..."] [--wall-time "..."]
 
 Writes specdecode/data/heads/smollm2-135m-instruct-eagle3/{config.json, model.safetensors,
 MANIFEST.json}: sha256 and size of each file, the command that reproduces the head, the
-data recipe (from the data directory's summary and settings), the training report and wall
-time (from the head's config.json), and those of the heads it was trained on from (--init).
+data recipe (from the data directory's summary and settings), the training report (from
+the head's config.json), the whole wall time as given (--wall-time), and those of the heads
+it was trained on from (--init).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def main() -> int:
     parser.add_argument("head", help="directory written by specdecode train eagle")
     parser.add_argument("--data", default="data/train", help="the training data directory (for the recipe)")
     parser.add_argument("--command", default="make eagle-head", help="the command that reproduces the head")
+    parser.add_argument("--wall-time", default=None,
+                        help="how long making the head took, and on which machine (free text for the manifest)")
     args = parser.parse_args()
     source, data = Path(args.head), Path(args.data)
     missing = [name for name in FILES if not (source / name).is_file()]
@@ -73,6 +76,7 @@ def main() -> int:
         "files": {name: {"sha256": sha256(DEFAULT_EAGLE_HEAD / name), "bytes": (DEFAULT_EAGLE_HEAD / name).stat().st_size}
                   for name in FILES},
         "reproduce": args.command,
+        "wall_time": args.wall_time,
         "data": recipe,
         "training": config.get("recipe"),
         "report": config.get("report"),
