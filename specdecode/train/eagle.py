@@ -35,6 +35,7 @@ from ..proposers.eagle_head import EagleConfig, EagleHead
 HELD_OUT_EVERY = 20  # prompts whose index % 20 == 19 are held out for evaluation
 SHARD_TOKENS = 65536
 STEP_DECAY = 0.8
+EVAL_STEPS = 7  # the held-out report: chains of k = 1..7 drafts
 
 
 @dataclass
@@ -331,13 +332,21 @@ def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_
 
 
 @torch.no_grad()
-def evaluate(trainer: Trainer, items: list, batch_tokens: int) -> dict:
-    """On held-out greedy answers, teacher-forced through the unrolled steps: a chain from
-    row p keeps drafting while step j agrees with the target's argmax, and because the
-    answer *is* the target's greedy output, step j's input then equals the drafted token.
-    So the leading run of agreements is exactly the accepted length of a greedy chain."""
+def evaluate(trainer: Trainer, items: list, batch_tokens: int, steps: int = EVAL_STEPS) -> dict:
+    """On held-out greedy answers, teacher-forced through ``steps`` unrolled steps (more than
+    were trained, as deep chains draft): a chain from row p keeps drafting while step j
+    agrees with the target's argmax, and because the answer *is* the target's greedy
+    output, step j's input then equals the drafted token. So the leading run of agreements
+    is exactly the accepted length of a greedy chain of k <= ``steps`` drafts."""
     trainer.head.eval()
-    steps = trainer.ttt_steps
+    trained_steps, trainer.ttt_steps = trainer.ttt_steps, steps
+    try:
+        return _evaluate(trainer, items, batch_tokens, steps)
+    finally:
+        trainer.ttt_steps = trained_steps
+
+
+def _evaluate(trainer: Trainer, items: list, batch_tokens: int, steps: int) -> dict:
     greedy = [item for item in items if item[0].greedy]
     agree, counted = [0] * steps, [0] * steps
     accepted_at = [0] * (steps + 1)  # chains (rows with all S steps counted) accepting exactly a drafts
