@@ -352,7 +352,9 @@ PROFILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 def format_profile(profile, model: str) -> str:
     """The step-cost table: ms and v(T) per context, then T = 1 against the time reading
     the step's bytes takes at the measured bandwidth."""
-    lines = [f"cost profile: {model} on {profile.machine}, {profile.threads} threads; {profile.runtime or profile.dtype}"]
+    measured = f", measured {profile.measured_at}" if profile.measured_at else ""
+    lines = [f"cost profile: {model} on {profile.machine}, {profile.threads} threads; {profile.runtime or profile.dtype}"
+             f"{measured}"]
     if profile.bandwidth_gbs:
         lines.append(f"memory read bandwidth {profile.bandwidth_gbs:.1f} GB/s (measured); a single-token step reads "
                      f"{profile.weight_bytes / 1e6:.1f} MB of weights and {profile.kv_bytes_per_token / 1e3:.1f} kB of "

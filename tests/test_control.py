@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from datetime import datetime, timezone
 
 import pytest
 import torch
@@ -103,6 +104,12 @@ def test_profile_is_measured_once_cached_and_remeasured_on_request(tiny_llama_di
     assert load_profile("tiny", "fp32").step_ms == first.step_ms
     assert model.runtime.lazy_logits and first.head_ms > 0 and first.head_next_ms > 0  # the head, measured
     assert first.head_sizes[0] == 1 and len(first.head_full_ms) == len(first.head_sizes)
+    # it says when it was measured, and a benchmark's summary of it carries that and v(T)
+    measured = datetime.fromisoformat(first.measured_at)
+    assert abs((datetime.now(timezone.utc) - measured).total_seconds()) < 600
+    summary = first.summary(context=100, sizes=(2, 4))
+    assert summary["measured_at"] == first.measured_at and set(summary["v"]) == {2, 4}
+    assert summary["v"][4] == pytest.approx(first.v(3, 100), abs=1e-3)
 
     calls = []
     original = profile_module.measure_target

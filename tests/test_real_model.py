@@ -134,6 +134,8 @@ def test_bench_writes_records(tmp_path, capsys):
         assert set(record) >= {"question_id", "category", "method", "new_tokens", "seconds", "tokens_per_s", "alpha", "tau", "identical_to_plain"}
         assert record["identical_to_plain"]
     assert "overall" in payload["summary"] and "speedup" in capsys.readouterr().out
+    profile = payload["config"]["cost_profile"]  # the profile the policies decided by
+    assert profile["runtime"] and set(profile["v"]) == {"2", "4", "8"} and all(v > 0 for v in profile["v"].values())
     assert out.with_suffix(".png").stat().st_size > 10_000  # the speedup/acceptance picture
 
 

@@ -174,6 +174,11 @@ def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config
     encoded = encode_prompts(target, prompts, engine_config)
     engines = build_engines(args, methods, engine_config, spec_config, target, needed_context(encoded, params, target))
     warm_up(engines, encoded[0], params)
+    profile = profile_in_use(target, args.dtype)
+    if profile is not None:
+        v = ", ".join(f"v({size}) {value:.2f}" for size, value in profile["v"].items())
+        log(f"cost profile the policies use (measured {profile['measured_at'] or 'at an unrecorded time'}): "
+            f"{v} at {profile['context']} tokens; specdecode profile --remeasure measures it again")
     records = run_records(engines, prompts, encoded, params, target.eos_token_ids, repeats=args.repeats)
 
     summary = summarize(records)
@@ -187,7 +192,7 @@ def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config
                        "k_max": args.k_max, "max_new_tokens": params.max_new_tokens,
                        "temperature": params.temperature, "methods": methods, "repeats": args.repeats, "draft": args.draft,
                        "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
-                       "prompts": args.prompts or "builtin"},
+                       "prompts": args.prompts or "builtin", "cost_profile": profile},
             "summary": summary,
             "k_sweep": sweep,
             "records": records,
@@ -197,6 +202,17 @@ def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config
         picture = plot_bench(summary, records, Path(args.out).with_suffix(".png"))
         log(f"wrote {args.out} and {picture}")
     return 0
+
+
+def profile_in_use(target, dtype: str) -> dict | None:
+    """The summary of the cached cost profile for ``target`` (None where there is none, as
+    for the transformers runtime): the adaptive policies decide by it, and a machine's
+    costs drift between measurements, so a benchmark says which one it ran with."""
+    from ..cost.profile import load_profile
+    from ..factory import model_key
+
+    profile = load_profile(model_key(target), dtype)
+    return profile.summary() if profile is not None else None
 
 
 def summarize(records: list[dict]) -> dict:

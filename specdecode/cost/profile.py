@@ -27,6 +27,7 @@ import platform
 import random
 import statistics
 import time
+from datetime import datetime, timezone
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -105,6 +106,9 @@ class CostProfile:
     head_next_ms: float = 0.0
     head_sizes: list[int] = field(default_factory=list)
     head_full_ms: list[float] = field(default_factory=list)
+    # when the step table was measured (UTC, ISO 8601; "" in profiles older than the field).
+    # A shared machine's costs drift: one Zen 4 measured v(4) = 1.22 one hour and 1.57 another
+    measured_at: str = ""
     version: int = PROFILE_VERSION
 
     def bandwidth_limit_ms(self, context: int, with_cache: bool = False) -> float:
@@ -166,6 +170,14 @@ class CostProfile:
         if not self.head_ms:
             return 0.0
         return self.head_pass_ms(rows) - self.lazy_head_ms(read, rows)
+
+    def summary(self, context: int = 100, sizes: tuple[int, ...] = (2, 4, 8)) -> dict:
+        """What a benchmark records of the profile its policies used: when it was measured,
+        the runtime, the bandwidth, and v(T) (scoring T tokens over one decode step) at
+        ``context``."""
+        return {"measured_at": self.measured_at or None, "runtime": self.runtime,
+                "bandwidth_gbs": round(self.bandwidth_gbs, 1), "context": context,
+                "v": {size: round(self.v(size - 1, context), 3) for size in sizes}}
 
     def c(self, drafter: str) -> float:
         if drafter not in self.drafters:
@@ -424,7 +436,8 @@ def get_profile(model_key: str, dtype: str, runtime, drafters: dict | None = Non
         describe = getattr(runtime, "describe", None)
         profile = CostProfile(model_key, dtype, machine_id(), torch.get_num_threads(), contexts, sizes, table,
                               bandwidth_gbs=measure_bandwidth(), weight_bytes=weight_bytes, kv_bytes_per_token=kv_bytes,
-                              runtime=describe() if describe else "", **measure_head(runtime))
+                              runtime=describe() if describe else "", **measure_head(runtime),
+                              measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
         changed = True
     for name, proposer in (drafters or {}).items():
         if name in profile.drafters and not force:
