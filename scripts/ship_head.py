@@ -64,10 +64,11 @@ def main() -> int:
     if missing:
         print(f"ship_head: {source} lacks {', '.join(missing)}", file=sys.stderr)
         return 2
+    config = json.loads((source / "config.json").read_text())
+    earlier = earlier_stages(config)  # before copying: --init may be the shipped head itself
     DEFAULT_EAGLE_HEAD.mkdir(parents=True, exist_ok=True)
     for name in FILES:
         shutil.copyfile(source / name, DEFAULT_EAGLE_HEAD / name)
-    config = json.loads((source / "config.json").read_text())
     recipe = {}
     for name in ("summary.json", "answers.settings.json"):
         if (data / name).is_file():
@@ -80,7 +81,7 @@ def main() -> int:
         "data": recipe,
         "training": config.get("recipe"),
         "report": config.get("report"),
-        "earlier_stages": earlier_stages(config),
+        "earlier_stages": earlier,
     }
     (DEFAULT_EAGLE_HEAD / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
     total = sum(f["bytes"] for f in manifest["files"].values())

@@ -88,6 +88,14 @@ def test_build_data_resumes_after_an_interruption(tiny_runtime, tmp_path):
 
     with pytest.raises(ConfigError, match="another --out"):
         build_data(target, cut, **{**settings, "samples": 2})
+    # ids are positions in the prompt set: answers kept for a prompt that changed are refused
+    lines = (cut / "answers.jsonl").read_text().splitlines()
+    changed = json.loads(lines[0]) | {"prompt_ids": [1, 2, 3]}
+    (cut / "answers.jsonl").write_text("\n".join([json.dumps(changed), *lines[1:]]) + "\n")
+    with pytest.raises(ConfigError, match="another version of the training prompts"):
+        build_data(target, cut, **settings)
+    with pytest.raises(ConfigError, match="--samples"):
+        build_data(target, tmp_path / "d", **{**settings, "samples": 64})
     with pytest.raises(ConfigError, match="temperature"):
         build_data(target, tmp_path / "c", **{**settings, "temperature": 0.0})
 
@@ -100,11 +108,11 @@ def test_batched_answers_match_one_prompt_at_a_time_on_greedy_rows(tiny_runtime,
     encode = lambda text: [ord(c) % TINY_VOCAB for c in text[:11 + len(text) % 9]]  # noqa: E731  (ragged prompts)
     settings = dict(prompt_count=5, samples=2, temperature=0.9, max_new_tokens=7, corpus_tokens=0, chunk_tokens=64,
                     seed=2, encode=encode)
-    build_data(target, tmp_path / "b4", batch=4, **settings)
-    build_data(target, tmp_path / "b7", batch=7, **settings)
+    for batch in (1, 4, 7):
+        build_data(target, tmp_path / f"b{batch}", batch=batch, **settings)
     read = lambda d: sorted((r["prompt_id"], r["row"], r["answer_ids"], r["prompt_ids"])  # noqa: E731
                             for r in map(json.loads, (tmp_path / d / "answers.jsonl").read_text().splitlines()))
-    assert read("b4") == read("b7") and len(read("b4")) == 15
+    assert read("b1") == read("b4") == read("b7") and len(read("b4")) == 15
     plain = SpeculativeEngine(tiny_runtime)
     for prompt_id, row, answer, prompt_ids in read("b4"):
         if row == 0:
@@ -244,6 +252,9 @@ def test_train_eagle_end_to_end_writes_a_loadable_head_and_resumes(tiny_runtime,
     assert again["steps"] == report["steps"] and again["first_token_agreement"] == report["first_token_agreement"]
     with pytest.raises(Exception, match="other settings"):
         train_eagle(target, tiny_answers, out, draft_vocab=40, ttt_steps=2, minutes=0.05, log=lambda m: None)
+    with pytest.raises(Exception, match=r"other settings \(bf16 False -> True\)"):  # the recipe, not only the sizes
+        train_eagle(target, tiny_answers, out, draft_vocab=48, ttt_steps=2, minutes=0.05, batch_tokens=256,
+                    bf16=True, log=lambda m: None)
     # --init: a new run goes on from that head (its vocabulary; --draft-vocab is not used)
     more = train_eagle(target, tiny_answers, tmp_path / "more", draft_vocab=40, ttt_steps=2, minutes=0.02,
                        batch_tokens=256, init=out, log=lambda message: None)

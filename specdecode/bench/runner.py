@@ -177,7 +177,7 @@ def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config
     profile = profile_in_use(target, args.dtype)
     if profile is not None:
         v = ", ".join(f"v({size}) {value:.2f}" for size, value in profile["v"].items())
-        log(f"cost profile the policies use (measured {profile['measured_at'] or 'at an unrecorded time'}): "
+        log(f"cost profile for --k auto and tree budgets (measured {profile['measured_at'] or 'at an unrecorded time'}): "
             f"{v} at {profile['context']} tokens; specdecode profile --remeasure measures it again")
     records = run_records(engines, prompts, encoded, params, target.eos_token_ids, repeats=args.repeats)
 

@@ -5,7 +5,9 @@
    ``batch`` rows at a time by the continuous-batching engine (rows of different prompts
    at their own lengths; the kernels score every row as they would alone, so the greedy
    row is the target's plain greedy decoding, token for token). Each sampled row draws
-   from its own generator, seeded by (seed, prompt, row).
+   from its own generator, seeded by (seed, prompt, row), so the answers do not depend on
+   ``batch``. (A runtime without ragged batches, e.g. transformers', decodes a prompt's
+   rows together with one generator seeded by (seed, prompt).)
 2. Local text and code for teacher forcing: the Python standard library's sources on this
    machine, tokenized in chunks.
 
@@ -30,6 +32,8 @@ from tqdm import tqdm
 from ..config import ConfigError, SamplingParams
 from ..verify.sampling import logits_to_probs, sample
 from .prompts import training_prompts
+
+MAX_SAMPLES = 64  # rows per prompt (greedy + sampled) stay below this: each row's seed is distinct
 
 
 @dataclass
@@ -117,11 +121,12 @@ def build_answers(target, out: Path, prompt_count: int, samples: int, temperatur
         rows_of[record["prompt_id"]] = rows_of.get(record["prompt_id"], 0) + 1
     # a prompt whose rows were cut short by an interruption runs again
     records = [r for r in records if rows_of[r["prompt_id"]] == samples + 1]
+    prompts = training_prompts(prompt_count)
+    check_same_prompts(out, records, prompts, encode)
     _rewrite_complete(path, records)
     done = {r["prompt_id"] for r in records}
     summary.answers = len(records)
     summary.answer_tokens = sum(len(r["answer_ids"]) for r in records)
-    prompts = training_prompts(prompt_count)
     summary.prompts = len(prompts)
     row_params = [SamplingParams(max_new_tokens=max_new_tokens)]
     row_params += [SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)] * samples
@@ -144,9 +149,9 @@ def build_answers(target, out: Path, prompt_count: int, samples: int, temperatur
             progress.update(1)
             progress.set_postfix(tok_s=f"{summary.tokens_per_second:.1f}")
 
-        if hasattr(target.runtime, "forward_rows") and batch > 1:
+        if hasattr(target.runtime, "forward_rows"):  # any --batch: the rows' seeds do not depend on it
             answer_batched(target, todo, index_of, row_params, seed, batch, encode, write)
-        else:
+        else:  # a runtime without ragged rows: a prompt's rows together, one generator per prompt
             for prompt in todo:
                 prompt_ids = encode(prompt["prompt"])
                 generator = torch.Generator().manual_seed(seed * 1_000_003 + index_of[prompt["id"]])
@@ -154,6 +159,21 @@ def build_answers(target, out: Path, prompt_count: int, samples: int, temperatur
                 answers = answer_rows(target.runtime, prompt_ids, row_params, target.eos_token_ids, generator)
                 write(prompt, prompt_ids, answers, time.perf_counter() - started)
     progress.close()
+
+
+def check_same_prompts(out: Path, records: list[dict], prompts: list[dict], encode) -> None:
+    """Answers kept from an earlier run must answer the prompts that now carry their ids
+    (ids are positions in the prompt set, which changes as templates are added)."""
+    by_id, encoded = {p["id"]: p for p in prompts}, {}
+    for record in records:
+        prompt = by_id.get(record["prompt_id"])
+        if prompt is None:
+            continue
+        if prompt["id"] not in encoded:
+            encoded[prompt["id"]] = encode(prompt["prompt"])
+        if encoded[prompt["id"]] != record["prompt_ids"]:
+            raise ConfigError(f"{out} holds answers to another version of the training prompts "
+                              f"({record['prompt_id']} differs); use another --out")
 
 
 def answer_batched(target, prompts: list[dict], index_of: dict[str, int], row_params: list[SamplingParams],
@@ -174,7 +194,7 @@ def answer_batched(target, prompts: list[dict], index_of: dict[str, int], row_pa
     for prompt, prompt_ids in zip(prompts, encoded):
         rows = []
         for row, params in enumerate(row_params):
-            row_seed = (seed * 1_000_003 + index_of[prompt["id"]]) * 64 + row
+            row_seed = (seed * 1_000_003 + index_of[prompt["id"]]) * MAX_SAMPLES + row
             rows.append(engine.add(prompt_ids, replace(params, seed=row_seed), speculate=False))
         pending[prompt["id"]] = [prompt, prompt_ids, rows]
     last = time.perf_counter()
@@ -236,14 +256,15 @@ def build_corpus(tokenizer, out: Path, max_tokens: int, chunk_tokens: int, summa
 
 def check_settings(prompt_count: int, samples: int, temperature: float, max_new_tokens: int, corpus_tokens: int,
                    chunk_tokens: int, batch: int = 1) -> None:
-    if prompt_count < 1 or samples < 0 or max_new_tokens < 1 or corpus_tokens < 0 or chunk_tokens < 16 or batch < 1:
-        raise ConfigError("train data needs --prompts >= 1, --samples >= 0, --max-new-tokens >= 1, "
+    if (prompt_count < 1 or not 0 <= samples < MAX_SAMPLES or max_new_tokens < 1 or corpus_tokens < 0
+            or chunk_tokens < 16 or batch < 1):
+        raise ConfigError(f"train data needs --prompts >= 1, 0 <= --samples < {MAX_SAMPLES}, --max-new-tokens >= 1, "
                           "--corpus-tokens >= 0, --chunk-tokens >= 16 and --batch >= 1")
     if not 0.0 < temperature <= 2.0:
         raise ConfigError(f"--temperature must be in (0, 2], got {temperature}")
 
 
-def build_data(target, out: Path, prompt_count: int = 540, samples: int = 1, temperature: float = 0.8,
+def build_data(target, out: Path, prompt_count: int = 1984, samples: int = 1, temperature: float = 0.8,
                max_new_tokens: int = 256, corpus_tokens: int = 2_000_000, chunk_tokens: int = 512,
                seed: int = 0, encode=None, batch: int = 16) -> DataSummary:
     """Answers then corpus into ``out`` (resuming what is there); the summary, also

@@ -138,7 +138,8 @@ class Trainer:
     def __init__(self, head: EagleHead, embed: torch.Tensor, target_head_rows: torch.Tensor, lr: float,
                  ttt_steps: int, bf16: bool = False):
         self.head = head
-        # mixed precision: the head's products in bf16 (weights, optimizer and losses stay fp32)
+        # mixed precision: the head's products and the target's draft-vocabulary distribution in
+        # bf16 autocast (weights, optimizer state and the loss stay fp32)
         self.bf16 = bf16
         self.embed = embed  # [V, H] fp32, frozen
         self.target_rows = target_head_rows  # [N, H] fp32: the target's head for the draft vocabulary
@@ -277,17 +278,26 @@ def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_
     trainer = Trainer(head, embed, target_rows.contiguous(), lr, ttt_steps, bf16=bf16)
     checkpoint = out / "checkpoint.pt"
     state = {"epoch": 0, "batch": 0, "seconds": 0.0, "steps": 0}
+    # what a resumed run must share with the one it continues (--minutes may grow)
+    settings = {"ttt_steps": ttt_steps, "lr": lr, "batch_tokens": batch_tokens, "corpus_tokens": corpus_tokens,
+                "max_length": max_length, "seed": seed, "bf16": bf16, "init": None if init is None else str(init)}
     if checkpoint.is_file():
         saved = torch.load(checkpoint, weights_only=False)
         if saved["config"] != config.__dict__ or not torch.equal(saved["d2t"], head.d2t):
             raise SpecDecodeError(f"{checkpoint} was trained with other settings; remove it or use another --out")
+        differ = {k: (saved["settings"].get(k), v) for k, v in settings.items()
+                  if "settings" in saved and saved["settings"].get(k) != v}  # checkpoints before the field: unchecked
+        if differ:
+            named = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in differ.items())
+            raise SpecDecodeError(f"{checkpoint} was trained with other settings ({named}); "
+                                  "resume with the same ones, or use another --out")
         head.load_state_dict(saved["head"])
         trainer.optimizer.load_state_dict(saved["optimizer"])
         state = saved["state"]
         log(f"resumed from {checkpoint}: epoch {state['epoch']}, batch {state['batch']}, {state['seconds'] / 60:.1f} min")
 
     def save() -> None:
-        torch.save({"config": config.__dict__, "d2t": head.d2t, "head": head.state_dict(),
+        torch.save({"config": config.__dict__, "settings": settings, "d2t": head.d2t, "head": head.state_dict(),
                     "optimizer": trainer.optimizer.state_dict(), "state": state}, checkpoint.with_suffix(".tmp"))
         checkpoint.with_suffix(".tmp").rename(checkpoint)
 
@@ -332,13 +342,16 @@ def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_
 
 
 @torch.no_grad()
-def evaluate(trainer: Trainer, items: list, batch_tokens: int, steps: int = EVAL_STEPS) -> dict:
-    """On held-out greedy answers, teacher-forced through ``steps`` unrolled steps (more than
-    were trained, as deep chains draft): a chain from row p keeps drafting while step j
+def evaluate(trainer: Trainer, items: list, batch_tokens: int, steps: int | None = None) -> dict:
+    """On held-out greedy answers, teacher-forced through ``steps`` unrolled steps (default:
+    7, or the trained steps if more; deep chains draft past the trained depth). Only rows
+    with all ``steps`` steps inside the answer count as chains, so the τ of small k is over
+    a slightly different set of rows than an evaluation with fewer steps. A chain from row p keeps drafting while step j
     agrees with the target's argmax, and because the answer *is* the target's greedy
     output, step j's input then equals the drafted token. So the leading run of agreements
     is exactly the accepted length of a greedy chain of k <= ``steps`` drafts."""
     trainer.head.eval()
+    steps = steps or max(EVAL_STEPS, trainer.ttt_steps)
     trained_steps, trainer.ttt_steps = trainer.ttt_steps, steps
     try:
         return _evaluate(trainer, items, batch_tokens, steps)

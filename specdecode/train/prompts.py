@@ -4,7 +4,9 @@ written for training and kept apart from the suite (never a public benchmark pro
 Each category combines a few request templates with fillers; the combinations are
 enumerated in a fixed order and interleaved, so ``training_prompts(n)`` is deterministic
 and its first n prompts cover every category evenly. Summaries and extractions read
-passages of local text: module docstrings of the Python standard library.
+passages of text: invented news reports written here, and module docstrings of the Python
+standard library. Prompt ids are positions in this order: adding templates renumbers
+them (`train data` refuses to resume answers to an earlier version).
 """
 
 from __future__ import annotations
