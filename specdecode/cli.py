@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     data = train_verbs.add_parser("data", help="the target's own answers to our training prompts, and local code for teacher forcing (resumable)")
     data.add_argument("--target", "--model", dest="model", default="default", help="'default' (SmolLM2-135M-Instruct), a HF directory or a .gguf file")
     data.add_argument("--out", default="data/train", help="directory to write (and resume) answers.jsonl, corpus.jsonl, summary.json (default data/train)")
-    data.add_argument("--prompts", type=int, default=1984, help="training prompts to answer (of 1,984, the nine categories interleaved; default all)")
+    data.add_argument("--prompts", type=int, default=None, help="training prompts to answer, the first N of the set (the nine categories interleaved; default all)")
     data.add_argument("--samples", type=int, default=1, help="sampled answers per prompt beside the greedy one (default 1)")
     data.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled answers (default 0.8)")
     data.add_argument("--batch", type=int, default=16, help="rows decoded together by the batching engine (default 16; each sampled row has its own seed, so the answers do not depend on it)")

@@ -106,7 +106,7 @@ def _rewrite_complete(path: Path, records: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def build_answers(target, out: Path, prompt_count: int, samples: int, temperature: float, max_new_tokens: int,
+def build_answers(target, out: Path, prompt_count: int | None, samples: int, temperature: float, max_new_tokens: int,
                   seed: int, summary: DataSummary, encode, batch: int = 1) -> None:
     settings = {"samples": samples, "temperature": temperature, "max_new_tokens": max_new_tokens, "seed": seed}
     settings_path = out / "answers.settings.json"
@@ -254,17 +254,17 @@ def build_corpus(tokenizer, out: Path, max_tokens: int, chunk_tokens: int, summa
     progress.close()
 
 
-def check_settings(prompt_count: int, samples: int, temperature: float, max_new_tokens: int, corpus_tokens: int,
+def check_settings(prompt_count: int | None, samples: int, temperature: float, max_new_tokens: int, corpus_tokens: int,
                    chunk_tokens: int, batch: int = 1) -> None:
-    if (prompt_count < 1 or not 0 <= samples < MAX_SAMPLES or max_new_tokens < 1 or corpus_tokens < 0
-            or chunk_tokens < 16 or batch < 1):
+    if ((prompt_count is not None and prompt_count < 1) or not 0 <= samples < MAX_SAMPLES or max_new_tokens < 1
+            or corpus_tokens < 0 or chunk_tokens < 16 or batch < 1):
         raise ConfigError(f"train data needs --prompts >= 1, 0 <= --samples < {MAX_SAMPLES}, --max-new-tokens >= 1, "
                           "--corpus-tokens >= 0, --chunk-tokens >= 16 and --batch >= 1")
     if not 0.0 < temperature <= 2.0:
         raise ConfigError(f"--temperature must be in (0, 2], got {temperature}")
 
 
-def build_data(target, out: Path, prompt_count: int = 1984, samples: int = 1, temperature: float = 0.8,
+def build_data(target, out: Path, prompt_count: int | None = None, samples: int = 1, temperature: float = 0.8,
                max_new_tokens: int = 256, corpus_tokens: int = 2_000_000, chunk_tokens: int = 512,
                seed: int = 0, encode=None, batch: int = 16) -> DataSummary:
     """Answers then corpus into ``out`` (resuming what is there); the summary, also

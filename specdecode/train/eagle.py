@@ -149,10 +149,12 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.lr = lr
 
-    def batch_loss(self, batch: list[tuple[Sequence, dict]]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Weighted loss over the unrolled steps, and per step j the rows' argmax agreement
-        with the target and which rows count ([B, rows - 1 - j] bool each)."""
-        steps = self.ttt_steps
+    def batch_loss(self, batch: list[tuple[Sequence, dict]],
+                   steps: int | None = None) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Weighted loss over ``steps`` unrolled steps (default: the trained ones), and per
+        step j the rows' argmax agreement with the target and which rows count
+        ([B, rows - 1 - j] bool each)."""
+        steps = steps or self.ttt_steps
         length = max(len(s.ids) for s, _ in batch)
         rows = length - 1  # row p reads position p and the token at p+1
         hidden_size = self.embed.shape[1]
@@ -278,15 +280,15 @@ def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_
     trainer = Trainer(head, embed, target_rows.contiguous(), lr, ttt_steps, bf16=bf16)
     checkpoint = out / "checkpoint.pt"
     state = {"epoch": 0, "batch": 0, "seconds": 0.0, "steps": 0}
-    # what a resumed run must share with the one it continues (--minutes may grow)
+    # the recipe; a resumed run must share it with the one it continues (--minutes may grow)
     settings = {"ttt_steps": ttt_steps, "lr": lr, "batch_tokens": batch_tokens, "corpus_tokens": corpus_tokens,
                 "max_length": max_length, "seed": seed, "bf16": bf16, "init": None if init is None else str(init)}
     if checkpoint.is_file():
         saved = torch.load(checkpoint, weights_only=False)
         if saved["config"] != config.__dict__ or not torch.equal(saved["d2t"], head.d2t):
             raise SpecDecodeError(f"{checkpoint} was trained with other settings; remove it or use another --out")
-        differ = {k: (saved["settings"].get(k), v) for k, v in settings.items()
-                  if "settings" in saved and saved["settings"].get(k) != v}  # checkpoints before the field: unchecked
+        before = saved.get("settings", settings)  # checkpoints older than the field: unchecked
+        differ = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
         if differ:
             named = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in differ.items())
             raise SpecDecodeError(f"{checkpoint} was trained with other settings ({named}); "
@@ -333,10 +335,8 @@ def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_
     report.update({"train_minutes": round(state["seconds"] / 60, 1), "epochs": state["epoch"], "steps": state["steps"],
                    "train_tokens": sum(len(s.ids) for s, _ in train_items),
                    "parameters": sum(p.numel() for p in head.parameters())})
-    head.save(out, {"target": getattr(getattr(target, "source", None), "name", None), "report": report, "recipe": {"draft_vocab": draft_vocab, "ttt_steps": ttt_steps, "lr": lr,
-                                                 "batch_tokens": batch_tokens, "corpus_tokens": corpus_tokens,
-                                                 "max_length": max_length, "seed": seed, "bf16": bf16,
-                                                 "init": None if init is None else str(init)}})
+    head.save(out, {"target": getattr(getattr(target, "source", None), "name", None), "report": report,
+                    "recipe": {"draft_vocab": draft_vocab, **settings}})
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
@@ -352,19 +352,11 @@ def evaluate(trainer: Trainer, items: list, batch_tokens: int, steps: int | None
     is exactly the accepted length of a greedy chain of k <= ``steps`` drafts."""
     trainer.head.eval()
     steps = steps or max(EVAL_STEPS, trainer.ttt_steps)
-    trained_steps, trainer.ttt_steps = trainer.ttt_steps, steps
-    try:
-        return _evaluate(trainer, items, batch_tokens, steps)
-    finally:
-        trainer.ttt_steps = trained_steps
-
-
-def _evaluate(trainer: Trainer, items: list, batch_tokens: int, steps: int) -> dict:
     greedy = [item for item in items if item[0].greedy]
     agree, counted = [0] * steps, [0] * steps
     accepted_at = [0] * (steps + 1)  # chains (rows with all S steps counted) accepting exactly a drafts
     for batch in batches(greedy, batch_tokens, 0):
-        _, agreement = trainer.batch_loss(batch)
+        _, agreement = trainer.batch_loss(batch, steps)
         for j, (correct, mask) in enumerate(agreement):
             agree[j] += int((correct & mask).sum())
             counted[j] += int(mask.sum())
