@@ -167,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-model-len", type=int, default=None, help="context per sequence (default: the model's)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
     srv.add_argument("--schedule", default="fcfs", choices=["fcfs", "task"], help="admission order: arrival, or requests of the running rows' task type first (docs/serving.md)")
+    srv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="start a prompt from the longest prefix it shares with a cache row (a system prompt, earlier turns) instead of prefilling it again; on by default, as in vLLM (docs/serving.md)")
     srv.add_argument("--audit-rate", type=float, default=0.0, help="fraction of greedy speculative requests re-run plainly when idle and compared (/metrics)")
     srv.add_argument("--replicas", type=int, default=None, help="serve N replicas of the engine behind Ray Serve's proxy (pip install 'specdecode[ray]'; docs/serving.md)")
     srv.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
@@ -540,11 +541,12 @@ def cmd_serve(args) -> int:
         application = ray_application(config, args.speculative_config, args.replicas, args.max_num_seqs,
                                       args.max_queued_requests, api_key=args.api_key, max_model_len=args.max_model_len,
                                       served_model_name=args.served_model_name, audit_rate=args.audit_rate,
-                                      schedule=args.schedule)
+                                      schedule=args.schedule, prefix_caching=args.enable_prefix_caching)
         serve_ray(application, args.host, args.port)
         return 0
     state = build_state(config, args.speculative_config, args.max_num_seqs, args.max_queued_requests, args.api_key,
-                        args.max_model_len, args.served_model_name, args.audit_rate, schedule=args.schedule)
+                        args.max_model_len, args.served_model_name, args.audit_rate, schedule=args.schedule,
+                        prefix_caching=args.enable_prefix_caching)
     serve(state, args.host, args.port, args.shutdown_timeout)
     return 0
 

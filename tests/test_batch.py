@@ -298,3 +298,75 @@ def test_batch_time_comes_from_the_measured_batch_table():
     assert profile.batch_time_ms(8, 1, 100) == 22 + (22 - 14) / 2 * 4  # beyond the table: the last slope
     # at a longer context every row pays the single-sequence difference: 4 rows x (20 - 10) ms
     assert profile.batch_time_ms(4, 1, 600) == 22 + 4 * 10
+
+
+def run_batch(runtime, requests, prefix_caching, max_num_seqs=3, make_drafter=None, k=0):
+    """``requests``: (prompt, params, steps to run before the next arrives). Returns the
+    sequences after the engine has drained."""
+    engine = BatchEngine(runtime, max_num_seqs=max_num_seqs, max_model_len=160, make_drafter=make_drafter,
+                         make_policy=lambda: k)
+    engine.prefix_caching = prefix_caching
+    sequences = []
+    for prompt, params, steps in requests:
+        sequences.append(engine.add(prompt, params))
+        for _ in range(steps):
+            engine.step()
+    engine.run()
+    return engine, sequences
+
+
+@pytest.mark.parametrize("backend, fmt, dtype", [("torch", "fp32", torch.float32),
+                                                 pytest.param("kernels", "fp32", torch.float32, marks=needs_kernels),
+                                                 pytest.param("kernels", "q4_1", torch.bfloat16, marks=needs_kernels)])
+def test_prefix_cache_reuses_shared_prompts_without_changing_outputs(model_dir, backend, fmt, dtype):
+    """Prompts sharing a system prefix, one prompt asked again, the next turn of a finished
+    conversation, and a prompt whose prefix is still running in another row: each starts
+    from the cached prefix (a free row taken as it is, or entries copied from a free or a
+    running row into another), and every output, greedy or seeded sampling, equals the
+    output with prefix caching off."""
+    rng = random.Random(3)
+    system = [rng.randrange(3, 97) for _ in range(20)]
+    tail = lambda n: [rng.randrange(3, 97) for _ in range(n)]  # noqa: E731
+    greedy = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, max_new_tokens=12, seed=5, ignore_eos=True)
+    first, second = system + tail(9), system + tail(5)
+    runtime = lambda: runtime_for(model_dir, backend, fmt, dtype, prefill_chunk=8)  # noqa: E731
+    _, (alone,) = run_batch(runtime(), [(first, greedy, 0)], False)
+    third = first + alone.generated + tail(4)  # the next turn of the first conversation
+    fourth = second[:22] + [3 if second[22] != 3 else 4] + tail(3)
+    requests = [(first, greedy, 40),  # finishes: its row keeps first + its answer
+                (second, greedy, 2),  # 20 tokens copied from that free row into an empty one
+                (first, sampled, 2),  # all of first but its last token, copied again
+                (third, greedy, 0),  # extends the free row's whole history: the row is taken
+                (fourth, greedy, 0)]  # 22 tokens copied from second's row, still running
+    _, cold = run_batch(runtime(), requests, False, max_num_seqs=4)
+    engine, warm = run_batch(runtime(), requests, True, max_num_seqs=4)
+    assert cold[0].generated == alone.generated
+    assert [s.generated for s in warm] == [s.generated for s in cold]
+    assert all(s.cached_tokens == 0 for s in cold)
+    assert [s.cached_tokens for s in warm] == [0, 20, len(first) - 1, len(first) + len(alone.generated) - 1, 22]
+    assert engine.prefix_hits == sum(s.cached_tokens for s in warm)
+    assert engine.prefix_queries == sum(len(r[0]) for r in requests)
+
+
+def test_prefix_cache_stands_aside_for_hidden_state_drafters_and_foreign_writes(model_dir):
+    """A drafter that reads the target's hidden states needs them for every prompt
+    position, so its sequence prefills in full; a cache that someone else reset or wrote
+    is not trusted."""
+
+    class Capturing(NgramProposer):
+        capture = (0,)
+
+        def observe(self, start, features, tokens):
+            pass
+
+    runtime = runtime_for(model_dir, "torch")
+    prompt = list(range(5, 30))
+    engine, (a, b) = run_batch(runtime, [(prompt, SamplingParams(max_new_tokens=4), 40),
+                                         (prompt, SamplingParams(max_new_tokens=4), 0)], True,
+                               make_drafter=Capturing, k=2)
+    assert a.cached_tokens == b.cached_tokens == 0
+    engine.add(prompt, SamplingParams(max_new_tokens=4), speculate=False)
+    runtime.reset(160, batch=3)  # the same tensors, but no longer the engine's
+    engine.run()
+    assert engine.prefix_hits == 0

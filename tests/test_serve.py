@@ -177,6 +177,28 @@ def test_metrics_use_vllm_names(served):
     assert 'le="2560.0"' in text  # vLLM's TTFT buckets
 
 
+def test_a_repeated_prompt_reuses_its_cached_prefix(served):
+    """Automatic prefix caching: the same prompt again starts from the first one's KV
+    entries (all its tokens but the last), reported as OpenAI's cached_tokens and in
+    vLLM's prefix-cache counters, and answers the same; after /reset_prefix_cache it is
+    prefilled in full."""
+    client, state, target = served
+    api = openai_client(client)
+    prompt = "the same long prompt, asked twice: abcdefgh"
+    before = state.metrics.prefix_hits.labels(model_name="tiny")._value.get()
+    first, second = (api.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0) for _ in range(2))
+    assert second.choices[0].text == first.choices[0].text
+    prompt_tokens = len(target.tokenizer(prompt)["input_ids"])
+    assert second.usage.prompt_tokens_details.cached_tokens == prompt_tokens - 1
+    after = state.metrics.prefix_hits.labels(model_name="tiny")._value.get()
+    assert after - before == first.usage.prompt_tokens_details.cached_tokens + prompt_tokens - 1
+    text = client.get("/metrics").text
+    assert "specdecode:prefix_cache_queries_total" in text and "specdecode:prefix_cache_hits_total" in text
+    assert client.post("/reset_prefix_cache").status_code == 200  # vLLM's route: forget them all
+    third = api.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
+    assert third.usage.prompt_tokens_details.cached_tokens == 0 and third.choices[0].text == first.choices[0].text
+
+
 def test_api_key_and_full_queue(model_dir):
     client, state = make_client(model_dir, api_key="sekret", max_queued_requests=0)
     with client:

@@ -246,6 +246,9 @@ def bench_serve(prompts: list[dict], concurrency: list[int], rate: float | None,
             asyncio.run(run_level(url, model, texts[:widest], 16, mode, widest, None, seed))
         plan = [(level, mode) for level in levels for mode in modes]
         for level, mode in tqdm(plan, desc="bench-serve", unit="level", file=sys.stderr):
+            # every level starts from an empty prefix cache, so it reuses only what its own
+            # requests share (a system prompt), not the prompts the last level sent
+            httpx.post(f"{url}/reset_prefix_cache", timeout=10)
             count = max(num_prompts, level or 1)
             chosen = [texts[i % len(texts)] for i in range(count)]
             rows.append(asyncio.run(run_level(url, model, chosen, max_tokens, mode, level, rate, seed)))

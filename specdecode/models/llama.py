@@ -408,6 +408,7 @@ class NativeRuntime:
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.length = 0
+        self.cache_owner = None
         self.kernels = None
         if backend == "kernels":
             if self.device.type != "cpu":
@@ -446,6 +447,17 @@ class NativeRuntime:
             if self.kernels is not None:
                 self.kernels.bind_cache(self.k_cache, self.v_cache)
         self.length = 0
+        self.cache_owner = None  # a batched engine that keeps rows' entries across requests claims it
+
+    def copy_prefix(self, src_row: int, dst_row: int, length: int) -> None:
+        """Copy the first ``length`` slots of cache row ``src_row`` into ``dst_row`` (every
+        layer, keys and values): a shared prompt prefix reused instead of prefilled."""
+        rows = self.k_cache.shape[1]
+        if not (0 <= src_row < rows and 0 <= dst_row < rows and 0 <= length <= self.capacity):
+            raise SpecDecodeError(f"cannot copy {length} slots from cache row {src_row} to {dst_row} "
+                                  f"({rows} rows of {self.capacity})")
+        self.k_cache[:, dst_row, :, :length] = self.k_cache[:, src_row, :, :length]
+        self.v_cache[:, dst_row, :, :length] = self.v_cache[:, src_row, :, :length]
 
     @property
     def capacity(self) -> int:
@@ -491,6 +503,7 @@ class NativeRuntime:
         """
         batch, num_new = input_ids.shape
         end = self.length + num_new
+        self.cache_owner = None  # rows written outside a batched engine's bookkeeping
         if end > self.capacity:
             raise SpecDecodeError(
                 f"sequence of {end} tokens exceeds the KV cache capacity {self.capacity} "

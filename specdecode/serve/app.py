@@ -204,7 +204,7 @@ class ServerState:
         ttft = None if sequence.first_token_time is None else sequence.first_token_time - sequence.arrival
         saved = self.speculation.seconds_saved(sequence)
         self.metrics.finished(sequence.finish_reason, len(sequence.prompt_ids), stats.new_tokens, stats.wall_seconds,
-                              ttft, sequence.task_type, saved)
+                              ttft, sequence.task_type, saved, sequence.cached_tokens)
         self.speculation.observe(sequence, self.metrics)
         if self.auditor is not None and sequence.finish_reason != "abort":
             self.auditor.offer(sequence)
@@ -337,7 +337,8 @@ class SpeculationChoices:
 # -- responses ---------------------------------------------------------------------------
 def usage(sequence: Sequence) -> dict:
     prompt, completion = len(sequence.prompt_ids), len(sequence.generated)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sequence.cached_tokens}}
 
 
 def speculation_summary(sequence: Sequence) -> dict:
@@ -531,6 +532,15 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
         authorize(request)
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
                                             "owned_by": "specdecode", "max_model_len": state.engine.max_model_len}]}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request):
+        """vLLM's route: forget every cached prefix before the next admission (benchmarks
+        that replay prompts use it so that a level does not reuse the last one's)."""
+        authorize(request)
+        state.engine.reset_prefix_cache()
+        state.wakeup.set()
+        return Response(status_code=200)
 
     @app.get("/health")
     async def health():

@@ -38,7 +38,8 @@ class Auditor:
         if not self.backlog:
             return False
         original = self.backlog.popleft()
-        audit = self.engine.add(original.prompt_ids, original.params, f"{original.request_id}-audit", speculate=False)
+        audit = self.engine.add(original.prompt_ids, original.params, f"{original.request_id}-audit", speculate=False,
+                                 reuse_prefix=False)  # prefilled in full: an independent re-run
         audit.audit_of = original
         audit.task_type = original.task_type
         return True
@@ -66,6 +67,7 @@ class Auditor:
         if not engine.free_rows:
             return None
         row = engine.free_rows[0]
+        engine.row_tokens[row] = []  # overwritten here: no longer a cached prefix
         logits = engine.runtime.forward_rows(torch.tensor([tokens]), [row], [0], last_only=True)[0, -1].float()
         top = logits.topk(2).values
         return float(top[0] - top[1])

@@ -4,7 +4,8 @@ Each request is a ``Sequence``: its tokens, sampling parameters, random generato
 and k policy, and one row of the target's KV cache. ``BatchEngine.step`` runs one
 scheduling round:
 
-1. admit waiting sequences into free cache rows (at most ``max_num_seqs`` run at once);
+1. admit waiting sequences into free cache rows (at most ``max_num_seqs`` run at once),
+   reusing the longest cached prefix of the prompt (below);
 2. prefill: one chunk (at most ``prefill_chunk`` tokens) of one admitted prompt, so a long
    prompt delays the running sequences by one chunk per step, never by its whole length;
 3. decode: every prefilled sequence drafts its own k (0 for plain decoding), and the
@@ -15,6 +16,20 @@ scheduling round:
    sampling with the row's generator) and commit: a row's cache length is simply its
    committed length minus one (the engine's cache convention), so rejected slots cost no
    copy.
+
+Prefix caching (vLLM's automatic prefix caching, on by default): a cache row keeps its
+KV entries after its sequence finishes, until the row is reused. An admitted prompt
+starts from the longest prefix it shares with the valid entries of any row, free or
+running (a chat template's system prompt, the earlier turns of a conversation, n samples
+of one prompt). A free row whose entries the prompt extends is taken as it is; otherwise
+the prefix's entries are copied into a free row (one holding nothing, else the least
+recently freed), so a row's longer history survives a prompt that shares only its start.
+Only the rest of the prompt is prefilled. The cache is the rows themselves: at most
+``max_num_seqs`` histories, and only those of rows not running are at risk. A key or value
+depends only on the tokens at and before it, and on the kernels it is computed the same
+bits whatever else was in its pass, so a reused prefix gives the logits that prefilling it
+again would. A sequence whose drafter reads the target's hidden states (EAGLE) prefills
+its whole prompt: the drafter needs them for every position.
 
 On specdecode's CPU kernels every row's logits are bitwise independent of the other rows
 and of the padding (``--exact``), so a request's greedy output is the same whatever else
@@ -33,6 +48,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..config import SamplingParams, SpecDecodeError
@@ -80,6 +96,8 @@ class Sequence:
     method: str = "none"  # the drafter's method name (reports)
     error: str | None = None  # set when the engine failed the sequence
     last_emit: float | None = None  # when the server last streamed from it
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    reuse_prefix: bool = True  # False: prefill the whole prompt (the audit's independent re-run)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -99,6 +117,22 @@ class Sequence:
     @property
     def text(self) -> str:
         return self.tracker.text if self.tracker is not None else ""
+
+    @property
+    def kv_tokens(self) -> list[int]:
+        """The tokens whose KV entries in the sequence's cache row are final: the prefilled
+        part of the prompt, then every committed token but the last (its entry is written
+        by the next step; slots past it may hold rejected drafts)."""
+        return self.tokens[:self.prefilled if not self.prefill_done else len(self.tokens) - 1]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
 
 
 class BatchEngine:
@@ -124,7 +158,13 @@ class BatchEngine:
         self.make_drafter = make_drafter
         self.make_policy = make_policy
         runtime.reset(self.max_model_len, batch=max_num_seqs)
-        self.free_rows = deque(range(max_num_seqs))
+        runtime.cache_owner = self  # another engine's reset, or a plain forward, would take it
+        self.free_rows = deque(range(max_num_seqs))  # least recently freed first
+        self.prefix_caching = True
+        self.row_tokens: list[list[int]] = [[] for _ in range(max_num_seqs)]  # a free row's valid entries
+        self._forget_prefixes = False
+        self.prefix_queries = 0  # prompt tokens admitted, and how many of them came from the cache
+        self.prefix_hits = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.lock = threading.Lock()  # guards waiting (other threads add and abort)
@@ -148,10 +188,11 @@ class BatchEngine:
 
     def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
             speculate: bool = True, proposer=None, policy=None, listener=None, prior_alpha: float | None = None,
-            task_type: str | None = None, method: str = "none") -> Sequence:
-        """Queue a request (thread-safe). ``speculate=False`` decodes it plainly. Everything
-        the sequence carries is set before it is queued: the engine thread may finish it
-        before this returns."""
+            task_type: str | None = None, method: str = "none", reuse_prefix: bool = True) -> Sequence:
+        """Queue a request (thread-safe). ``speculate=False`` decodes it plainly;
+        ``reuse_prefix=False`` prefills its whole prompt even where a cached prefix could
+        serve. Everything the sequence carries is set before it is queued: the engine
+        thread may finish it before this returns."""
         self.check_prompt(prompt_ids)
         if speculate and proposer is None and self.make_drafter is not None:
             proposer = self.make_drafter()
@@ -163,7 +204,7 @@ class BatchEngine:
             policy = FixedK(policy)
         sequence = Sequence(request_id or f"seq-{next(self._ids)}", list(prompt_ids), params, proposer,
                             policy if proposer is not None else None, prior_alpha, task_type, listener,
-                            method=method if proposer is not None else "none")
+                            method=method if proposer is not None else "none", reuse_prefix=reuse_prefix)
         if params.stop and self.tokenizer is None:
             raise SpecDecodeError("stop strings need a tokenizer; this model has none")
         sequence.tracker = TextTracker(self.tokenizer, params.stop)
@@ -174,6 +215,10 @@ class BatchEngine:
     def abort(self, sequence: Sequence) -> None:
         """Stop a sequence (thread-safe); its cache row is freed at the next step."""
         sequence.aborted = True
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every free row's cached entries at the next step (thread-safe)."""
+        self._forget_prefixes = True
 
     @property
     def has_work(self) -> bool:
@@ -193,6 +238,9 @@ class BatchEngine:
         """Admit, prefill one chunk, decode every prefilled row once. Returns the
         sequences that finished in this step."""
         finished: list[Sequence] = []
+        if self._forget_prefixes:
+            self._forget_prefixes = False
+            self.row_tokens = [[] for _ in self.row_tokens]
         self._reap(finished)
         self._admit()
         pending = [s for s in self.running if not s.prefill_done]
@@ -232,13 +280,45 @@ class BatchEngine:
                 if sequence.aborted:
                     self._finish(sequence, "abort")
                     continue
-                sequence.cache_row = self.free_rows.popleft()
+                self._place(sequence)
                 capacity = min(len(sequence.prompt_ids) + sequence.params.max_new_tokens + 1 + self._k_max(sequence),
                                self.max_model_len)
                 if sequence.proposer is not None:
                     sequence.proposer.start(sequence.tokens, capacity)
                     sequence.policy.start(sequence.prior_alpha)
                 self.running.append(sequence)
+
+    def _place(self, sequence: Sequence) -> None:
+        """Give ``sequence`` a free cache row, holding the longest prefix of its prompt that
+        any row holds (all of it but the last token at most: that one is scored by the
+        first decode step)."""
+        limit = len(sequence.prompt_ids) - 1
+        best, source = 0, None
+        if getattr(self.runtime, "cache_owner", self) is not self:  # someone else wrote the cache
+            self.row_tokens = [[] for _ in self.row_tokens]
+        elif self.prefix_caching and sequence.reuse_prefix and not getattr(sequence.proposer, "capture", ()):
+            candidates = [(row, self.row_tokens[row]) for row in self.free_rows]
+            candidates += [(s.cache_row, s.kv_tokens) for s in self.running]
+            for row, tokens in candidates:
+                n = min(common_prefix(sequence.prompt_ids, tokens), limit)
+                if n > best:
+                    best, source = n, row
+        if source is not None and source in self.free_rows and best == len(self.row_tokens[source]):
+            self.free_rows.remove(source)  # it holds nothing more: take it as it is
+            row = source
+        else:  # copy into a free row holding nothing, else the least recently freed one
+            row = next((r for r in self.free_rows if not self.row_tokens[r] and r != source),
+                       next((r for r in self.free_rows if r != source), None))
+            if row is None:  # the only free row is the source: losing its other entries is unavoidable
+                row = source
+            self.free_rows.remove(row)
+            if source is not None and source != row:
+                self.runtime.copy_prefix(source, row, best)
+        self.row_tokens[row] = []
+        sequence.cache_row = row
+        sequence.prefilled = sequence.cached_tokens = best
+        self.prefix_queries += len(sequence.prompt_ids)
+        self.prefix_hits += best
 
     @staticmethod
     def _k_max(sequence: Sequence) -> int:
@@ -250,6 +330,8 @@ class BatchEngine:
             if sequence.aborted and not sequence.finished:
                 self._finish(sequence, "abort")
             if sequence.finished:
+                # a sequence failed by an engine error may have left its row half written
+                self.row_tokens[sequence.cache_row] = sequence.kv_tokens if sequence.error is None else []
                 self.free_rows.append(sequence.cache_row)
                 sequence.cache_row = None
                 finished.append(sequence)

@@ -65,6 +65,8 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self.success = counter("request_success", "Finished requests", ["finished_reason"])
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache")
         # ours, by task type
         task = ["task_type"]
         self.task_drafted = counter("task_draft_tokens", "Draft tokens scored, by task type", task)
@@ -120,9 +122,11 @@ class ServerMetrics:
         return ratio
 
     def finished(self, reason: str, prompt_tokens: int, generated: int, e2e: float, ttft: float | None,
-                 task: str | None, saved_seconds: float | None) -> None:
+                 task: str | None, saved_seconds: float | None, cached_tokens: int = 0) -> None:
         self.labels(self.success, finished_reason=reason).inc()
         self.labels(self.prompt_tokens).inc(prompt_tokens)
+        self.labels(self.prefix_queries).inc(prompt_tokens)
+        self.labels(self.prefix_hits).inc(cached_tokens)
         self.labels(self.generation_tokens).inc(generated)
         self.labels(self.e2e).observe(e2e)
         if ttft is not None:
