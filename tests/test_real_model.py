@@ -293,7 +293,8 @@ def test_memory_estimate_matches_the_peak_rss_of_a_run(repeats):
 @pytest.mark.parametrize("method", ["ngram", "eagle"])
 def test_batched_engine_on_the_real_model_equals_each_request_alone(method):
     """The default runtime (kernels, int4, bf16 cache): requests decoded together with
-    prompt lookup or the shipped head's chains give bit for bit each one's plain output."""
+    prompt lookup or the shipped head's chains give bit for bit each one's plain output,
+    a prompt started from a cached prefix included."""
     from specdecode.factory import build_proposer
     from specdecode.proposers.eagle import EagleProposer
     from specdecode.proposers.ngram import NgramProposer
@@ -319,3 +320,7 @@ def test_batched_engine_on_the_real_model_equals_each_request_alone(method):
     engine.run()
     assert [s.generated for s in sequences] == expected
     assert sum(s.stats.accepted_tokens for s in sequences) > 0
+    # the fourth request waits for a row, then starts from the chat template's system
+    # prompt that a finished one left in the cache (EAGLE rows prefill in full)
+    cached = [s.cached_tokens for s in sequences]
+    assert cached[:3] == [0, 0, 0] and (cached[3] > 0 if method == "ngram" else cached[3] == 0)
