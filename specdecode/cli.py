@@ -168,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
     srv.add_argument("--schedule", default="fcfs", choices=["fcfs", "task"], help="admission order: arrival, or requests of the running rows' task type first (docs/serving.md)")
     srv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="start a prompt from the longest prefix it shares with a cache row (a system prompt, earlier turns) instead of prefilling it again; on by default, as in vLLM (docs/serving.md)")
+    srv.add_argument("--prefill-threads", type=int, default=None, help="kernel threads for prefill chunks (default: every core when --threads is left to its default, else --threads): a chunk is long and compute bound, so it may use the core the front end keeps")
     srv.add_argument("--audit-rate", type=float, default=0.0, help="fraction of greedy speculative requests re-run plainly when idle and compared (/metrics)")
     srv.add_argument("--replicas", type=int, default=None, help="serve N replicas of the engine behind Ray Serve's proxy (pip install 'specdecode[ray]'; docs/serving.md)")
     srv.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
@@ -525,15 +526,19 @@ def cmd_presets(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    import torch
+
     from .serve.server import build_state, serve, serving_threads
 
+    if args.prefill_threads is not None and args.prefill_threads < 1:
+        raise SpecDecodeError(f"--prefill-threads must be >= 1, got {args.prefill_threads}")
     if args.threads is None and args.replicas is None:
         args.threads = serving_threads()
+        if args.prefill_threads is None:  # prefill chunks may take the front end's core too
+            args.prefill_threads = torch.get_num_threads()
     config = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads, weights=args.weights,
                           backend=args.backend, prefill_chunk=args.prefill_chunk)
     if args.threads:
-        import torch
-
         torch.set_num_threads(args.threads)
     if args.replicas is not None:
         from .serve.server import ray_application, serve_ray
@@ -546,7 +551,7 @@ def cmd_serve(args) -> int:
         return 0
     state = build_state(config, args.speculative_config, args.max_num_seqs, args.max_queued_requests, args.api_key,
                         args.max_model_len, args.served_model_name, args.audit_rate, schedule=args.schedule,
-                        prefix_caching=args.enable_prefix_caching)
+                        prefix_caching=args.enable_prefix_caching, prefill_threads=args.prefill_threads)
     serve(state, args.host, args.port, args.shutdown_timeout)
     return 0
 

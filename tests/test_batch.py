@@ -300,12 +300,13 @@ def test_batch_time_comes_from_the_measured_batch_table():
     assert profile.batch_time_ms(4, 1, 600) == 22 + 4 * 10
 
 
-def run_batch(runtime, requests, prefix_caching, max_num_seqs=3, make_drafter=None, k=0):
+def run_batch(runtime, requests, prefix_caching, max_num_seqs=3, make_drafter=None, k=0, prefill_threads=None):
     """``requests``: (prompt, params, steps to run before the next arrives). Returns the
-    sequences after the engine has drained."""
+    engine and the sequences after it has drained."""
     engine = BatchEngine(runtime, max_num_seqs=max_num_seqs, max_model_len=160, make_drafter=make_drafter,
                          make_policy=lambda: k)
     engine.prefix_caching = prefix_caching
+    engine.prefill_threads = prefill_threads
     sequences = []
     for prompt, params, steps in requests:
         sequences.append(engine.add(prompt, params))
@@ -370,3 +371,17 @@ def test_prefix_cache_stands_aside_for_hidden_state_drafters_and_foreign_writes(
     runtime.reset(160, batch=3)  # the same tensors, but no longer the engine's
     engine.run()
     assert engine.prefix_hits == 0
+
+
+@needs_kernels
+def test_prefill_threads_change_no_output(model_dir):
+    """The server prefills on every core and decodes on one fewer: a row's entries are the
+    same bits at any thread count, so the outputs are those of one thread throughout."""
+    rng = random.Random(9)
+    requests = [(random_prompt(rng), SamplingParams(max_new_tokens=10, ignore_eos=True), 1) for _ in range(5)]
+    outputs = []
+    for threads in (1, 2, 3):
+        runtime = runtime_for(model_dir, "kernels", "q4_1", torch.bfloat16, prefill_chunk=8)
+        _, sequences = run_batch(runtime, requests, True, prefill_threads=threads)
+        outputs.append([s.generated for s in sequences])
+    assert outputs[0] == outputs[1] == outputs[2]

@@ -213,13 +213,15 @@ class KernelStack:
     # -- forward --------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None, tree_mask: torch.Tensor | None,
                 last_only: bool, return_hidden: bool, capture: tuple[int, ...] = (),
-                starts: list[int] | None = None, cache_rows: list[int] | None = None, lazy_logits: bool = False):
+                starts: list[int] | None = None, cache_rows: list[int] | None = None, lazy_logits: bool = False,
+                threads: int | None = None):
         """T new tokens for each of ``input_ids``' rows. Without ``starts`` the rows are the
         cache's rows, all at the runtime's length, which advances. With ``starts`` and
         ``cache_rows``, entry b is the sequence in cache row ``cache_rows[b]`` holding
         ``starts[b]`` tokens (its new tokens go to the slots after them; the runtime's
         length is left alone): the batched engine's ragged rows. ``lazy_logits`` (one
-        chunk, no hidden states asked): a ``LazyLogits`` in place of the logits."""
+        chunk, no hidden states asked): a ``LazyLogits`` in place of the logits. ``threads``:
+        this call's thread count (default torch's)."""
         runtime, cfg, lib, model = self.runtime, self.runtime.cfg, self.lib, self.model
         batch, num_new = input_ids.shape
         shared = starts is None
@@ -227,7 +229,7 @@ class KernelStack:
             if batch != model.batch:
                 raise SpecDecodeError(f"batch of {batch} rows, but the cache was reset for {model.batch}")
             starts, cache_rows = [runtime.length] * batch, list(range(batch))
-        model.num_threads = torch.get_num_threads()
+        model.num_threads = threads or torch.get_num_threads()
         # the small per-call arrays are numpy's: each torch op costs ~10-20 µs of dispatch
         # on these cores, and a decode step made ~25 of them (0.6 ms of a 6.5 ms step)
         ids = input_ids.to(torch.int64).contiguous()

@@ -540,13 +540,15 @@ class NativeRuntime:
 
     @torch.inference_mode()
     def forward_rows(self, input_ids: torch.Tensor, cache_rows: list[int], starts: list[int],
-                     last_only: bool = False, return_hidden: bool = False, capture: tuple[int, ...] = ()):
+                     last_only: bool = False, return_hidden: bool = False, capture: tuple[int, ...] = (),
+                     threads: int | None = None):
         """The batched engine's step: entry b of ``input_ids`` [n, T] continues the sequence
         in cache row ``cache_rows[b]``, which holds ``starts[b]`` tokens; its T new tokens
         are written after them (a row's padding past its real tokens is harmless: causal
         attention keeps it from the real tokens, and the slots are overwritten later). The
-        runtime's own length is left alone: the caller keeps each row's length. Returns
-        what ``forward`` returns."""
+        runtime's own length is left alone: the caller keeps each row's length. ``threads``:
+        the kernels' thread count for this call (default torch's; every row is the same
+        bits at any count); the torch backend ignores it. Returns what ``forward`` returns."""
         batch, num_new = input_ids.shape
         if len(cache_rows) != batch or len(starts) != batch:
             raise SpecDecodeError(f"{batch} rows need {batch} cache rows and starts, got {len(cache_rows)} and {len(starts)}")
@@ -558,7 +560,7 @@ class NativeRuntime:
                 f"(context limit {self.cfg.max_positions})")
         if self.kernels is not None:
             return self.kernels.forward(input_ids, None, None, last_only, return_hidden, capture,
-                                        starts=list(starts), cache_rows=list(cache_rows))
+                                        starts=list(starts), cache_rows=list(cache_rows), threads=threads)
         def run(begin, stop, last):
             return self._forward_rows_torch(input_ids[:, begin:stop], cache_rows, [s + begin for s in starts], last,
                                             capture)

@@ -181,6 +181,10 @@ class BatchEngine:
         # batch_time_ms, measured on this machine at batch sizes
         self.batch_cost: Callable[[int, int, int], float] | None = None
         self.probe_every = 64  # batched steps per step on which probing rows may draft
+        # kernel threads for prefill chunks (None: torch's, as for decode steps). A server
+        # keeps a core for its front end while decoding, but a chunk is long and bound by
+        # arithmetic: more threads pay there (rows are the same bits at any thread count)
+        self.prefill_threads: int | None = None
 
     # -- requests ---------------------------------------------------------------------
     def check_prompt(self, prompt_ids: list[int]) -> None:
@@ -361,7 +365,7 @@ class BatchEngine:
         end = min(begin + self.prefill_chunk, len(sequence.prompt_ids) - 1)
         layers = self._capture([sequence])
         out = self.runtime.forward_rows(torch.tensor([sequence.prompt_ids[begin:end]]), [sequence.cache_row], [begin],
-                                        last_only=True, capture=layers)
+                                        last_only=True, capture=layers, threads=self.prefill_threads)
         features = self._features(sequence, out[1] if layers else None, layers)
         if features is not None:
             sequence.proposer.observe(begin, features[0], sequence.tokens)

@@ -85,7 +85,8 @@ def drafter_entry(spec: SpeculativeConfig, target, engine_config: EngineConfig):
 def build_state(engine_config: EngineConfig, speculative: str | None, max_num_seqs: int = 8,
                 max_queued_requests: int = 64, api_key: str | None = None, max_model_len: int | None = None,
                 served_model_name: str | None = None, audit_rate: float = 0.0, target=None,
-                schedule: str = "fcfs", prefix_caching: bool = True) -> ServerState:
+                schedule: str = "fcfs", prefix_caching: bool = True,
+                prefill_threads: int | None = None) -> ServerState:
     from ..control.router import Router
     from ..factory import cost_profile, load_target, log
 
@@ -119,6 +120,7 @@ def build_state(engine_config: EngineConfig, speculative: str | None, max_num_se
                          max_model_len=max_model_len)
     engine.schedule = schedule
     engine.prefix_caching = prefix_caching
+    engine.prefill_threads = prefill_threads
     if profile is not None:
         engine.batch_cost = profile.batch_time_ms
     name = served_model_name or ("SmolLM2-135M-Instruct" if engine_config.model == "default" else engine_config.model)
