@@ -546,7 +546,8 @@ def cmd_serve(args) -> int:
         application = ray_application(config, args.speculative_config, args.replicas, args.max_num_seqs,
                                       args.max_queued_requests, api_key=args.api_key, max_model_len=args.max_model_len,
                                       served_model_name=args.served_model_name, audit_rate=args.audit_rate,
-                                      schedule=args.schedule, prefix_caching=args.enable_prefix_caching)
+                                      schedule=args.schedule, prefix_caching=args.enable_prefix_caching,
+                                      prefill_threads=args.prefill_threads)
         serve_ray(application, args.host, args.port)
         return 0
     state = build_state(config, args.speculative_config, args.max_num_seqs, args.max_queued_requests, args.api_key,

@@ -316,15 +316,18 @@ def run_batch(runtime, requests, prefix_caching, max_num_seqs=3, make_drafter=No
     return engine, sequences
 
 
+@pytest.mark.parametrize("k", [0, 3])
 @pytest.mark.parametrize("backend, fmt, dtype", [("torch", "fp32", torch.float32),
                                                  pytest.param("kernels", "fp32", torch.float32, marks=needs_kernels),
                                                  pytest.param("kernels", "q4_1", torch.bfloat16, marks=needs_kernels)])
-def test_prefix_cache_reuses_shared_prompts_without_changing_outputs(model_dir, backend, fmt, dtype):
+def test_prefix_cache_reuses_shared_prompts_without_changing_outputs(model_dir, backend, fmt, dtype, k):
     """Prompts sharing a system prefix, one prompt asked again, the next turn of a finished
     conversation, and a prompt whose prefix is still running in another row: each starts
     from the cached prefix (a free row taken as it is, or entries copied from a free or a
     running row into another), and every output, greedy or seeded sampling, equals the
-    output with prefix caching off."""
+    output with prefix caching off. With prompt lookup drafting 3 tokens a step, the
+    reused histories were written by speculative steps, whose slots past the committed
+    tokens hold rejected drafts."""
     rng = random.Random(3)
     system = [rng.randrange(3, 97) for _ in range(20)]
     tail = lambda n: [rng.randrange(3, 97) for _ in range(n)]  # noqa: E731
@@ -332,7 +335,8 @@ def test_prefix_cache_reuses_shared_prompts_without_changing_outputs(model_dir, 
     sampled = SamplingParams(temperature=0.8, max_new_tokens=12, seed=5, ignore_eos=True)
     first, second = system + tail(9), system + tail(5)
     runtime = lambda: runtime_for(model_dir, backend, fmt, dtype, prefill_chunk=8)  # noqa: E731
-    _, (alone,) = run_batch(runtime(), [(first, greedy, 0)], False)
+    drafting = {"make_drafter": NgramProposer if k else None, "k": k}
+    _, (alone,) = run_batch(runtime(), [(first, greedy, 0)], False, **drafting)
     third = first + alone.generated + tail(4)  # the next turn of the first conversation
     fourth = second[:22] + [3 if second[22] != 3 else 4] + tail(3)
     requests = [(first, greedy, 40),  # finishes: its row keeps first + its answer
@@ -340,14 +344,40 @@ def test_prefix_cache_reuses_shared_prompts_without_changing_outputs(model_dir, 
                 (first, sampled, 2),  # all of first but its last token, copied again
                 (third, greedy, 0),  # extends the free row's whole history: the row is taken
                 (fourth, greedy, 0)]  # 22 tokens copied from second's row, still running
-    _, cold = run_batch(runtime(), requests, False, max_num_seqs=4)
-    engine, warm = run_batch(runtime(), requests, True, max_num_seqs=4)
+    _, cold = run_batch(runtime(), requests, False, max_num_seqs=4, **drafting)
+    engine, warm = run_batch(runtime(), requests, True, max_num_seqs=4, **drafting)
     assert cold[0].generated == alone.generated
     assert [s.generated for s in warm] == [s.generated for s in cold]
     assert all(s.cached_tokens == 0 for s in cold)
     assert [s.cached_tokens for s in warm] == [0, 20, len(first) - 1, len(first) + len(alone.generated) - 1, 22]
     assert engine.prefix_hits == sum(s.cached_tokens for s in warm)
     assert engine.prefix_queries == sum(len(r[0]) for r in requests)
+    if k:
+        assert sum(s.stats.draft_tokens for s in warm) > 0
+
+
+def test_a_prefix_cache_reset_forgets_free_and_running_rows(model_dir):
+    """After reset_prefix_cache no prompt reuses what was cached: neither a free row's
+    history, nor a row running at the reset (while it runs, nor after it finishes)."""
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    first, second = list(range(5, 25)), list(range(30, 60))
+    engine = BatchEngine(runtime_for(model_dir, "torch", prefill_chunk=8), max_num_seqs=3, max_model_len=128)
+    engine.add(first, params)
+    engine.run()
+    running = engine.add(second, params)
+    engine.step()
+    engine.reset_prefix_cache()
+    again = [engine.add(first, params), engine.add(second[:20] + [3], params)]
+    engine.run()
+    assert not running.share_prefix and [s.cached_tokens for s in again] == [0, 0]
+    last = engine.add(second, params)
+    engine.run()
+    # 20 from the request admitted after the reset, not 29 from the row running at it
+    assert last.cached_tokens == 20 and last.generated == running.generated
+    final = engine.add(second, params)
+    engine.run()
+    assert final.cached_tokens == len(second) - 1  # rows written after the reset serve again
+    assert engine.prefix_hits == 20 + len(second) - 1
 
 
 def test_prefix_cache_stands_aside_for_hidden_state_drafters_and_foreign_writes(model_dir):
@@ -378,10 +408,15 @@ def test_prefill_threads_change_no_output(model_dir):
     """The server prefills on every core and decodes on one fewer: a row's entries are the
     same bits at any thread count, so the outputs are those of one thread throughout."""
     rng = random.Random(9)
-    requests = [(random_prompt(rng), SamplingParams(max_new_tokens=10, ignore_eos=True), 1) for _ in range(5)]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    requests = [(random_prompt(rng), params, 1 if i < 4 else 20) for i in range(5)]  # the first finishes
+    _, (first,) = run_batch(runtime_for(model_dir, "kernels", "q4_1", torch.bfloat16), requests[:1], False)
+    # the next turn of the first conversation: a prefill chunk of one token after its cached entries
+    requests.append((requests[0][0] + first.generated + [5], params, 0))
     outputs = []
     for threads in (1, 2, 3):
         runtime = runtime_for(model_dir, "kernels", "q4_1", torch.bfloat16, prefill_chunk=8)
-        _, sequences = run_batch(runtime, requests, True, prefill_threads=threads)
+        _, sequences = run_batch(runtime, requests, True, max_num_seqs=8, prefill_threads=threads)
         outputs.append([s.generated for s in sequences])
+        assert sequences[-1].cached_tokens == len(requests[-1][0]) - 2
     assert outputs[0] == outputs[1] == outputs[2]

@@ -245,10 +245,15 @@ def bench_serve(prompts: list[dict], concurrency: list[int], rate: float | None,
         for mode in modes:
             asyncio.run(run_level(url, model, texts[:widest], 16, mode, widest, None, seed))
         plan = [(level, mode) for level in levels for mode in modes]
+        warned = False
         for level, mode in tqdm(plan, desc="bench-serve", unit="level", file=sys.stderr):
             # every level starts from an empty prefix cache, so it reuses only what its own
             # requests share (a system prompt), not the prompts the last level sent
-            httpx.post(f"{url}/reset_prefix_cache", timeout=10)
+            reset = httpx.post(f"{url}/reset_prefix_cache", timeout=10)
+            if reset.status_code != 200 and not warned:
+                warned = True
+                print(f"specdecode: {url}/reset_prefix_cache answered {reset.status_code}: a level may reuse "
+                      f"prompts the last one sent, if the server caches prefixes", file=sys.stderr)
             count = max(num_prompts, level or 1)
             chosen = [texts[i % len(texts)] for i in range(count)]
             rows.append(asyncio.run(run_level(url, model, chosen, max_tokens, mode, level, rate, seed)))

@@ -204,7 +204,7 @@ class ServerState:
         ttft = None if sequence.first_token_time is None else sequence.first_token_time - sequence.arrival
         saved = self.speculation.seconds_saved(sequence)
         self.metrics.finished(sequence.finish_reason, len(sequence.prompt_ids), stats.new_tokens, stats.wall_seconds,
-                              ttft, sequence.task_type, saved, sequence.cached_tokens)
+                              ttft, sequence.task_type, saved, sequence.cached_tokens, sequence.looked_up)
         self.speculation.observe(sequence, self.metrics)
         if self.auditor is not None and sequence.finish_reason != "abort":
             self.auditor.offer(sequence)

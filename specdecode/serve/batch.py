@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import secrets
 import threading
 import time
@@ -58,6 +59,7 @@ from ..proposers.base import Proposal
 from ..text import TextTracker
 
 FINISH_REASONS = ("stop", "length", "abort")
+logger = logging.getLogger("specdecode.serve")
 
 
 @dataclass
@@ -97,7 +99,9 @@ class Sequence:
     error: str | None = None  # set when the engine failed the sequence
     last_emit: float | None = None  # when the server last streamed from it
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    looked_up: int = 0  # prompt tokens looked up in it (0 until the sequence gets a row)
     reuse_prefix: bool = True  # False: prefill the whole prompt (the audit's independent re-run)
+    share_prefix: bool = True  # False: its row serves no other prompt (running at a cache reset)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -221,7 +225,8 @@ class BatchEngine:
         sequence.aborted = True
 
     def reset_prefix_cache(self) -> None:
-        """Forget every free row's cached entries at the next step (thread-safe)."""
+        """Forget every cached prefix at the next step (thread-safe): the free rows' entries
+        now, the running rows' when they finish; the running rows serve no prompt meanwhile."""
         self._forget_prefixes = True
 
     @property
@@ -242,9 +247,11 @@ class BatchEngine:
         """Admit, prefill one chunk, decode every prefilled row once. Returns the
         sequences that finished in this step."""
         finished: list[Sequence] = []
-        if self._forget_prefixes:
+        if self._forget_prefixes:  # the free rows' histories, and those of the rows running now
             self._forget_prefixes = False
             self.row_tokens = [[] for _ in self.row_tokens]
+            for sequence in self.running:
+                sequence.share_prefix = False
         self._reap(finished)
         self._admit()
         pending = [s for s in self.running if not s.prefill_done]
@@ -284,12 +291,22 @@ class BatchEngine:
                 if sequence.aborted:
                     self._finish(sequence, "abort")
                     continue
-                self._place(sequence)
-                capacity = min(len(sequence.prompt_ids) + sequence.params.max_new_tokens + 1 + self._k_max(sequence),
-                               self.max_model_len)
-                if sequence.proposer is not None:
-                    sequence.proposer.start(sequence.tokens, capacity)
-                    sequence.policy.start(sequence.prior_alpha)
+                try:
+                    self._place(sequence)
+                    capacity = min(len(sequence.prompt_ids) + sequence.params.max_new_tokens + 1
+                                   + self._k_max(sequence), self.max_model_len)
+                    if sequence.proposer is not None:
+                        sequence.proposer.start(sequence.tokens, capacity)
+                        sequence.policy.start(sequence.prior_alpha)
+                except Exception:  # fail this request alone, and keep its row
+                    logger.exception("admitting request %s failed", sequence.request_id)
+                    if sequence.cache_row is not None:
+                        self.row_tokens[sequence.cache_row] = []
+                        self.free_rows.append(sequence.cache_row)
+                        sequence.cache_row = None
+                    sequence.error = "internal error while admitting the request"
+                    self._finish(sequence, "abort")
+                    continue
                 self.running.append(sequence)
 
     def _place(self, sequence: Sequence) -> None:
@@ -300,9 +317,11 @@ class BatchEngine:
         best, source = 0, None
         if getattr(self.runtime, "cache_owner", self) is not self:  # someone else wrote the cache
             self.row_tokens = [[] for _ in self.row_tokens]
+            if not self.running:  # nothing of the old contents is in use: the rows are ours again
+                self.runtime.cache_owner = self
         elif self.prefix_caching and sequence.reuse_prefix and not getattr(sequence.proposer, "capture", ()):
             candidates = [(row, self.row_tokens[row]) for row in self.free_rows]
-            candidates += [(s.cache_row, s.kv_tokens) for s in self.running]
+            candidates += [(s.cache_row, s.kv_tokens) for s in self.running if s.share_prefix]
             for row, tokens in candidates:
                 n = min(common_prefix(sequence.prompt_ids, tokens), limit)
                 if n > best:
@@ -321,6 +340,7 @@ class BatchEngine:
         self.row_tokens[row] = []
         sequence.cache_row = row
         sequence.prefilled = sequence.cached_tokens = best
+        sequence.looked_up = len(sequence.prompt_ids)
         self.prefix_queries += len(sequence.prompt_ids)
         self.prefix_hits += best
 
@@ -335,7 +355,8 @@ class BatchEngine:
                 self._finish(sequence, "abort")
             if sequence.finished:
                 # a sequence failed by an engine error may have left its row half written
-                self.row_tokens[sequence.cache_row] = sequence.kv_tokens if sequence.error is None else []
+                shared = sequence.error is None and sequence.share_prefix
+                self.row_tokens[sequence.cache_row] = sequence.kv_tokens if shared else []
                 self.free_rows.append(sequence.cache_row)
                 sequence.cache_row = None
                 finished.append(sequence)

@@ -122,10 +122,11 @@ class ServerMetrics:
         return ratio
 
     def finished(self, reason: str, prompt_tokens: int, generated: int, e2e: float, ttft: float | None,
-                 task: str | None, saved_seconds: float | None, cached_tokens: int = 0) -> None:
+                 task: str | None, saved_seconds: float | None, cached_tokens: int = 0,
+                 looked_up: int = 0) -> None:
         self.labels(self.success, finished_reason=reason).inc()
         self.labels(self.prompt_tokens).inc(prompt_tokens)
-        self.labels(self.prefix_queries).inc(prompt_tokens)
+        self.labels(self.prefix_queries).inc(looked_up)  # requests that never got a row looked nothing up
         self.labels(self.prefix_hits).inc(cached_tokens)
         self.labels(self.generation_tokens).inc(generated)
         self.labels(self.e2e).observe(e2e)
