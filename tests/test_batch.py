@@ -420,3 +420,18 @@ def test_prefill_threads_change_no_output(model_dir):
         outputs.append([s.generated for s in sequences])
         assert sequences[-1].cached_tokens == len(requests[-1][0]) - 2
     assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_requests_arriving_together_wait_for_their_shared_prefix(model_dir):
+    """Three prompts with one 40-token prefix arrive in the same step: the first prefills
+    it (5 chunks of 8), the others are admitted once its entries are in the cache and copy
+    them, and every output is the one without prefix caching."""
+    rng = random.Random(4)
+    shared = [rng.randrange(3, 97) for _ in range(40)]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    requests = [(shared + [rng.randrange(3, 97) for _ in range(6)], params, 0) for _ in range(3)]
+    runtime = lambda: runtime_for(model_dir, "kernels" if kernels.available() else "torch", prefill_chunk=8)  # noqa: E731
+    _, cold = run_batch(runtime(), requests, False)
+    _, warm = run_batch(runtime(), requests, True)
+    assert [s.generated for s in warm] == [s.generated for s in cold]
+    assert [s.cached_tokens for s in warm] == [0, 40, 40]

@@ -105,6 +105,35 @@ def test_seeded_sampling_repeats_and_per_request_speculation(served):
     assert drafted.model_extra["speculative"]["task_type"] == "code"
 
 
+def test_n_choices_are_the_requests_with_seeds_seed_plus_index(served):
+    """n > 1: choice i is what the same request alone samples with seed + i, streamed or
+    not; greedy choices are all the plain decoding; usage counts the prompt once and every
+    choice's tokens."""
+    client, state, target = served
+    api = openai_client(client)
+    kwargs = dict(model="tiny", prompt="many samples of one prompt: qwerty", max_tokens=10, temperature=0.9)
+    several = api.completions.create(n=3, seed=7, **kwargs)
+    assert [c.index for c in several.choices] == [0, 1, 2]
+    responses = [api.completions.create(seed=7 + i, **kwargs) for i in range(3)]
+    alone = [r.choices[0].text for r in responses]
+    assert [c.text for c in several.choices] == alone
+    assert len(set(alone)) > 1  # the seeds differ, and so do the samples
+    assert several.usage.prompt_tokens == len(target.tokenizer(kwargs["prompt"])["input_ids"])
+    assert several.usage.completion_tokens == sum(r.usage.completion_tokens for r in responses)
+    texts = {0: "", 1: "", 2: ""}
+    chunks = list(api.completions.create(n=3, seed=7, stream=True, stream_options={"include_usage": True}, **kwargs))
+    for chunk in chunks[:-1]:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert [texts[i] for i in range(3)] == alone
+    assert chunks[-1].usage.completion_tokens == several.usage.completion_tokens
+    messages = [{"role": "user", "content": "xyzxyz"}]
+    greedy = api.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=8, temperature=0, n=2)
+    ids = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    expected = reference(target, list(ids["input_ids"]), 8).text
+    assert [c.message.content for c in greedy.choices] == [expected, expected]
+
+
 def test_concurrent_greedy_requests_equal_their_outputs_alone(served):
     client, state, target = served
     prompts = [f"{chr(97 + i % 26) * (1 + i % 5)}{i}xy{i}" for i in range(16)]
@@ -130,7 +159,8 @@ def test_concurrent_greedy_requests_equal_their_outputs_alone(served):
 @pytest.mark.parametrize("body, status, fragment", [
     ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
-    ({"prompt": "hi", "n": 2}, 400, "n > 1"),
+    ({"prompt": "hi", "n": 1000}, 400, "n = 1000 exceeds"),
+    ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
     ({"prompt": "a" * 300}, 400, "context is 256 tokens"),
     ({"prompt": "hi", "speculative": {"method": "medusa"}}, 400, "not available"),

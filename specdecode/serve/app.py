@@ -18,7 +18,7 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -93,8 +93,6 @@ class _Common(BaseModel):
     logprobs: Any = None
 
     def sampling(self, max_tokens: int) -> SamplingParams:
-        if self.n != 1:
-            raise APIError(400, "n > 1 is not supported; send n separate requests", param="n")
         if self.logprobs not in (None, False, 0):
             raise APIError(400, "logprobs are not supported", param="logprobs")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -210,7 +208,9 @@ class ServerState:
             self.auditor.offer(sequence)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, options: SpeculativeOptions | None,
-               task_type: str | None, prompt_text: str, request_id: str):
+               task_type: str | None, prompt_text: str, request_id: str, queue: asyncio.Queue | None = None,
+               index: int = 0):
+        """Queue one sequence; its outputs arrive on ``queue`` as (index, StepOutput)."""
         if not self.accepting:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down",
                            headers={"Retry-After": "5"})
@@ -224,7 +224,7 @@ class ServerState:
             raise APIError(400, str(error), param="prompt", code=code) from None
         plan = self.speculation.plan(options, task_type, prompt_text)
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = asyncio.Queue() if queue is None else queue
 
         def listener(sequence: Sequence, output: StepOutput) -> None:
             now = time.perf_counter()
@@ -233,7 +233,7 @@ class ServerState:
             if sequence.last_emit is not None and output.token_ids:
                 self.metrics.token_gap(now - sequence.last_emit, len(output.token_ids))
             sequence.last_emit = now
-            loop.call_soon_threadsafe(queue.put_nowait, output)
+            loop.call_soon_threadsafe(queue.put_nowait, (index, output))
 
         sequence = self.engine.add(prompt_ids, params, request_id, speculate=plan.speculate, proposer=plan.proposer,
                                    policy=plan.policy, listener=listener, prior_alpha=plan.prior,
@@ -335,18 +335,30 @@ class SpeculationChoices:
 
 
 # -- responses ---------------------------------------------------------------------------
-def usage(sequence: Sequence) -> dict:
-    prompt, completion = len(sequence.prompt_ids), len(sequence.generated)
+def usage(sequences: list[Sequence]) -> dict:
+    """OpenAI's usage for one request: the prompt once, every choice's completion; cached
+    tokens as the first choice's (the others usually reuse its prompt)."""
+    prompt, completion = len(sequences[0].prompt_ids), sum(len(s.generated) for s in sequences)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sequence.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sequences[0].cached_tokens}}
 
 
-def speculation_summary(sequence: Sequence) -> dict:
-    stats = sequence.stats
-    return {"method": getattr(sequence, "method", "none"), "drafted_tokens": stats.draft_tokens,
-            "accepted_tokens": stats.accepted_tokens, "acceptance_rate": round(stats.alpha, 4),
-            "mean_accepted_length": round(stats.tau, 4), "target_passes": stats.target_forwards,
-            "task_type": sequence.task_type}
+def speculation_summary(sequences: list[Sequence]) -> dict:
+    """The request's speculation figures, summed over its choices."""
+    drafted = sum(s.stats.draft_tokens for s in sequences)
+    accepted = sum(s.stats.accepted_tokens for s in sequences)
+    passes = sum(s.stats.target_forwards for s in sequences)
+    first = sequences[0]
+    return {"method": getattr(first, "method", "none"), "drafted_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+            "mean_accepted_length": round((accepted + passes) / passes, 4) if passes else 0.0, "target_passes": passes,
+            "task_type": first.task_type}
+
+
+def nth_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request seeded ``seed`` (None stays unseeded),
+    wrapped into the signed 64-bit range the request's seed lies in."""
+    return None if seed is None else (seed + index + 2 ** 63) % 2 ** 64 - 2 ** 63
 
 
 def _sse(payload: dict | str) -> str:
@@ -434,84 +446,109 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
         if getattr(body, "echo", False):
             echo = prompt_text or (tokenizer.decode(prompt_ids) if tokenizer is not None else "")
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        sequence, queue = state.submit(prompt_ids, params, body.speculative, body.task_type, prompt_text, request_id)
+        limit = state.engine.max_num_seqs + state.max_queued_requests
+        if body.n > limit:
+            raise APIError(400, f"n = {body.n} exceeds what this server holds at once ({limit}: --max-num-seqs "
+                                f"plus --max-queued-requests)", param="n")
+        queue: asyncio.Queue = asyncio.Queue()
+        sequences = []
+        try:
+            for index in range(body.n):  # choice i samples with seed + i: distinct, and reproducible
+                choice_params = params if index == 0 else replace(params, seed=nth_seed(params.seed, index))
+                sequence, _ = state.submit(prompt_ids, choice_params, body.speculative, body.task_type, prompt_text,
+                                           request_id if body.n == 1 else f"{request_id}-{index}", queue, index)
+                sequences.append(sequence)
+        except APIError:  # a full queue part way: none of the choices runs
+            for sequence in sequences:
+                state.abort(sequence)
+            raise
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream(sequence, queue, request_id, chat, include_usage, echo),
+            return StreamingResponse(stream(sequences, queue, request_id, chat, include_usage, echo),
                                      media_type="text/event-stream")
-        return await collect(request, sequence, queue, request_id, chat, echo)
+        return await collect(request, sequences, queue, request_id, chat, echo)
 
-    async def collect(request: Request, sequence: Sequence, queue: asyncio.Queue, request_id: str, chat: bool,
-                      echo: str = ""):
-        text = [echo]
+    async def collect(request: Request, sequences: list[Sequence], queue: asyncio.Queue, request_id: str,
+                      chat: bool, echo: str = ""):
+        texts = [[echo] for _ in sequences]
+        done = 0
         try:
-            while True:
+            while done < len(sequences):
                 try:
-                    output = await asyncio.wait_for(queue.get(), timeout=0.5)
+                    index, output = await asyncio.wait_for(queue.get(), timeout=0.5)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
-                        state.abort(sequence)
+                        for sequence in sequences:
+                            state.abort(sequence)
                         return Response(status_code=499)
                     continue
-                text.append(output.text)
-                if output.finish_reason is not None:
-                    break
+                texts[index].append(output.text)
+                done += output.finish_reason is not None
         except asyncio.CancelledError:
-            state.abort(sequence)
+            for sequence in sequences:
+                state.abort(sequence)
             raise
-        if getattr(sequence, "error", None):
-            raise APIError(500, sequence.error, "server_error")
-        finish = sequence.finish_reason
-        body = {"id": request_id, "created": int(time.time()), "model": state.model_name, "usage": usage(sequence),
-                "system_fingerprint": FINGERPRINT, "speculative": speculation_summary(sequence)}
+        failed = next((s.error for s in sequences if getattr(s, "error", None)), None)
+        if failed:
+            raise APIError(500, failed, "server_error")
+        body = {"id": request_id, "created": int(time.time()), "model": state.model_name, "usage": usage(sequences),
+                "system_fingerprint": FINGERPRINT, "speculative": speculation_summary(sequences)}
         if chat:
-            body.update(object="chat.completion", choices=[{"index": 0, "message": {"role": "assistant",
-                        "content": "".join(text)}, "logprobs": None, "finish_reason": finish}])
+            body.update(object="chat.completion", choices=[
+                {"index": i, "message": {"role": "assistant", "content": "".join(text)}, "logprobs": None,
+                 "finish_reason": s.finish_reason} for i, (s, text) in enumerate(zip(sequences, texts))])
         else:
-            body.update(object="text_completion", choices=[{"index": 0, "text": "".join(text), "logprobs": None,
-                                                            "finish_reason": finish}])
+            body.update(object="text_completion", choices=[
+                {"index": i, "text": "".join(text), "logprobs": None, "finish_reason": s.finish_reason}
+                for i, (s, text) in enumerate(zip(sequences, texts))])
         return JSONResponse(body)
 
-    async def stream(sequence: Sequence, queue: asyncio.Queue, request_id: str, chat: bool, include_usage: bool,
-                     echo: str = ""):
+    async def stream(sequences: list[Sequence], queue: asyncio.Queue, request_id: str, chat: bool,
+                     include_usage: bool, echo: str = ""):
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, finish: str | None, first: bool = False) -> dict:
+        def chunk(index: int, text: str | None, finish: str | None, first: bool = False) -> dict:
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
             return {"id": request_id, "object": kind, "created": created, "model": state.model_name, "choices": [choice]}
 
         try:
-            if chat:
-                yield _sse(chunk(None, None, first=True))
-            elif echo:
-                yield _sse(chunk(echo, None))
-            while True:
-                output = await queue.get()
-                if output.finish_reason is not None:
-                    if getattr(sequence, "error", None):
-                        yield _sse({"error": {"message": sequence.error, "type": "server_error", "param": None,
-                                              "code": None}})
-                        break
+            for index in range(len(sequences)):
+                if chat:
+                    yield _sse(chunk(index, None, None, first=True))
+                elif echo:
+                    yield _sse(chunk(index, echo, None))
+            done = 0
+            while done < len(sequences):
+                index, output = await queue.get()
+                sequence = sequences[index]
+                if output.finish_reason is None:
                     if output.text:
-                        yield _sse(chunk(output.text, None))
-                    final = chunk(None, output.finish_reason)
-                    final["speculative"] = speculation_summary(sequence)
-                    yield _sse(final)
-                    if include_usage:
-                        yield _sse({"id": request_id, "object": kind, "created": created, "model": state.model_name,
-                                    "choices": [], "usage": usage(sequence)})
+                        yield _sse(chunk(index, output.text, None))
+                    continue
+                if getattr(sequence, "error", None):
+                    yield _sse({"error": {"message": sequence.error, "type": "server_error", "param": None,
+                                          "code": None}})
                     break
                 if output.text:
-                    yield _sse(chunk(output.text, None))
+                    yield _sse(chunk(index, output.text, None))
+                final = chunk(index, None, output.finish_reason)
+                final["speculative"] = speculation_summary([sequence])
+                yield _sse(final)
+                done += 1
+            else:
+                if include_usage:
+                    yield _sse({"id": request_id, "object": kind, "created": created, "model": state.model_name,
+                                "choices": [], "usage": usage(sequences)})
             yield _sse("[DONE]")
         finally:
-            if not sequence.finished:  # the client went away: free its row
-                state.abort(sequence)
+            for sequence in sequences:
+                if not sequence.finished:  # the client went away: free its row
+                    state.abort(sequence)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):

@@ -291,6 +291,9 @@ class BatchEngine:
                 if sequence.aborted:
                     self._finish(sequence, "abort")
                     continue
+                if self._prefix_coming(sequence):  # admitted next step, it copies instead of prefilling
+                    self.waiting.appendleft(sequence)
+                    break
                 try:
                     self._place(sequence)
                     capacity = min(len(sequence.prompt_ids) + sequence.params.max_new_tokens + 1
@@ -309,23 +312,44 @@ class BatchEngine:
                     continue
                 self.running.append(sequence)
 
-    def _place(self, sequence: Sequence) -> None:
-        """Give ``sequence`` a free cache row, holding the longest prefix of its prompt that
-        any row holds (all of it but the last token at most: that one is scored by the
-        first decode step)."""
+    def _reusable(self, sequence: Sequence) -> bool:
+        return self.prefix_caching and sequence.reuse_prefix and not getattr(sequence.proposer, "capture", ())
+
+    def _best_prefix(self, sequence: Sequence) -> tuple[int, int | None]:
+        """(length, row) of the longest prefix of ``sequence``'s prompt whose entries a row
+        holds now (all of it but the last token at most: the first decode step scores that
+        one), or (0, None)."""
         limit = len(sequence.prompt_ids) - 1
         best, source = 0, None
         if getattr(self.runtime, "cache_owner", self) is not self:  # someone else wrote the cache
             self.row_tokens = [[] for _ in self.row_tokens]
             if not self.running:  # nothing of the old contents is in use: the rows are ours again
                 self.runtime.cache_owner = self
-        elif self.prefix_caching and sequence.reuse_prefix and not getattr(sequence.proposer, "capture", ()):
+        elif self._reusable(sequence):
             candidates = [(row, self.row_tokens[row]) for row in self.free_rows]
             candidates += [(s.cache_row, s.kv_tokens) for s in self.running if s.share_prefix]
             for row, tokens in candidates:
                 n = min(common_prefix(sequence.prompt_ids, tokens), limit)
                 if n > best:
                     best, source = n, row
+        return best, source
+
+    def _prefix_coming(self, sequence: Sequence) -> bool:
+        """True when a running prompt still being prefilled shares more of ``sequence``'s
+        prompt than any row holds now (requests that arrive together with one system
+        prompt, the n choices of one request). Prefill runs one prompt's chunk per step, so
+        waiting for those entries costs ``sequence`` no time, and saves computing them."""
+        if not self._reusable(sequence) or getattr(self.runtime, "cache_owner", self) is not self:
+            return False
+        limit = len(sequence.prompt_ids) - 1
+        coming = max((min(common_prefix(sequence.prompt_ids, s.prompt_ids), limit) for s in self.running
+                      if s.share_prefix and not s.prefill_done), default=0)
+        return coming > 0 and coming > self._best_prefix(sequence)[0]
+
+    def _place(self, sequence: Sequence) -> None:
+        """Give ``sequence`` a free cache row, holding the longest prefix of its prompt that
+        any row holds."""
+        best, source = self._best_prefix(sequence)
         if source is not None and source in self.free_rows and best == len(self.row_tokens[source]):
             self.free_rows.remove(source)  # it holds nothing more: take it as it is
             row = source
