@@ -282,7 +282,7 @@ def test_task_schedule_admits_the_running_rows_task_first(model_dir):
     engine.add([10, 11], params, task_type="code")
     engine.max_wait_seconds = 0.0  # every waiting request is now overdue: arrival order wins
     with engine.lock:
-        assert engine._next_waiting() is waited
+        assert engine.waiting[engine._next_waiting()] is waited
     assert running.cache_row is not None
 
 
@@ -435,3 +435,25 @@ def test_requests_arriving_together_wait_for_their_shared_prefix(model_dir):
     _, warm = run_batch(runtime(), requests, True)
     assert [s.generated for s in warm] == [s.generated for s in cold]
     assert [s.cached_tokens for s in warm] == [0, 40, 40]
+
+
+def test_a_failed_admission_or_an_abort_while_waiting_frees_everything(model_dir):
+    """A request whose drafter fails to start is failed alone (its row returned, the
+    others decode on); one aborted while it waits leaves the queue at once."""
+
+    class Broken(NgramProposer):
+        def start(self, tokens, capacity):
+            raise RuntimeError("drafter exploded")
+
+    engine = BatchEngine(runtime_for(model_dir, "torch"), max_num_seqs=2, max_model_len=64)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    good = engine.add([5, 6, 7], params)
+    broken = engine.add([5, 6, 8], params, proposer=Broken(), policy=2)
+    queued = engine.add([9, 10, 11], params)
+    waiting = engine.add([12, 13], params)
+    engine.abort(waiting)
+    assert waiting.finish_reason == "abort" and all(s is not waiting for s in engine.waiting)
+    engine.run()
+    assert broken.finish_reason == "abort" and "admitting" in broken.error
+    assert len(good.generated) == len(queued.generated) == 4
+    assert sorted(engine.free_rows) == [0, 1]

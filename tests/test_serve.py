@@ -159,7 +159,7 @@ def test_concurrent_greedy_requests_equal_their_outputs_alone(served):
 @pytest.mark.parametrize("body, status, fragment", [
     ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
-    ({"prompt": "hi", "n": 1000}, 400, "n = 1000 exceeds"),
+    ({"prompt": "hi", "n": 1000}, 400, "n = 1000 exceeds the request queue"),
     ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
     ({"prompt": "a" * 300}, 400, "context is 256 tokens"),
@@ -238,6 +238,9 @@ def test_api_key_and_full_queue(model_dir):
         response = client.post("/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer sekret"})
         assert response.status_code == 503 and response.headers["retry-after"]
         assert response.json()["error"]["code"] == "overloaded"
+        response = client.post("/v1/completions", json={"prompt": "hi", "n": 2},
+                               headers={"Authorization": "Bearer sekret"})
+        assert response.status_code == 400 and "exceeds the request queue" in response.json()["error"]["message"]
 
 
 def test_audit_reruns_greedy_requests_and_finds_no_mismatch(model_dir):

@@ -189,6 +189,8 @@ class ServerState:
     def _fail_all(self) -> list[Sequence]:
         engine, failed = self.engine, []
         for sequence in list(engine.running):
+            if sequence.finished:  # finished in the failed step: reaped with the others, reported once
+                continue
             sequence.error = "internal error while decoding"
             engine._finish(sequence, "abort")
         engine._reap(failed)
@@ -209,12 +211,14 @@ class ServerState:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, options: SpeculativeOptions | None,
                task_type: str | None, prompt_text: str, request_id: str, queue: asyncio.Queue | None = None,
-               index: int = 0):
-        """Queue one sequence; its outputs arrive on ``queue`` as (index, StepOutput)."""
+               index: int = 0, choices: int = 1):
+        """Queue one sequence, choice ``index`` of ``choices`` (the first checks that the
+        queue has room for all of them); its outputs arrive on ``queue`` as (index,
+        StepOutput)."""
         if not self.accepting:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down",
                            headers={"Retry-After": "5"})
-        if self.engine.num_waiting >= self.max_queued_requests:
+        if index == 0 and self.engine.num_waiting + choices > self.max_queued_requests:
             raise APIError(503, f"the request queue is full ({self.max_queued_requests} waiting); retry later",
                            "server_error", code="overloaded", headers={"Retry-After": "1"})
         try:
@@ -446,19 +450,19 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
         if getattr(body, "echo", False):
             echo = prompt_text or (tokenizer.decode(prompt_ids) if tokenizer is not None else "")
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        limit = state.engine.max_num_seqs + state.max_queued_requests
-        if body.n > limit:
-            raise APIError(400, f"n = {body.n} exceeds what this server holds at once ({limit}: --max-num-seqs "
-                                f"plus --max-queued-requests)", param="n")
+        if body.n > max(state.max_queued_requests, 1):  # the choices queue together
+            raise APIError(400, f"n = {body.n} exceeds the request queue (--max-queued-requests "
+                                f"{state.max_queued_requests})", param="n")
         queue: asyncio.Queue = asyncio.Queue()
         sequences = []
         try:
             for index in range(body.n):  # choice i samples with seed + i: distinct, and reproducible
                 choice_params = params if index == 0 else replace(params, seed=nth_seed(params.seed, index))
                 sequence, _ = state.submit(prompt_ids, choice_params, body.speculative, body.task_type, prompt_text,
-                                           request_id if body.n == 1 else f"{request_id}-{index}", queue, index)
+                                           request_id if body.n == 1 else f"{request_id}-{index}", queue, index,
+                                           body.n)
                 sequences.append(sequence)
-        except APIError:  # a full queue part way: none of the choices runs
+        except Exception:  # none of the choices runs without the others
             for sequence in sequences:
                 state.abort(sequence)
             raise
@@ -471,22 +475,34 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
     async def collect(request: Request, sequences: list[Sequence], queue: asyncio.Queue, request_id: str,
                       chat: bool, echo: str = ""):
         texts = [[echo] for _ in sequences]
-        done = 0
+        done: set[int] = set()
+        checked = time.perf_counter()
+
+        def abort_all() -> None:
+            for sequence in sequences:
+                state.abort(sequence)
+
         try:
-            while done < len(sequences):
+            while len(done) < len(sequences):
                 try:
                     index, output = await asyncio.wait_for(queue.get(), timeout=0.5)
                 except asyncio.TimeoutError:
+                    index, output = None, None
+                if time.perf_counter() - checked >= 0.5:  # n choices may leave no quiet half second
+                    checked = time.perf_counter()
                     if await request.is_disconnected():
-                        for sequence in sequences:
-                            state.abort(sequence)
+                        abort_all()
                         return Response(status_code=499)
+                if output is None:
                     continue
                 texts[index].append(output.text)
-                done += output.finish_reason is not None
+                if output.finish_reason is not None:
+                    done.add(index)
+                    if getattr(sequences[index], "error", None):
+                        abort_all()
+                        break
         except asyncio.CancelledError:
-            for sequence in sequences:
-                state.abort(sequence)
+            abort_all()
             raise
         failed = next((s.error for s in sequences if getattr(s, "error", None)), None)
         if failed:

@@ -60,6 +60,7 @@ from ..text import TextTracker
 
 FINISH_REASONS = ("stop", "length", "abort")
 logger = logging.getLogger("specdecode.serve")
+PREFIX_WAIT_MIN = 16  # the shortest prefix still being prefilled that a new request waits for
 
 
 @dataclass
@@ -221,8 +222,15 @@ class BatchEngine:
         return sequence
 
     def abort(self, sequence: Sequence) -> None:
-        """Stop a sequence (thread-safe); its cache row is freed at the next step."""
+        """Stop a sequence (thread-safe): a waiting one leaves the queue now, a running one
+        frees its cache row at the next step."""
         sequence.aborted = True
+        with self.lock:
+            index = next((i for i, s in enumerate(self.waiting) if s is sequence), None)
+            if index is not None:
+                del self.waiting[index]
+        if index is not None:
+            self._finish(sequence, "abort")
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix at the next step (thread-safe): the free rows' entries
@@ -269,31 +277,28 @@ class BatchEngine:
         while self.has_work:
             self.step()
 
-    def _next_waiting(self) -> Sequence:
-        """The waiting sequence to admit next (the lock is held)."""
+    def _next_waiting(self) -> int:
+        """The index in ``waiting`` of the sequence to admit next (the lock is held)."""
         if self.schedule != "task" or not self.running:
-            return self.waiting.popleft()
-        oldest = self.waiting[0]
-        if time.perf_counter() - oldest.arrival > self.max_wait_seconds:
-            return self.waiting.popleft()
+            return 0
+        if time.perf_counter() - self.waiting[0].arrival > self.max_wait_seconds:
+            return 0
         labels = [s.task_type for s in self.running]
         majority = max(set(labels), key=labels.count)
-        for index, sequence in enumerate(self.waiting):
-            if sequence.task_type == majority:
-                del self.waiting[index]
-                return sequence
-        return self.waiting.popleft()
+        return next((i for i, s in enumerate(self.waiting) if s.task_type == majority), 0)
 
     def _admit(self) -> None:
         with self.lock:
             while self.waiting and self.free_rows:
-                sequence = self._next_waiting()
+                index = self._next_waiting()
+                sequence = self.waiting[index]
                 if sequence.aborted:
+                    del self.waiting[index]
                     self._finish(sequence, "abort")
                     continue
-                if self._prefix_coming(sequence):  # admitted next step, it copies instead of prefilling
-                    self.waiting.appendleft(sequence)
+                if self._prefix_coming(sequence):  # it stays where it is; admitted later, it copies
                     break
+                del self.waiting[index]
                 try:
                     self._place(sequence)
                     capacity = min(len(sequence.prompt_ids) + sequence.params.max_new_tokens + 1
@@ -337,14 +342,16 @@ class BatchEngine:
     def _prefix_coming(self, sequence: Sequence) -> bool:
         """True when a running prompt still being prefilled shares more of ``sequence``'s
         prompt than any row holds now (requests that arrive together with one system
-        prompt, the n choices of one request). Prefill runs one prompt's chunk per step, so
-        waiting for those entries costs ``sequence`` no time, and saves computing them."""
+        prompt, the n choices of one request), a prefix of PREFIX_WAIT_MIN tokens or more
+        (not a lone BOS token). Prefill
+        runs one prompt's chunk per step, so waiting for those entries costs ``sequence`` no
+        time, and saves computing them; the requests queued behind it wait as long."""
         if not self._reusable(sequence) or getattr(self.runtime, "cache_owner", self) is not self:
             return False
         limit = len(sequence.prompt_ids) - 1
         coming = max((min(common_prefix(sequence.prompt_ids, s.prompt_ids), limit) for s in self.running
                       if s.share_prefix and not s.prefill_done), default=0)
-        return coming > 0 and coming > self._best_prefix(sequence)[0]
+        return coming >= PREFIX_WAIT_MIN and coming > self._best_prefix(sequence)[0]
 
     def _place(self, sequence: Sequence) -> None:
         """Give ``sequence`` a free cache row, holding the longest prefix of its prompt that
