@@ -320,7 +320,8 @@ def test_batched_engine_on_the_real_model_equals_each_request_alone(method):
     engine.run()
     assert [s.generated for s in sequences] == expected
     assert sum(s.stats.accepted_tokens for s in sequences) > 0
-    # the fourth request waits for a row, then starts from the chat template's system
-    # prompt that a finished one left in the cache (EAGLE rows prefill in full)
+    # the chat template's system prompt is prefilled once: the second and third requests
+    # wait a step for the first's entries, the fourth finds them in a finished row (EAGLE
+    # rows prefill in full)
     cached = [s.cached_tokens for s in sequences]
-    assert cached[:3] == [0, 0, 0] and (cached[3] > 0 if method == "ngram" else cached[3] == 0)
+    assert cached[0] == 0 and (min(cached[1:]) > 0 if method == "ngram" else max(cached) == 0), cached
