@@ -172,6 +172,7 @@ def test_concurrent_greedy_requests_equal_their_outputs_alone(served):
     ({"prompt": "hi", "seed": 2 ** 70}, 400, "seed"),
     ({"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
     ({"prompt": ["a", "b"]}, 400, "batch of prompts"),
+    ({"prompt": [-1], "echo": True}, 400, "vocabulary"),  # found by schemathesis: echo decoded the ids first
 ])
 def test_errors_are_openai_json(served, body, status, fragment):
     client, _, _ = served

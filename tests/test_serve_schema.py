@@ -47,6 +47,8 @@ def test_no_server_errors(app):
                 case.body["max_tokens"] = min(case.body["max_tokens"], 4)  # short generations: the property is the status
             if isinstance(case.body, dict) and isinstance(case.body.get("max_completion_tokens"), int):
                 case.body["max_completion_tokens"] = min(case.body["max_completion_tokens"], 4)
+            if isinstance(case.body, dict) and isinstance(case.body.get("n"), int) and case.body["n"] > 3:
+                case.body["n"] = 3  # a few choices: each generates up to the context without max_tokens
             response = case.call()
             case.validate_response(response, checks=(not_a_server_error,))
             checked.append(response.status_code)

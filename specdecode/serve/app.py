@@ -209,6 +209,15 @@ class ServerState:
         if self.auditor is not None and sequence.finish_reason != "abort":
             self.auditor.offer(sequence)
 
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        """A 400 naming the problem for token ids outside the vocabulary or a prompt beyond
+        the context."""
+        try:
+            self.engine.check_prompt(prompt_ids)
+        except PromptError as error:
+            code = "context_length_exceeded" if isinstance(error, ContextLengthError) else None
+            raise APIError(400, str(error), param="prompt", code=code) from None
+
     def submit(self, prompt_ids: list[int], params: SamplingParams, options: SpeculativeOptions | None,
                task_type: str | None, prompt_text: str, request_id: str, queue: asyncio.Queue | None = None,
                index: int = 0, choices: int = 1):
@@ -221,11 +230,7 @@ class ServerState:
         if index == 0 and self.engine.num_waiting + choices > self.max_queued_requests:
             raise APIError(503, f"the request queue is full ({self.max_queued_requests} waiting); retry later",
                            "server_error", code="overloaded", headers={"Retry-After": "1"})
-        try:
-            self.engine.check_prompt(prompt_ids)
-        except PromptError as error:
-            code = "context_length_exceeded" if isinstance(error, ContextLengthError) else None
-            raise APIError(400, str(error), param="prompt", code=code) from None
+        self.check_prompt(prompt_ids)
         plan = self.speculation.plan(options, task_type, prompt_text)
         loop = asyncio.get_running_loop()
         queue = asyncio.Queue() if queue is None else queue
@@ -446,6 +451,7 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
         params = body.sampling(max_tokens)
         if getattr(body, "suffix", None):
             raise APIError(400, "suffix (insertion) is not supported", param="suffix")
+        state.check_prompt(prompt_ids)  # before anything decodes the ids (echo)
         echo = ""
         if getattr(body, "echo", False):
             echo = prompt_text or (tokenizer.decode(prompt_ids) if tokenizer is not None else "")
