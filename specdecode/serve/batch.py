@@ -289,6 +289,7 @@ class BatchEngine:
 
     def _admit(self) -> None:
         with self.lock:
+            owned = self._claim_cache()
             while self.waiting and self.free_rows:
                 index = self._next_waiting()
                 sequence = self.waiting[index]
@@ -296,11 +297,12 @@ class BatchEngine:
                     del self.waiting[index]
                     self._finish(sequence, "abort")
                     continue
-                if self._prefix_coming(sequence):  # it stays where it is; admitted later, it copies
+                best, source = self._best_prefix(sequence) if owned else (0, None)
+                if owned and self._prefix_coming(sequence, best):  # it stays where it is; admitted later, it copies
                     break
                 del self.waiting[index]
                 try:
-                    self._place(sequence)
+                    self._place(sequence, best, source)
                     capacity = min(len(sequence.prompt_ids) + sequence.params.max_new_tokens + 1
                                    + self._k_max(sequence), self.max_model_len)
                     if sequence.proposer is not None:
@@ -320,17 +322,23 @@ class BatchEngine:
     def _reusable(self, sequence: Sequence) -> bool:
         return self.prefix_caching and sequence.reuse_prefix and not getattr(sequence.proposer, "capture", ())
 
+    def _claim_cache(self) -> bool:
+        """True when the rows' entries are this engine's to reuse. A write from outside (a
+        reset, a plain forward) voids every free row's history; once nothing runs, the rows
+        are the engine's again."""
+        if self.runtime.cache_owner is not self:
+            self.row_tokens = [[] for _ in self.row_tokens]
+            if not self.running:
+                self.runtime.cache_owner = self
+        return self.runtime.cache_owner is self
+
     def _best_prefix(self, sequence: Sequence) -> tuple[int, int | None]:
         """(length, row) of the longest prefix of ``sequence``'s prompt whose entries a row
         holds now (all of it but the last token at most: the first decode step scores that
         one), or (0, None)."""
         limit = len(sequence.prompt_ids) - 1
         best, source = 0, None
-        if getattr(self.runtime, "cache_owner", self) is not self:  # someone else wrote the cache
-            self.row_tokens = [[] for _ in self.row_tokens]
-            if not self.running:  # nothing of the old contents is in use: the rows are ours again
-                self.runtime.cache_owner = self
-        elif self._reusable(sequence):
+        if self._reusable(sequence):
             candidates = [(row, self.row_tokens[row]) for row in self.free_rows]
             candidates += [(s.cache_row, s.kv_tokens) for s in self.running if s.share_prefix]
             for row, tokens in candidates:
@@ -339,24 +347,23 @@ class BatchEngine:
                     best, source = n, row
         return best, source
 
-    def _prefix_coming(self, sequence: Sequence) -> bool:
+    def _prefix_coming(self, sequence: Sequence, best: int) -> bool:
         """True when a running prompt still being prefilled shares more of ``sequence``'s
-        prompt than any row holds now (requests that arrive together with one system
-        prompt, the n choices of one request), a prefix of PREFIX_WAIT_MIN tokens or more
-        (not a lone BOS token). Prefill
-        runs one prompt's chunk per step, so waiting for those entries costs ``sequence`` no
-        time, and saves computing them; the requests queued behind it wait as long."""
-        if not self._reusable(sequence) or getattr(self.runtime, "cache_owner", self) is not self:
+        prompt than the ``best`` prefix any row holds now (requests that arrive together
+        with one system prompt, the n choices of one request), a prefix of PREFIX_WAIT_MIN
+        tokens or more (not a lone BOS token). Prefill runs one prompt's chunk per step, so
+        waiting for those entries costs ``sequence`` no time, and saves computing them; the
+        requests queued behind it wait as long."""
+        if not self._reusable(sequence):
             return False
         limit = len(sequence.prompt_ids) - 1
         coming = max((min(common_prefix(sequence.prompt_ids, s.prompt_ids), limit) for s in self.running
                       if s.share_prefix and not s.prefill_done), default=0)
-        return coming >= PREFIX_WAIT_MIN and coming > self._best_prefix(sequence)[0]
+        return coming >= PREFIX_WAIT_MIN and coming > best
 
-    def _place(self, sequence: Sequence) -> None:
-        """Give ``sequence`` a free cache row, holding the longest prefix of its prompt that
-        any row holds."""
-        best, source = self._best_prefix(sequence)
+    def _place(self, sequence: Sequence, best: int, source: int | None) -> None:
+        """Give ``sequence`` a free cache row holding its ``best`` cached prefix, the entries
+        of row ``source`` (``_best_prefix``)."""
         if source is not None and source in self.free_rows and best == len(self.row_tokens[source]):
             self.free_rows.remove(source)  # it holds nothing more: take it as it is
             row = source
