@@ -95,6 +95,37 @@ def test_incremental_proposals_equal_a_fresh_pass_over_the_committed_sequence(ta
         assert drafts == fresh_proposal(target, head, tokens, k), tokens
 
 
+def test_the_kernel_layer_drafts_what_the_torch_pass_drafts(targets):
+    """The head's decoder layer as one kernel call (KernelHeadLayer) against the same layer
+    through torch: the same outputs and cache entries up to rounding, over a history longer
+    than one kernel call takes (chunks of 256 rows), and the same chains drafted from it."""
+    from specdecode import kernels
+
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    target = targets[1]
+    head = random_head(target, 11)
+    embed = lambda ids: target.runtime.weights.embed_rows(ids).float()  # noqa: E731
+    fast, slow = EagleProposer(head, embed), EagleProposer(head, embed)
+    slow.layer = None  # the torch path, with the same Q8_0 projections
+    assert fast.layer is not None
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, target.runtime.vocab_size, (300,), generator=generator).tolist()
+    features = torch.randn(299, fast.feature_width, generator=generator)
+    for proposer in (fast, slow):
+        proposer.start(tokens, 320)
+        proposer.observe(0, features, tokens)
+        proposer._flush()
+    assert fast.length == slow.length == 299
+    torch.testing.assert_close(fast.last_g, slow.last_g, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fast.k_cache[:, :299], slow.k_cache[:, :299], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fast.v_cache[:, :299], slow.v_cache[:, :299], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fast.last_logits, slow.last_logits, rtol=1e-4, atol=1e-3)
+    for k in (1, 4, 8):
+        drafts = fast.propose(tokens, k, GREEDY, None).draft_ids.tolist()
+        assert len(drafts) == k and drafts == slow.propose(tokens, k, GREEDY, None).draft_ids.tolist()
+
+
 def test_sampled_drafts_carry_their_distribution_on_the_full_vocabulary(targets):
     target = targets[0]
     head = random_head(target, 3, draft_vocab=40)

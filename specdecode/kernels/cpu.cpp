@@ -45,7 +45,7 @@
 #define SD_AVX512 0
 #endif
 
-#define SD_VERSION 4
+#define SD_VERSION 5
 #define SD_KEY_CHUNK 256  // keys per attention partial; fixed, so results never depend on T
 #define SD_MAX_HEAD_DIM 256
 #define SD_MAX_GROUP 16  // query heads per KV head
@@ -905,11 +905,13 @@ static void linear(const sd_linear* L, const float* x, int64_t rows, int64_t x_s
 // ---------------------------------------------------------------------------------------
 // elementwise stages
 
-static void rms_norm(const float* x, const float* weight, int64_t rows, int cols, float eps, float* out) {
+// out row r at out + r * out_stride (an EAGLE head writes two norms side by side)
+static void rms_norm(const float* x, const float* weight, int64_t rows, int cols, float eps, float* out,
+                     int64_t out_stride) {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float* v = x + r * cols;
-        float* o = out + r * cols;
+        float* o = out + r * out_stride;
         float ss;
 #if SD_AVX2
         __m256 acc = _mm256_setzero_ps();
@@ -1443,6 +1445,23 @@ static void attention(const sd_model* M, const sd_layer* L, const float* qkv, in
 // ---------------------------------------------------------------------------------------
 // entry points
 
+// A decoder layer from its qkv projection (in M->qkv) on: RoPE and the cache, attention,
+// o into the residual stream, the MLP into it. Inside a parallel region.
+static inline void layer_after_qkv(const sd_model* M, const sd_layer* L, float* hidden, int batch, int T,
+                                   const int* starts, const int* cache_rows, const int64_t* positions,
+                                   const uint8_t* mask) {
+    const int64_t rows = (int64_t)batch * T;
+    const int Hd = M->hidden, I = M->intermediate;
+    const scratch_q q = {M->xq, M->xd, M->xs};
+    rope_and_store(M, L, M->qkv, batch, T, starts, cache_rows, positions);
+    attention(M, L, M->qkv, batch, T, starts, cache_rows, mask, M->attn);
+    linear(&L->o, M->attn, rows, (int64_t)M->heads * M->head_dim, hidden, Hd, 1, q);
+    rms_norm(hidden, L->post_norm, rows, Hd, M->eps, M->normed, Hd);
+    linear(&L->gate_up, M->normed, rows, Hd, M->gate_up, 2 * I, 0, q);
+    silu_mul(M->gate_up, rows, I, M->normed);
+    linear(&L->down, M->normed, rows, I, hidden, Hd, 1, q);
+}
+
 extern "C" {
 
 // hidden[batch*T, hidden] through layers [first, last): the residual stream stays fp32.
@@ -1453,21 +1472,35 @@ extern "C" {
 void sd_forward_layers(const sd_model* M, int first, int last, float* hidden, int batch, int T, const int* starts,
                        const int* cache_rows, const int64_t* positions, const uint8_t* mask) {
     const int64_t rows = (int64_t)batch * T;
-    const int Hd = M->hidden, I = M->intermediate;
+    const int Hd = M->hidden;
     const int qkv_width = (M->heads + 2 * M->kv_heads) * M->head_dim;
     const scratch_q q = {M->xq, M->xd, M->xs};
 #pragma omp parallel num_threads(M->num_threads)
     for (int l = first; l < last; l++) {
         const sd_layer* L = M->layers + l;
-        rms_norm(hidden, L->input_norm, rows, Hd, M->eps, M->normed);
+        rms_norm(hidden, L->input_norm, rows, Hd, M->eps, M->normed, Hd);
         linear(&L->qkv, M->normed, rows, Hd, M->qkv, qkv_width, 0, q);
-        rope_and_store(M, L, M->qkv, batch, T, starts, cache_rows, positions);
-        attention(M, L, M->qkv, batch, T, starts, cache_rows, mask, M->attn);
-        linear(&L->o, M->attn, rows, (int64_t)M->heads * M->head_dim, hidden, Hd, 1, q);
-        rms_norm(hidden, L->post_norm, rows, Hd, M->eps, M->normed);
-        linear(&L->gate_up, M->normed, rows, Hd, M->gate_up, 2 * I, 0, q);
-        silu_mul(M->gate_up, rows, I, M->normed);
-        linear(&L->down, M->normed, rows, I, hidden, Hd, 1, q);
+        layer_after_qkv(M, L, hidden, batch, T, starts, cache_rows, positions, mask);
+    }
+}
+
+// An EAGLE-3 head's decoder layer (proposers/eagle_head.py) over T new rows of one sequence
+// (cache row 0, slots start..start+T-1, causal): its attention reads
+// [embed_norm(embeds); input_norm(hidden)] (2 hidden wide; L->qkv has 2 hidden columns)
+// and its residual stream is the fused feature `hidden`, which becomes the layer's output.
+// M is the head as a one-layer model with a cache of its own.
+void sd_eagle_layer(const sd_model* M, const float* embeds, const float* embed_norm, float* hidden, int T, int start,
+                    const int64_t* positions) {
+    const int Hd = M->hidden, qkv_width = (M->heads + 2 * M->kv_heads) * M->head_dim;
+    const scratch_q q = {M->xq, M->xd, M->xs};
+    const int starts[1] = {start}, cache_rows[1] = {0};
+    const sd_layer* L = M->layers;
+#pragma omp parallel num_threads(M->num_threads)
+    {
+        rms_norm(embeds, embed_norm, T, Hd, M->eps, M->normed, 2 * Hd);
+        rms_norm(hidden, L->input_norm, T, Hd, M->eps, M->normed + Hd, 2 * Hd);
+        linear(&L->qkv, M->normed, T, 2 * Hd, M->qkv, qkv_width, 0, q);
+        layer_after_qkv(M, L, hidden, 1, T, starts, cache_rows, positions, nullptr);
     }
 }
 
@@ -1481,7 +1514,7 @@ void sd_linear_forward(const sd_linear* L, const float* x, int64_t rows, float* 
 
 void sd_rms_norm(const float* x, const float* weight, int64_t rows, int cols, float eps, float* out, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
-    rms_norm(x, weight, rows, cols, eps, out);
+    rms_norm(x, weight, rows, cols, eps, out, cols);
 }
 
 // rows of an embedding table in any format, dequantized to fp32

@@ -95,6 +95,100 @@ class KernelLinear:
         return out.view(*x.shape[:-1], self.rows)
 
 
+class KernelHeadLayer:
+    """An EAGLE head's decoder layer as one kernel call (``sd_eagle_layer``): norms, the
+    fused projections (the head's ``KernelLinear`` weights, shared), RoPE, attention over
+    the head's own cache and the MLP, in one OpenMP region. Through torch the same pass
+    made about 60 small ops, which cost more than its weights do (docs/training.md).
+
+    The cache is the proposer's: fp32 tensors [kv_heads, capacity, head_dim] (``bind``).
+    Rows are causal at their slots, so this serves chains and the committed entries; a
+    tree's passes (a mask over earlier passes' slots) stay on torch."""
+
+    CHUNK = 256  # rows per call: the attention kernel takes at most 512 new rows
+
+    def __init__(self, head, fast: dict[str, KernelLinear]):
+        c = head.config
+        if c.head_dim > 256 or c.head_dim % 8 or c.num_heads % c.num_kv_heads or c.num_heads // c.num_kv_heads > 16:
+            raise SpecDecodeError("the CPU kernels cannot run this head's attention shape")
+        self.lib = kernels.load()
+        self.config = c
+        self.linears = dict(fast)  # their weights, which the entries below point into
+        self._keep = [head.hidden_norm.weight.detach().float().contiguous(),
+                      head.post_norm.weight.detach().float().contiguous(),
+                      head.input_norm.weight.detach().float().contiguous()]
+        self.embed_norm = self._keep[2]
+        self.final_norm = head.norm.weight.detach().float().contiguous()
+        self.lm_head = fast["lm_head"]
+        self.inv_freq = head.inv_freq.float()
+        self.layer = kernels.Layer()
+        self.layer.qkv, self.layer.o = fast["qkv"].entry, fast["o"].entry
+        self.layer.gate_up, self.layer.down = fast["gate_up"].entry, fast["down"].entry
+        self.layer.input_norm, self.layer.post_norm = self._keep[0].data_ptr(), self._keep[1].data_ptr()
+        self.layers = (kernels.Layer * 1)(self.layer)
+        model = self.model = kernels.Model()
+        model.num_layers, model.hidden, model.intermediate = 1, c.hidden_size, c.intermediate_size
+        model.heads, model.kv_heads, model.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        model.batch, model.kv_fmt = 1, kernels.FORMATS["fp32"]
+        model.eps, model.attn_scale = c.rms_norm_eps, 1.0 / math.sqrt(c.head_dim)
+        model.layers = ctypes.cast(self.layers, ctypes.POINTER(kernels.Layer))
+        widest = max(2 * c.hidden_size, c.intermediate_size)
+        rows = self.CHUNK
+        self.buffers = {
+            "normed": torch.empty(rows, widest),
+            "qkv": torch.empty(rows, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim),
+            "attn": torch.empty(rows, c.num_heads * c.head_dim),
+            "gate_up": torch.empty(rows, 2 * c.intermediate_size),
+            "xq": torch.empty(rows, widest, dtype=torch.int8),
+            "xd": torch.empty(rows, widest // 32 + 1),
+            "xs": torch.empty(rows, widest // 32 + 1),
+            "partial": torch.empty(PARTIAL_ITEMS, c.num_heads // c.num_kv_heads * (c.head_dim + 2)),
+        }
+        for name, tensor in self.buffers.items():
+            setattr(model, name, tensor.data_ptr())
+        model.partial_items, model.max_rows = PARTIAL_ITEMS, rows
+        self.rope = (torch.empty(0), torch.empty(0))
+        self.cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """The head's cache, fp32 [kv_heads, capacity, head_dim]; RoPE tables for every slot."""
+        if k_cache.dtype != torch.float32 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise SpecDecodeError("the head's kernel layer needs a contiguous fp32 cache")
+        capacity = k_cache.shape[1]
+        if self.rope[0].shape[0] < capacity:  # the torch path's formula (EagleHead.rope), row by row
+            angles = torch.arange(capacity, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+            angles = torch.cat((angles, angles), dim=-1)
+            self.rope = (angles.cos().contiguous(), angles.sin().contiguous())
+            self.model.rope_cos, self.model.rope_sin = self.rope[0].data_ptr(), self.rope[1].data_ptr()
+        self.cache = (k_cache, v_cache)
+        self.model.capacity = capacity
+        self.layer.k_cache, self.layer.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        self.layers[0] = self.layer
+
+    def __call__(self, embeds: torch.Tensor, hidden: torch.Tensor, start: int) -> torch.Tensor:
+        """Fused features ``hidden`` [T, H] with token embeddings ``embeds`` [T, H] as cache
+        entries start..start+T-1 (their positions); returns the outputs g [T, H]."""
+        if self.cache is None or start + hidden.shape[0] > self.model.capacity:
+            raise SpecDecodeError("the head's cache is too small for these entries (bind a larger one)")
+        embeds = embeds.float().contiguous()
+        out = hidden.float().clone().contiguous()
+        self.model.num_threads = torch.get_num_threads()
+        for begin in range(0, out.shape[0], self.CHUNK):
+            count = min(self.CHUNK, out.shape[0] - begin)
+            positions = np.arange(start + begin, start + begin + count, dtype=np.int64)
+            self.lib.sd_eagle_layer(ctypes.byref(self.model), embeds[begin].data_ptr(), self.embed_norm.data_ptr(),
+                                    out[begin].data_ptr(), count, start + begin, positions.ctypes.data)
+        return out
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [..., N] of outputs g [..., H] (final norm, LM head)."""
+        flat = g.reshape(-1, self.config.hidden_size).float().contiguous()
+        normed = torch.empty_like(flat)
+        self.lib.sd_rms_norm(flat.data_ptr(), self.final_norm.data_ptr(), flat.shape[0], flat.shape[1],
+                             self.config.rms_norm_eps, normed.data_ptr(), torch.get_num_threads())
+        return self.lm_head(normed).view(*g.shape[:-1], -1)
+
+
 class LazyLogits:
     """The logits of a scored block, each row computed when first asked for.
 

@@ -41,8 +41,14 @@ class EagleProposer:
             raise SpecDecodeError(f"tree width must be >= 1, got {tree_width}")
         self.head = head.eval().requires_grad_(False)
         self.tree_width = tree_width
-        if kernels:
-            head.use_kernels()
+        self.layer = None  # the decoder layer as one kernel call (KernelHeadLayer), where it loads
+        if kernels and head.use_kernels():
+            from ..models.cpu_runtime import KernelHeadLayer
+
+            try:
+                self.layer = KernelHeadLayer(head, head.fast)
+            except SpecDecodeError:
+                self.layer = None
         self.embed_rows = embed_rows
         self.capture = head.config.capture_layers
         self.k_cache = self.v_cache = None
@@ -67,6 +73,8 @@ class EagleProposer:
         shape = (c.num_kv_heads, capacity, c.head_dim)
         if self.k_cache is None or self.k_cache.shape[1] < capacity:
             self.k_cache, self.v_cache = torch.zeros(shape), torch.zeros(shape)
+            if self.layer is not None:
+                self.layer.bind(self.k_cache, self.v_cache)
         self.length, self.last_logits, self.last_g = 0, None, None
         self.pending, self.pending_start = [], 0
 
@@ -79,6 +87,8 @@ class EagleProposer:
         head, c = self.head, self.head.config
         count = hidden.shape[0]
         embeds = self.embed_rows(torch.tensor(token_ids)).float()
+        if self.layer is not None and positions is None and mask is None:  # causal at the slots
+            return self.layer(embeds, hidden, start)
         if positions is None:
             positions = torch.arange(start, start + count)
         q, k, v = head.qkv(embeds[None], hidden[None], positions)
@@ -125,7 +135,7 @@ class EagleProposer:
         g = self._run(hidden, token_ids, start)
         self.length = start + features.shape[0]
         self.last_g = g[-1]
-        self.last_logits = self.head.logits(g[-1])
+        self.last_logits = self._logits(g[-1])
 
     @torch.inference_mode()
     def propose(
@@ -148,7 +158,7 @@ class EagleProposer:
             draft_ids.append(token)
             if depth < k - 1:
                 g = self._run(g[None], [token], self.length + depth)[0]
-                logits = head.logits(g)
+                logits = self._logits(g)
         return Proposal(
             torch.tensor(draft_ids, dtype=torch.int64),
             torch.stack(draft_probs) if draft_probs else None,
@@ -208,7 +218,7 @@ class EagleProposer:
             positions = torch.tensor([committed + depth_of[i] - 1 for i in expand])
             g = self._run(hidden, [tokens_of[i] for i in expand], next_slot, positions, mask)
             passes += 1
-            logits = head.logits(g)
+            logits = self._logits(g)
             frontier = []
             for row, node in enumerate(expand):
                 slot_of[node] = next_slot + row
@@ -224,6 +234,9 @@ class EagleProposer:
         tree = Tree(torch.tensor([tokens_of[i] for i in chosen], dtype=torch.int64),
                     torch.tensor([number[parent_of[i]] if parent_of[i] >= 0 else 0 for i in chosen], dtype=torch.int64))
         return TreeProposal(tree, confidence=torch.tensor([scores[i] for i in chosen]).exp(), passes=passes)
+
+    def _logits(self, g: torch.Tensor) -> torch.Tensor:
+        return self.layer.logits(g) if self.layer is not None else self.head.logits(g)
 
     def _log_probs(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """Draft log-probabilities over the draft vocabulary for ranking children (the

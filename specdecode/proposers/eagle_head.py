@@ -91,6 +91,7 @@ class EagleHead(nn.Module):
         inverse = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
         self.register_buffer("inv_freq", inverse, persistent=False)
         self.fast: dict | None = None  # drafting only: projections on the CPU kernels (use_kernels)
+        self.fast_format: str | None = None
 
     def use_kernels(self, fmt: str = "q8_0") -> bool:
         """Run the projections through the CPU kernels with weights in ``fmt`` (drafting
@@ -100,6 +101,8 @@ class EagleHead(nn.Module):
         from ..models.cpu_runtime import KernelLinear
         from ..models.quant import PackedLinear
 
+        if self.fast is not None and self.fast_format == fmt:
+            return True  # already packed (another proposer of this head did it)
         fused = {"fc": [self.fc], "qkv": [self.q_proj, self.k_proj, self.v_proj], "o": [self.o_proj],
                  "gate_up": [self.gate_proj, self.up_proj], "down": [self.down_proj], "lm_head": [self.lm_head]}
         try:
@@ -107,6 +110,7 @@ class EagleHead(nn.Module):
                          for name, mods in fused.items()}
         except KernelsUnavailable:
             self.fast = None
+        self.fast_format = fmt
         return self.fast is not None
 
     def project(self, name: str, x: torch.Tensor) -> torch.Tensor:
