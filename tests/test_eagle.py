@@ -124,6 +124,29 @@ def test_the_kernel_layer_drafts_what_the_torch_pass_drafts(targets):
     for k in (1, 4, 8):
         drafts = fast.propose(tokens, k, GREEDY, None).draft_ids.tolist()
         assert len(drafts) == k and drafts == slow.propose(tokens, k, GREEDY, None).draft_ids.tolist()
+    for width, budget in ((2, 6), (3, 12), (4, 24)):  # tree passes: rows that see listed slots
+        fast.tree_width = slow.tree_width = width
+        trees = [p.propose_tree(tokens, budget, GREEDY, None) for p in (fast, slow)]
+        assert trees[0].passes == trees[1].passes > 2
+        assert trees[0].tree.tokens.tolist() == trees[1].tree.tokens.tolist()
+        assert trees[0].tree.parents.tolist() == trees[1].tree.parents.tolist()
+        torch.testing.assert_close(trees[0].confidence, trees[1].confidence, rtol=1e-3, atol=1e-5)
+    # a masked pass after a short history, where each listed slot weighs: rows at slots 7..9
+    # seeing slots 0..3 and their own pick of 4..6 (which an earlier pass wrote)
+    short = tokens[:5]
+    for proposer in (fast, slow):
+        proposer.start(short, 16)
+        proposer.observe(0, features[:4], short)
+        proposer._flush()
+        proposer._run(features[4:7, : fast.head.config.hidden_size], tokens[4:7], 4)  # slots 4..6
+    mask = torch.zeros(3, 10, dtype=torch.bool)
+    mask[:, :4] = True
+    mask[0, 4], mask[1, 5], mask[2, 4:7] = True, True, True
+    mask[torch.arange(3), torch.arange(7, 10)] = True
+    hidden = torch.randn(3, fast.head.config.hidden_size, generator=generator)
+    positions = torch.tensor([5, 5, 6])
+    outputs = [p._run(hidden, tokens[7:10], 7, positions, mask) for p in (fast, slow)]
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-4, atol=1e-4)
 
 
 def test_sampled_drafts_carry_their_distribution_on_the_full_vocabulary(targets):

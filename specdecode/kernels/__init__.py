@@ -148,7 +148,7 @@ def load_build(march: str) -> ctypes.CDLL:
         "sd_rms_norm": ([ptr, ptr, c_i64, c_int, ctypes.c_float, ptr, c_int], None),
         "sd_embed": ([ctypes.POINTER(Linear), ptr, c_i64, ptr], None),
         "sd_attention": ([ctypes.POINTER(Model), c_int, ptr, c_int, c_int, ptr, ptr, ptr, ptr], None),
-        "sd_eagle_layer": ([ctypes.POINTER(Model), ptr, ptr, ptr, c_int, c_int, ptr], None),
+        "sd_eagle_layer": ([ctypes.POINTER(Model), ptr, ptr, ptr, c_int, c_int, ptr, c_int, ptr], None),
     }
     for name, (argtypes, restype) in signatures.items():
         function = getattr(lib, name)

@@ -1445,16 +1445,57 @@ static void attention(const sd_model* M, const sd_layer* L, const float* qkv, in
 // ---------------------------------------------------------------------------------------
 // entry points
 
+// Attention for rows that see an explicit set of cache slots (an EAGLE head's tree passes):
+// row t (at slot start + t) sees slots [0, prefix) and each slot prefix + j, j < start + T -
+// prefix, with visible[t (start + T - prefix) + j] set. fp32 cache, batch row 0; one pass
+// over the keys with a running maximum. Only drafts use it, so it need not match attention().
+static void attention_listed(const sd_model* M, const sd_layer* L, const float* qkv, int T, int start, int prefix,
+                             const uint8_t* visible, float* out) {
+    const int D = M->head_dim, H = M->heads, G = M->kv_heads, per = H / G;
+    const int width = (H + 2 * G) * D, extra = start + T - prefix;
+    const float* keys = (const float*)L->k_cache;
+    const float* values = (const float*)L->v_cache;
+#pragma omp for schedule(static)
+    for (int item = 0; item < T * H; item++) {
+        const int t = item / H, h = item % H, g = h / per;
+        const float* q = qkv + (int64_t)t * width + h * D;
+        const float* kg = keys + (int64_t)g * M->capacity * D;
+        const float* vg = values + (int64_t)g * M->capacity * D;
+        float acc[SD_MAX_HEAD_DIM] = {0};
+        float mx = -INFINITY, sum = 0.0f;
+        for (int slot = 0; slot < prefix + extra; slot++) {
+            if (slot >= prefix && !visible[(int64_t)t * extra + slot - prefix]) continue;
+            const float x = dot_row(q, kg + (int64_t)slot * D, D) * M->attn_scale;
+            if (x > mx) {
+                const float rescale = exp1(mx - x);  // exp(-inf) = 0 the first time
+                sum *= rescale;
+                for (int i = 0; i < D; i++) acc[i] *= rescale;
+                mx = x;
+            }
+            const float w = exp1(x - mx);
+            sum += w;
+            axpy(w, vg + (int64_t)slot * D, acc, D);
+        }
+        float* o = out + (int64_t)t * H * D + h * D;
+        for (int i = 0; i < D; i++) o[i] = sum > 0.0f ? acc[i] / sum : 0.0f;
+    }
+}
+
 // A decoder layer from its qkv projection (in M->qkv) on: RoPE and the cache, attention,
 // o into the residual stream, the MLP into it. Inside a parallel region.
+// `listed` (an EAGLE head's tree pass, batch 1): attention_listed's visible slots after
+// `prefix`, in place of `mask`.
 static inline void layer_after_qkv(const sd_model* M, const sd_layer* L, float* hidden, int batch, int T,
                                    const int* starts, const int* cache_rows, const int64_t* positions,
-                                   const uint8_t* mask) {
+                                   const uint8_t* mask, int prefix = 0, const uint8_t* listed = nullptr) {
     const int64_t rows = (int64_t)batch * T;
     const int Hd = M->hidden, I = M->intermediate;
     const scratch_q q = {M->xq, M->xd, M->xs};
     rope_and_store(M, L, M->qkv, batch, T, starts, cache_rows, positions);
-    attention(M, L, M->qkv, batch, T, starts, cache_rows, mask, M->attn);
+    if (listed)
+        attention_listed(M, L, M->qkv, T, starts[0], prefix, listed, M->attn);
+    else
+        attention(M, L, M->qkv, batch, T, starts, cache_rows, mask, M->attn);
     linear(&L->o, M->attn, rows, (int64_t)M->heads * M->head_dim, hidden, Hd, 1, q);
     rms_norm(hidden, L->post_norm, rows, Hd, M->eps, M->normed, Hd);
     linear(&L->gate_up, M->normed, rows, Hd, M->gate_up, 2 * I, 0, q);
@@ -1485,12 +1526,13 @@ void sd_forward_layers(const sd_model* M, int first, int last, float* hidden, in
 }
 
 // An EAGLE-3 head's decoder layer (proposers/eagle_head.py) over T new rows of one sequence
-// (cache row 0, slots start..start+T-1, causal): its attention reads
+// (cache row 0, slots start..start+T-1 at `positions`; causal, or with `visible` the slots
+// attention_listed describes): its attention reads
 // [embed_norm(embeds); input_norm(hidden)] (2 hidden wide; L->qkv has 2 hidden columns)
 // and its residual stream is the fused feature `hidden`, which becomes the layer's output.
 // M is the head as a one-layer model with a cache of its own.
 void sd_eagle_layer(const sd_model* M, const float* embeds, const float* embed_norm, float* hidden, int T, int start,
-                    const int64_t* positions) {
+                    const int64_t* positions, int prefix, const uint8_t* visible) {
     const int Hd = M->hidden, qkv_width = (M->heads + 2 * M->kv_heads) * M->head_dim;
     const scratch_q q = {M->xq, M->xd, M->xs};
     const int starts[1] = {start}, cache_rows[1] = {0};
@@ -1500,7 +1542,7 @@ void sd_eagle_layer(const sd_model* M, const float* embeds, const float* embed_n
         rms_norm(embeds, embed_norm, T, Hd, M->eps, M->normed, 2 * Hd);
         rms_norm(hidden, L->input_norm, T, Hd, M->eps, M->normed + Hd, 2 * Hd);
         linear(&L->qkv, M->normed, T, 2 * Hd, M->qkv, qkv_width, 0, q);
-        layer_after_qkv(M, L, hidden, 1, T, starts, cache_rows, positions, nullptr);
+        layer_after_qkv(M, L, hidden, 1, T, starts, cache_rows, positions, nullptr, prefix, visible);
     }
 }
 

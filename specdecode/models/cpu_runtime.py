@@ -102,8 +102,9 @@ class KernelHeadLayer:
     made about 60 small ops, which cost more than its weights do (docs/training.md).
 
     The cache is the proposer's: fp32 tensors [kv_heads, capacity, head_dim] (``bind``).
-    Rows are causal at their slots, so this serves chains and the committed entries; a
-    tree's passes (a mask over earlier passes' slots) stay on torch."""
+    Rows are causal at their slots (chains, committed entries), or see the slots a mask
+    marks (a tree pass: the committed entries, the node's ancestors from earlier passes, its
+    own), which a small attention loop of its own serves."""
 
     CHUNK = 256  # rows per call: the attention kernel takes at most 512 new rows
 
@@ -165,19 +166,35 @@ class KernelHeadLayer:
         self.layer.k_cache, self.layer.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
         self.layers[0] = self.layer
 
-    def __call__(self, embeds: torch.Tensor, hidden: torch.Tensor, start: int) -> torch.Tensor:
+    def __call__(self, embeds: torch.Tensor, hidden: torch.Tensor, start: int, positions: torch.Tensor | None = None,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """Fused features ``hidden`` [T, H] with token embeddings ``embeds`` [T, H] as cache
-        entries start..start+T-1 (their positions); returns the outputs g [T, H]."""
-        if self.cache is None or start + hidden.shape[0] > self.model.capacity:
+        entries start..start+T-1, at ``positions`` (default: the slots); causal, or each
+        row seeing the slots its row of ``mask`` [T, start + T] marks (a tree pass: every
+        committed slot, its ancestors', its own). Returns the outputs g [T, H]."""
+        count = hidden.shape[0]
+        if self.cache is None or start + count > self.model.capacity:
             raise SpecDecodeError("the head's cache is too small for these entries (bind a larger one)")
         embeds = embeds.float().contiguous()
         out = hidden.float().clone().contiguous()
         self.model.num_threads = torch.get_num_threads()
-        for begin in range(0, out.shape[0], self.CHUNK):
-            count = min(self.CHUNK, out.shape[0] - begin)
-            positions = np.arange(start + begin, start + begin + count, dtype=np.int64)
+        if mask is not None:  # one call (a tree pass has a few rows): the slots after the fully visible prefix
+            if count > self.CHUNK or mask.shape != (count, start + count):
+                raise SpecDecodeError(f"a masked head pass takes at most {self.CHUNK} rows and a [T, start + T] mask")
+            prefix = int(mask.all(0).int().cumprod(0).sum())
+            prefix = min(prefix, start)
+            visible = np.ascontiguousarray(mask[:, prefix:].numpy(), dtype=np.uint8)
+            at = np.ascontiguousarray((positions if positions is not None else torch.arange(start, start + count))
+                                      .to(torch.int64).numpy())
+            self.lib.sd_eagle_layer(ctypes.byref(self.model), embeds.data_ptr(), self.embed_norm.data_ptr(),
+                                    out.data_ptr(), count, start, at.ctypes.data, prefix, visible.ctypes.data)
+            return out
+        for begin in range(0, count, self.CHUNK):
+            rows = min(self.CHUNK, count - begin)
+            at = (np.arange(start + begin, start + begin + rows, dtype=np.int64) if positions is None else
+                  np.ascontiguousarray(positions[begin : begin + rows].to(torch.int64).numpy()))
             self.lib.sd_eagle_layer(ctypes.byref(self.model), embeds[begin].data_ptr(), self.embed_norm.data_ptr(),
-                                    out[begin].data_ptr(), count, start + begin, positions.ctypes.data)
+                                    out[begin].data_ptr(), rows, start + begin, at.ctypes.data, 0, None)
         return out
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:

@@ -87,8 +87,8 @@ class EagleProposer:
         head, c = self.head, self.head.config
         count = hidden.shape[0]
         embeds = self.embed_rows(torch.tensor(token_ids)).float()
-        if self.layer is not None and positions is None and mask is None:  # causal at the slots
-            return self.layer(embeds, hidden, start)
+        if self.layer is not None:
+            return self.layer(embeds, hidden, start, positions, mask)
         if positions is None:
             positions = torch.arange(start, start + count)
         q, k, v = head.qkv(embeds[None], hidden[None], positions)
