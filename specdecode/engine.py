@@ -210,11 +210,16 @@ class SpeculativeEngine:
             # never draft past the token budget or the context
             wanted = self.policy.choose(len(tokens)) if self.policy is not None else 0
             k = max(min(wanted, params.max_new_tokens - len(generated) - 1, capacity - len(tokens)), 0)
+            before = (stats.draft_seconds, stats.verify_seconds, stats.draft_passes)
             if k > 0 and self.tree_drafter:
                 new_tokens = self._tree_step(tokens, k, params, generator, stats)
             else:
                 new_tokens = self._step(tokens, k, params, generator, stats)
             if self.policy is not None:
+                note_cost = getattr(self.policy, "observe_cost", None)
+                if note_cost is not None and stats.last_drafted > 0:  # what drafting cost here, measured
+                    note_cost(stats.draft_seconds - before[0], stats.draft_passes - before[2],
+                              stats.verify_seconds - before[1], stats.last_drafted)
                 self.policy.observe(stats.last_drafted, len(new_tokens) - 1)
             _, finish = commit_tokens(new_tokens, tokens, generated, tracker, params, self.eos_token_ids,
                                       max_positions)

@@ -291,6 +291,30 @@ def test_tree_budget_keeps_the_nodes_worth_their_cost():
     assert policy.choose(100) == 0
 
 
+def test_policies_learn_what_drafting_costs_from_the_steps():
+    """A profile that times the drafter at 0.02 steps a pass, steps that measure 0.6 (its
+    weights evicted inside a generation): both policies stop drafting where the drafts
+    (the first right every other step) only paid at the profile's price; a drafter as cheap
+    as profiled keeps drafting."""
+    for cost, drafts in ((0.6, False), (0.02, True)):
+        chain = CostAwareK(CostModel(synthetic_profile(c=0.02), "ngram"), k_max=3, default_later=0.5)
+        chain.start(prior_alpha=0.5)
+        tree = TreeBudget(CostModel(synthetic_profile(c=0.02), "ngram"), k_max=3, prior_rate=1.3)
+        for step in range(20):
+            accepted = step % 2  # the first draft right every other step, the second never
+            k = chain.choose(100)
+            if k:  # verification of k + 1 tokens took v(k) steps of 10 ms; drafting `cost` steps a pass
+                chain.observe_cost(k * cost * 0.010, k, chain._v_table(100)[k] * 0.010, k)
+                chain.observe(k, accepted)
+            if tree.choose(100):
+                kept = tree.trim(chain_proposal([0.5, 0.25, 0.12]), 100, passes=2)
+                tree.observe_cost(2 * cost * 0.010, 2, tree._v_table(100)[kept.tree.size] * 0.010, kept.tree.size)
+                tree.observe(kept.tree.size, min(accepted, kept.tree.size))
+        for policy in (chain, tree):  # a few steps suffice (they stop drafting at once when it loses)
+            assert policy.draft_cost.value > 0.25 if cost > 0.1 else policy.draft_cost.value == pytest.approx(cost)
+        assert (chain.choose(100) > 0) == drafts and (tree.choose(100) > 0) == drafts, cost
+
+
 def test_tree_budget_probes_and_returns_to_speculation():
     policy = TreeBudget(CostModel(synthetic_profile(), "ngram"), k_max=3, prior_rate=0.5)
     policy.base_probe_interval = policy.probe_interval = 4

@@ -31,6 +31,11 @@ right (optimism about the one position just beyond the evidence): where an extra
 costs little (bf16 here) runs of acceptance earn long drafts step by step; where it costs
 much (4 tokens after 3 in fp32) the look is not taken on hope alone.
 
+Both adaptive policies also learn c from the steps themselves (``DraftCost``): the cost
+profile times a drafter alone, with its weights in cache, while inside a generation the
+target's 100 MB of weights have evicted them (an EAGLE head pass: 0.2 ms alone, 0.6 ms in
+a generation, on a Zen 4), so a profile's c would buy drafts that lose.
+
 ``ThresholdK`` (``--k-policy threshold``) is the simple rule from the literature, kept for
 comparison: start at 5, +1 when the mean acceptance of the last 10 steps exceeds 0.8, -1
 when it is below 0.5, bounded to 2..10, and no speculation once the mean is below 0.3
@@ -60,6 +65,28 @@ class KPolicy(Protocol):
     def choose(self, context: int) -> int: ...
     def observe(self, drafted: int, accepted: int) -> None: ...
     def describe(self) -> str: ...
+
+
+class DraftCost:
+    """c, a drafting pass's cost in plain decode steps, learnt from the steps: each drafted
+    step's drafting time per pass over the plain-step time its own verification implies
+    (its verify time / v(n), n the tokens it scored beyond the first), so the estimate
+    follows a machine whose speed drifts as well as drafts that run slower inside a
+    generation than alone. Seeded with the cost profile's c; kept across requests."""
+
+    def __init__(self, prior: float, strength: float = 2.0, decay: float = 0.9):
+        self.decay = decay
+        self.counts = [prior * strength, strength]
+
+    @property
+    def value(self) -> float:
+        return self.counts[0] / self.counts[1]
+
+    def update(self, draft_seconds: float, passes: int, verify_seconds: float, v: float) -> float:
+        if passes > 0 and verify_seconds > 0 and v > 0:
+            measured = draft_seconds / passes / (verify_seconds / v)
+            self.counts = [self.counts[0] * self.decay + measured, self.counts[1] * self.decay + 1]
+        return self.value
 
 
 class FixedK:
@@ -151,6 +178,7 @@ class CostAwareK:
         self.costs, self.k_max, self.decay, self.first_decay = costs, k_max, decay, first_decay
         self.prior_strength, self.margin = prior_strength, margin
         self._c = costs.c
+        self.draft_cost = DraftCost(self._c)
         self.default_prior = DEFAULT_PRIOR_ALPHA if default_prior is None else default_prior
         self.default_later = default_later  # None: the same as the first-position prior
         if probe_interval is None:
@@ -231,6 +259,11 @@ class CostAwareK:
         self.chosen.append(k)
         return k
 
+    def observe_cost(self, draft_seconds: float, passes: int, verify_seconds: float, scored: int) -> None:
+        """A drafted step's measured times (before ``observe``): c follows them."""
+        self._c = self.draft_cost.update(draft_seconds, passes, verify_seconds,
+                                         self._v_table(self.context)[min(scored, self.k_max)])
+
     def lazy(self, drafted: int) -> bool:
         """Whether this step, with ``drafted`` drafts, should compute logits on demand."""
         taus = taus_conditional(self.first, self.conditional)
@@ -303,6 +336,7 @@ class TreeBudget:
             raise ConfigError(f"decay must be in (0, 1], got {decay}")
         self.costs, self.k_max, self.decay, self.margin = costs, k_max, decay, margin
         self._c = costs.c
+        self.draft_cost = DraftCost(self._c)
         self.prior_rate = 1.0 + 2 * margin if prior_rate is None else prior_rate
         self.prior_strength = prior_strength
         # a probe is a full tree: about v(k_max) - 1 + (depth) c steps beyond a plain one
@@ -377,6 +411,11 @@ class TreeBudget:
         self.last_step = (proposal.confidence, float(kept.confidence.sum()) if best else 0.0, passes)
         self.last_best = best
         return kept
+
+    def observe_cost(self, draft_seconds: float, passes: int, verify_seconds: float, scored: int) -> None:
+        """A drafted step's measured times (before ``observe``): c per head pass follows them."""
+        self._c = self.draft_cost.update(draft_seconds, passes, verify_seconds,
+                                         self._v_table(self.context)[min(scored, self.k_max)])
 
     def lazy(self, nodes: int) -> bool:
         """Whether this step, a tree of ``nodes`` kept nodes, should compute logits on demand:
