@@ -66,6 +66,43 @@ def embed_lookup(table: PackedLinear, ids: torch.Tensor) -> torch.Tensor:
     return out.view(*ids.shape, table.cols)
 
 
+def check_attention_shape(cfg) -> None:
+    """The attention shapes the kernels take (a target's LlamaConfig or a head's EagleConfig)."""
+    if cfg.head_dim > 256 or cfg.head_dim % 8 or cfg.num_heads % cfg.num_kv_heads or cfg.num_heads // cfg.num_kv_heads > 16:
+        raise SpecDecodeError(f"the CPU kernels need head_dim <= 256 (a multiple of 8) and at most 16 query heads "
+                              f"per KV head; this model has {cfg.head_dim} and {cfg.num_heads // cfg.num_kv_heads}")
+
+
+def describe_model(model: kernels.Model, cfg, num_layers: int, kv_fmt: str, layers) -> None:
+    """The shape fields of the kernels' model struct, from a config (a target's
+    LlamaConfig or a head's EagleConfig: the same field names)."""
+    model.num_layers, model.hidden, model.intermediate = num_layers, cfg.hidden_size, cfg.intermediate_size
+    model.heads, model.kv_heads, model.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    model.kv_fmt = kernels.FORMATS[kv_fmt]
+    model.eps = cfg.rms_norm_eps
+    model.attn_scale = 1.0 / math.sqrt(cfg.head_dim)
+    model.layers = ctypes.cast(layers, ctypes.POINTER(kernels.Layer))
+
+
+def attach_scratch(model: kernels.Model, cfg, rows: int, widest: int) -> dict[str, torch.Tensor]:
+    """Scratch buffers for ``rows`` rows, pointed to by ``model``; ``widest``: the widest
+    input a layer's linear takes (quantized activations, norms)."""
+    buffers = {
+        "normed": torch.empty(rows, widest),
+        "qkv": torch.empty(rows, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim),
+        "attn": torch.empty(rows, cfg.num_heads * cfg.head_dim),
+        "gate_up": torch.empty(rows, 2 * cfg.intermediate_size),
+        "xq": torch.empty(rows, widest, dtype=torch.int8),
+        "xd": torch.empty(rows, widest // 32 + 1),
+        "xs": torch.empty(rows, widest // 32 + 1),
+        "partial": torch.empty(PARTIAL_ITEMS, cfg.num_heads // cfg.num_kv_heads * (cfg.head_dim + 2)),
+    }
+    for name, tensor in buffers.items():
+        setattr(model, name, tensor.data_ptr())
+    model.partial_items, model.max_rows = PARTIAL_ITEMS, rows
+    return buffers
+
+
 class KernelLinear:
     """One PackedLinear on the CPU kernels, outside a model: ``y = x W^T`` for fp32 rows
     (the drafter heads' projections)."""
@@ -110,44 +147,25 @@ class KernelHeadLayer:
 
     def __init__(self, head, fast: dict[str, KernelLinear]):
         c = head.config
-        if c.head_dim > 256 or c.head_dim % 8 or c.num_heads % c.num_kv_heads or c.num_heads // c.num_kv_heads > 16:
-            raise SpecDecodeError("the CPU kernels cannot run this head's attention shape")
+        check_attention_shape(c)
         self.lib = kernels.load()
         self.config = c
         self.linears = dict(fast)  # their weights, which the entries below point into
-        self._keep = [head.hidden_norm.weight.detach().float().contiguous(),
-                      head.post_norm.weight.detach().float().contiguous(),
-                      head.input_norm.weight.detach().float().contiguous()]
-        self.embed_norm = self._keep[2]
-        self.final_norm = head.norm.weight.detach().float().contiguous()
+        hidden_norm, post_norm, self.embed_norm, self.final_norm = (
+            m.weight.detach().float().contiguous() for m in (head.hidden_norm, head.post_norm, head.input_norm, head.norm))
+        self._norms = (hidden_norm, post_norm)  # the layer struct points into them
         self.lm_head = fast["lm_head"]
         self.inv_freq = head.inv_freq.float()
         self.layer = kernels.Layer()
         self.layer.qkv, self.layer.o = fast["qkv"].entry, fast["o"].entry
         self.layer.gate_up, self.layer.down = fast["gate_up"].entry, fast["down"].entry
-        self.layer.input_norm, self.layer.post_norm = self._keep[0].data_ptr(), self._keep[1].data_ptr()
+        self.layer.input_norm, self.layer.post_norm = hidden_norm.data_ptr(), post_norm.data_ptr()
         self.layers = (kernels.Layer * 1)(self.layer)
-        model = self.model = kernels.Model()
-        model.num_layers, model.hidden, model.intermediate = 1, c.hidden_size, c.intermediate_size
-        model.heads, model.kv_heads, model.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        model.batch, model.kv_fmt = 1, kernels.FORMATS["fp32"]
-        model.eps, model.attn_scale = c.rms_norm_eps, 1.0 / math.sqrt(c.head_dim)
-        model.layers = ctypes.cast(self.layers, ctypes.POINTER(kernels.Layer))
-        widest = max(2 * c.hidden_size, c.intermediate_size)
-        rows = self.CHUNK
-        self.buffers = {
-            "normed": torch.empty(rows, widest),
-            "qkv": torch.empty(rows, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim),
-            "attn": torch.empty(rows, c.num_heads * c.head_dim),
-            "gate_up": torch.empty(rows, 2 * c.intermediate_size),
-            "xq": torch.empty(rows, widest, dtype=torch.int8),
-            "xd": torch.empty(rows, widest // 32 + 1),
-            "xs": torch.empty(rows, widest // 32 + 1),
-            "partial": torch.empty(PARTIAL_ITEMS, c.num_heads // c.num_kv_heads * (c.head_dim + 2)),
-        }
-        for name, tensor in self.buffers.items():
-            setattr(model, name, tensor.data_ptr())
-        model.partial_items, model.max_rows = PARTIAL_ITEMS, rows
+        self.model = kernels.Model()
+        self.model.batch = 1
+        describe_model(self.model, c, 1, "fp32", self.layers)
+        # the qkv projection reads [embedding; feature], 2 hidden wide
+        self.buffers = attach_scratch(self.model, c, self.CHUNK, max(2 * c.hidden_size, c.intermediate_size))
         self.rope = (torch.empty(0), torch.empty(0))
         self.cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -240,9 +258,7 @@ class KernelStack:
         self.runtime = runtime
         self.head_rows = 0  # rows through the output head via head_logits (lazy logits)
         cfg = runtime.cfg
-        if cfg.head_dim > 256 or cfg.head_dim % 8 or cfg.num_heads % cfg.num_kv_heads or cfg.num_heads // cfg.num_kv_heads > 16:
-            raise SpecDecodeError(f"the CPU kernels need head_dim <= 256 (a multiple of 8) and at most 16 query heads "
-                                  f"per KV head; this model has {cfg.head_dim} and {cfg.num_heads // cfg.num_kv_heads}")
+        check_attention_shape(cfg)
         self._keep: list[torch.Tensor] = []  # every tensor a pointer below refers to
         self.layers = (kernels.Layer * runtime.num_layers)()
         for index, layer in enumerate(runtime.layers):
@@ -273,15 +289,10 @@ class KernelStack:
         return linear_entry(layer, self._keep)
 
     def _init_model(self) -> None:
-        cfg, runtime = self.runtime.cfg, self.runtime
-        model = self.model
-        model.num_layers, model.hidden, model.intermediate = runtime.num_layers, cfg.hidden_size, cfg.intermediate_size
-        model.heads, model.kv_heads, model.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        model.kv_fmt = kernels.FORMATS["fp32" if runtime.dtype == torch.float32 else "bf16"]
-        model.eps = cfg.rms_norm_eps
-        model.attn_scale = 1.0 / math.sqrt(cfg.head_dim)
+        runtime, model = self.runtime, self.model
+        describe_model(model, runtime.cfg, runtime.num_layers, "fp32" if runtime.dtype == torch.float32 else "bf16",
+                       self.layers)
         model.rope_cos, model.rope_sin = self.rope_cos.data_ptr(), self.rope_sin.data_ptr()
-        model.layers = ctypes.cast(self.layers, ctypes.POINTER(kernels.Layer))
 
     def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Point every layer at its slice of the runtime's (re)allocated KV cache."""
@@ -297,25 +308,9 @@ class KernelStack:
         if rows <= self.max_rows:
             return
         cfg = self.runtime.cfg
-        widest = max(cfg.hidden_size, cfg.intermediate_size)
-        qkv_width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-        per_group = cfg.num_heads // cfg.num_kv_heads
-        self.buffers = {
-            "hidden": torch.empty(rows, cfg.hidden_size),
-            "normed": torch.empty(rows, widest),
-            "qkv": torch.empty(rows, qkv_width),
-            "attn": torch.empty(rows, cfg.num_heads * cfg.head_dim),
-            "gate_up": torch.empty(rows, 2 * cfg.intermediate_size),
-            "xq": torch.empty(rows, widest, dtype=torch.int8),
-            "xd": torch.empty(rows, widest // 32 + 1),
-            "xs": torch.empty(rows, widest // 32 + 1),
-            "partial": torch.empty(PARTIAL_ITEMS, per_group * (cfg.head_dim + 2)),
-        }
-        model = self.model
-        for name in ("normed", "qkv", "attn", "gate_up", "xq", "xd", "xs", "partial"):
-            setattr(model, name, self.buffers[name].data_ptr())
-        model.partial_items = PARTIAL_ITEMS
-        model.max_rows = self.max_rows = rows
+        self.buffers = {"hidden": torch.empty(rows, cfg.hidden_size),
+                        **attach_scratch(self.model, cfg, rows, max(cfg.hidden_size, cfg.intermediate_size))}
+        self.max_rows = rows
 
     @property
     def scratch_bytes(self) -> int:
