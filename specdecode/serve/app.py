@@ -223,14 +223,13 @@ class ServerState:
                index: int = 0, choices: int = 1):
         """Queue one sequence, choice ``index`` of ``choices`` (the first checks that the
         queue has room for all of them); its outputs arrive on ``queue`` as (index,
-        StepOutput)."""
+        StepOutput). The caller has checked the prompt (``check_prompt``)."""
         if not self.accepting:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down",
                            headers={"Retry-After": "5"})
         if index == 0 and self.engine.num_waiting + choices > self.max_queued_requests:
             raise APIError(503, f"the request queue is full ({self.max_queued_requests} waiting); retry later",
                            "server_error", code="overloaded", headers={"Retry-After": "1"})
-        self.check_prompt(prompt_ids)
         plan = self.speculation.plan(options, task_type, prompt_text)
         loop = asyncio.get_running_loop()
         queue = asyncio.Queue() if queue is None else queue

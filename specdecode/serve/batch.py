@@ -310,14 +310,21 @@ class BatchEngine:
                         sequence.policy.start(sequence.prior_alpha)
                 except Exception:  # fail this request alone, and keep its row
                     logger.exception("admitting request %s failed", sequence.request_id)
-                    if sequence.cache_row is not None:
-                        self.row_tokens[sequence.cache_row] = []
-                        self.free_rows.append(sequence.cache_row)
-                        sequence.cache_row = None
                     sequence.error = "internal error while admitting the request"
+                    if sequence.cache_row is not None:
+                        self._free_row(sequence)
                     self._finish(sequence, "abort")
                     continue
                 self.running.append(sequence)
+
+    def _free_row(self, sequence: Sequence) -> None:
+        """Return ``sequence``'s cache row, its entries kept as a cached prefix unless the
+        sequence failed (an engine error may have left the row half written) or its row
+        serves no other prompt."""
+        shared = sequence.error is None and sequence.share_prefix
+        self.row_tokens[sequence.cache_row] = sequence.kv_tokens if shared else []
+        self.free_rows.append(sequence.cache_row)
+        sequence.cache_row = None
 
     def _reusable(self, sequence: Sequence) -> bool:
         return self.prefix_caching and sequence.reuse_prefix and not getattr(sequence.proposer, "capture", ())
@@ -392,11 +399,7 @@ class BatchEngine:
             if sequence.aborted and not sequence.finished:
                 self._finish(sequence, "abort")
             if sequence.finished:
-                # a sequence failed by an engine error may have left its row half written
-                shared = sequence.error is None and sequence.share_prefix
-                self.row_tokens[sequence.cache_row] = sequence.kv_tokens if shared else []
-                self.free_rows.append(sequence.cache_row)
-                sequence.cache_row = None
+                self._free_row(sequence)
                 finished.append(sequence)
             else:
                 keep.append(sequence)
