@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import VLLM_METHODS, SamplingParams
 from ..engine import ContextLengthError, PromptError
+from ..metrics import GenerationStats
 from .batch import BatchEngine, Sequence, StepOutput
 from .metrics import ServerMetrics
 
@@ -353,13 +354,13 @@ def usage(sequences: list[Sequence]) -> dict:
 
 def speculation_summary(sequences: list[Sequence]) -> dict:
     """The request's speculation figures, summed over its choices."""
-    drafted = sum(s.stats.draft_tokens for s in sequences)
-    accepted = sum(s.stats.accepted_tokens for s in sequences)
-    passes = sum(s.stats.target_forwards for s in sequences)
+    total = GenerationStats(draft_tokens=sum(s.stats.draft_tokens for s in sequences),
+                            accepted_tokens=sum(s.stats.accepted_tokens for s in sequences),
+                            target_forwards=sum(s.stats.target_forwards for s in sequences))
     first = sequences[0]
-    return {"method": getattr(first, "method", "none"), "drafted_tokens": drafted, "accepted_tokens": accepted,
-            "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
-            "mean_accepted_length": round((accepted + passes) / passes, 4) if passes else 0.0, "target_passes": passes,
+    return {"method": getattr(first, "method", "none"), "drafted_tokens": total.draft_tokens,
+            "accepted_tokens": total.accepted_tokens, "acceptance_rate": round(total.alpha, 4),
+            "mean_accepted_length": round(total.tau, 4), "target_passes": total.target_forwards,
             "task_type": first.task_type}
 
 
