@@ -89,6 +89,16 @@ class DraftCost:
         return self.value
 
 
+class MeasuresDraftCost:
+    """For the adaptive policies: ``_c`` (per draft token of a chain, per head pass of a
+    tree) follows ``draft_cost``, fed by every drafted step."""
+
+    def observe_cost(self, draft_seconds: float, passes: int, verify_seconds: float, scored: int) -> None:
+        """A drafted step's measured times, ``scored`` tokens beyond the first (before ``observe``)."""
+        self._c = self.draft_cost.update(draft_seconds, passes, verify_seconds,
+                                         self._v_table(self.context)[min(scored, self.k_max)])
+
+
 class FixedK:
     name = "fixed"
 
@@ -163,7 +173,7 @@ class CostModel:
         return table
 
 
-class CostAwareK:
+class CostAwareK(MeasuresDraftCost):
     name = "auto"
 
     def __init__(self, costs: CostModel, k_max: int = 10, decay: float = 0.85, first_decay: float = 0.95,
@@ -259,11 +269,6 @@ class CostAwareK:
         self.chosen.append(k)
         return k
 
-    def observe_cost(self, draft_seconds: float, passes: int, verify_seconds: float, scored: int) -> None:
-        """A drafted step's measured times (before ``observe``): c follows them."""
-        self._c = self.draft_cost.update(draft_seconds, passes, verify_seconds,
-                                         self._v_table(self.context)[min(scored, self.k_max)])
-
     def lazy(self, drafted: int) -> bool:
         """Whether this step, with ``drafted`` drafts, should compute logits on demand."""
         taus = taus_conditional(self.first, self.conditional)
@@ -295,7 +300,7 @@ class CostAwareK:
         return f"auto(<= {self.k_max})"
 
 
-class TreeBudget:
+class TreeBudget(MeasuresDraftCost):
     """``--k auto`` for tree drafters: a node budget per step, 0 = a plain step.
 
     A tree drafter ranks its nodes by confidence p_i, its estimate that node i will be
@@ -411,11 +416,6 @@ class TreeBudget:
         self.last_step = (proposal.confidence, float(kept.confidence.sum()) if best else 0.0, passes)
         self.last_best = best
         return kept
-
-    def observe_cost(self, draft_seconds: float, passes: int, verify_seconds: float, scored: int) -> None:
-        """A drafted step's measured times (before ``observe``): c per head pass follows them."""
-        self._c = self.draft_cost.update(draft_seconds, passes, verify_seconds,
-                                         self._v_table(self.context)[min(scored, self.k_max)])
 
     def lazy(self, nodes: int) -> bool:
         """Whether this step, a tree of ``nodes`` kept nodes, should compute logits on demand:
