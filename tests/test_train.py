@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +15,7 @@ from specdecode.engine import SpeculativeEngine
 from specdecode.models.llama import load_native
 from specdecode.prompts import load_prompts
 from specdecode.train.data import answer_rows, build_data
-from specdecode.train.prompts import CATEGORIES, training_prompts
+from specdecode.train.prompts import CATEGORIES, training_prompts, written_prompts
 
 
 def test_training_prompts_cover_the_categories_and_stay_apart_from_the_suite():
@@ -28,6 +29,23 @@ def test_training_prompts_cover_the_categories_and_stay_apart_from_the_suite():
     # the first n interleave the categories, and the set is the same every time
     assert {p["category"] for p in training_prompts(18)} == set(CATEGORIES)
     assert training_prompts(40) == prompts[:40]
+
+
+def test_written_training_prompts_share_no_eight_word_run_with_the_suite():
+    """The hand-written set: a hundred per category, and not even a phrase of eight words
+    in common with a benchmark prompt (an exact-match check would miss a paraphrase)."""
+    written = written_prompts()
+    assert {c: len(v) >= 100 for c, v in written.items()} == {c: True for c in CATEGORIES}
+
+    def runs(text):
+        words = re.findall(r"\w+", text.lower())
+        return {tuple(words[i:i + 8]) for i in range(len(words) - 7)}
+
+    suite = set().union(*(runs(p["prompt"]) for p in load_prompts(None)))
+    shared = [p for v in written.values() for p in v if runs(p) & suite]
+    assert not shared, shared[:3]
+    ids = [p["id"] for p in training_prompts() if p["id"].startswith("written-")]
+    assert len(ids) == sum(len(v) for v in written.values()) and ids[0] == "written-code-000"
 
 
 @pytest.fixture(scope="module")

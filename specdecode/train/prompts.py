@@ -7,14 +7,22 @@ and its first n prompts cover every category evenly. Summaries and extractions r
 passages of text: invented news reports written here, and module docstrings of the Python
 standard library. Prompt ids are positions in this order: adding templates renumbers
 them (`train data` refuses to resume answers to an earlier version).
+
+After the templated prompts come the written ones (``data/training_prompts.jsonl``): a
+hundred requests per category written by hand for training, in the many phrasings, domains
+and lengths real users send, each with its own passage where a task reads one. Templates
+teach a head their own few phrasings (held-out templated prompts agree with the target far
+more often than any other prompt does); the written set is what makes it general.
 """
 
 from __future__ import annotations
 
 import ast
 import itertools
+import json
 import sysconfig
 from functools import lru_cache
+from importlib.resources import files
 from pathlib import Path
 
 CATEGORIES = ("code", "creative", "extraction", "json", "math", "open_qa", "summarization", "template", "translation")
@@ -299,14 +307,32 @@ def _category_prompts(category: str) -> list[str]:
     raise ValueError(f"unknown category {category!r}")
 
 
-def training_prompts(count: int | None = None) -> list[dict]:
-    """Up to ``count`` prompts (all if None), categories interleaved:
-    [{"id": "train-code-000", "category": "code", "prompt": ...}, ...]."""
-    per_category = {c: _category_prompts(c) for c in CATEGORIES}
+@lru_cache(maxsize=1)
+def written_prompts() -> dict[str, list[str]]:
+    """The hand-written training requests, by category, in file order."""
+    out: dict[str, list[str]] = {c: [] for c in CATEGORIES}
+    text = files("specdecode.data").joinpath("training_prompts.jsonl").read_text(encoding="utf-8")
+    for line in text.splitlines():
+        if line.strip():
+            record = json.loads(line)
+            out[record["category"]].append(record["prompt"])
+    return out
+
+
+def _interleaved(per_category: dict[str, list[str]], prefix: str) -> list[dict]:
     prompts = []
     for index in range(max(len(v) for v in per_category.values())):
         for category in CATEGORIES:
             if index < len(per_category[category]):
-                prompts.append({"id": f"train-{category}-{index:03d}", "category": category,
+                prompts.append({"id": f"{prefix}-{category}-{index:03d}", "category": category,
                                 "prompt": per_category[category][index]})
+    return prompts
+
+
+def training_prompts(count: int | None = None) -> list[dict]:
+    """Up to ``count`` prompts (all if None): the templated ones, then the written ones,
+    categories interleaved within each: [{"id": "train-code-000", "category": "code",
+    "prompt": ...}, ..., {"id": "written-code-000", ...}, ...]."""
+    prompts = _interleaved({c: _category_prompts(c) for c in CATEGORIES}, "train")
+    prompts += _interleaved(written_prompts(), "written")
     return prompts if count is None else prompts[:count]
