@@ -65,8 +65,8 @@ def drafter_entry(spec: SpeculativeConfig, target, engine_config: EngineConfig):
     if spec.method == "eagle":
         from ..proposers.eagle import EagleProposer
 
-        def make_proposer():
-            return EagleProposer(template.head, template.embed_rows, kernels=False)
+        def make_proposer():  # each row its own cache and kernel layer; the head's packed weights are shared
+            return EagleProposer(template.head, template.embed_rows)
     else:
         def make_proposer():
             return type(template)(spec.ngram_sizes)
