@@ -257,7 +257,7 @@ class BatchEngine:
         finished: list[Sequence] = []
         if self._forget_prefixes:  # the free rows' histories, and those of the rows running now
             self._forget_prefixes = False
-            self.row_tokens = [[] for _ in self.row_tokens]
+            self._forget_rows()
             for sequence in self.running:
                 sequence.share_prefix = False
         self._reap(finished)
@@ -334,22 +334,31 @@ class BatchEngine:
         reset, a plain forward) voids every free row's history; once nothing runs, the rows
         are the engine's again."""
         if self.runtime.cache_owner is not self:
-            self.row_tokens = [[] for _ in self.row_tokens]
+            self._forget_rows()
             if not self.running:
                 self.runtime.cache_owner = self
         return self.runtime.cache_owner is self
 
+    def _forget_rows(self) -> None:
+        """No free row's entries are a prefix to reuse any more."""
+        self.row_tokens = [[] for _ in self.row_tokens]
+
+    @staticmethod
+    def _shared(sequence: Sequence, tokens: list[int]) -> int:
+        """Prompt tokens of ``sequence`` whose entries ``tokens``' row can give it: their
+        common prefix, all of the prompt but its last token at most (the first decode step
+        scores that one)."""
+        return min(common_prefix(sequence.prompt_ids, tokens), len(sequence.prompt_ids) - 1)
+
     def _best_prefix(self, sequence: Sequence) -> tuple[int, int | None]:
         """(length, row) of the longest prefix of ``sequence``'s prompt whose entries a row
-        holds now (all of it but the last token at most: the first decode step scores that
-        one), or (0, None)."""
-        limit = len(sequence.prompt_ids) - 1
+        holds now (``_shared``), or (0, None)."""
         best, source = 0, None
         if self._reusable(sequence):
             candidates = [(row, self.row_tokens[row]) for row in self.free_rows]
             candidates += [(s.cache_row, s.kv_tokens) for s in self.running if s.share_prefix]
             for row, tokens in candidates:
-                n = min(common_prefix(sequence.prompt_ids, tokens), limit)
+                n = self._shared(sequence, tokens)
                 if n > best:
                     best, source = n, row
         return best, source
@@ -363,8 +372,7 @@ class BatchEngine:
         requests queued behind it wait as long."""
         if not self._reusable(sequence):
             return False
-        limit = len(sequence.prompt_ids) - 1
-        coming = max((min(common_prefix(sequence.prompt_ids, s.prompt_ids), limit) for s in self.running
+        coming = max((self._shared(sequence, s.prompt_ids) for s in self.running
                       if s.share_prefix and not s.prefill_done), default=0)
         return coming >= PREFIX_WAIT_MIN and coming > best
 
