@@ -39,10 +39,10 @@ bench: install
 # sampled row each, 16 rows decoded together), 60k tokens of the standard library, and 75
 # minutes of bf16 mixed-precision training from scratch. Resumable at every stage; the
 # manifest records this run's wall time (a resumed run's, not the stages before it).
-EAGLE_MINUTES ?= 55
+EAGLE_MINUTES ?= 75
 eagle-head: install
 	start=$$(date +%s) && \
-	$(BIN)/specdecode train data --out data/train --batch 16 --corpus-tokens 1000000 && \
+	$(BIN)/specdecode train data --out data/train --prompts 1984 --batch 16 --corpus-tokens 1000000 && \
 	$(BIN)/specdecode train eagle --data data/train --out data/eagle --minutes $(EAGLE_MINUTES) --corpus-tokens 60000 --bf16 && \
 	$(BIN)/python scripts/ship_head.py data/eagle --data data/train --command "make eagle-head" \
 		--wall-time "$$(( ($$(date +%s) - start) / 60 )) min for make eagle-head on $$(nproc) cores of $$(uname -m), $$(date -u +%F)"
