@@ -10,9 +10,9 @@ them (`train data` refuses to resume answers to an earlier version).
 
 After the templated prompts come the written ones (``data/training_prompts.jsonl``): a
 hundred requests per category written by hand for training, in the many phrasings, domains
-and lengths real users send, each with its own passage where a task reads one. Templates
-teach a head their own few phrasings (held-out templated prompts agree with the target far
-more often than any other prompt does); the written set is what makes it general.
+and lengths real users send, each with its own passage where a task reads one. (A head
+trained with them for 55 minutes drafted no better on the suite than the shipped head
+trained on the templated ones alone for 75: docs/training.md.)
 """
 
 from __future__ import annotations
