@@ -309,8 +309,8 @@ def test_batched_engine_on_the_real_model_equals_each_request_alone(method):
     if method == "eagle":
         template = build_proposer(SpeculativeConfig(method="eagle", tree_width=1), target, config)
 
-        def make_drafter():
-            return EagleProposer(template.head, template.embed_rows, kernels=False)
+        def make_drafter():  # as the server makes them: each row's head layer on the kernels
+            return EagleProposer(template.head, template.embed_rows)
     else:
         make_drafter = NgramProposer
     batch_target = load_model("default", torch.bfloat16)  # its own cache rows
@@ -320,6 +320,7 @@ def test_batched_engine_on_the_real_model_equals_each_request_alone(method):
     engine.run()
     assert [s.generated for s in sequences] == expected
     assert sum(s.stats.accepted_tokens for s in sequences) > 0
+    assert method != "eagle" or all(s.proposer.layer is not None for s in sequences)
     # the chat template's system prompt is prefilled once: the second and third requests
     # wait a step for the first's entries, the fourth finds them in a finished row (EAGLE
     # rows prefill in full)
