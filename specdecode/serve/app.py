@@ -220,8 +220,8 @@ class ServerState:
             raise APIError(400, str(error), param="prompt", code=code) from None
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, options: SpeculativeOptions | None,
-               task_type: str | None, prompt_text: str, request_id: str, queue: asyncio.Queue | None = None,
-               index: int = 0, choices: int = 1):
+               task_type: str | None, prompt_text: str, request_id: str, queue: asyncio.Queue,
+               index: int = 0, choices: int = 1) -> Sequence:
         """Queue one sequence, choice ``index`` of ``choices`` (the first checks that the
         queue has room for all of them); its outputs arrive on ``queue`` as (index,
         StepOutput). The caller has checked the prompt (``check_prompt``)."""
@@ -233,7 +233,6 @@ class ServerState:
                            "server_error", code="overloaded", headers={"Retry-After": "1"})
         plan = self.speculation.plan(options, task_type, prompt_text)
         loop = asyncio.get_running_loop()
-        queue = asyncio.Queue() if queue is None else queue
 
         def listener(sequence: Sequence, output: StepOutput) -> None:
             now = time.perf_counter()
@@ -249,7 +248,7 @@ class ServerState:
                                    task_type=plan.task, method=plan.method)
         self.metrics.queue(self.engine.num_running, self.engine.num_waiting)
         self.wakeup.set()
-        return sequence, queue
+        return sequence
 
     def abort(self, sequence: Sequence) -> None:
         self.engine.abort(sequence)
@@ -464,10 +463,9 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
         try:
             for index in range(body.n):  # choice i samples with seed + i: distinct, and reproducible
                 choice_params = params if index == 0 else replace(params, seed=nth_seed(params.seed, index))
-                sequence, _ = state.submit(prompt_ids, choice_params, body.speculative, body.task_type, prompt_text,
-                                           request_id if body.n == 1 else f"{request_id}-{index}", queue, index,
-                                           body.n)
-                sequences.append(sequence)
+                sequences.append(state.submit(prompt_ids, choice_params, body.speculative, body.task_type,
+                                              prompt_text, request_id if body.n == 1 else f"{request_id}-{index}",
+                                              queue, index, body.n))
         except Exception:  # none of the choices runs without the others
             for sequence in sequences:
                 state.abort(sequence)
