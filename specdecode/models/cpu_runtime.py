@@ -155,7 +155,7 @@ class KernelHeadLayer:
             m.weight.detach().float().contiguous() for m in (head.hidden_norm, head.post_norm, head.input_norm, head.norm))
         self._norms = (hidden_norm, post_norm)  # the layer struct points into them
         self.lm_head = fast["lm_head"]
-        self.inv_freq = head.inv_freq.float()
+        self.rope_of = head.rope  # the torch path's tables, so both paths rotate alike
         self.layer = kernels.Layer()
         self.layer.qkv, self.layer.o = fast["qkv"].entry, fast["o"].entry
         self.layer.gate_up, self.layer.down = fast["gate_up"].entry, fast["down"].entry
@@ -174,10 +174,8 @@ class KernelHeadLayer:
         if k_cache.dtype != torch.float32 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise SpecDecodeError("the head's kernel layer needs a contiguous fp32 cache")
         capacity = k_cache.shape[1]
-        if self.rope[0].shape[0] < capacity:  # the torch path's formula (EagleHead.rope), row by row
-            angles = torch.arange(capacity, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
-            angles = torch.cat((angles, angles), dim=-1)
-            self.rope = (angles.cos().contiguous(), angles.sin().contiguous())
+        if self.rope[0].shape[0] < capacity:
+            self.rope = tuple(t.contiguous() for t in self.rope_of(torch.arange(capacity)))
             self.model.rope_cos, self.model.rope_sin = self.rope[0].data_ptr(), self.rope[1].data_ptr()
         self.cache = (k_cache, v_cache)
         self.model.capacity = capacity
@@ -196,23 +194,21 @@ class KernelHeadLayer:
         embeds = embeds.float().contiguous()
         out = hidden.float().clone().contiguous()
         self.model.num_threads = torch.get_num_threads()
+        at = (np.arange(start, start + count, dtype=np.int64) if positions is None else
+              np.ascontiguousarray(positions.to(torch.int64).numpy()))
         if mask is not None:  # one call (a tree pass has a few rows): the slots after the fully visible prefix
             if count > self.CHUNK or mask.shape != (count, start + count):
                 raise SpecDecodeError(f"a masked head pass takes at most {self.CHUNK} rows and a [T, start + T] mask")
             prefix = int(mask.all(0).int().cumprod(0).sum())
             prefix = min(prefix, start)
             visible = np.ascontiguousarray(mask[:, prefix:].numpy(), dtype=np.uint8)
-            at = np.ascontiguousarray((positions if positions is not None else torch.arange(start, start + count))
-                                      .to(torch.int64).numpy())
             self.lib.sd_eagle_layer(ctypes.byref(self.model), embeds.data_ptr(), self.embed_norm.data_ptr(),
                                     out.data_ptr(), count, start, at.ctypes.data, prefix, visible.ctypes.data)
             return out
         for begin in range(0, count, self.CHUNK):
             rows = min(self.CHUNK, count - begin)
-            at = (np.arange(start + begin, start + begin + rows, dtype=np.int64) if positions is None else
-                  np.ascontiguousarray(positions[begin : begin + rows].to(torch.int64).numpy()))
             self.lib.sd_eagle_layer(ctypes.byref(self.model), embeds[begin].data_ptr(), self.embed_norm.data_ptr(),
-                                    out[begin].data_ptr(), rows, start + begin, at.ctypes.data, 0, None)
+                                    out[begin].data_ptr(), rows, start + begin, at[begin:].ctypes.data, 0, None)
         return out
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:
