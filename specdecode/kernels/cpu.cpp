@@ -669,9 +669,9 @@ static inline void dot_q4_1x8(const int8_t* const* xq, const int32_t* const* xb,
 // the 256-bit kernel is bound by those broadcasts more than by vpdpbusd (with one
 // broadcast shared by all rows, a wrong result but a timing, it ran twice as fast; an
 // EVEX {1to8} operand in place of the separate broadcast gained nothing); on Zen 4 this
-// gained 10% per linear layer from the caches, about 5% a step. Every lane does what dot_q4_1x8 does for its
-// (row, feature): the same integer sums, then the same float operations in the same order,
-// so a row's outputs are the same bits from either kernel.
+// gained 10% per linear layer from the caches, about 5% a step. Every lane does what
+// dot_q4_1x8 does for its (row, feature): the same integer sums, then the same float
+// operations in the same order, so a row's outputs are the same bits from either kernel.
 #if SD_VNNI512
 template <int R>
 static inline void dot_q4_1x16(const int8_t* const* xq, const float* const* xd, const float* const* xs,
