@@ -55,12 +55,12 @@ def plot_analysis(result: dict, out_dir: Path) -> list[Path]:
     # 1. acceptance by draft position, one line per category
     figure, axes = _grid(plt, len(methods))
     for axis, method in zip(axes, methods):
-        longest = 1
+        longest, plotted = 1, False
         for category in categories:
             row = by_key.get((first, method, category))
             if row and row["acceptance_per_position"]:
                 rates = row["acceptance_per_position"]
-                longest = max(longest, len(rates))
+                longest, plotted = max(longest, len(rates)), True
                 style = dict(color="black", linewidth=2.5) if category == "overall" else {}
                 axis.plot(range(1, len(rates) + 1), rates, marker="o", markersize=3, label=category, **style)
         # with a policy choosing k, position i is seen only in steps that drafted >= i, which
@@ -69,7 +69,10 @@ def plot_analysis(result: dict, out_dir: Path) -> list[Path]:
         axis.set(title=f"{method}, T={first:g}{note}", xlabel="draft position", ylabel="acceptance (mean over prompts)",
                  ylim=(0, 1), xlim=(0.5, longest + 0.5))
         axis.set_xticks(range(1, longest + 1, math.ceil(longest / 12)))  # whole positions, even for k = 1
-        axis.legend(fontsize=7)
+        if plotted:
+            axis.legend(fontsize=7)
+        else:  # a method that never drafted (plain decoding, or a policy that kept k at 0)
+            axis.text(0.5, 0.5, "no drafted tokens", ha="center", va="center", transform=axis.transAxes)
     paths.append(_save(plt, figure, out_dir / "acceptance_by_position.png"))
 
     # 2. speedup by category: measured bars per temperature, predicted as markers
