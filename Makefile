@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= Summarize in two sentences: The town of Westbrook opened its first public library in 1902 with a donation of 400 books from a local merchant. For decades the library occupied two rooms above the post office. In 1958 the town council approved a new building on Elm Street, which doubled the collection and added a children's reading room.
 
-.PHONY: install demo test bench peers eagle-head
+.PHONY: install demo test bench peers eagle-head suffix-store
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,3 +46,10 @@ eagle-head: install
 	$(BIN)/specdecode train eagle --data data/train --out data/eagle --minutes $(EAGLE_MINUTES) --corpus-tokens 60000 --bf16 && \
 	$(BIN)/python scripts/ship_head.py data/eagle --data data/train --command "make eagle-head" \
 		--wall-time "$$(( ($$(date +%s) - start) / 60 )) min for make eagle-head on $$(nproc) cores of $$(uname -m), $$(date -u +%F)"
+
+# The shipped token store for --method suffix: the target's answers to all 2,884 training
+# prompts (greedy plus one sampled row each; resumes the answers `make eagle-head` made),
+# indexed when it loads. Nothing is trained.
+suffix-store: install
+	$(BIN)/specdecode train data --out data/train --batch 16 --corpus-tokens 1000000 && \
+	$(BIN)/specdecode train store --data data/train --out specdecode/data/stores/smollm2-135m-instruct --command "make suffix-store"

@@ -1,9 +1,10 @@
 """One entry point: ``specdecode <verb>``.
 
-    specdecode generate "PROMPT" [--method none|ngram|draft|eagle|tree] [--draft M|self:L] [--head DIR] [--k N] ...
+    specdecode generate "PROMPT" [--method none|ngram|suffix|draft|eagle|tree] [--draft M|self:L] [--head DIR] [--k N] ...
     specdecode bench [--prompts FILE.jsonl] [--methods none,ngram,ngram@3,...] [--out results.json]
     specdecode profile [--model M] [--draft D] [--dtype bf16|fp32] [--remeasure]
     specdecode train data [--target M] [--out DIR] [--prompts N] [--samples S]
+    specdecode train store [--target M] [--data DIR] [--out DIR]
     specdecode train eagle [--target M] [--data DIR] [--out DIR] [--draft-vocab N] [--ttt-steps S] [--minutes M]
 """
 
@@ -32,6 +33,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k-policy", default="cost", choices=["cost", "threshold"], help="with --k auto: 'cost' (expected speedup, cost profile) or 'threshold' (the literature's acceptance thresholds)")
     parser.add_argument("--k-max", type=int, default=10, help="with --k auto: the most draft tokens per step")
     parser.add_argument("--draft", default="self:4", help="draft model for --method draft: a path, or self:L (the target's first L layers; untrained, it loses here: docs/performance.md)")
+    parser.add_argument("--store", default=None, help="token store directory for --method suffix (default: the store shipped for the default model)")
     parser.add_argument("--head", default=None, help="EAGLE head directory for --method eagle (default: the head shipped for the default model)")
     parser.add_argument("--tree-width", type=int, default=None, help="--method eagle/tree: children per expanded node of the head's dynamic tree of --k nodes (default 3; 1 drafts chains; bench spec eagle@6x3)")
     parser.add_argument("--ngram-sizes", default="3,2,1", help="n-gram sizes tried by --method ngram, longest first")
@@ -73,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = verbs.add_parser("generate", help="generate text, speculatively")
     gen.add_argument("prompt")
-    gen.add_argument("--method", default="ngram", choices=["none", "ngram", "draft", "eagle", "tree"])
+    gen.add_argument("--method", default="ngram", choices=["none", "ngram", "suffix", "draft", "eagle", "tree"])
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
     gen.add_argument("--compare", action="store_true", help="also run plain decoding and report speedup and identity")
@@ -84,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = verbs.add_parser("bench", help="plain vs speculative on the same prompts")
     bench.add_argument("--prompts", default=None, help="JSONL: Spec-Bench question.jsonl or {prompt, category}; default: our suite")
-    bench.add_argument("--methods", default="none,ngram", help="comma list of none, ngram, draft, eagle, tree, hf (transformers generate), llamacpp")
+    bench.add_argument("--methods", default="none,ngram", help="comma list of none, ngram, suffix, draft, eagle, tree, hf (transformers generate), llamacpp")
     bench.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
     bench.add_argument("--out", default=None, help="write per-prompt records and the summary as JSON")
     bench.add_argument("--repeats", type=int, default=1, help=REPEATS_HELP)
@@ -144,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     eagle.add_argument("--bf16", action="store_true", help="mixed precision: the head's products and the target's distribution over the draft vocabulary in bf16 autocast (weights, optimizer state and the loss stay fp32)")
     eagle.add_argument("--corpus-tokens", type=int, default=200_000, help="tokens of the local code corpus to train on beside the answers")
     eagle.add_argument("--max-length", type=int, default=768, help="tokens per training sequence at most")
+    store = train_verbs.add_parser("store", help="the token store --method suffix drafts from: the target's answers from `train data`")
+    store.add_argument("--target", "--model", dest="model", default="default", help="the target the answers came from (for its vocabulary)")
+    store.add_argument("--data", default="data/train", help="directory written by `specdecode train data` (default data/train)")
+    store.add_argument("--out", default="data/store", help="store directory to write (default data/store)")
+    store.add_argument("--command", default=None, help="the command that reproduces the store, for its MANIFEST.json")
+    _target_flags(store)
     export = train_verbs.add_parser("export", help="write an EAGLE head in vLLM's eagle3 (EAGLE-3) or the speculators layout")
     export.add_argument("--head", default=None, help="head directory (default: the head shipped for the default model)")
     export.add_argument("--format", default="eagle3", choices=["eagle3", "speculators"], help="eagle3: vLLM --speculative-config method eagle3 / EAGLE-3; speculators: the speculators library (vLLM reads it too)")
@@ -158,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = verbs.add_parser("serve", help="OpenAI-compatible HTTP server: continuous batching, per-request speculation, Prometheus metrics")
     srv.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a HF directory or a .gguf file")
     srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: SmolLM2-135M-Instruct, or --model)")
-    srv.add_argument("--speculative-config", default=None, help='JSON with vLLM\'s keys (method: ngram|eagle|eagle3|none, model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max) and ours ("num_speculative_tokens": "auto", preset, router); default: ngram, k auto, router on')
+    srv.add_argument("--speculative-config", default=None, help='JSON with vLLM\'s keys (method: ngram|suffix|eagle|eagle3|none, model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max) and ours ("num_speculative_tokens": "auto", preset, router); default: ngram, k auto, router on')
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
@@ -237,7 +245,8 @@ def _spec_config(args, method: str, k: str | None = None) -> SpeculativeConfig:
     policy = "threshold" if k == "threshold" else args.k_policy
     return SpeculativeConfig(
         method=method, k=parse_k("auto" if k == "threshold" else k), tree_width=width,
-        draft=getattr(args, "head", None) if method in ("eagle", "tree") else args.draft,
+        draft=(getattr(args, "head", None) if method in ("eagle", "tree")
+               else getattr(args, "store", None) if method == "suffix" else args.draft),
         ngram_sizes=_int_tuple(args.ngram_sizes, "--ngram-sizes"), k_policy=policy, k_max=args.k_max,
     )
 
@@ -449,6 +458,14 @@ def cmd_train(args) -> int:
         return cmd_train_eagle(args)
     if args.train_verb == "export":
         return cmd_train_export(args)
+    if args.train_verb == "store":
+        from .factory import log
+        from .train.store import build_store
+
+        target = load_target(_engine_config(args))
+        build_store(Path(args.data), Path(args.out), target.runtime.cfg.vocab_size, args.command, log=log)
+        print(f"written to {args.out}/; use it with --method suffix --store {args.out}")
+        return 0
     check_settings(args.prompts, args.samples, args.temperature, args.max_new_tokens, args.corpus_tokens,
                    args.chunk_tokens)
     engine_config = _engine_config(args)

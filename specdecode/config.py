@@ -20,10 +20,10 @@ class ConfigError(SpecDecodeError, ValueError):
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-METHODS = ("none", "ngram", "draft", "eagle", "tree")
+METHODS = ("none", "ngram", "suffix", "draft", "eagle", "tree")
 # vLLM's speculative method names (--speculative-config, per request) -> ours
 VLLM_METHODS = {"ngram": "ngram", "[ngram]": "ngram", "eagle": "eagle", "eagle3": "eagle", "draft_model": "draft",
-                "tree": "tree", "none": "none"}
+                "tree": "tree", "suffix": "suffix", "none": "none"}
 K_POLICIES = ("cost", "threshold")
 
 
@@ -83,7 +83,9 @@ DEFAULT_TREE_WIDTH = 3  # measured: docs/training.md, "Tree shape"
 class SpeculativeConfig:
     """Which drafter proposes tokens and how many per step.
 
-    method: "none" (plain decoding), "ngram" (prompt lookup), "draft" (a draft model;
+    method: "none" (plain decoding), "ngram" (prompt lookup), "suffix" (prompt lookup, then
+    a store of the target's own earlier answers; ``draft`` is the store's directory,
+    default: the store shipped for the default model), "draft" (a draft model;
     ``draft`` is a model path/name, or ``self:L`` for the target's first L layers) or
     "eagle" (a trained EAGLE head; ``draft`` is its directory, default: the head shipped
     for the default model) or "tree" (prompt lookup's chain and the head's tree merged

@@ -25,6 +25,8 @@ from .proposers.ngram import NgramProposer
 RUNTIMES = ("auto", "native", "hf")
 # the EAGLE head trained for the default model (specdecode train eagle; see its MANIFEST)
 DEFAULT_EAGLE_HEAD = Path(__file__).parent / "data" / "heads" / "smollm2-135m-instruct-eagle3"
+# the token store of the default model's own answers (specdecode train store; see its MANIFEST)
+DEFAULT_TOKEN_STORE = Path(__file__).parent / "data" / "stores" / "smollm2-135m-instruct"
 
 
 class VocabularyMismatchError(SpecDecodeError, ValueError):
@@ -157,6 +159,10 @@ def build_proposer(spec: SpeculativeConfig, target: LoadedModel, engine: EngineC
         return None
     if spec.method == "ngram":
         return NgramProposer(spec.ngram_sizes)
+    if spec.method == "suffix":
+        from .proposers.suffix import SuffixProposer
+
+        return SuffixProposer(load_store(spec.draft, target), spec.ngram_sizes)
     if spec.method == "eagle":
         return eagle_proposer(spec.draft, target, spec.tree_width)
     if spec.method == "tree":
@@ -215,6 +221,31 @@ def load_head(path: str | None, target: LoadedModel):
     return head
 
 
+def load_store(path: str | None, target: LoadedModel):
+    """A token store from ``path`` (default: the one shipped for the default model),
+    checked against the target's vocabulary; loaded once per directory."""
+    if path is None:
+        if target.source.name != "default":
+            raise ConfigError("method 'suffix' needs --store DIR (a token store of this target's answers, built "
+                              "with `specdecode train store`); a store is shipped only for the default model")
+        path = str(DEFAULT_TOKEN_STORE)
+    if not Path(path).is_dir():
+        raise ConfigError(f"token store not found: {path} is not a directory")
+    store = _load_store(str(Path(path).resolve()))
+    vocab = target.runtime.cfg.vocab_size if hasattr(target.runtime, "cfg") else None
+    if vocab is not None and store.vocab_size != vocab:
+        raise VocabularyMismatchError(f"token store {path} holds ids of a {store.vocab_size}-token vocabulary; "
+                                      f"{target.source.name!r} has {vocab}")
+    return store
+
+
+@lru_cache(maxsize=4)
+def _load_store(path: str):
+    from .proposers.suffix import TokenStore
+
+    return TokenStore.load(Path(path))
+
+
 @lru_cache(maxsize=16)
 def _head_fingerprint(weights: Path, size: int, mtime: float) -> str:
     return sha256_file(weights)[:8]
@@ -229,6 +260,11 @@ def drafter_key(spec: SpeculativeConfig) -> str:
         mark = f" sha256:{_head_fingerprint(weights, stat.st_size, stat.st_mtime)}" if stat else ""
         return (f"{spec.method}:{spec.draft or 'default'}{mark}"
                 + (f" width {spec.tree_width}" if spec.tree_width > 1 else ""))
+    if spec.method == "suffix":
+        tokens = Path(spec.draft or DEFAULT_TOKEN_STORE) / "tokens.safetensors"
+        stat = tokens.stat() if tokens.is_file() else None
+        mark = f" sha256:{_head_fingerprint(tokens, stat.st_size, stat.st_mtime)}" if stat else ""
+        return f"suffix:{spec.draft or 'default'}{mark}"
     return "ngram" if spec.method == "ngram" else f"draft:{spec.draft}"
 
 

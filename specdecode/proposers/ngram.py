@@ -27,16 +27,21 @@ class NgramProposer:
     def propose(
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
     ) -> Proposal:
-        sequence = np.asarray(tokens, dtype=np.int64)
-        for n in self.ngram_sizes:
-            if len(sequence) <= n:
-                continue
-            pattern = sequence[-n:]
-            # every window that starts early enough to have at least one token after it
-            windows = np.lib.stride_tricks.sliding_window_view(sequence[:-1], n)  # [L-n, n]
-            matches = np.flatnonzero((windows == pattern).all(axis=1))
-            if matches.size:
-                follow = matches[-1] + n
-                continuation = sequence[follow : follow + k]
-                return Proposal(torch.from_numpy(continuation.copy()))
-        return Proposal.empty()
+        continuation, _ = lookup(np.asarray(tokens, dtype=np.int64), self.ngram_sizes, k)
+        return Proposal.empty() if continuation is None else Proposal(torch.from_numpy(continuation.copy()))
+
+
+def lookup(sequence: np.ndarray, ngram_sizes: tuple[int, ...], k: int) -> tuple[np.ndarray | None, int]:
+    """(up to ``k`` tokens that followed the latest earlier occurrence of the sequence's
+    last n tokens, n) for the first n of ``ngram_sizes`` that has one; (None, 0): no match."""
+    for n in ngram_sizes:
+        if len(sequence) <= n:
+            continue
+        pattern = sequence[-n:]
+        # every window that starts early enough to have at least one token after it
+        windows = np.lib.stride_tricks.sliding_window_view(sequence[:-1], n)  # [L-n, n]
+        matches = np.flatnonzero((windows == pattern).all(axis=1))
+        if matches.size:
+            follow = matches[-1] + n
+            return sequence[follow : follow + k], n
+    return None, 0

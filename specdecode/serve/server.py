@@ -67,6 +67,11 @@ def drafter_entry(spec: SpeculativeConfig, target, engine_config: EngineConfig):
 
         def make_proposer():  # each row its own cache and kernel layer; the head's packed weights are shared
             return EagleProposer(template.head, template.embed_rows)
+    elif spec.method == "suffix":
+        from ..proposers.suffix import SuffixProposer
+
+        def make_proposer():  # the store is read-only: every row shares it
+            return SuffixProposer(template.store, spec.ngram_sizes)
     else:
         def make_proposer():
             return type(template)(spec.ngram_sizes)

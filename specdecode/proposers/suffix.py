@@ -1,0 +1,157 @@
+"""Suffix lookup: prompt lookup, then a store of the target's own earlier answers.
+
+Prompt lookup only drafts when the sequence repeats itself. What the target writes also
+repeats across requests: its phrasing ("Here is a", "I hope this helps"), the shape of a
+list, a JSON object or a code block. A *token store* holds the target's answers to many
+prompts; when the sequence's last n tokens (n = 4 down to 2) occur in it, the draft
+follows the most frequent continuation there, one token at a time. This is the retrieval
+half of REST (He et al. 2023) and of SuffixDecoding (Oliaro et al. 2024), which keep a
+datastore or a global suffix tree of earlier outputs next to the request's own text.
+
+Order of the candidates: the request's own n-grams of length >= 2 first (a repeat of the
+request's text is the best evidence), then the store, then the request's 1-grams. The
+store is an index, not a model: drafting costs a few binary searches and small numpy ops.
+Built by ``specdecode train store`` from ``specdecode train data``'s answers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.numpy import load_file, save_file
+
+from ..config import ConfigError, SamplingParams
+from .base import Proposal
+from .ngram import NgramProposer, lookup
+
+STORE_FILE = "tokens.safetensors"
+MAX_SAMPLE = 1024  # candidate positions a continuation is counted over (evenly spread over the matches)
+
+
+class TokenStore:
+    """Every position of a token corpus, sorted by the (up to ``max_n``) tokens starting
+    there, so the positions that follow any n-gram (n <= max_n) form one contiguous range.
+
+    Documents are joined with a separator id that no real token has (the ``2**bits - 1``
+    of the packed keys), so no n-gram or continuation crosses from one into the next.
+    """
+
+    def __init__(self, documents: list[list[int]] | np.ndarray, vocab_size: int):
+        if vocab_size < 1:
+            raise ConfigError(f"a token store needs a vocabulary size >= 1, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.bits = int(vocab_size).bit_length()  # 2**bits - 1 >= vocab_size: free for the separator
+        self.separator = (1 << self.bits) - 1
+        self.max_n = min(4, 64 // self.bits)
+        if isinstance(documents, np.ndarray):
+            tokens = documents.astype(np.int64)
+        else:
+            parts = []
+            for document in documents:
+                parts.append(np.asarray(document, dtype=np.int64))
+                parts.append(np.array([self.separator], dtype=np.int64))
+            tokens = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        real = tokens[tokens != self.separator]
+        if real.size and (real.min() < 0 or real.max() >= vocab_size):
+            raise ConfigError(f"token store holds ids outside [0, {vocab_size}): {int(real.min())}..{int(real.max())}")
+        self.tokens = tokens
+        padded = np.concatenate([tokens, np.full(self.max_n, self.separator, dtype=np.int64)])
+        keys = np.zeros(tokens.size, dtype=np.uint64)
+        for j in range(self.max_n):
+            keys = (keys << np.uint64(self.bits)) | padded[j : j + tokens.size].astype(np.uint64)
+        self.order = np.argsort(keys, kind="stable")
+        self.keys = keys[self.order]
+
+    def __len__(self) -> int:
+        return int(self.tokens.size)
+
+    def _pack(self, pattern, fill: int) -> np.uint64:
+        key = 0
+        for j in range(self.max_n):
+            key = (key << self.bits) | (int(pattern[j]) if j < len(pattern) else fill)
+        return np.uint64(key)
+
+    def matches(self, pattern) -> np.ndarray:
+        """Positions (in the store) right after each occurrence of ``pattern`` (1 <= len <= max_n)."""
+        n = len(pattern)
+        low = np.searchsorted(self.keys, self._pack(pattern, 0), side="left")
+        high = np.searchsorted(self.keys, self._pack(pattern, self.separator), side="right")
+        return self.order[low:high] + n
+
+    def continuation(self, context: list[int], k: int, min_n: int = 2) -> tuple[list[int], list[float]]:
+        """(up to ``k`` tokens to follow ``context``, the share of the occurrences that
+        agreed with each): the longest suffix of the context (max_n down to min_n) found in
+        the store, then at each step the token that most often comes next among the
+        occurrences still agreeing with the tokens chosen so far (ties: the smaller id)."""
+        if k < 1:
+            return [], []
+        for n in range(min(self.max_n, len(context)), min_n - 1, -1):
+            pattern = context[-n:]
+            if any(not 0 <= t < self.vocab_size for t in pattern):
+                continue
+            follow = self.matches(pattern)
+            if follow.size == 0:
+                continue
+            if follow.size > MAX_SAMPLE:
+                follow = follow[np.linspace(0, follow.size - 1, MAX_SAMPLE).astype(np.int64)]
+            draft, shares = [], []
+            for j in range(k):
+                at = follow + j
+                at = at[at < self.tokens.size]
+                if at.size == 0:
+                    break
+                values = self.tokens[at]
+                real = values != self.separator
+                if not real.any():
+                    break
+                ids, counts = np.unique(values[real], return_counts=True)
+                best = int(np.argmax(counts))
+                draft.append(int(ids[best]))
+                shares.append(float(counts[best]) / at.size)
+                follow = at[values == ids[best]] - j
+            return draft, shares
+        return [], []
+
+    def save(self, directory: Path, meta: dict) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        dtype = np.uint16 if self.separator < 1 << 16 else np.int32
+        save_file({"tokens": self.tokens.astype(dtype)}, str(directory / STORE_FILE),
+                  metadata={"vocab_size": str(self.vocab_size)})
+        (directory / "store.json").write_text(json.dumps({"vocab_size": self.vocab_size, "tokens": len(self),
+                                                           **meta}, indent=1) + "\n")
+
+    @classmethod
+    def load(cls, directory: Path) -> "TokenStore":
+        path = Path(directory) / STORE_FILE
+        if not path.is_file():
+            raise ConfigError(f"token store not found: {path} does not exist (build one with `specdecode train store`)")
+        info = json.loads((Path(directory) / "store.json").read_text())
+        return cls(load_file(str(path))["tokens"], int(info["vocab_size"]))
+
+
+class SuffixProposer(NgramProposer):
+    """Prompt lookup over the request's n-grams of length >= 2, then the token store
+    (``store``; None: prompt lookup alone), then the request's shorter n-grams. Drafts
+    chains; the adaptive k policy sizes them from the acceptance it measures."""
+
+    name = "suffix"
+
+    def __init__(self, store: TokenStore | None, ngram_sizes: tuple[int, ...] = (3, 2, 1), min_store_n: int = 2):
+        super().__init__(ngram_sizes)
+        self.store, self.min_store_n = store, min_store_n
+
+    def propose(
+        self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
+        sequence = np.asarray(tokens, dtype=np.int64)
+        found, _ = lookup(sequence, tuple(n for n in self.ngram_sizes if n >= self.min_store_n), k)
+        if found is None and self.store is not None:
+            draft, _ = self.store.continuation(tokens[-self.store.max_n:], k, self.min_store_n)
+            if draft:
+                return Proposal(torch.tensor(draft, dtype=torch.int64))
+        if found is None:
+            found, _ = lookup(sequence, tuple(n for n in self.ngram_sizes if n < self.min_store_n), k)
+        return Proposal.empty() if found is None else Proposal(torch.from_numpy(found.copy()))

@@ -1,0 +1,65 @@
+"""``specdecode train store``: the token store that ``--method suffix`` drafts from.
+
+The store is the target's own answers (``train data``'s ``answers.jsonl``, greedy and
+sampled rows), joined into one token array. Nothing is learnt: the index is sorted when
+the store loads (a fraction of a second for a million tokens). The directory gets the
+tokens (safetensors, uint16 where the vocabulary fits), ``store.json`` (vocabulary size,
+counts, the data recipe) and ``MANIFEST.json`` (sha256 of each file and the command that
+reproduces it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+from ..config import ConfigError
+from ..proposers.suffix import STORE_FILE, TokenStore
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_answers(data: Path) -> list[list[int]]:
+    path = data / "answers.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"{path} not found: build the target's answers first with `specdecode train data --out {data}`")
+    answers = []
+    with path.open() as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                answers.append([int(t) for t in row["answer_ids"]])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                raise ConfigError(f"{path} line {number}: expected a JSON row with 'answer_ids'") from None
+    if not answers:
+        raise ConfigError(f"{path} holds no answers")
+    return answers
+
+
+def build_store(data: Path, out: Path, vocab_size: int, command: str | None = None, log=print) -> dict:
+    started = time.perf_counter()
+    answers = read_answers(data)
+    store = TokenStore(answers, vocab_size)
+    recipe = {}
+    for name in ("summary.json", "answers.settings.json"):
+        if (data / name).is_file():
+            recipe[name.removesuffix(".json")] = json.loads((data / name).read_text())
+    meta = {"answers": len(answers), "data": recipe, "command": command}
+    store.save(out, meta)
+    files = {name: {"sha256": _sha256(out / name), "bytes": (out / name).stat().st_size}
+             for name in (STORE_FILE, "store.json")}
+    manifest = {"files": files, "reproduce": command, "answers": meta["answers"], "tokens": len(store)}
+    (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    log(f"token store: {meta['answers']:,} answers, {len(store):,} tokens, "
+        f"{files[STORE_FILE]['bytes'] / 1e6:.1f} MB, {time.perf_counter() - started:.1f} s")
+    return manifest
