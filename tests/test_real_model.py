@@ -31,7 +31,7 @@ def real_fp32(tmp_path_factory):
 
 
 @pytest.mark.parametrize("method, draft, k, width", [("ngram", None, 5, 1), ("draft", "self:8", 4, 1), ("ngram", None, 1, 1),
-                                                    ("eagle", None, 3, 1), ("eagle", None, 6, 3)])
+                                                    ("eagle", None, 3, 1), ("eagle", None, 6, 3), ("suffix", None, 4, 1)])
 def test_real_model_greedy_equality(real_fp32, method, draft, k, width):
     """fp32 (torch backend) and, for the shipped EAGLE head, chains and dynamic trees."""
     config = EngineConfig(dtype="fp32")
@@ -67,6 +67,29 @@ def test_shipped_eagle_head_is_exact_on_the_default_runtime_and_drafts_well(k, w
         first += result.stats.accepted_per_position[0]
         drafted += result.stats.drafted_per_position[0]
     assert first / drafted > 0.15, (first, drafted)  # held out: 36%; untrained drafters: 0-2%
+
+
+def test_shipped_store_drafts_where_prompt_lookup_cannot(real_fp32):
+    """The target's own phrasing, from answers to other prompts: on a question whose answer
+    repeats little of the prompt, the store's drafts are accepted where prompt lookup has
+    no match of two tokens or more to draft from."""
+    from specdecode.proposers.ngram import NgramProposer
+    from specdecode.proposers.suffix import SuffixProposer
+
+    config = EngineConfig(dtype="fp32")
+    plain = build_engine(config, SpeculativeConfig(method="none"), target=real_fp32)
+    store = build_engine(config, SpeculativeConfig(method="suffix", k=3), target=real_fp32).proposer.store
+    ids = plain.encode("Give three tips for staying focused while studying.")
+    answer = plain.generate(ids, SamplingParams(max_new_tokens=64)).token_ids
+    hits = {"store": [0, 0], "lookup": [0, 0]}
+    for i in range(len(answer) - 1):
+        context = ids + answer[:i]
+        for name, proposer in (("store", SuffixProposer(store, (3, 2))), ("lookup", NgramProposer((3, 2)))):
+            draft = proposer.propose(context, 1, None, None).draft_ids.tolist()
+            hits[name][0] += bool(draft) and draft[0] == answer[i]
+            hits[name][1] += bool(draft)
+    assert hits["store"][1] > hits["lookup"][1] and hits["store"][0] > 2 * hits["lookup"][0], hits
+    assert hits["store"][0] / hits["store"][1] > 0.1, hits  # 8 of 40 when written; untrained drafters: 0-2%
 
 
 def test_real_model_first_answer_is_sensible(real_fp32):
@@ -218,7 +241,8 @@ def test_real_model_rows_are_bitwise_batch_invariant(real_int4):
             assert torch.equal(together[:, :1], alone), (context, count)
 
 
-@pytest.mark.parametrize("method, draft, k", [("ngram", None, "auto"), ("ngram", None, 4), ("draft", "self:8", 3)])
+@pytest.mark.parametrize("method, draft, k", [("ngram", None, "auto"), ("ngram", None, 4), ("draft", "self:8", 3),
+                                             ("suffix", None, "auto"), ("suffix", None, 4)])
 def test_real_model_greedy_equality_in_the_default_dtype(real_int4, method, draft, k):
     """bf16 KV cache and 4-bit weights, exact: speculative output identical to plain."""
     config = EngineConfig(dtype="bf16", weights="int4")
@@ -290,7 +314,7 @@ def test_memory_estimate_matches_the_peak_rss_of_a_run(repeats):
     assert abs(estimate / measured - 1) < 0.15, (context, estimate / 2**20, measured / 2**20, result.stderr[-2000:])
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle"])
+@pytest.mark.parametrize("method", ["ngram", "eagle", "suffix"])
 def test_batched_engine_on_the_real_model_equals_each_request_alone(method):
     """The default runtime (kernels, int4, bf16 cache): requests decoded together with
     prompt lookup or the shipped head's chains give bit for bit each one's plain output,
@@ -311,6 +335,13 @@ def test_batched_engine_on_the_real_model_equals_each_request_alone(method):
 
         def make_drafter():  # as the server makes them: each row's head layer on the kernels
             return EagleProposer(template.head, template.embed_rows)
+    elif method == "suffix":
+        from specdecode.proposers.suffix import SuffixProposer
+
+        store = build_proposer(SpeculativeConfig(method="suffix"), target, config).store
+
+        def make_drafter():  # as the server makes them: the shipped store shared by every row
+            return SuffixProposer(store)
     else:
         make_drafter = NgramProposer
     batch_target = load_model("default", torch.bfloat16)  # its own cache rows
@@ -325,4 +356,4 @@ def test_batched_engine_on_the_real_model_equals_each_request_alone(method):
     # wait a step for the first's entries, the fourth finds them in a finished row (EAGLE
     # rows prefill in full)
     cached = [s.cached_tokens for s in sequences]
-    assert cached[0] == 0 and (min(cached[1:]) > 0 if method == "ngram" else max(cached) == 0), cached
+    assert cached[0] == 0 and (min(cached[1:]) > 0 if method != "eagle" else max(cached) == 0), cached

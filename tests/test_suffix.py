@@ -1,0 +1,173 @@
+"""Suffix lookup: the token store's index and continuations, the proposer's order of
+sources, greedy equality through the engine, the store's build command and its errors."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import save_tiny_model
+from specdecode.config import ConfigError, SamplingParams, SpeculativeConfig, EngineConfig
+from specdecode.engine import SpeculativeEngine
+from specdecode.factory import VocabularyMismatchError, build_proposer, load_model
+from specdecode.proposers.suffix import SuffixProposer, TokenStore
+from specdecode.train.store import build_store
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+
+
+def brute_force_follows(documents, pattern):
+    """Positions (in the joined store, one separator after each document) right after each
+    occurrence of ``pattern`` inside a document."""
+    found, offset, n = [], 0, len(pattern)
+    for document in documents:
+        for i in range(len(document) - n + 1):
+            if document[i : i + n] == list(pattern):
+                found.append(offset + i + n)
+        offset += len(document) + 1
+    return sorted(found)
+
+
+@pytest.mark.parametrize("vocab", [7, 300, 70_000])
+def test_matches_are_every_occurrence_and_never_cross_documents(vocab):
+    rng = random.Random(vocab)
+    alphabet = [rng.randrange(vocab) for _ in range(5)]  # few distinct ids: many repeats
+    documents = [[rng.choice(alphabet) for _ in range(rng.randint(0, 30))] for _ in range(40)]
+    store = TokenStore(documents, vocab)
+    assert store.max_n == min(4, 64 // int(vocab).bit_length())
+    for _ in range(200):
+        n = rng.randint(1, store.max_n)
+        pattern = [rng.choice(alphabet) for _ in range(n)]
+        assert sorted(store.matches(pattern).tolist()) == brute_force_follows(documents, pattern), pattern
+
+
+def test_continuation_follows_the_most_frequent_next_token_and_the_longest_suffix():
+    documents = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [9, 2, 3, 7, 7], [8, 2, 3, 7, 8], [0, 2, 3, 7, 9]]
+    store = TokenStore(documents, 10)
+    # "2 3" is followed by 7 three times and by 4 twice: 7, then 7/8/9 once each (ties: smaller id)
+    assert store.continuation([5, 2, 3], 3)[0] == [7, 7]
+    # "1 2 3" is longer: its occurrences all continue with 4, then 5 or 6 (tie: 5)
+    assert store.continuation([1, 2, 3], 3) == ([4, 5], [1.0, 0.5])
+    # a continuation stops at the end of its document, never runs into the next
+    assert store.continuation([3, 4, 5], 4)[0] == []
+    assert store.continuation([3, 4], 4)[0] == [5]
+    # no suffix of at least min_n tokens occurs: nothing
+    assert store.continuation([6, 6], 4) == ([], [])
+    assert store.continuation([9, 9, 1], 2, min_n=2) == ([], [])
+    assert store.continuation([9, 9, 1], 2, min_n=1)[0] == [2, 3]
+
+
+def test_store_refuses_ids_outside_its_vocabulary():
+    with pytest.raises(ConfigError, match="outside"):
+        TokenStore([[1, 2, 12]], 10)
+
+
+def test_proposer_tries_the_request_then_the_store_then_one_token_matches():
+    store = TokenStore([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10]], 20)
+    proposer = SuffixProposer(store, (3, 2, 1))
+
+    def draft(tokens, k=3):
+        return proposer.propose(tokens, k, GREEDY, None).draft_ids.tolist()
+
+    # the request repeats "5 1 2": prompt lookup's continuation wins over the store's 3 4 5
+    assert draft([5, 1, 2, 11, 5, 1, 2]) == [11, 5, 1]
+    # no repeat of two tokens in the request: the store continues "1 2"
+    assert draft([13, 1, 2]) == [3, 4, 5]
+    # nothing of two tokens anywhere: the request's last token seen before
+    assert draft([14, 15, 14]) == [15, 14]
+    assert draft([16, 17]) == []
+    # no store: prompt lookup alone, in the same order as NgramProposer
+    assert SuffixProposer(None, (3, 2, 1)).propose([13, 1, 2], 3, GREEDY, None).num_tokens == 0
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("suffix")
+    return [load_model(save_tiny_model(root / f"t{s}", seed=s, num_layers=2), torch.float32) for s in (40, 41)]
+
+
+def test_suffix_speculation_equals_plain_on_tiny_models(targets):
+    """The store holds each target's own greedy continuations of other prompts, so its
+    drafts are often right and sometimes wrong; the output must not change either way."""
+    rng = random.Random(1)
+    checked = accepted = 0
+    for target in targets:
+        plain = SpeculativeEngine(target.runtime)
+        vocab = target.runtime.cfg.vocab_size
+        answers = [plain.generate([rng.randrange(3, vocab) for _ in range(4)], GREEDY).token_ids for _ in range(12)]
+        proposer = SuffixProposer(TokenStore(answers, vocab), (3, 2, 1))
+        for k in (1, 3, 6):
+            engine = SpeculativeEngine(target.runtime, proposer=proposer, k=k)
+            for _ in range(4):
+                prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 6))]
+                result = engine.generate(prompt, GREEDY)
+                assert result.token_ids == plain.generate(prompt, GREEDY).token_ids, (k, prompt)
+                checked += 1
+                accepted += result.stats.accepted_tokens
+    assert checked == 2 * 3 * 4 and accepted > 0
+
+
+def write_answers(directory, rows):
+    directory.mkdir(parents=True, exist_ok=True)
+    with (directory / "answers.jsonl").open("w") as handle:
+        for i, answer in enumerate(rows):
+            handle.write(json.dumps({"prompt_id": f"p{i}", "temperature": 0.0, "prompt_ids": [1], "answer_ids": answer}) + "\n")
+
+
+def test_build_store_writes_tokens_and_a_manifest_that_loads_back(tmp_path):
+    import hashlib
+
+    write_answers(tmp_path / "data", [[3, 4, 5], [3, 4, 6, 7]])
+    manifest = build_store(tmp_path / "data", tmp_path / "store", vocab_size=50, command="make it", log=lambda m: None)
+    store = TokenStore.load(tmp_path / "store")
+    assert store.tokens.tolist() == [3, 4, 5, store.separator, 3, 4, 6, 7, store.separator]
+    assert store.continuation([3, 4], 1)[0] == [5]
+    for name, entry in manifest["files"].items():
+        assert hashlib.sha256((tmp_path / "store" / name).read_bytes()).hexdigest() == entry["sha256"]
+    assert manifest["reproduce"] == "make it" and manifest["answers"] == 2
+
+
+def test_build_store_errors_name_the_problem(tmp_path):
+    with pytest.raises(ConfigError, match="train data"):
+        build_store(tmp_path / "nothing", tmp_path / "store", 50, log=lambda m: None)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "answers.jsonl").write_text('{"prompt_id": "p0"}\n')
+    with pytest.raises(ConfigError, match="line 1"):
+        build_store(tmp_path / "bad", tmp_path / "store", 50, log=lambda m: None)
+    write_answers(tmp_path / "big", [[3, 99]])
+    with pytest.raises(ConfigError, match="outside"):
+        build_store(tmp_path / "big", tmp_path / "store", 50, log=lambda m: None)
+
+
+def test_store_must_match_the_target(targets, tmp_path):
+    target = targets[0]
+    vocab = target.runtime.cfg.vocab_size
+    write_answers(tmp_path / "data", [[3, 4, 5]])
+    build_store(tmp_path / "data", tmp_path / "other", vocab_size=vocab + 1, log=lambda m: None)
+    with pytest.raises(VocabularyMismatchError, match=f"{vocab + 1}-token"):
+        build_proposer(SpeculativeConfig(method="suffix", draft=str(tmp_path / "other")), target, EngineConfig())
+    with pytest.raises(ConfigError, match="not a directory"):
+        build_proposer(SpeculativeConfig(method="suffix", draft=str(tmp_path / "none")), target, EngineConfig())
+    with pytest.raises(ConfigError, match="--store"):  # no store is shipped for a tiny model
+        build_proposer(SpeculativeConfig(method="suffix"), target, EngineConfig())
+    build_store(tmp_path / "data", tmp_path / "mine", vocab_size=vocab, log=lambda m: None)
+    proposer = build_proposer(SpeculativeConfig(method="suffix", draft=str(tmp_path / "mine")), target, EngineConfig())
+    assert proposer.propose([9, 3, 4], 2, GREEDY, None).draft_ids.tolist() == [5]
+
+
+def test_shipped_store_matches_its_manifest():
+    import hashlib
+
+    from specdecode.factory import DEFAULT_TOKEN_STORE
+
+    manifest = json.loads((DEFAULT_TOKEN_STORE / "MANIFEST.json").read_text())
+    for name, entry in manifest["files"].items():
+        data = (DEFAULT_TOKEN_STORE / name).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == entry["sha256"] and len(data) == entry["bytes"], name
+    store = TokenStore.load(DEFAULT_TOKEN_STORE)
+    assert store.vocab_size == 49152 and len(store) == manifest["tokens"]
+    assert np.all(store.keys[1:] >= store.keys[:-1])
