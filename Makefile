@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	$(BIN)/specdecode generate "$(PROMPT)" --method ngram --compare
+	$(BIN)/specdecode generate "$(PROMPT)" --method suffix --compare
 
 test: install
 	$(BIN)/python -m pytest

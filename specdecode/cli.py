@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = verbs.add_parser("generate", help="generate text, speculatively")
     gen.add_argument("prompt")
-    gen.add_argument("--method", default="ngram", choices=["none", "ngram", "suffix", "draft", "eagle", "tree"])
+    gen.add_argument("--method", default="suffix", choices=["none", "ngram", "suffix", "draft", "eagle", "tree"])
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
     gen.add_argument("--compare", action="store_true", help="also run plain decoding and report speedup and identity")
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = verbs.add_parser("serve", help="OpenAI-compatible HTTP server: continuous batching, per-request speculation, Prometheus metrics")
     srv.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a HF directory or a .gguf file")
     srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: SmolLM2-135M-Instruct, or --model)")
-    srv.add_argument("--speculative-config", default=None, help='JSON with vLLM\'s keys (method: ngram|suffix|eagle|eagle3|none, model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max) and ours ("num_speculative_tokens": "auto", preset, router); default: ngram, k auto, router on')
+    srv.add_argument("--speculative-config", default=None, help='JSON with vLLM\'s keys (method: ngram|suffix|eagle|eagle3|none, model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max) and ours ("num_speculative_tokens": "auto", preset, router); default: suffix, k auto, router on')
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")

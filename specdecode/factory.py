@@ -223,11 +223,12 @@ def load_head(path: str | None, target: LoadedModel):
 
 def load_store(path: str | None, target: LoadedModel):
     """A token store from ``path`` (default: the one shipped for the default model),
-    checked against the target's vocabulary; loaded once per directory."""
+    checked against the target's vocabulary; loaded once per directory. None for another
+    model without ``path``: suffix lookup then drafts from the request alone."""
     if path is None:
         if target.source.name != "default":
-            raise ConfigError("method 'suffix' needs --store DIR (a token store of this target's answers, built "
-                              "with `specdecode train store`); a store is shipped only for the default model")
+            _note_no_store(target.source.name)
+            return None
         path = str(DEFAULT_TOKEN_STORE)
     if not Path(path).is_dir():
         raise ConfigError(f"token store not found: {path} is not a directory")
@@ -237,6 +238,12 @@ def load_store(path: str | None, target: LoadedModel):
         raise VocabularyMismatchError(f"token store {path} holds ids of a {store.vocab_size}-token vocabulary; "
                                       f"{target.source.name!r} has {vocab}")
     return store
+
+
+@lru_cache(maxsize=16)
+def _note_no_store(model: str) -> None:
+    log(f"no token store for {model!r} (one is shipped only for the default model): suffix lookup drafts from "
+        "the request alone, as prompt lookup does; build one with `specdecode train store` and pass --store DIR")
 
 
 @lru_cache(maxsize=4)

@@ -391,8 +391,8 @@ def test_cli_route_retries_a_task_sent_to_plain_decoding(tiny_text_model_dir, ca
     Router(records={f"{classify(prompt)}/ngram": TaskRecord(alpha=0.05, speedup=0.6, weight=5.0)}).save(router_state_path())
     methods = []
     for _ in range(Router().retry_every + 1):
-        code = cli.main(["generate", prompt, "--route", "--model", str(tiny_text_model_dir), "--dtype", "fp32",
-                         "--no-chat-template", "--max-new-tokens", "3", "--json"])
+        code = cli.main(["generate", prompt, "--route", "--method", "ngram", "--model", str(tiny_text_model_dir),
+                         "--dtype", "fp32", "--no-chat-template", "--max-new-tokens", "3", "--json"])
         assert code == 0
         methods.append(json_module.loads(capsys.readouterr().out)["route"]["method"])
     assert methods.count("none") >= Router().retry_every - 1 and "ngram" in methods, methods

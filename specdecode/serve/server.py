@@ -21,7 +21,7 @@ def parse_speculative_config(text: str | dict | None) -> tuple[SpeculativeConfig
     """vLLM's ``--speculative-config`` JSON (method, model, num_speculative_tokens,
     prompt_lookup_min/max) plus ours ("auto" k, preset, router) -> (config, router on)."""
     if text is None or text == "":
-        return SpeculativeConfig(method="ngram"), True
+        return SpeculativeConfig(method="suffix"), True
     try:
         data = json.loads(text) if isinstance(text, str) else dict(text)
     except json.JSONDecodeError as error:
@@ -36,7 +36,7 @@ def parse_speculative_config(text: str | dict | None) -> tuple[SpeculativeConfig
 
         values = preset(data.pop("preset"))
         data = {**{"method": values.get("method"), "num_speculative_tokens": values.get("k")}, **data}
-    method = data.get("method", "ngram")
+    method = data.get("method", "suffix")
     if method not in VLLM_METHODS:
         raise ConfigError(f"unknown speculative method {method!r}; choose from {sorted(VLLM_METHODS)}")
     method = VLLM_METHODS[method]
@@ -52,7 +52,7 @@ def parse_speculative_config(text: str | dict | None) -> tuple[SpeculativeConfig
                              tree_width=1 if method in ("eagle", "tree") else None)
     if method in ("draft", "tree"):
         raise ConfigError(f"method {method!r} is not served by the batched engine yet (a draft model keeps one "
-                          "sequence's cache; trees need per-row masks); serve 'ngram' or 'eagle' (chains)")
+                          "sequence's cache; trees need per-row masks); serve 'suffix', 'ngram' or 'eagle' (chains)")
     return spec, bool(data.get("router", True))
 
 
