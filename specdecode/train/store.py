@@ -10,21 +10,13 @@ reproduces it).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from pathlib import Path
 
 from ..config import ConfigError
+from ..models.loading import sha256_file
 from ..proposers.suffix import STORE_FILE, TokenStore
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def read_answers(data: Path) -> list[list[int]]:
@@ -56,7 +48,7 @@ def build_store(data: Path, out: Path, vocab_size: int, command: str | None = No
             recipe[name.removesuffix(".json")] = json.loads((data / name).read_text())
     meta = {"answers": len(answers), "data": recipe, "command": command}
     store.save(out, meta)
-    files = {name: {"sha256": _sha256(out / name), "bytes": (out / name).stat().st_size}
+    files = {name: {"sha256": sha256_file(out / name), "bytes": (out / name).stat().st_size}
              for name in (STORE_FILE, "store.json")}
     manifest = {"files": files, "reproduce": command, "answers": meta["answers"], "tokens": len(store)}
     (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
