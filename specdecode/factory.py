@@ -254,23 +254,25 @@ def _load_store(path: str):
 
 
 @lru_cache(maxsize=16)
-def _head_fingerprint(weights: Path, size: int, mtime: float) -> str:
-    return sha256_file(weights)[:8]
+def _file_fingerprint(path: Path, size: int, mtime: float) -> str:
+    return sha256_file(path)[:8]
+
+
+def _fingerprint_mark(path: Path) -> str:
+    """' sha256:XXXXXXXX' for a file that exists (hashed once per size and mtime), else ''."""
+    stat = path.stat() if path.is_file() else None
+    return f" sha256:{_file_fingerprint(path, stat.st_size, stat.st_mtime)}" if stat else ""
 
 
 def drafter_key(spec: SpeculativeConfig) -> str:
     """How a drafter is named in cost profiles and reports. A head's name carries a
     fingerprint of its weights, so a retrained head is calibrated anew."""
     if spec.method in ("eagle", "tree"):
-        weights = Path(spec.draft or DEFAULT_EAGLE_HEAD) / "model.safetensors"
-        stat = weights.stat() if weights.is_file() else None
-        mark = f" sha256:{_head_fingerprint(weights, stat.st_size, stat.st_mtime)}" if stat else ""
+        mark = _fingerprint_mark(Path(spec.draft or DEFAULT_EAGLE_HEAD) / "model.safetensors")
         return (f"{spec.method}:{spec.draft or 'default'}{mark}"
                 + (f" width {spec.tree_width}" if spec.tree_width > 1 else ""))
     if spec.method == "suffix":
-        tokens = Path(spec.draft or DEFAULT_TOKEN_STORE) / "tokens.safetensors"
-        stat = tokens.stat() if tokens.is_file() else None
-        mark = f" sha256:{_head_fingerprint(tokens, stat.st_size, stat.st_mtime)}" if stat else ""
+        mark = _fingerprint_mark(Path(spec.draft or DEFAULT_TOKEN_STORE) / "tokens.safetensors")
         return f"suffix:{spec.draft or 'default'}{mark}"
     return "ngram" if spec.method == "ngram" else f"draft:{spec.draft}"
 

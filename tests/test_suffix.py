@@ -49,16 +49,16 @@ def test_continuation_follows_the_most_frequent_next_token_and_the_longest_suffi
     documents = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [9, 2, 3, 7, 7], [8, 2, 3, 7, 8], [0, 2, 3, 7, 9]]
     store = TokenStore(documents, 10)
     # "2 3" is followed by 7 three times and by 4 twice: 7, then 7/8/9 once each (ties: smaller id)
-    assert store.continuation([5, 2, 3], 3)[0] == [7, 7]
+    assert store.continuation([5, 2, 3], 3) == [7, 7]
     # "1 2 3" is longer: its occurrences all continue with 4, then 5 or 6 (tie: 5)
-    assert store.continuation([1, 2, 3], 3) == ([4, 5], [1.0, 0.5])
+    assert store.continuation([1, 2, 3], 3) == [4, 5]
     # a continuation stops at the end of its document, never runs into the next
-    assert store.continuation([3, 4, 5], 4)[0] == []
-    assert store.continuation([3, 4], 4)[0] == [5]
+    assert store.continuation([3, 4, 5], 4) == []
+    assert store.continuation([3, 4], 4) == [5]
     # no suffix of at least min_n tokens occurs: nothing
-    assert store.continuation([6, 6], 4) == ([], [])
-    assert store.continuation([9, 9, 1], 2, min_n=2) == ([], [])
-    assert store.continuation([9, 9, 1], 2, min_n=1)[0] == [2, 3]
+    assert store.continuation([6, 6], 4) == []
+    assert store.continuation([9, 9, 1], 2, min_n=2) == []
+    assert store.continuation([9, 9, 1], 2, min_n=1) == [2, 3]
 
 
 def test_store_refuses_ids_outside_its_vocabulary():
@@ -125,7 +125,7 @@ def test_build_store_writes_tokens_and_a_manifest_that_loads_back(tmp_path):
     manifest = build_store(tmp_path / "data", tmp_path / "store", vocab_size=50, command="make it", log=lambda m: None)
     store = TokenStore.load(tmp_path / "store")
     assert store.tokens.tolist() == [3, 4, 5, store.separator, 3, 4, 6, 7, store.separator]
-    assert store.continuation([3, 4], 1)[0] == [5]
+    assert store.continuation([3, 4], 1) == [5]
     for name, entry in manifest["files"].items():
         assert hashlib.sha256((tmp_path / "store" / name).read_bytes()).hexdigest() == entry["sha256"]
     assert manifest["reproduce"] == "make it" and manifest["answers"] == 2

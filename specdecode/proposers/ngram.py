@@ -27,13 +27,13 @@ class NgramProposer:
     def propose(
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
     ) -> Proposal:
-        continuation, _ = lookup(np.asarray(tokens, dtype=np.int64), self.ngram_sizes, k)
+        continuation = lookup(np.asarray(tokens, dtype=np.int64), self.ngram_sizes, k)
         return Proposal.empty() if continuation is None else Proposal(torch.from_numpy(continuation.copy()))
 
 
-def lookup(sequence: np.ndarray, ngram_sizes: tuple[int, ...], k: int) -> tuple[np.ndarray | None, int]:
-    """(up to ``k`` tokens that followed the latest earlier occurrence of the sequence's
-    last n tokens, n) for the first n of ``ngram_sizes`` that has one; (None, 0): no match."""
+def lookup(sequence: np.ndarray, ngram_sizes: tuple[int, ...], k: int) -> np.ndarray | None:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the sequence's
+    last n tokens, for the first n of ``ngram_sizes`` that has one; None: no match."""
     for n in ngram_sizes:
         if len(sequence) <= n:
             continue
@@ -43,5 +43,5 @@ def lookup(sequence: np.ndarray, ngram_sizes: tuple[int, ...], k: int) -> tuple[
         matches = np.flatnonzero((windows == pattern).all(axis=1))
         if matches.size:
             follow = matches[-1] + n
-            return sequence[follow : follow + k], n
-    return None, 0
+            return sequence[follow : follow + k]
+    return None

@@ -81,13 +81,13 @@ class TokenStore:
         high = np.searchsorted(self.keys, self._pack(pattern, self.separator), side="right")
         return self.order[low:high] + n
 
-    def continuation(self, context: list[int], k: int, min_n: int = 2) -> tuple[list[int], list[float]]:
-        """(up to ``k`` tokens to follow ``context``, the share of the occurrences that
-        agreed with each): the longest suffix of the context (max_n down to min_n) found in
-        the store, then at each step the token that most often comes next among the
-        occurrences still agreeing with the tokens chosen so far (ties: the smaller id)."""
+    def continuation(self, context: list[int], k: int, min_n: int = 2) -> list[int]:
+        """Up to ``k`` tokens to follow ``context``: the longest suffix of the context
+        (max_n down to min_n) found in the store, then at each step the token that most
+        often comes next among the occurrences still agreeing with the tokens chosen so far
+        (ties: the smaller id)."""
         if k < 1:
-            return [], []
+            return []
         for n in range(min(self.max_n, len(context)), min_n - 1, -1):
             pattern = context[-n:]
             if any(not 0 <= t < self.vocab_size for t in pattern):
@@ -97,7 +97,7 @@ class TokenStore:
                 continue
             if follow.size > MAX_SAMPLE:
                 follow = follow[np.linspace(0, follow.size - 1, MAX_SAMPLE).astype(np.int64)]
-            draft, shares = [], []
+            draft = []
             for j in range(k):
                 at = follow + j
                 at = at[at < self.tokens.size]
@@ -110,10 +110,9 @@ class TokenStore:
                 ids, counts = np.unique(values[real], return_counts=True)
                 best = int(np.argmax(counts))
                 draft.append(int(ids[best]))
-                shares.append(float(counts[best]) / at.size)
                 follow = at[values == ids[best]] - j
-            return draft, shares
-        return [], []
+            return draft
+        return []
 
     def save(self, directory: Path, meta: dict) -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -142,16 +141,19 @@ class SuffixProposer(NgramProposer):
     def __init__(self, store: TokenStore | None, ngram_sizes: tuple[int, ...] = (3, 2, 1), min_store_n: int = 2):
         super().__init__(ngram_sizes)
         self.store, self.min_store_n = store, min_store_n
+        # the request's n-grams tried before the store, and after it
+        self.long_sizes = tuple(n for n in self.ngram_sizes if n >= min_store_n)
+        self.short_sizes = tuple(n for n in self.ngram_sizes if n < min_store_n)
 
     def propose(
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
     ) -> Proposal:
         sequence = np.asarray(tokens, dtype=np.int64)
-        found, _ = lookup(sequence, tuple(n for n in self.ngram_sizes if n >= self.min_store_n), k)
+        found = lookup(sequence, self.long_sizes, k)
         if found is None and self.store is not None:
-            draft, _ = self.store.continuation(tokens[-self.store.max_n:], k, self.min_store_n)
+            draft = self.store.continuation(tokens[-self.store.max_n:], k, self.min_store_n)
             if draft:
                 return Proposal(torch.tensor(draft, dtype=torch.int64))
         if found is None:
-            found, _ = lookup(sequence, tuple(n for n in self.ngram_sizes if n < self.min_store_n), k)
+            found = lookup(sequence, self.short_sizes, k)
         return Proposal.empty() if found is None else Proposal(torch.from_numpy(found.copy()))
