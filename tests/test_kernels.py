@@ -95,7 +95,7 @@ def test_linear_rows_are_independent_of_the_batch(fmt):
     layer = quantized(torch.randn(136 if fmt.endswith("x8") else 131, 320, generator=generator) * 0.05, fmt)  # odd rows
     rows = torch.randn(64, 320, generator=generator)
     alone = torch.cat([kernel_linear(layer, rows[i : i + 1]) for i in range(64)])
-    for batch in (2, 3, 5, 7, 16, 33, 35, 38, 64):  # every tile shape, with and without the table
+    for batch in (2, 3, 5, 6, 7, 14, 16, 33, 35, 38, 64):  # every tile shape, with and without the table
         for threads in (1, 2):
             together = kernel_linear(layer, rows[:batch], threads)
             assert torch.equal(together, alone[:batch]), (batch, threads)
