@@ -109,6 +109,7 @@ class SpeculativeEngine:
         self.policy = None if proposer is None else (FixedK(k) if isinstance(k, int) else k)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.drafter: str | None = None  # the drafter's name in profiles and router records
+        self.last_lazy = False  # whether the last step computed its logits on demand
 
     @property
     def device(self) -> torch.device:
@@ -217,9 +218,9 @@ class SpeculativeEngine:
                 new_tokens = self._step(tokens, k, params, generator, stats)
             if self.policy is not None:
                 note_cost = getattr(self.policy, "observe_cost", None)
-                if note_cost is not None and stats.last_drafted > 0:  # what drafting cost here, measured
+                if note_cost is not None:  # what drafting and scoring cost here, measured
                     note_cost(stats.draft_seconds - before[0], stats.draft_passes - before[2],
-                              stats.verify_seconds - before[1], stats.last_drafted)
+                              stats.verify_seconds - before[1], stats.last_drafted, len(new_tokens), self.last_lazy)
                 self.policy.observe(stats.last_drafted, len(new_tokens) - 1)
             _, finish = commit_tokens(new_tokens, tokens, generated, tracker, params, self.eos_token_ids,
                                       max_positions)
@@ -245,10 +246,9 @@ class SpeculativeEngine:
         """The target-pass option for logits on demand, for a step with ``drafted`` drafts:
         where the request can, and the k policy (if it weighs costs) expects it to cost
         less than one pass of the head over every row."""
-        if not (drafted and self._can_lazy(params)):
-            return {}
         decide = getattr(self.policy, "lazy", None)
-        return {"lazy_logits": True} if decide is None or decide(drafted) else {}
+        self.last_lazy = bool(drafted and self._can_lazy(params) and (decide is None or decide(drafted)))
+        return {"lazy_logits": True} if self.last_lazy else {}
 
     def _score(self, inputs: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One target pass: logits, and the captured layer inputs a head drafter reads (else None)."""

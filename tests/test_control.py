@@ -16,7 +16,7 @@ from specdecode.cost.theory import (
     taus_conditional, wall_speedup,
 )
 from specdecode.config import ConfigError, SamplingParams, SpeculativeConfig
-from specdecode.control.policies import CostAwareK, CostModel, ThresholdK, TreeBudget
+from specdecode.control.policies import CostAwareK, CostModel, StepTimes, ThresholdK, TreeBudget
 from specdecode.proposers.base import TreeProposal
 from specdecode.verify.tree import Tree
 from specdecode.engine import SpeculativeEngine
@@ -313,6 +313,63 @@ def test_policies_learn_what_drafting_costs_from_the_steps():
         for policy in (chain, tree):  # a few steps suffice (they stop drafting at once when it loses)
             assert policy.draft_cost.value > 0.25 if cost > 0.1 else policy.draft_cost.value == pytest.approx(cost)
         assert (chain.choose(100) > 0) == drafts and (tree.choose(100) > 0) == drafts, cost
+
+
+def test_step_times_follow_what_steps_cost_now():
+    """v as the steps measure it: a size's own decayed mean, shrunk toward the pool of
+    every size above 1 where it has few steps, over the single-token steps' mean; one
+    stalled step is clipped."""
+    steps = StepTimes()
+    assert [steps.factor(t) for t in (1, 2, 8)] == [1.0, 1.0, 1.0]  # the profile as measured
+    for _ in range(60):  # 4 tokens cost 1.5x the profile's time, a single token as profiled
+        steps.update(4, 15.0, 10.0)
+        steps.update(1, 10.0, 10.0)
+    assert steps.factor(4) == pytest.approx(1.5, abs=0.02)
+    assert steps.factor(6) == pytest.approx(1.5, abs=0.02)  # never tried: priced like the pool
+    assert steps.factor(1) == 1.0
+    for _ in range(300):  # the whole machine 20% slower: v itself unchanged
+        steps.update(4, 12.0, 10.0)
+        steps.update(1, 12.0, 10.0)
+    assert steps.factor(4) == pytest.approx(1.0, abs=0.02)
+    steps.update(4, 1000.0, 10.0)  # a step stalled by the OS counts as 2.5x, not 100x
+    assert steps.factor(4) < 1.1
+
+
+def test_cost_aware_k_drafts_less_when_steps_measure_dearer_than_profiled(tmp_path):
+    """The same acceptance (tau 1.8 / 2.2 / 2.4 for k = 1 / 2 / 3): where scoring costs what
+    the profile says (v 1.2 / 1.4 / 1.6) k = 2 pays; where steps of 2 or more tokens measure
+    1.6x their profiled time (a shared machine in its slow state) and plain steps as
+    profiled, no k pays (a drafted step comes only from probing). The engine reports every
+    step's times, plain ones included."""
+    def run(dearer: float) -> CostAwareK:
+        policy = CostAwareK(CostModel(synthetic_profile(c=0.0), "ngram"), k_max=3, default_later=0.5)
+        policy.start(prior_alpha=0.8)
+        for step in range(100):
+            k = policy.choose(100)
+            profiled = policy.costs.profile.time_ms(k + 1, 100) / 1e3
+            policy.observe_cost(0.0, k, profiled * (dearer if k else 1.0), k)
+            policy.observe(k, min(k, (0, 1, 1, 2, 3)[step % 5]))
+        return policy
+
+    cheap, dear = run(1.0), run(1.6)
+    assert cheap._best(100) >= 2 and sum(cheap.chosen[-40:]) / 40 > 2.0
+    assert dear.costs.steps.factor(3) == pytest.approx(1.6, abs=0.05) and dear._best(100) == 0
+    assert sum(dear.chosen[-40:]) < sum(cheap.chosen[-40:])
+
+    scored = []
+
+    class Spy(CostAwareK):
+        def observe_cost(self, draft_seconds, passes, verify_seconds, tokens, *args):
+            scored.append(tokens)
+            assert verify_seconds > 0
+            super().observe_cost(draft_seconds, passes, verify_seconds, tokens, *args)
+
+    target = load_model(save_tiny_model(tmp_path / "t", seed=31, num_layers=2), torch.float32)
+    policy = Spy(CostModel(synthetic_profile(c=0.02), "ngram"), k_max=4, probe_interval=2)
+    engine = SpeculativeEngine(target.runtime, proposer=NgramProposer(), k=policy)
+    engine.generate([5, 6, 7, 8] * 6, GREEDY)
+    assert 0 in scored and max(scored) > 0 and len(scored) == len(policy.chosen)
+    assert policy.costs.steps.single[1] > policy.costs.steps.strength  # plain steps were learnt from
 
 
 def test_tree_budget_probes_and_returns_to_speculation():

@@ -36,6 +36,12 @@ profile times a drafter alone, with its weights in cache, while inside a generat
 target's 100 MB of weights have evicted them (an EAGLE head pass: 0.2 ms alone, 0.6 ms in
 a generation, on a Zen 4), so a profile's c would buy drafts that lose.
 
+And they read v from the steps too (``StepTimes``, on the shared ``CostModel``): a shared
+machine's costs move while a process runs. On one Zen 4, scoring 5 tokens cost 1.33
+single-token steps for stretches of seconds to a minute, then 1.76 for the next, back and
+forth, the single step itself unchanged (docs/adaptive.md); a profile measured in either
+state misprices the other.
+
 ``ThresholdK`` (``--k-policy threshold``) is the simple rule from the literature, kept for
 comparison: start at 5, +1 when the mean acceptance of the last 10 steps exceeds 0.8, -1
 when it is below 0.5, bounded to 2..10, and no speculation once the mean is below 0.3
@@ -89,14 +95,62 @@ class DraftCost:
         return self.value
 
 
+class StepTimes:
+    """How a step's cost compares with the cost profile's now, learnt from the steps: each
+    step's measured time over the profile's time for its size and context is a ratio q,
+    kept as decayed means per size (T tokens scored) and pooled over every size above 1. A
+    size's factor is its own mean shrunk toward the pool (``strength`` steps' worth, so a
+    size not tried lately is priced like the sizes that were), over the single-token
+    steps' mean: v now = v of the profile x q(T) / q(1). Every mean starts at 1 (the
+    profile as measured). Ratios are clipped to [0.5, 2.5]: one step stalled by the OS
+    must not swing the estimate."""
+
+    def __init__(self, decay: float = 0.95, single_decay: float = 0.98, strength: float = 2.0):
+        self.decay, self.single_decay, self.strength = decay, single_decay, strength
+        self.single = [strength, strength]  # [decayed sum of q, decayed count] of T = 1
+        self.pool = [strength, strength]  # the same over every T > 1
+        self.sizes: dict[int, list[float]] = {}  # T > 1 -> [sum, count]
+
+    def update(self, tokens: int, measured_ms: float, predicted_ms: float) -> None:
+        if tokens < 1 or measured_ms <= 0 or predicted_ms <= 0:
+            return
+        q = min(max(measured_ms / predicted_ms, 0.5), 2.5)
+        if tokens == 1:
+            self.single = [self.single[0] * self.single_decay + q, self.single[1] * self.single_decay + 1]
+            return
+        decay = self.decay
+        for counts in self.sizes.values():
+            counts[0] *= decay
+            counts[1] *= decay
+        counts = self.sizes.setdefault(tokens, [0.0, 0.0])
+        counts[0] += q
+        counts[1] += 1
+        self.pool = [self.pool[0] * decay + q, self.pool[1] * decay + 1]
+
+    def factor(self, tokens: int) -> float:
+        """v(T) now over the profile's v(T)."""
+        if tokens <= 1:
+            return 1.0
+        pooled = self.pool[0] / self.pool[1]
+        own = self.sizes.get(tokens)
+        total, count = (own[0], own[1]) if own else (0.0, 0.0)
+        return (total + self.strength * pooled) / (count + self.strength) / (self.single[0] / self.single[1])
+
+
 class MeasuresDraftCost:
     """For the adaptive policies: ``_c`` (per draft token of a chain, per head pass of a
-    tree) follows ``draft_cost``, fed by every drafted step."""
+    tree) follows ``draft_cost``, fed by every drafted step; every step, drafted or
+    plain, also teaches the cost model's ``StepTimes`` what scoring costs now."""
 
-    def observe_cost(self, draft_seconds: float, passes: int, verify_seconds: float, scored: int) -> None:
-        """A drafted step's measured times, ``scored`` tokens beyond the first (before ``observe``)."""
-        self._c = self.draft_cost.update(draft_seconds, passes, verify_seconds,
-                                         self._v_table(self.context)[min(scored, self.k_max)])
+    def observe_cost(self, draft_seconds: float, passes: int, verify_seconds: float, scored: int,
+                     read: int | None = None, lazy: bool = False) -> None:
+        """A step's measured times, ``scored`` tokens beyond the first, ``read`` rows of
+        logits read by verification where they were computed on demand (``lazy``); before
+        ``observe``."""
+        self.costs.observe_step(scored + 1, verify_seconds * 1e3, self.context, read if lazy else None)
+        if passes > 0:
+            self._c = self.draft_cost.update(draft_seconds, passes, verify_seconds,
+                                             self._v_table(self.context)[min(scored, self.k_max)])
 
 
 class FixedK:
@@ -131,9 +185,18 @@ class CostModel:
     # row (it sets this per request): a step may then pay the output head only for the rows
     # read, where that costs less than one pass over all (step_cost says which)
     lazy_head: bool = False
+    steps: StepTimes = field(default_factory=StepTimes, repr=False, compare=False)
 
     def v(self, k: int, context: int) -> float:
         return self.profile.v(k, context)
+
+    def observe_step(self, tokens: int, measured_ms: float, context: int, read: int | None = None) -> None:
+        """A step that scored ``tokens`` tokens after ``context`` took ``measured_ms``
+        (its logits computed on demand for ``read`` rows, or one head pass if None)."""
+        predicted = self.profile.time_ms(tokens, context)
+        if read is not None:
+            predicted -= self.profile.lazy_head_saving_ms(tokens, read)
+        self.steps.update(tokens, measured_ms, predicted)
 
     def head_saving(self, k: int, read: float, context: int) -> float:
         """Decode steps a step scoring k + 1 tokens saves when its logits are computed on
@@ -164,13 +227,14 @@ class CostModel:
         return self.profile.c(self.drafter)
 
     def v_table(self, context: int, k_max: int) -> list[float]:
-        """v(0..k_max) at this context, rounded to 64 tokens: a step's decision must cost
-        microseconds, not a profile interpolation per k."""
+        """v(0..k_max) at this context, rounded to 64 tokens (a step's decision must cost
+        microseconds, not a profile interpolation per k), as the steps measure it now."""
         bucket = context // 64 * 64 + 32
         table = self._tables.get((bucket, k_max))
         if table is None:
             table = self._tables[(bucket, k_max)] = [self.v(k, bucket) for k in range(k_max + 1)]
-        return table
+        factor = self.steps.factor
+        return [v * factor(k + 1) for k, v in enumerate(table)]
 
 
 class CostAwareK(MeasuresDraftCost):

@@ -466,6 +466,9 @@ class BatchEngine:
                                         capture=layers)
         logits, features = (out[0], out[1]) if layers else (out, None)
         scored = time.perf_counter()
+        costs = getattr(rows[0].policy, "costs", None)
+        if len(rows) == 1 and costs is not None:  # alone, the pass is a step the k policy prices
+            costs.observe_step(width, (scored - drafted) * 1e3, len(rows[0].tokens) - 1)
         share = 1.0 / len(rows)  # each row is charged its share of the pass
         for i, (sequence, (drafts, draft_probs)) in enumerate(zip(rows, plans)):
             new_tokens = self._verify(sequence, drafts, draft_probs, logits[i:i + 1, :1 + drafts.numel()])
