@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, EngineConfig, SpecDecodeError, SpeculativeConfig
-from .control.policies import CostAwareK, CostModel, ThresholdK, TreeBudget
+from .control.policies import CostAwareK, CostModel, FixedK, ThresholdK, TreeBudget
 from .cost.theory import best_k, tau_conditional
 from .engine import SpeculativeEngine
 from .metrics import acceptance_rates
@@ -343,8 +343,14 @@ def build_policy(spec: SpeculativeConfig, target: LoadedModel, proposer, dtype: 
     two acceptance rates calibrated once on this target (cached in the profile)."""
     from .cost.profile import record_acceptance
 
-    if proposer is None or spec.k != "auto":
+    if proposer is None:
         return spec.k if isinstance(spec.k, int) else 1
+    if spec.k != "auto":  # priced by the cached profile, if any, for logits on demand (FixedK)
+        from .cost.profile import load_profile
+
+        lazy = getattr(target.runtime, "lazy_logits", False)
+        profile = load_profile(model_key(target), dtype) if lazy else None
+        return FixedK(spec.k, CostModel(profile, drafter_key(spec)) if profile is not None else None)
     if spec.k_policy == "threshold":
         return ThresholdK(start_k=min(5, spec.k_max), k_max=max(spec.k_max, 2))
     name = drafter_key(spec)

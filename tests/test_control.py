@@ -372,6 +372,22 @@ def test_cost_aware_k_drafts_less_when_steps_measure_dearer_than_profiled(tmp_pa
     assert policy.costs.steps.single[1] > policy.costs.steps.strength  # plain steps were learnt from
 
 
+def test_fixed_k_computes_logits_on_demand_only_where_the_profile_says_it_pays():
+    from dataclasses import replace
+
+    from specdecode.control.policies import FixedK
+
+    assert FixedK(3).lazy(3)  # no profile: on demand, as before
+    # the head bound by reading its weights (Zen 4): every row on demand costs about a pass
+    bound = replace(synthetic_profile(), head_ms=0.8, head_next_ms=0.8, head_sizes=[1, 4], head_full_ms=[0.8, 0.9])
+    # bound by arithmetic (AVX2 Zen 1): a row costs a fraction of a pass over four
+    arith = replace(synthetic_profile(), head_ms=0.5, head_next_ms=0.5, head_sizes=[1, 4], head_full_ms=[0.5, 2.0])
+    for profile, lazy in ((bound, False), (arith, True)):
+        policy = FixedK(3, CostModel(profile, "ngram", lazy_head=True))
+        policy.choose(100)
+        assert policy.lazy(3) is lazy
+
+
 def test_tree_budget_probes_and_returns_to_speculation():
     policy = TreeBudget(CostModel(synthetic_profile(), "ngram"), k_max=3, prior_rate=0.5)
     policy.base_probe_interval = policy.probe_interval = 4

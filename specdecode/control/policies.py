@@ -154,18 +154,32 @@ class MeasuresDraftCost:
 
 
 class FixedK:
+    """k drafts every step. With a cost model (the cached profile), a greedy step computes
+    its logits on demand only where the profile says that costs less than one pass of the
+    head over all k + 1 rows, half the drafts expected read; without one, always (the head
+    on demand was measured cheaper where it is bound by arithmetic, AVX2 Zen 1; on a Zen 4,
+    where it is bound by reading its weights, each row read costs about a whole pass)."""
+
     name = "fixed"
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, costs: "CostModel | None" = None):
         if k < 1:
             raise ConfigError(f"k (draft tokens per step) must be >= 1, got {k}")
         self.k = self.k_max = k
+        self.costs = costs
+        self.context = 0
 
     def start(self, prior_alpha: float | None = None) -> None:
         pass
 
     def choose(self, context: int) -> int:
+        self.context = context
         return self.k
+
+    def lazy(self, drafted: int) -> bool:
+        if self.costs is None:
+            return True
+        return self.costs.step_cost(drafted, 1.0 + drafted / 2, self.context)[1]
 
     def observe(self, drafted: int, accepted: int) -> None:
         pass
