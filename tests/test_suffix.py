@@ -171,3 +171,29 @@ def test_shipped_store_matches_its_manifest():
     store = TokenStore.load(DEFAULT_TOKEN_STORE)
     assert store.vocab_size == 49152 and len(store) == manifest["tokens"]
     assert np.all(store.keys[1:] >= store.keys[:-1])
+
+
+def test_prompt_lookup_finds_the_latest_earlier_match_of_the_longest_size_first():
+    """ngram.lookup against the window-by-window definition, on random short sequences
+    over small vocabularies (many repeats) and every order of sizes."""
+    import random
+
+    from specdecode.proposers.ngram import lookup
+
+    def by_windows(sequence, sizes, k):
+        for n in sizes:
+            if len(sequence) <= n:
+                continue
+            windows = np.lib.stride_tricks.sliding_window_view(sequence[:-1], n)
+            matches = np.flatnonzero((windows == sequence[-n:]).all(axis=1))
+            if matches.size:
+                return sequence[matches[-1] + n : matches[-1] + n + k]
+        return None
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        sequence = np.array([rng.randrange(rng.randint(1, 5)) for _ in range(rng.randint(0, 30))], dtype=np.int64)
+        sizes = tuple(rng.sample([1, 2, 3, 4, 5], rng.randint(1, 3)))
+        k = rng.randint(1, 6)
+        found, expected = lookup(sequence, sizes, k), by_windows(sequence, sizes, k)
+        assert (found is None) == (expected is None) and (found is None or np.array_equal(found, expected))
