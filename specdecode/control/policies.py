@@ -129,12 +129,17 @@ class StepTimes:
 
     def factor(self, tokens: int) -> float:
         """v(T) now over the profile's v(T)."""
-        if tokens <= 1:
-            return 1.0
-        pooled = self.pool[0] / self.pool[1]
-        own = self.sizes.get(tokens)
-        total, count = (own[0], own[1]) if own else (0.0, 0.0)
-        return (total + self.strength * pooled) / (count + self.strength) / (self.single[0] / self.single[1])
+        return self.factors(tokens)[-1]
+
+    def factors(self, sizes: int) -> list[float]:
+        """factor(T) for T = 1..sizes."""
+        prior = self.strength * self.pool[0] / self.pool[1]
+        single = self.single[0] / self.single[1]
+        out = [1.0]
+        for tokens in range(2, sizes + 1):
+            total, count = self.sizes.get(tokens, (0.0, 0.0))
+            out.append((total + prior) / (count + self.strength) / single)
+        return out
 
 
 class MeasuresDraftCost:
@@ -247,8 +252,7 @@ class CostModel:
         table = self._tables.get((bucket, k_max))
         if table is None:
             table = self._tables[(bucket, k_max)] = [self.v(k, bucket) for k in range(k_max + 1)]
-        factor = self.steps.factor
-        return [v * factor(k + 1) for k, v in enumerate(table)]
+        return [v * factor for v, factor in zip(table, self.steps.factors(k_max + 1))]
 
 
 class CostAwareK(MeasuresDraftCost):
