@@ -207,7 +207,10 @@ class SpeculativeEngine:
                 self.proposer.observe(0, features[0], tokens)
         stats.prefill_seconds = time.perf_counter() - started
 
+        labelled = hasattr(self.policy, "use_label") and hasattr(self.proposer, "draft_label")
         while finish is None:
+            if labelled:  # the policy prices the draft by its kind's acceptance
+                self.policy.use_label(self.proposer.draft_label(tokens))
             # never draft past the token budget or the context
             wanted = self.policy.choose(len(tokens)) if self.policy is not None else 0
             k = max(min(wanted, params.max_new_tokens - len(generated) - 1, capacity - len(tokens)), 0)

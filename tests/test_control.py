@@ -388,6 +388,29 @@ def test_fixed_k_computes_logits_on_demand_only_where_the_profile_says_it_pays()
         assert policy.lazy(3) is lazy
 
 
+def test_cost_aware_k_keeps_acceptance_per_kind_of_draft_across_requests():
+    """Drafts of one kind always right, of another always wrong, interleaved in one
+    request: per label, the first earn long drafts and the second none; the labels'
+    counts outlive the request, the request's own counts start afresh."""
+    policy = CostAwareK(CostModel(synthetic_profile(c=0.0), "ngram"), k_max=6)
+    policy.start(prior_alpha=0.5)
+    for step in range(80):
+        label = ("prompt", 4) if step % 2 else ("store", 2)
+        policy.use_label(label)
+        k = policy.choose(100)
+        policy.observe(k, k if label[0] == "prompt" else 0)
+    policy.start(prior_alpha=0.5)
+    policy.use_label(("prompt", 4))
+    assert policy.first > 0.95 and policy._best(100) >= 3
+    policy.use_label(("store", 2))
+    assert policy.first < 0.3 and policy._best(100) == 0  # (plain steps observe nothing: probes only)
+    policy.use_label(None)  # the request's own counts: the prior
+    assert policy.first == pytest.approx(0.5)
+    # a fresh label starts from the request's priors
+    policy.use_label(("store", 4))
+    assert policy.first == pytest.approx(0.5)
+
+
 def test_tree_budget_probes_and_returns_to_speculation():
     policy = TreeBudget(CostModel(synthetic_profile(), "ngram"), k_max=3, prior_rate=0.5)
     policy.base_probe_interval = policy.probe_interval = 4

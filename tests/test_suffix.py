@@ -82,6 +82,15 @@ def test_proposer_tries_the_request_then_the_store_then_one_token_matches():
     assert draft([16, 17]) == []
     # no store: prompt lookup alone, in the same order as NgramProposer
     assert SuffixProposer(None, (3, 2, 1)).propose([13, 1, 2], 3, GREEDY, None).num_tokens == 0
+    # the label of each draft above: its source, and how many tokens its match holds
+    assert [proposer.draft_label(t) for t in ([5, 1, 2, 11, 5, 1, 2], [13, 1, 2], [9, 1, 2, 3], [14, 15, 14], [16, 17])] \
+        == [("prompt", 3), ("store", 2), ("store", 3), ("prompt", 1), None]
+    # a match that agrees further back than the n looked up counts its length, up to 4
+    from specdecode.proposers.ngram import NgramProposer
+
+    assert NgramProposer((2,)).draft_label([9, 1, 2, 3, 7, 1, 2, 3]) == ("prompt", 3)
+    assert NgramProposer((2,)).draft_label([0, 1, 2, 3, 7, 0, 1, 2, 3]) == ("prompt", 4)
+    assert NgramProposer((2,)).draft_label([1, 2, 3]) is None
 
 
 @pytest.fixture(scope="module")

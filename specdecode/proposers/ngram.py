@@ -30,10 +30,21 @@ class NgramProposer:
         continuation = lookup(np.asarray(tokens, dtype=np.int64), self.ngram_sizes, k)
         return Proposal.empty() if continuation is None else Proposal(torch.from_numpy(continuation.copy()))
 
+    def draft_label(self, tokens: list[int]) -> tuple | None:
+        """What the next draft would rest on, for a k policy that keeps acceptance per kind
+        of draft: ("prompt", m), m the length of the match (1..4, 4 = four or more tokens
+        agree); None when there is no draft."""
+        found = match(np.asarray(tokens, dtype=np.int64), self.ngram_sizes)
+        return None if found is None else ("prompt", found[1])
 
-def lookup(sequence: np.ndarray, ngram_sizes: tuple[int, ...], k: int) -> np.ndarray | None:
-    """Up to ``k`` tokens that followed the latest earlier occurrence of the sequence's
-    last n tokens, for the first n of ``ngram_sizes`` that has one; None: no match."""
+
+MATCH_LABEL_CAP = 4  # match lengths draft_label tells apart (a longer match counts as this)
+
+
+def match(sequence: np.ndarray, ngram_sizes: tuple[int, ...], cap: int = MATCH_LABEL_CAP) -> tuple[int, int] | None:
+    """(where the continuation starts, how many tokens match there, up to ``cap`` or the
+    n matched if larger) for the latest earlier occurrence of the sequence's last n
+    tokens, for the first n of ``ngram_sizes`` that has one; None: no match."""
     length = len(sequence)
     if length < 2:
         return None
@@ -50,6 +61,16 @@ def lookup(sequence: np.ndarray, ngram_sizes: tuple[int, ...], k: int) -> np.nda
                 break
             candidates = candidates[sequence[candidates - back] == sequence[-1 - back]]
         if candidates.size:
-            follow = candidates[-1] + 1
-            return sequence[follow : follow + k]
+            end = int(candidates[-1])
+            agree = n
+            while agree < cap and end - agree >= 0 and sequence[end - agree] == sequence[-1 - agree]:
+                agree += 1
+            return end + 1, agree
     return None
+
+
+def lookup(sequence: np.ndarray, ngram_sizes: tuple[int, ...], k: int) -> np.ndarray | None:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the sequence's
+    last n tokens, for the first n of ``ngram_sizes`` that has one; None: no match."""
+    found = match(sequence, ngram_sizes)
+    return None if found is None else sequence[found[0] : found[0] + k]

@@ -25,7 +25,7 @@ from safetensors.numpy import load_file, save_file
 
 from ..config import ConfigError, SamplingParams
 from .base import Proposal
-from .ngram import NgramProposer, lookup
+from .ngram import NgramProposer, lookup, match
 
 STORE_FILE = "tokens.safetensors"
 MAX_SAMPLE = 1024  # candidate positions a continuation is counted over (evenly spread over the matches)
@@ -80,6 +80,14 @@ class TokenStore:
         low = np.searchsorted(self.keys, self._pack(pattern, 0), side="left")
         high = np.searchsorted(self.keys, self._pack(pattern, self.separator), side="right")
         return self.order[low:high] + n
+
+    def longest(self, context: list[int], min_n: int = 2) -> int:
+        """The longest suffix of ``context`` (max_n down to min_n tokens) the store holds; 0: none."""
+        for n in range(min(self.max_n, len(context)), min_n - 1, -1):
+            pattern = context[-n:]
+            if all(0 <= t < self.vocab_size for t in pattern) and self.matches(pattern).size:
+                return n
+        return 0
 
     def continuation(self, context: list[int], k: int, min_n: int = 2) -> list[int]:
         """Up to ``k`` tokens to follow ``context``: the longest suffix of the context
@@ -157,3 +165,17 @@ class SuffixProposer(NgramProposer):
         if found is None:
             found = lookup(sequence, self.short_sizes, k)
         return Proposal.empty() if found is None else Proposal(torch.from_numpy(found.copy()))
+
+    def draft_label(self, tokens: list[int]) -> tuple | None:
+        """As NgramProposer's, in propose's order: ("prompt", m) for the request's own
+        n-grams of 2+ tokens, ("store", n) for the store's longest match of the last n
+        tokens, ("prompt", 1) for a 1-gram; None: no draft."""
+        sequence = np.asarray(tokens, dtype=np.int64)
+        found = match(sequence, self.long_sizes)
+        if found is None and self.store is not None:
+            n = self.store.longest(tokens[-self.store.max_n:], self.min_store_n)
+            if n:
+                return ("store", n)
+        if found is None:
+            found = match(sequence, self.short_sizes)
+        return None if found is None else ("prompt", found[1])

@@ -447,6 +447,8 @@ class BatchEngine:
         room = min(self.max_model_len - len(s.tokens) for s in rows)  # padding must fit every row
         wanted = []
         for sequence in rows:
+            if hasattr(sequence.policy, "use_label") and hasattr(sequence.proposer, "draft_label"):
+                sequence.policy.use_label(sequence.proposer.draft_label(sequence.tokens))
             k = sequence.policy.choose(len(sequence.tokens)) if sequence.policy is not None else 0
             wanted.append(max(min(k, sequence.params.max_new_tokens - len(sequence.generated) - 1, room), 0))
         wanted = self._batch_cap(rows, wanted)
@@ -544,7 +546,8 @@ class BatchEngine:
 
 
 def clone_policy(template):
-    """A fresh copy of a k policy for one sequence; its cost model (shared, read-only) is
-    not copied."""
-    costs = getattr(template, "costs", None)
-    return copy.deepcopy(template, {} if costs is None else {id(costs): costs})
+    """A fresh copy of a k policy for one sequence; its cost model (shared; the engine
+    thread alone updates what it learns of step costs) and the acceptance per kind of
+    draft (``CostAwareK.label_counts``, learnt over every request) are not copied."""
+    shared = [getattr(template, name, None) for name in ("costs", "label_counts")]
+    return copy.deepcopy(template, {id(value): value for value in shared if value is not None})
