@@ -286,6 +286,7 @@ class CostAwareK(MeasuresDraftCost):
         alpha = self.default_prior if prior_alpha is None else prior_alpha
         later = alpha if self.default_later is None else self.default_later
         self.priors = tuple(min(max(rate, 0.0), 0.99) for rate in (alpha, later))
+        self._c = self.draft_cost.value  # what drafting cost so far (a server's requests share it)
         # [successes, trials] of position 1, and of each position 2..k_max given the one before
         self.request_counts = self._fresh_counts()
         self.first_counts, self.position_counts = self.request_counts

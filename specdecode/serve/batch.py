@@ -468,9 +468,13 @@ class BatchEngine:
                                         capture=layers)
         logits, features = (out[0], out[1]) if layers else (out, None)
         scored = time.perf_counter()
-        costs = getattr(rows[0].policy, "costs", None)
-        if len(rows) == 1 and costs is not None:  # alone, the pass is a step the k policy prices
-            costs.observe_step(width, (scored - drafted) * 1e3, len(rows[0].tokens) - 1)
+        if len(rows) == 1:  # alone, the pass is a step the k policy prices: what it cost, measured
+            policy, drafts = rows[0].policy, plans[0][0].numel()
+            note_cost, costs = getattr(policy, "observe_cost", None), getattr(policy, "costs", None)
+            if note_cost is not None:
+                note_cost(drafted - started, drafts, scored - drafted, drafts)
+            elif costs is not None:
+                costs.observe_step(width, (scored - drafted) * 1e3, len(rows[0].tokens) - 1)
         share = 1.0 / len(rows)  # each row is charged its share of the pass
         for i, (sequence, (drafts, draft_probs)) in enumerate(zip(rows, plans)):
             new_tokens = self._verify(sequence, drafts, draft_probs, logits[i:i + 1, :1 + drafts.numel()])
@@ -546,8 +550,9 @@ class BatchEngine:
 
 
 def clone_policy(template):
-    """A fresh copy of a k policy for one sequence; its cost model (shared; the engine
-    thread alone updates what it learns of step costs) and the acceptance per kind of
-    draft (``CostAwareK.label_counts``, learnt over every request) are not copied."""
-    shared = [getattr(template, name, None) for name in ("costs", "label_counts")]
+    """A fresh copy of a k policy for one sequence. Shared, not copied: the cost model and
+    the drafting cost (``draft_cost``; the engine thread alone updates what it learns of
+    step and draft costs, from single-row steps) and the acceptance per kind of draft
+    (``CostAwareK.label_counts``), all learnt over every request."""
+    shared = [getattr(template, name, None) for name in ("costs", "draft_cost", "label_counts")]
     return copy.deepcopy(template, {id(value): value for value in shared if value is not None})
