@@ -308,7 +308,7 @@ class CostAwareK(MeasuresDraftCost):
         each label keeps counts of its own, across requests, started from this request's
         priors; None: the request's own counts. Prompt lookup's drafts after a match of 4+
         tokens were accepted 4.5 tokens deep on average on the suite, the store's after a
-        2-token match 0.4: one rate for both buys drafts too short for the one and too
+        2-token match 0.5: one rate for both buys drafts too short for the one and too
         long for the other."""
         if label is None:
             self.first_counts, self.position_counts = self.request_counts
