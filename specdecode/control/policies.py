@@ -212,7 +212,10 @@ class CostModel:
     def observe_step(self, tokens: int, measured_ms: float, context: int, read: int | None = None) -> None:
         """A step that scored ``tokens`` tokens after ``context`` took ``measured_ms``
         (its logits computed on demand for ``read`` rows, or one head pass if None)."""
-        predicted = self.profile.time_ms(tokens, context)
+        bucket = context // 64 * 64 + 32  # as v_table's: a lookup, not an interpolation, per step
+        predicted = self._tables.get(("ms", bucket, tokens))
+        if predicted is None:
+            predicted = self._tables[("ms", bucket, tokens)] = self.profile.time_ms(tokens, bucket)
         if read is not None:
             predicted -= self.profile.lazy_head_saving_ms(tokens, read)
         self.steps.update(tokens, measured_ms, predicted)

@@ -20,22 +20,41 @@ class NgramProposer:
 
     def __init__(self, ngram_sizes: tuple[int, ...] = (3, 2, 1)):
         self.ngram_sizes = tuple(sorted(set(ngram_sizes), reverse=True))
+        self._planned: tuple | None = None  # (key, plan) of the last sequence looked at
 
     def start(self, prompt_ids: list[int], capacity: int) -> None:
-        pass
+        self._planned = None
+
+    def _plan(self, tokens: list[int]) -> tuple | None:
+        """(label, sequence, where the draft starts in it) for the next draft; None: none."""
+        sequence = np.asarray(tokens, dtype=np.int64)
+        found = match(sequence, self.ngram_sizes)
+        return None if found is None else (("prompt", found[1]), sequence, found[0])
+
+    def plan(self, tokens: list[int]) -> tuple | None:
+        """``_plan``, remembered for the sequence last looked at: the engine asks for the
+        label before choosing k, then for the draft (one lookup instead of two; a step's
+        drafting cost 80 + 110 µs on the default model before)."""
+        key = (len(tokens), tuple(tokens[-16:]))
+        if self._planned is None or self._planned[0] != key:
+            self._planned = (key, self._plan(tokens))
+        return self._planned[1]
 
     def propose(
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
     ) -> Proposal:
-        continuation = lookup(np.asarray(tokens, dtype=np.int64), self.ngram_sizes, k)
-        return Proposal.empty() if continuation is None else Proposal(torch.from_numpy(continuation.copy()))
+        planned = self.plan(tokens)
+        if planned is None:
+            return Proposal.empty()
+        _, sequence, start = planned
+        return Proposal(torch.from_numpy(sequence[start : start + k].copy()))
 
     def draft_label(self, tokens: list[int]) -> tuple | None:
         """What the next draft would rest on, for a k policy that keeps acceptance per kind
         of draft: ("prompt", m), m the length of the match (1..4, 4 = four or more tokens
         agree); None when there is no draft."""
-        found = match(np.asarray(tokens, dtype=np.int64), self.ngram_sizes)
-        return None if found is None else ("prompt", found[1])
+        planned = self.plan(tokens)
+        return None if planned is None else planned[0]
 
 
 MATCH_LABEL_CAP = 4  # match lengths draft_label tells apart (a longer match counts as this)

@@ -25,7 +25,7 @@ from safetensors.numpy import load_file, save_file
 
 from ..config import ConfigError, SamplingParams
 from .base import Proposal
-from .ngram import NgramProposer, lookup, match
+from .ngram import NgramProposer, match
 
 STORE_FILE = "tokens.safetensors"
 MAX_SAMPLE = 1024  # candidate positions a continuation is counted over (evenly spread over the matches)
@@ -74,19 +74,29 @@ class TokenStore:
             key = (key << self.bits) | (int(pattern[j]) if j < len(pattern) else fill)
         return np.uint64(key)
 
-    def matches(self, pattern) -> np.ndarray:
-        """Positions (in the store) right after each occurrence of ``pattern`` (1 <= len <= max_n)."""
-        n = len(pattern)
+    def _range(self, pattern) -> tuple[int, int]:
+        """The slice of ``order`` whose keys start with ``pattern``."""
         low = np.searchsorted(self.keys, self._pack(pattern, 0), side="left")
         high = np.searchsorted(self.keys, self._pack(pattern, self.separator), side="right")
-        return self.order[low:high] + n
+        return int(low), int(high)
+
+    def matches(self, pattern, sample: int | None = None) -> np.ndarray:
+        """Positions (in the store) right after each occurrence of ``pattern`` (1 <= len <=
+        max_n); with ``sample``, at most that many, evenly spread over them (picked before
+        any array of all of them is made: a common 2-gram has 100,000 occurrences)."""
+        low, high = self._range(pattern)
+        if sample is not None and high - low > sample:
+            return self.order[low + np.linspace(0, high - low - 1, sample).astype(np.int64)] + len(pattern)
+        return self.order[low:high] + len(pattern)
 
     def longest(self, context: list[int], min_n: int = 2) -> int:
         """The longest suffix of ``context`` (max_n down to min_n tokens) the store holds; 0: none."""
         for n in range(min(self.max_n, len(context)), min_n - 1, -1):
             pattern = context[-n:]
-            if all(0 <= t < self.vocab_size for t in pattern) and self.matches(pattern).size:
-                return n
+            if all(0 <= t < self.vocab_size for t in pattern):
+                low, high = self._range(pattern)
+                if high > low:
+                    return n
         return 0
 
     def continuation(self, context: list[int], k: int, min_n: int = 2) -> list[int]:
@@ -100,11 +110,9 @@ class TokenStore:
             pattern = context[-n:]
             if any(not 0 <= t < self.vocab_size for t in pattern):
                 continue
-            follow = self.matches(pattern)
+            follow = self.matches(pattern, MAX_SAMPLE)
             if follow.size == 0:
                 continue
-            if follow.size > MAX_SAMPLE:
-                follow = follow[np.linspace(0, follow.size - 1, MAX_SAMPLE).astype(np.int64)]
             draft = []
             for j in range(k):
                 at = follow + j
@@ -153,29 +161,35 @@ class SuffixProposer(NgramProposer):
         self.long_sizes = tuple(n for n in self.ngram_sizes if n >= min_store_n)
         self.short_sizes = tuple(n for n in self.ngram_sizes if n < min_store_n)
 
-    def propose(
-        self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
-    ) -> Proposal:
-        sequence = np.asarray(tokens, dtype=np.int64)
-        found = lookup(sequence, self.long_sizes, k)
-        if found is None and self.store is not None:
-            draft = self.store.continuation(tokens[-self.store.max_n:], k, self.min_store_n)
-            if draft:
-                return Proposal(torch.tensor(draft, dtype=torch.int64))
-        if found is None:
-            found = lookup(sequence, self.short_sizes, k)
-        return Proposal.empty() if found is None else Proposal(torch.from_numpy(found.copy()))
-
-    def draft_label(self, tokens: list[int]) -> tuple | None:
-        """As NgramProposer's, in propose's order: ("prompt", m) for the request's own
-        n-grams of 2+ tokens, ("store", n) for the store's longest match of the last n
-        tokens, ("prompt", 1) for a 1-gram; None: no draft."""
+    def _plan(self, tokens: list[int]) -> tuple | None:
+        """In propose's order, (label, sequence, start) as NgramProposer's: ("prompt", m)
+        for the request's own n-grams of 2+ tokens, ("store", n) for the store's longest
+        match of the last n tokens (sequence None, start n), ("prompt", 1) for a 1-gram."""
         sequence = np.asarray(tokens, dtype=np.int64)
         found = match(sequence, self.long_sizes)
         if found is None and self.store is not None:
             n = self.store.longest(tokens[-self.store.max_n:], self.min_store_n)
             if n:
-                return ("store", n)
+                return ("store", n), None, n
         if found is None:
             found = match(sequence, self.short_sizes)
-        return None if found is None else ("prompt", found[1])
+        return None if found is None else (("prompt", found[1]), sequence, found[0])
+
+    def propose(
+        self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> Proposal:
+        planned = self.plan(tokens)
+        if planned is None:
+            return Proposal.empty()
+        label, sequence, start = planned
+        if label[0] == "store":
+            draft = self.store.continuation(tokens[-start:], k, start)
+            if draft:
+                return Proposal(torch.tensor(draft, dtype=torch.int64))
+            # every occurrence of the match ends a document: the request's 1-grams
+            sequence = np.asarray(tokens, dtype=np.int64)
+            found = match(sequence, self.short_sizes)
+            if found is None:
+                return Proposal.empty()
+            start = found[0]
+        return Proposal(torch.from_numpy(sequence[start : start + k].copy()))
