@@ -25,7 +25,7 @@ from safetensors.numpy import load_file, save_file
 
 from ..config import ConfigError, SamplingParams
 from .base import Proposal
-from .ngram import NgramProposer, match
+from .ngram import NgramProposer, lookup, match
 
 STORE_FILE = "tokens.safetensors"
 MAX_SAMPLE = 1024  # candidate positions a continuation is counted over (evenly spread over the matches)
@@ -80,24 +80,33 @@ class TokenStore:
         high = np.searchsorted(self.keys, self._pack(pattern, self.separator), side="right")
         return int(low), int(high)
 
+    def _follow(self, low: int, high: int, n: int, sample: int | None) -> np.ndarray:
+        """The positions after the n-grams of ``order[low:high]``; with ``sample``, at most
+        that many, evenly spread (picked before any array of all of them is made: a common
+        2-gram has 100,000 occurrences)."""
+        if sample is not None and high - low > sample:
+            return self.order[low + np.linspace(0, high - low - 1, sample).astype(np.int64)] + n
+        return self.order[low:high] + n
+
     def matches(self, pattern, sample: int | None = None) -> np.ndarray:
         """Positions (in the store) right after each occurrence of ``pattern`` (1 <= len <=
-        max_n); with ``sample``, at most that many, evenly spread over them (picked before
-        any array of all of them is made: a common 2-gram has 100,000 occurrences)."""
-        low, high = self._range(pattern)
-        if sample is not None and high - low > sample:
-            return self.order[low + np.linspace(0, high - low - 1, sample).astype(np.int64)] + len(pattern)
-        return self.order[low:high] + len(pattern)
+        max_n); with ``sample``, at most that many, evenly spread over them."""
+        return self._follow(*self._range(pattern), len(pattern), sample)
 
-    def longest(self, context: list[int], min_n: int = 2) -> int:
-        """The longest suffix of ``context`` (max_n down to min_n tokens) the store holds; 0: none."""
+    def _longest(self, context: list[int], min_n: int) -> tuple[int, int, int]:
+        """(n, low, high): the longest suffix of ``context`` (max_n down to min_n tokens)
+        the store holds, and its slice of ``order``; n = 0: none."""
         for n in range(min(self.max_n, len(context)), min_n - 1, -1):
             pattern = context[-n:]
             if all(0 <= t < self.vocab_size for t in pattern):
                 low, high = self._range(pattern)
                 if high > low:
-                    return n
-        return 0
+                    return n, low, high
+        return 0, 0, 0
+
+    def longest(self, context: list[int], min_n: int = 2) -> int:
+        """The longest suffix of ``context`` (max_n down to min_n tokens) the store holds; 0: none."""
+        return self._longest(context, min_n)[0]
 
     def continuation(self, context: list[int], k: int, min_n: int = 2) -> list[int]:
         """Up to ``k`` tokens to follow ``context``: the longest suffix of the context
@@ -106,29 +115,25 @@ class TokenStore:
         (ties: the smaller id)."""
         if k < 1:
             return []
-        for n in range(min(self.max_n, len(context)), min_n - 1, -1):
-            pattern = context[-n:]
-            if any(not 0 <= t < self.vocab_size for t in pattern):
-                continue
-            follow = self.matches(pattern, MAX_SAMPLE)
-            if follow.size == 0:
-                continue
-            draft = []
-            for j in range(k):
-                at = follow + j
-                at = at[at < self.tokens.size]
-                if at.size == 0:
-                    break
-                values = self.tokens[at]
-                real = values != self.separator
-                if not real.any():
-                    break
-                ids, counts = np.unique(values[real], return_counts=True)
-                best = int(np.argmax(counts))
-                draft.append(int(ids[best]))
-                follow = at[values == ids[best]] - j
-            return draft
-        return []
+        n, low, high = self._longest(context, min_n)
+        if n == 0:
+            return []
+        follow = self._follow(low, high, n, MAX_SAMPLE)
+        draft = []
+        for j in range(k):
+            at = follow + j
+            at = at[at < self.tokens.size]
+            if at.size == 0:
+                break
+            values = self.tokens[at]
+            real = values != self.separator
+            if not real.any():
+                break
+            ids, counts = np.unique(values[real], return_counts=True)
+            best = int(np.argmax(counts))
+            draft.append(int(ids[best]))
+            follow = at[values == ids[best]] - j
+        return draft
 
     def save(self, directory: Path, meta: dict) -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -179,17 +184,12 @@ class SuffixProposer(NgramProposer):
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
     ) -> Proposal:
         planned = self.plan(tokens)
-        if planned is None:
-            return Proposal.empty()
-        label, sequence, start = planned
-        if label[0] == "store":
-            draft = self.store.continuation(tokens[-start:], k, start)
-            if draft:
-                return Proposal(torch.tensor(draft, dtype=torch.int64))
-            # every occurrence of the match ends a document: the request's 1-grams
-            sequence = np.asarray(tokens, dtype=np.int64)
-            found = match(sequence, self.short_sizes)
-            if found is None:
-                return Proposal.empty()
-            start = found[0]
-        return Proposal(torch.from_numpy(sequence[start : start + k].copy()))
+        if planned is None or planned[0][0] != "store":  # the request's own n-grams
+            return super().propose(tokens, k, params, generator)
+        n = planned[2]
+        draft = self.store.continuation(tokens[-n:], k, n)
+        if draft:
+            return Proposal(torch.tensor(draft, dtype=torch.int64))
+        # every occurrence of the match ends a document: the request's 1-grams
+        found = lookup(np.asarray(tokens, dtype=np.int64), self.short_sizes, k)
+        return Proposal.empty() if found is None else Proposal(torch.from_numpy(found.copy()))
