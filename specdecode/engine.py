@@ -24,9 +24,9 @@ from .control.policies import FixedK, KPolicy
 from .metrics import GenerationStats
 from .proposers.base import Proposal, Proposer
 from .text import TextTracker
-from .verify.chain import greedy_verify, greedy_verify_rows, rejection_sample
-from .verify.tree import greedy_tree_verify, tree_rejection_sample
-from .verify.sampling import logits_to_probs
+from .verify.chain import coupled_verify, greedy_verify, greedy_verify_rows, rejection_sample
+from .verify.tree import coupled_tree_verify, greedy_tree_verify, tree_rejection_sample
+from .verify.sampling import PositionUniforms, logits_to_probs
 
 
 class PromptError(SpecDecodeError, ValueError):
@@ -51,14 +51,20 @@ def check_prompt(prompt_ids: list[int], context: int, vocab_size: int, limit: st
 
 
 def verify_chain(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
-                 params: SamplingParams, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+                 params: SamplingParams, generator: torch.Generator | None,
+                 uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify chain drafts ``[B, k]`` against ``target_logits`` ``[B, k+1, V]``: greedy, or
-    rejection sampling against the processed target distribution, with ``draft_probs``
-    ``[B, k, V]`` (None: a deterministic drafter, one-hot drafts). (output_ids, num_accepted)
-    as ``verify.chain`` returns them."""
+    sampling against the processed target distribution. Drafts drawn from ``draft_probs``
+    ``[B, k, V]`` go through rejection sampling (``generator``); deterministic drafts
+    (``draft_probs`` None) and plain steps through the target's own draws with the
+    positions' ``uniforms`` ``[B, k+1]`` (``coupled_verify``: the tokens plain sampling
+    draws with them), or rejection sampling of one-hot drafts where none are given.
+    (output_ids, num_accepted) as ``verify.chain`` returns them."""
     if params.greedy:
         return greedy_verify(draft_ids, target_logits)
     target_probs = logits_to_probs(target_logits, params)
+    if draft_probs is None and uniforms is not None:
+        return coupled_verify(draft_ids, target_probs, uniforms)
     if draft_probs is None:
         draft_probs = F.one_hot(draft_ids, target_probs.shape[-1]).float()
     return rejection_sample(draft_ids, draft_probs, target_probs, generator)
@@ -187,9 +193,9 @@ class SpeculativeEngine:
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         max_positions = self.target.max_positions
         capacity = min(len(prompt_ids) + params.max_new_tokens + self.k + 1, max_positions)
-        generator = torch.Generator(device=self.device).manual_seed(
-            params.seed if params.seed is not None else secrets.randbits(63)
-        )
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        draws = PositionUniforms(seed)  # the target's draws, one per position of the sequence
         tracker = TextTracker(self.tokenizer, params.stop)
         tokens, generated, finish = list(prompt_ids), [], None
 
@@ -216,9 +222,9 @@ class SpeculativeEngine:
             k = max(min(wanted, params.max_new_tokens - len(generated) - 1, capacity - len(tokens)), 0)
             before = (stats.draft_seconds, stats.verify_seconds, stats.draft_passes)
             if k > 0 and self.tree_drafter:
-                new_tokens = self._tree_step(tokens, k, params, generator, stats)
+                new_tokens = self._tree_step(tokens, k, params, generator, draws, stats)
             else:
-                new_tokens = self._step(tokens, k, params, generator, stats)
+                new_tokens = self._step(tokens, k, params, generator, draws, stats)
             if self.policy is not None:
                 note_cost = getattr(self.policy, "observe_cost", None)
                 if note_cost is not None:  # what drafting and scoring cost here, measured
@@ -260,7 +266,7 @@ class SpeculativeEngine:
         return self.target(inputs, **kwargs), None
 
     def _tree_step(self, tokens: list[int], budget: int, params: SamplingParams, generator: torch.Generator,
-                   stats: GenerationStats) -> list[int]:
+                   draws: PositionUniforms, stats: GenerationStats) -> list[int]:
         """One step over a token tree of at most ``budget`` draft nodes: score every node in
         one pass (tree mask, positions by depth), walk down the accepted path, move its
         keys and values into contiguous slots."""
@@ -283,8 +289,10 @@ class SpeculativeEngine:
             path, bonus = greedy_tree_verify(tree, rows)
         else:
             target_probs = logits_to_probs(target_logits[0], params)
-            draft_probs = None if proposal.draft_probs is None else proposal.draft_probs.to(self.device)
-            path, bonus = tree_rejection_sample(tree, target_probs, draft_probs, generator)
+            if proposal.draft_probs is None:  # deterministic nodes: the target's own draws pick the path
+                path, bonus = coupled_tree_verify(tree, target_probs, draws(context, int(depths.max()) + 1))
+            else:
+                path, bonus = tree_rejection_sample(tree, target_probs, proposal.draft_probs.to(self.device), generator)
         # commit: the root stays in its slot; the accepted nodes' entries move behind it
         if path:
             self.target.compact(torch.tensor(path) + context - 1, context)
@@ -307,6 +315,7 @@ class SpeculativeEngine:
         k: int,
         params: SamplingParams,
         generator: torch.Generator,
+        draws: PositionUniforms,
         stats: GenerationStats,
     ) -> list[int]:
         """One speculative step; returns the accepted tokens plus the bonus token."""
@@ -330,7 +339,8 @@ class SpeculativeEngine:
         # 3. verify
         if isinstance(target_logits, torch.Tensor):
             draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[None, :num_drafted].to(self.device)
-            output_ids, num_accepted = verify_chain(draft_ids, draft_probs, target_logits, params, generator)
+            uniforms = None if params.greedy else draws(context, num_drafted + 1)[None].to(self.device)
+            output_ids, num_accepted = verify_chain(draft_ids, draft_probs, target_logits, params, generator, uniforms)
             accepted = int(num_accepted[0])
             new_tokens = output_ids[0, : accepted + 1].tolist()
         else:  # greedy on logits computed on demand: the rows up to the first rejection

@@ -73,6 +73,41 @@ def test_seed_reproduces_sampled_output(text_model):
     assert engine.generate([5, 6, 7, 8], other).token_ids != first
 
 
+def test_seeded_sampling_with_deterministic_drafts_is_plain_sampling(text_model):
+    """Deterministic drafts are verified by the target's own draws, one uniform per
+    position of the sequence: a seeded request samples the tokens plain sampling does,
+    whatever k (and however many drafts each step accepted)."""
+    plain = SpeculativeEngine(text_model.runtime, text_model.tokenizer)
+    prompt = text_model.tokenizer("abcabcabcabcabc")["input_ids"]
+    accepted = 0
+    for seed in range(6):
+        params = SamplingParams(temperature=0.8, top_k=20, max_new_tokens=40, seed=seed, ignore_eos=True)
+        expected = plain.generate(prompt, params).token_ids
+        for k in (1, 3, 6):
+            result = SpeculativeEngine(text_model.runtime, text_model.tokenizer, NgramProposer(), k=k).generate(
+                prompt, params)
+            assert result.token_ids == expected, (seed, k)
+            accepted += result.stats.accepted_tokens
+    assert accepted > 20  # drafts were accepted, so steps emitted several draws at once
+
+
+def test_seeded_sampling_with_an_eagle_tree_is_plain_sampling(tmp_path):
+    """An EAGLE tree's nodes are top-k picks (point masses), verified by the target's own
+    draws, one uniform per depth: the same tokens as plain sampling. (Sampled EAGLE chains
+    carry their draft distribution and go through rejection sampling: lossless, as the
+    distribution test below shows, but not the same tokens.)"""
+    target = load_model(save_tiny_model(tmp_path / "t", seed=30, vocab_size=4, init_std=0.3), torch.float32)
+    plain = SpeculativeEngine(target.runtime)
+    engine = SpeculativeEngine(target.runtime, proposer=eagle_over_three_of_four_tokens(target, 2), k=3)
+    accepted = 0
+    for seed in range(20):
+        params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=seed, ignore_eos=True)
+        result = engine.generate([3, 2], params)
+        assert result.token_ids == plain.generate([3, 2], params).token_ids, seed
+        accepted += result.stats.accepted_tokens
+    assert accepted > 20
+
+
 def eagle_over_three_of_four_tokens(target, tree_width: int = 1):
     """A random EAGLE head that can draft 3 of the 4 tokens (token 1 never); with
     ``tree_width`` 2 it drafts trees (two children per expanded node)."""

@@ -254,6 +254,25 @@ def test_real_model_greedy_equality_in_the_default_dtype(real_int4, method, draf
         assert engine.generate(ids, params).token_ids == plain.generate(ids, params).token_ids, prompt
 
 
+@pytest.mark.parametrize("method, k", [("suffix", "auto"), ("ngram", 3)])
+def test_real_model_seeded_sampling_equals_plain_sampling(real_int4, method, k):
+    """Sampling (temperature 0.7, top-p 0.9) with a deterministic drafter, in the default
+    dtype: the target's own draws, one uniform per position, verify the drafts, and the
+    kernels score each row the same whatever is beside it, so a seeded request's tokens
+    are plain sampling's, whatever k the policy chose at each step."""
+    config = EngineConfig(dtype="bf16", weights="int4")
+    plain = build_engine(config, SpeculativeConfig(method="none"), target=real_int4)
+    engine = build_engine(config, SpeculativeConfig(method=method, k=k), target=real_int4)
+    accepted = 0
+    for seed, prompt in enumerate(PROMPTS):
+        ids = plain.encode(prompt)
+        params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=48, seed=seed)
+        result = engine.generate(ids, params)
+        assert result.token_ids == plain.generate(ids, params).token_ids, prompt
+        accepted += result.stats.accepted_tokens
+    assert accepted > 0
+
+
 def test_weight_format_error_against_fp32(real_fp32):
     """The error each format adds, against fp32 weights on the same kernels (logits of a
     48-token prompt; figures in docs/performance.md). int8 and int4 also quantize the

@@ -7,9 +7,10 @@ import torch
 from scipy.stats import chisquare
 
 from specdecode.config import SamplingParams
-from specdecode.verify.chain import greedy_verify
+from specdecode.verify.chain import coupled_verify, greedy_verify
 from specdecode.verify.sampling import logits_to_probs, sample
-from specdecode.verify.tree import Tree, greedy_tree_verify, tree_from_paths, tree_rejection_sample
+from specdecode.verify.tree import (Tree, coupled_tree_verify, greedy_tree_verify, tree_from_paths,
+                                    tree_rejection_sample)
 
 
 def tree(tokens, parents) -> Tree:
@@ -75,6 +76,18 @@ def test_greedy_tree_on_a_chain_agrees_with_the_chain_verifier():
         logits = torch.randn(k + 1, 4, generator=generator)
         output, accepted = greedy_verify(drafts[None], logits[None])
         path, bonus = greedy_tree_verify(Tree.chain(drafts), logits)
+        assert path == list(range(1, int(accepted) + 1)) and bonus == int(output[0, int(accepted)])
+
+
+def test_coupled_tree_on_a_chain_agrees_with_the_chain_verifier():
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        k = int(torch.randint(1, 6, (1,), generator=generator))
+        drafts = torch.randint(0, 3, (k,), generator=generator)
+        probs = torch.softmax(torch.randn(k + 1, 3, generator=generator) * 2, -1)
+        uniforms = torch.rand(k + 1, generator=generator, dtype=torch.float64)
+        output, accepted = coupled_verify(drafts[None], probs[None], uniforms[None])
+        path, bonus = coupled_tree_verify(Tree.chain(drafts), probs, uniforms)
         assert path == list(range(1, int(accepted) + 1)) and bonus == int(output[0, int(accepted)])
 
 
@@ -145,6 +158,37 @@ def test_tree_sampling_reproduces_target_distribution(params, point_masses):
     assert all(n > 100 for n in depth_reached), depth_reached  # rejections at the root, at depth 1, and full paths
     _, p_value = chisquare(observed[support].numpy(), expected[support].numpy())
     assert p_value > 1e-3, p_value
+
+
+def coupled_tree(t, target_probs, draft_probs, generator):
+    """coupled_tree_verify in the harness's signature: a fresh uniform per depth."""
+    return coupled_tree_verify(t, target_probs, torch.rand(3, generator=generator, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3),
+                                    SamplingParams(temperature=1.0, top_p=0.8)],
+                         ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+def test_coupled_tree_sampling_reproduces_target_distribution(params):
+    observed, expected, depth_reached = two_token_joint_through_trees(coupled_tree, params, point_masses=True)
+    support = expected > 0
+    assert observed[~support].sum() == 0, "emitted a token the processed target forbids"
+    assert all(n > 100 for n in depth_reached), depth_reached
+    _, p_value = chisquare(observed[support].numpy(), expected[support].numpy())
+    assert p_value > 1e-3, p_value
+
+
+def one_uniform_for_every_depth(t, target_probs, draft_probs, generator):
+    """A plausible mistake: the same uniform at every depth of the walk."""
+    u = torch.rand((), generator=generator, dtype=torch.float64)
+    return coupled_tree_verify(t, target_probs, u.expand(3))
+
+
+def test_tree_reusing_a_uniform_would_be_caught():
+    observed, expected, _ = two_token_joint_through_trees(one_uniform_for_every_depth, SamplingParams(temperature=1.0),
+                                                          point_masses=True)
+    support = expected > 0
+    _, p_value = chisquare(observed[support].numpy(), expected[support].numpy())
+    assert p_value < 1e-6, p_value
 
 
 def forgetful_verifier(t, target_probs, draft_probs, generator):

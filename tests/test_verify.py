@@ -7,8 +7,8 @@ import torch
 from scipy.stats import chisquare
 
 from specdecode.config import SamplingParams
-from specdecode.verify.chain import PAD_ID, greedy_verify, greedy_verify_rows, rejection_sample
-from specdecode.verify.sampling import argmax_ids, logits_to_probs, sample
+from specdecode.verify.chain import PAD_ID, coupled_verify, greedy_verify, greedy_verify_rows, rejection_sample
+from specdecode.verify.sampling import PositionUniforms, argmax_ids, inverse_cdf, logits_to_probs, sample
 
 
 def one_hot_logits(ids: list[int], vocab: int = 6) -> torch.Tensor:
@@ -151,6 +151,77 @@ def test_wrong_verifier_would_be_caught():
     assert (accepted < 2).float().mean() > 0.2  # enough rejections for the bug to show
     _, p_value = chisquare(observed[support].numpy(), expected[support].numpy())
     assert p_value < 1e-6, p_value
+
+
+def coupled(draft_ids, draft_probs, target_probs, generator):
+    """coupled_verify in the harness's signature: the drafts' distributions are unused, and
+    every position gets a fresh uniform from the harness's generator."""
+    uniforms = torch.rand(target_probs.shape[:2], generator=generator, dtype=torch.float64)
+    return coupled_verify(draft_ids, target_probs, uniforms)
+
+
+@pytest.mark.parametrize("params", SAMPLING_CASES, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+def test_coupled_verification_reproduces_target_distribution(params):
+    """The target's own draws, one uniform per position, follow the target whatever the
+    drafts (here drawn from a related, wrong draft)."""
+    observed, expected, accepted = two_token_joint(coupled, params)
+    support = expected > 0
+    assert observed[~support].sum() == 0, "sampled a token the processed target forbids"
+    assert (accepted == 0).any() and (accepted == 1).any() and (accepted == 2).any()
+    _, p_value = chisquare(observed[support].numpy(), expected[support].numpy())
+    assert p_value > 1e-3, p_value
+
+
+def one_uniform_for_all_positions(draft_ids, draft_probs, target_probs, generator):
+    """A plausible mistake: one uniform per step, reused at every position of it."""
+    uniforms = torch.rand(target_probs.shape[0], 1, generator=generator, dtype=torch.float64)
+    return coupled_verify(draft_ids, target_probs, uniforms.expand(-1, target_probs.shape[1]))
+
+
+def test_reused_uniform_would_be_caught():
+    observed, expected, _ = two_token_joint(one_uniform_for_all_positions, SamplingParams(temperature=1.0))
+    support = expected > 0
+    _, p_value = chisquare(observed[support].numpy(), expected[support].numpy())
+    assert p_value < 1e-6, p_value
+
+
+def test_coupled_verification_outputs_the_plain_draws():
+    """Whatever the drafts, the output is the target's draw at each position up to the
+    first draft that differs from it, then that draw: what plain sampling emits with the
+    same uniforms (when the rows' distributions are the same)."""
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(200):
+        k = int(torch.randint(0, 5, (1,), generator=generator))
+        probs = torch.softmax(torch.randn(1, k + 1, 4, generator=generator) * 2, -1)
+        uniforms = torch.rand(1, k + 1, generator=generator, dtype=torch.float64)
+        plain = inverse_cdf(probs, uniforms)[0].tolist()
+        drafts = torch.where(torch.rand(1, k, generator=generator) < 0.7, torch.tensor([plain[:k]]),
+                             torch.randint(0, 4, (1, k), generator=generator))
+        output, accepted = coupled_verify(drafts, probs, uniforms)
+        n = int(accepted[0])
+        assert output[0, : n + 1].tolist() == plain[: n + 1]
+        assert n == k or int(drafts[0, n]) != plain[n]
+
+
+def test_inverse_cdf_never_draws_a_zero_weight_token():
+    weights = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0], [0.0, 0.0, 0.0, 0.0, 2.5], [1e-30, 0.0, 1.0, 0.0, 0.0]])
+    step = float(weights[0, 1])  # 0.3 as float32 weights hold it: where row 0's draw moves on
+    ends = torch.tensor([0.0, step - 1e-9, step, 1 - 2**-53], dtype=torch.float64)  # u = 0, below and at a step, the largest u
+    drawn = torch.stack([inverse_cdf(weights, u.expand(3)) for u in ends])
+    assert drawn.tolist() == [[1, 4, 0], [1, 4, 2], [3, 4, 2], [3, 4, 2]]
+    uniform = torch.rand(10_000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(inverse_cdf(weights[0].expand(10_000, 5), uniform), minlength=5)
+    assert counts[[0, 2, 4]].sum() == 0 and 2_700 < counts[1] < 3_300
+
+
+def test_position_uniforms_depend_on_seed_and_position_alone():
+    draws = PositionUniforms(7)
+    assert torch.equal(draws(0, 10)[4:], draws(4, 6)) and torch.equal(draws(3, 1), PositionUniforms(7)(3, 1))
+    assert not torch.equal(draws(0, 10), PositionUniforms(8)(0, 10))
+    assert not torch.equal(draws(0, 10), PositionUniforms(-7)(0, 10))
+    many = PositionUniforms(-(2**63))(0, 20_000)  # any signed 64-bit seed
+    assert ((many >= 0) & (many < 1)).all() and many.unique().numel() == 20_000
+    assert abs(float(many.mean()) - 0.5) < 0.01 and abs(float(many[1:] @ many[:-1]) / 19_999 - 0.25) < 0.01
 
 
 def test_top_k_and_top_p_truncate():

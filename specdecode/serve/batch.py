@@ -57,6 +57,7 @@ from ..engine import check_prompt, commit_tokens, verify_chain
 from ..metrics import GenerationStats
 from ..proposers.base import Proposal
 from ..text import TextTracker
+from ..verify.sampling import PositionUniforms
 
 FINISH_REASONS = ("stop", "length", "abort")
 logger = logging.getLogger("specdecode.serve")
@@ -109,6 +110,7 @@ class Sequence:
         self.stats.prompt_tokens = len(self.prompt_ids)
         seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
         self.generator = torch.Generator().manual_seed(seed)
+        self.draws = PositionUniforms(seed)  # the target's draws, one per position (engine.verify_chain)
         self.tracker: TextTracker | None = None
 
     @property
@@ -521,7 +523,9 @@ class BatchEngine:
     @staticmethod
     def _verify(sequence: Sequence, drafts: torch.Tensor, draft_probs, logits: torch.Tensor) -> list[int]:
         probs = None if draft_probs is None else draft_probs[None, :drafts.numel()]
-        output_ids, num_accepted = verify_chain(drafts[None], probs, logits, sequence.params, sequence.generator)
+        uniforms = None if sequence.params.greedy else sequence.draws(len(sequence.tokens), drafts.numel() + 1)[None]
+        output_ids, num_accepted = verify_chain(drafts[None], probs, logits, sequence.params, sequence.generator,
+                                                uniforms)
         return output_ids[0, :int(num_accepted[0]) + 1].tolist()
 
     def _commit(self, sequence: Sequence, new_tokens: list[int], drafted: int, accepted: int) -> None:

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from .sampling import argmax_ids, sample
+from .sampling import argmax_ids, inverse_cdf, sample
 
 PAD_ID = -1
 
@@ -37,17 +37,43 @@ def _assemble(draft_ids: torch.Tensor, num_accepted: torch.Tensor, bonus: torch.
     return output.scatter_(1, num_accepted[:, None], bonus[:, None])
 
 
+def _match_drafts(draft_ids: torch.Tensor, target_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept drafts ``[B, k]`` while they equal the target's own tokens ``[B, k+1]``;
+    the bonus is the target's token after them."""
+    if draft_ids.shape[1] == 0:  # a plain step: the target's token is the output (what _assemble gives)
+        return target_ids[:, :1], torch.zeros(target_ids.shape[0], dtype=torch.int64, device=target_ids.device)
+    num_accepted = _accepted_prefix_length(draft_ids == target_ids[:, :-1])  # [B]
+    bonus = target_ids.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
+    return _assemble(draft_ids, num_accepted, bonus), num_accepted
+
+
 def greedy_verify(
     draft_ids: torch.Tensor,  # [B, k]
     target_logits: torch.Tensor,  # [B, k+1, V]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept drafts while they equal the target's argmax; the bonus is the argmax after."""
-    target_ids = argmax_ids(target_logits)  # [B, k+1]
-    if draft_ids.shape[1] == 0:  # a plain step: the argmax is the output (what _assemble gives)
-        return target_ids[:, :1], torch.zeros(target_ids.shape[0], dtype=torch.int64, device=target_ids.device)
-    num_accepted = _accepted_prefix_length(draft_ids == target_ids[:, :-1])  # [B]
-    bonus = target_ids.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
-    return _assemble(draft_ids, num_accepted, bonus), num_accepted
+    return _match_drafts(draft_ids, argmax_ids(target_logits))
+
+
+def coupled_verify(
+    draft_ids: torch.Tensor,  # [B, k] drawn with no use of ``uniforms``
+    target_probs: torch.Tensor,  # [B, k+1, V] processed target distributions
+    uniforms: torch.Tensor,  # [B, k+1] each position's uniform draw (sampling.PositionUniforms)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampling verification as greedy verification is: the target draws its own token at
+    every position (``inverse_cdf`` with that position's uniform), drafts are accepted
+    while they equal the draws, and the bonus is the draw after them.
+
+    Each output token is a draw from the target given the tokens before it, with a
+    uniform used for nothing else, so the output follows the target exactly, whatever the
+    drafts (they only decide how many draws one pass yields). A deterministic draft x is
+    accepted with probability target_probs(x), as in rejection sampling with a point mass
+    (Leviathan et al. 2023); what differs is that the tokens are the ones plain sampling
+    draws with the same uniforms: with ``PositionUniforms`` a seeded request gives the same
+    tokens whatever k, drafter or batch (on a runtime whose logits do not depend on the
+    rows scored beside them). Drafts drawn from a distribution keep ``rejection_sample``,
+    which accepts them more often (sum of min(p, q) against sum of p q)."""
+    return _match_drafts(draft_ids, inverse_cdf(target_probs, uniforms))
 
 
 def greedy_verify_rows(draft: list[int], row: Callable[[int], torch.Tensor]) -> tuple[int, int]:

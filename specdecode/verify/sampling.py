@@ -3,6 +3,12 @@
 ``logits_to_probs`` is applied identically to target and draft logits: speculative
 sampling is lossless with respect to the *processed* target distribution (temperature,
 then top-k, then top-p), so the drafter must be judged against that same distribution.
+
+Two ways to draw: ``sample`` takes its randomness from a ``torch.Generator`` in call order
+(drafters, and the rejection sampler's corrections); ``inverse_cdf`` takes one uniform per
+row, and ``PositionUniforms`` gives a request one uniform per position of its sequence.
+Drawing the target's token at position t with u(t), whichever step scores it, makes a
+sampled request's output a function of its seed alone (verify.chain.coupled_verify).
 """
 
 from __future__ import annotations
@@ -41,6 +47,46 @@ def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return torch.as_tensor(logits.detach().numpy().argmax(axis=-1))
     return logits.argmax(dim=-1)
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Draw one index per row of ``[..., V]`` probs (any non-negative weights) with the
+    row's uniform in [0, 1) (``uniforms`` [...]): the first index whose cumulative weight
+    exceeds u times the row's total. A zero-weight index never exceeds what its
+    predecessor reached, so it is never drawn, not even where float rounding of the sum
+    would run past the end (the last index with weight is taken there)."""
+    cumulative = probs.double().cumsum(-1)  # [..., V]; float64: rounding far below any weight drawn
+    total = cumulative[..., -1:]
+    ids = torch.searchsorted(cumulative, uniforms.to(cumulative)[..., None] * total, right=True)
+    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int64).argmax(-1, keepdim=True)
+    return torch.minimum(ids, last).squeeze(-1)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(state: int) -> int:
+    """SplitMix64's output function (Steele, Lea and Flood 2014) of a 64-bit state."""
+    z = state & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+class PositionUniforms:
+    """A request's uniform draws, one per position of its token sequence: u(t) in [0, 1)
+    depends on the seed and t alone (SplitMix64 at state key + t times its golden-ratio
+    increment, the key itself mixed from the seed so that it shares nothing with a
+    ``torch.Generator`` seeded alike). Distinct positions get independent-looking draws;
+    the same position gets the same draw however the sequence was decoded up to it."""
+
+    def __init__(self, seed: int):
+        self.key = _splitmix64(seed ^ 0x5D5EC0DE5D5EC0DE)
+
+    def __call__(self, start: int, count: int) -> torch.Tensor:
+        """``[count]`` float64: u(start), ..., u(start + count - 1)."""
+        return torch.tensor([(_splitmix64(self.key + (t + 1) * 0x9E3779B97F4A7C15) >> 11) * 2.0**-53
+                             for t in range(start, start + count)], dtype=torch.float64)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -18,7 +18,9 @@ a drafter) is a point mass: accepted with probability p(x), and a rejection sets
 p. Either way the emitted tokens follow the target's distribution exactly.
 
 A chain of k drafts is the tree whose node i has parent i-1; on it both functions agree
-with ``chain.greedy_verify`` and ``chain.rejection_sample``.
+with ``chain.greedy_verify`` and ``chain.rejection_sample``. ``coupled_tree_verify`` walks
+a tree of deterministic nodes as ``chain.coupled_verify`` walks a chain: the target's own
+draws, one per depth, pick the path.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from .sampling import argmax_ids, sample
+from .sampling import argmax_ids, inverse_cdf, sample
 
 
 @dataclass(frozen=True)
@@ -111,24 +113,37 @@ def tree_from_paths(paths: list[list[int]]) -> tuple[torch.Tensor, list[tuple[in
     return torch.tensor(parents, dtype=torch.int64), nodes
 
 
-def greedy_tree_verify(tree: Tree, target_logits: "torch.Tensor | Callable[[int], torch.Tensor]") -> tuple[list[int], int]:
-    """``target_logits`` [n+1, V] for nodes 0..n, or a function node -> logits [V] (asked
-    only for the nodes on the walk: ``LazyLogits`` rows) -> (accepted nodes root-down,
-    bonus token)."""
-    if callable(target_logits):
-        def best(node: int) -> int:
-            return int(argmax_ids(target_logits(node)))
-    else:
-        best = argmax_ids(target_logits).tolist().__getitem__
+def walk_tree(tree: Tree, choose: Callable[[int], int]) -> tuple[list[int], int]:
+    """Down from the root to the child holding the target's token ``choose(node)`` while
+    there is one -> (accepted nodes root-down, the token chosen where the walk stops)."""
     tokens, children = tree.tokens.tolist(), tree.children()
     node, path = 0, []
     while True:
-        wanted = best(node)
+        wanted = choose(node)
         following = next((c for c in children[node] if tokens[c - 1] == wanted), None)
         if following is None:
             return path, wanted
         path.append(following)
         node = following
+
+
+def greedy_tree_verify(tree: Tree, target_logits: "torch.Tensor | Callable[[int], torch.Tensor]") -> tuple[list[int], int]:
+    """``target_logits`` [n+1, V] for nodes 0..n, or a function node -> logits [V] (asked
+    only for the nodes on the walk: ``LazyLogits`` rows) -> (accepted nodes root-down,
+    bonus token)."""
+    if callable(target_logits):
+        return walk_tree(tree, lambda node: int(argmax_ids(target_logits(node))))
+    return walk_tree(tree, argmax_ids(target_logits).tolist().__getitem__)
+
+
+def coupled_tree_verify(tree: Tree, target_probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[list[int], int]:
+    """``chain.coupled_verify`` on a tree of deterministic nodes: at each node of the walk
+    the target draws its token from ``target_probs`` [n+1, V] with the uniform of the
+    node's depth (``uniforms`` [depth + 1]: the positions after the root's), and the walk
+    goes to the child holding it. Only one node per depth is on the walk, so each draw
+    uses a uniform of its own and the tokens are what plain sampling draws with them."""
+    depths = tree.depths().tolist()
+    return walk_tree(tree, lambda node: int(inverse_cdf(target_probs[node], uniforms[depths[node]])))
 
 
 def tree_rejection_sample(
