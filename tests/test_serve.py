@@ -91,6 +91,14 @@ def test_seeded_sampling_repeats_and_per_request_speculation(served):
     runs = [api.completions.create(model="tiny", prompt="qwerty", max_tokens=16, temperature=0.9, seed=3,
                                    extra_body={"speculative": {"num_speculative_tokens": 2}}) for _ in range(2)]
     assert runs[0].choices[0].text == runs[1].choices[0].text
+    # with k auto the drafts per step follow what the policy learnt from every request so
+    # far; the target's own draws still give the tokens plain sampling gives
+    sampled = dict(model="tiny", prompt="abcabcabcabcabc", max_tokens=24, temperature=0.8, seed=5)
+    alone = api.completions.create(extra_body={"speculative": {"enabled": False}}, **sampled).choices[0].text
+    for _ in range(3):
+        again = api.completions.create(extra_body={"speculative": {"method": "ngram", "num_speculative_tokens": "auto"}},
+                                       **sampled)
+        assert again.choices[0].text == alone
     plain = api.completions.create(model="tiny", prompt="abababab", max_tokens=12, temperature=0,
                                    extra_body={"speculative": {"enabled": False}})
     assert plain.model_extra["speculative"]["method"] == "none"
