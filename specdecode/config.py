@@ -6,6 +6,7 @@ never reaches the tensor code.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -43,9 +44,15 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily (vLLM's _SAMPLING_EPS)
+SEED_RANGE = (-(2**63), 2**63 - 1)  # a signed 64-bit seed, as the server's requests take
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How the next token is chosen. temperature == 0 means greedy (argmax).
+    """How the next token is chosen. A temperature below ``GREEDY_BELOW`` (0 included)
+    means greedy (argmax): dividing logits by a smaller one overflows float32 to
+    inf - inf = nan, and a tiny temperature's distribution is the argmax's anyway.
 
     The same transformation (temperature, then top-k, then top-p) is applied to target
     and draft logits, which is what keeps speculative sampling lossless.
@@ -60,8 +67,8 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
@@ -70,10 +77,12 @@ class SamplingParams:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must be non-empty")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ConfigError(f"seed must be a signed 64-bit integer ({SEED_RANGE[0]} to {SEED_RANGE[1]}), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 DEFAULT_TREE_WIDTH = 3  # measured: docs/training.md, "Tree shape"

@@ -256,7 +256,12 @@ def test_generation_stops_at_the_context_limit(text_model):
 def test_bad_sampling_and_draft_flags():
     with pytest.raises(ConfigError, match="top_p must be in"):
         SamplingParams(top_p=0.0)
-    with pytest.raises(ConfigError, match="temperature must be >= 0"):
-        SamplingParams(temperature=-1)
+    for bad in (-1, float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match="temperature must be a finite number >= 0"):
+            SamplingParams(temperature=bad)
+    assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=1e-4).greedy
+    for bad in (2**63, -(2**63) - 1, 2**64):  # torch's manual_seed raised an overflow from deep inside
+        with pytest.raises(ConfigError, match="seed must be a signed 64-bit integer"):
+            SamplingParams(seed=bad)
     with pytest.raises(ConfigError, match="needs a draft model"):
         SpeculativeConfig(method="draft")

@@ -73,6 +73,15 @@ class SpeculativeOptions(BaseModel):
         return value
 
 
+# what each unsupported parameter may hold (its default, or asking for nothing)
+UNSUPPORTED_DEFAULTS = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+    "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "repetition_penalty": (None, 1),
+    "min_p": (None, 0), "min_tokens": (None, 0), "best_of": (None, 1), "response_format": (None, {"type": "text"}),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"),
+}
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -91,11 +100,26 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     speculative: SpeculativeOptions | None = None
     task_type: str | None = None
+    # parameters of OpenAI's API (and vLLM's) that this server does not implement: taken,
+    # so that a request asking for their default still runs, and refused by name when it
+    # asks for anything else (accepted and ignored, they would give a silently different answer)
     logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    repetition_penalty: Any = None
+    min_p: Any = None
+    min_tokens: Any = None
+    best_of: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
 
     def sampling(self, max_tokens: int) -> SamplingParams:
-        if self.logprobs not in (None, False, 0):
-            raise APIError(400, "logprobs are not supported", param="logprobs")
+        for name, defaults in UNSUPPORTED_DEFAULTS.items():
+            if getattr(self, name, None) not in defaults:
+                raise APIError(400, f"{name} is not supported by this server (only its default)", param=name)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stop):
             raise APIError(400, "stop strings must be non-empty", param="stop")
@@ -386,6 +410,10 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, error: RequestValidationError):
+        try:  # a client without the key learns nothing of the schema
+            authorize(request)
+        except APIError as refused:
+            return refused.response()
         first = error.errors()[0] if error.errors() else {}
         location = [str(p) for p in first.get("loc", ()) if p != "body"]
         message = first.get("msg", "invalid request")
@@ -445,11 +473,11 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
         return list(encoded["input_ids"]), "\n".join(m["content"] for m in messages if m["role"] == "user")
 
     async def run(request: Request, body, prompt_ids, prompt_text, max_tokens, chat: bool):
-        authorize(request)
-        check_model(body.model)
         params = body.sampling(max_tokens)
         if getattr(body, "suffix", None):
             raise APIError(400, "suffix (insertion) is not supported", param="suffix")
+        if params.stop and tokenizer is None:
+            raise APIError(400, "stop strings need a tokenizer; this model has none", param="stop")
         state.check_prompt(prompt_ids)  # before anything decodes the ids (echo)
         echo = ""
         if getattr(body, "echo", False):
@@ -573,12 +601,14 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
         authorize(request)
+        check_model(body.model)
         prompt_ids, text = encode_completion(body)
         return await run(request, body, prompt_ids, text, body.max_tokens or 16, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest):
         authorize(request)
+        check_model(body.model)
         prompt_ids, text = encode_chat(body)
         room = state.engine.max_model_len - len(prompt_ids)
         max_tokens = body.max_completion_tokens or body.max_tokens or max(room, 1)
