@@ -8,7 +8,8 @@ from scipy.stats import chisquare
 
 from specdecode.config import SamplingParams
 from specdecode.verify.chain import PAD_ID, coupled_verify, greedy_verify, greedy_verify_rows, rejection_sample
-from specdecode.verify.sampling import PositionUniforms, argmax_ids, inverse_cdf, logits_to_probs, sample
+from specdecode.verify.sampling import (PositionUniforms, argmax_ids, inverse_cdf, logits_to_probs, outside_nucleus,
+                                       sample)
 
 
 def one_hot_logits(ids: list[int], vocab: int = 6) -> torch.Tensor:
@@ -233,6 +234,20 @@ def test_top_k_and_top_p_truncate():
     assert probs[0] < 0.8 < probs[:2].sum()
     greedy = logits_to_probs(logits, SamplingParams())
     assert greedy.tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_the_nucleus_from_the_top_tokens_is_the_one_a_full_sort_gives():
+    """Top-p from the 64 most probable tokens (then 512, 4,096, ...) keeps what ranking
+    the whole vocabulary keeps: peaked rows, flat rows that need more than the first 64,
+    and a small vocabulary."""
+    generator = torch.Generator().manual_seed(4)
+    for vocab, scale in ((5000, 0.5), (5000, 4.0), (40, 1.0), (6, 2.0)):
+        probs = (torch.randn(6, vocab, generator=generator) * scale).softmax(-1)
+        for top_p in (0.05, 0.5, 0.9, 0.999):
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+            expected = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+            assert torch.equal(outside_nucleus(probs, top_p), expected), (vocab, scale, top_p)
 
 
 def test_rejection_sample_with_no_drafts_samples_the_target():
