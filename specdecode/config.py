@@ -193,6 +193,14 @@ def load_presets() -> dict[str, dict]:
     return tomllib.loads(resources.files("specdecode.data").joinpath("presets.toml").read_text())
 
 
+def parse_int_list(text, name: str) -> tuple[int, ...]:
+    """``"4,3,2"`` (a flag's or a preset's value) -> (4, 3, 2); anything else is refused by ``name``."""
+    try:
+        return tuple(int(part) for part in str(text).split(",") if part.strip())
+    except ValueError:
+        raise ConfigError(f"{name} takes comma-separated integers, got {text!r}") from None
+
+
 def preset(name: str) -> dict:
     presets = load_presets()
     if name not in presets:

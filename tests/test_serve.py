@@ -179,6 +179,13 @@ def test_concurrent_greedy_requests_equal_their_outputs_alone(served):
     ({"prompt": "hi", "suffix": "end"}, 400, "suffix"),
     ({"prompt": "hi", "seed": 2 ** 70}, 400, "seed"),
     ({"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": "hi", "logit_bias": {"5": -100}}, 400, "logit_bias"),  # these were accepted and ignored
+    ({"prompt": "hi", "frequency_penalty": 1.5}, 400, "frequency_penalty"),
+    ({"prompt": "hi", "presence_penalty": -0.5}, 400, "presence_penalty"),
+    ({"prompt": "hi", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ({"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ({"prompt": "hi", "model": "gpt-4", "max_tokens": 2}, 404, "does not exist"),
+    ({"prompt": "", "model": "gpt-4"}, 404, "does not exist"),  # the model before the prompt
     ({"prompt": ["a", "b"]}, 400, "batch of prompts"),
     ({"prompt": [-1], "echo": True}, 400, "vocabulary"),  # found by schemathesis: echo decoded the ids first
 ])
@@ -244,6 +251,10 @@ def test_api_key_and_full_queue(model_dir):
         with pytest.raises(openai.AuthenticationError):
             openai_client(client, api_key="wrong").completions.create(model="tiny", prompt="hi", max_tokens=2)
         assert client.post("/v1/completions", json={"prompt": "hi"}).status_code == 401
+        # a client without the key gets 401 before any word on its body
+        assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0}).status_code == 401
+        assert client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+                           ).status_code == 401
         response = client.post("/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer sekret"})
         assert response.status_code == 503 and response.headers["retry-after"]
         assert response.json()["error"]["code"] == "overloaded"
@@ -276,3 +287,59 @@ def test_speculative_config_takes_vllm_keys():
                           ('{"methd": "ngram"}', "unknown keys")):
         with pytest.raises(ConfigError, match=fragment):
             parse_speculative_config(bad)
+
+
+def test_parameters_at_their_defaults_run_and_others_are_refused(served):
+    """OpenAI's parameters this server does not implement run at their defaults (what
+    clients send unasked) and are refused by name otherwise, on chat too."""
+    client, _, _ = served
+    defaults = {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "best_of": 1, "logprobs": False,
+                "top_logprobs": 0, "response_format": {"type": "text"}, "tool_choice": "none", "tools": []}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert client.post("/v1/chat/completions", json={**chat, **defaults}).status_code == 200
+    for name, value in (("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+                        ("tool_choice", "required"), ("top_logprobs", 2)):
+        response = client.post("/v1/chat/completions", json={**chat, name: value})
+        assert response.status_code == 400 and response.json()["error"]["param"] == name, (name, response.text)
+
+
+def test_a_temperature_too_small_to_divide_by_decodes_greedily(served):
+    """Logits divided by 1e-40 overflow to nan (the sampler then drew token 0 every step):
+    below 1e-5, as vLLM, the request decodes greedily."""
+    client, _, _ = served
+    texts = [client.post("/v1/completions", json={"prompt": "qwerty", "max_tokens": 8, "temperature": t}
+                         ).json()["choices"][0]["text"] for t in (0, 1e-40, 1e-6)]
+    assert texts[0] and texts == [texts[0]] * 3
+
+
+def test_stop_strings_without_a_tokenizer_are_a_400(tiny_llama_dir):
+    """A model with no tokenizer takes prompts as ids; stop strings cannot be matched."""
+    client, _ = make_client(tiny_llama_dir)
+    with client:
+        response = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "stop": "x"})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "stop", response.text
+        assert client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4}).status_code == 200
+
+
+@pytest.mark.parametrize("bad, key", [
+    ('{"method": ["ngram"]}', "method"), ('{"prompt_lookup_min": "x"}', "prompt_lookup_min"),
+    ('{"prompt_lookup_max": 2.5}', "prompt_lookup_max"), ('{"k_max": "abc"}', "k_max"), ('{"k_max": null}', "k_max"),
+    ('{"k_max": 2.5}', "k_max"), ('{"num_speculative_tokens": true}', "num_speculative_tokens"),
+    ('{"num_speculative_tokens": -2}', "num_speculative_tokens"), ('{"model": 5}', "model"),
+    ('{"preset": ["json-api"]}', "preset"), ('{"router": "false"}', "router"), ('{"router": 0}', "router"),
+])
+def test_speculative_config_refuses_wrong_types_by_name(bad, key):
+    # a ConfigError (not a raw TypeError/ValueError) is what the CLI reports cleanly
+    with pytest.raises(ConfigError, match=key):
+        parse_speculative_config(bad)
+
+
+def test_speculative_config_applies_every_preset_key():
+    spec, router = parse_speculative_config('{"preset": "creative-writing"}')
+    assert spec.method == "ngram" and spec.k == "auto" and spec.k_max == 4 and router
+    spec, _ = parse_speculative_config('{"preset": "code-assistant"}')
+    assert spec.ngram_sizes == (4, 3, 2) and spec.k_max == 10
+    # the JSON's own keys still win over the preset
+    spec, router = parse_speculative_config('{"preset": "code-assistant", "k_max": 6, "prompt_lookup_min": 1, '
+                                            '"prompt_lookup_max": 2, "router": false}')
+    assert spec.k_max == 6 and spec.ngram_sizes == (2, 1) and not router

@@ -7,7 +7,7 @@ import json
 import os
 from dataclasses import replace
 
-from ..config import VLLM_METHODS, ConfigError, EngineConfig, SpeculativeConfig, parse_k
+from ..config import VLLM_METHODS, ConfigError, EngineConfig, SpeculativeConfig, parse_int_list, parse_k
 from .app import ServerState, SpeculationChoices, create_app
 from .batch import BatchEngine, clone_policy
 from .metrics import ServerMetrics
@@ -15,11 +15,25 @@ from .metrics import ServerMetrics
 SCHEDULES = ("fcfs", "task")
 SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "preset",
              "router", "k_max", "k_policy"}
+# a preset's keys (the flags of `specdecode generate`) -> ours; ngram_sizes has no JSON key of its own
+PRESET_KEYS = {"method": "method", "k": "num_speculative_tokens", "k_max": "k_max", "k_policy": "k_policy",
+               "route": "router"}
+# what a preset may set that a server does not: sampling is each request's to choose
+PRESET_PER_REQUEST = {"temperature", "top_p", "top_k", "max_new_tokens"}
+
+
+def _spec_int(data: dict, key: str, default: int) -> int:
+    # JSON integers only: int() would take "3", truncate 2.5 and read true as 1
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"--speculative-config {key} must be an integer >= 1, got {value!r}")
+    return value
 
 
 def parse_speculative_config(text: str | dict | None) -> tuple[SpeculativeConfig, bool]:
     """vLLM's ``--speculative-config`` JSON (method, model, num_speculative_tokens,
-    prompt_lookup_min/max) plus ours ("auto" k, preset, router) -> (config, router on)."""
+    prompt_lookup_min/max) plus ours ("auto" k, preset, router, k_max, k_policy) -> (config, router on).
+    A preset supplies defaults that the JSON's own keys override."""
     if text is None or text == "":
         return SpeculativeConfig(method="suffix"), True
     try:
@@ -31,29 +45,46 @@ def parse_speculative_config(text: str | dict | None) -> tuple[SpeculativeConfig
     unknown = sorted(set(data) - SPEC_KEYS)
     if unknown:
         raise ConfigError(f"--speculative-config has unknown keys {unknown}; known: {sorted(SPEC_KEYS)}")
+    ngram = (3, 2, 1)
     if "preset" in data:
         from ..config import preset
 
-        values = preset(data.pop("preset"))
-        data = {**{"method": values.get("method"), "num_speculative_tokens": values.get("k")}, **data}
+        name = data.pop("preset")
+        if not isinstance(name, str):
+            raise ConfigError(f"--speculative-config preset must be a preset's name, got {name!r}")
+        values = preset(name)
+        unusable = sorted(set(values) - set(PRESET_KEYS) - PRESET_PER_REQUEST - {"ngram_sizes"})
+        if unusable:
+            raise ConfigError(f"preset {name!r} sets {unusable}, which --speculative-config does not take")
+        if "ngram_sizes" in values:
+            ngram = parse_int_list(values["ngram_sizes"], f"preset {name!r} ngram_sizes")
+        data = {**{PRESET_KEYS[key]: value for key, value in values.items() if key in PRESET_KEYS}, **data}
     method = data.get("method", "suffix")
-    if method not in VLLM_METHODS:
+    if not isinstance(method, str) or method not in VLLM_METHODS:
         raise ConfigError(f"unknown speculative method {method!r}; choose from {sorted(VLLM_METHODS)}")
     method = VLLM_METHODS[method]
-    ngram = (3, 2, 1)
     if "prompt_lookup_min" in data or "prompt_lookup_max" in data:
-        low, high = int(data.get("prompt_lookup_min", 1)), int(data.get("prompt_lookup_max", 3))
-        if not 1 <= low <= high:
+        low, high = _spec_int(data, "prompt_lookup_min", 1), _spec_int(data, "prompt_lookup_max", 3)
+        if low > high:
             raise ConfigError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {low} and {high}")
         ngram = tuple(range(high, low - 1, -1))
-    k = parse_k(str(data.get("num_speculative_tokens", "auto")))
-    spec = SpeculativeConfig(method=method, k=k, draft=data.get("model"), ngram_sizes=ngram,
-                             k_policy=data.get("k_policy", "cost"), k_max=int(data.get("k_max", 10)),
+    k = data.get("num_speculative_tokens", "auto")
+    if k != "auto":
+        k = _spec_int(data, "num_speculative_tokens", 0)
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ConfigError(f"--speculative-config model must be a path or name, got {model!r}")
+    router = data.get("router", True)
+    if not isinstance(router, bool):  # bool("false") is True: take JSON true/false only
+        raise ConfigError(f"--speculative-config router must be true or false, got {router!r}")
+    spec = SpeculativeConfig(method=method, k=k, draft=model, ngram_sizes=ngram,
+                             k_policy=data.get("k_policy", "cost"), k_max=_spec_int(data, "k_max", 10),
                              tree_width=1 if method in ("eagle", "tree") else None)
     if method in ("draft", "tree"):
         raise ConfigError(f"method {method!r} is not served by the batched engine yet (a draft model keeps one "
                           "sequence's cache; trees need per-row masks); serve 'suffix', 'ngram' or 'eagle' (chains)")
-    return spec, bool(data.get("router", True))
+    return spec, router
+
 
 
 def drafter_entry(spec: SpeculativeConfig, target, engine_config: EngineConfig):
