@@ -15,7 +15,7 @@ import json
 import logging
 import sys
 
-from .config import EngineConfig, SamplingParams, SpecDecodeError, SpeculativeConfig, parse_k
+from .config import EngineConfig, SamplingParams, SpecDecodeError, SpeculativeConfig, parse_int_list, parse_k
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -47,13 +47,6 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
-
-
-def _int_tuple(text: str, flag: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise SpecDecodeError(f"{flag} takes comma-separated integers, got {text!r}") from None
 
 
 REPEATS_HELP = "run each prompt's round of methods N times and time each method by its fastest run (default 1)"
@@ -247,7 +240,7 @@ def _spec_config(args, method: str, k: str | None = None) -> SpeculativeConfig:
         method=method, k=parse_k("auto" if k == "threshold" else k), tree_width=width,
         draft=(getattr(args, "head", None) if method in ("eagle", "tree")
                else getattr(args, "store", None) if method == "suffix" else args.draft),
-        ngram_sizes=_int_tuple(args.ngram_sizes, "--ngram-sizes"), k_policy=policy, k_max=args.k_max,
+        ngram_sizes=parse_int_list(args.ngram_sizes, "--ngram-sizes"), k_policy=policy, k_max=args.k_max,
     )
 
 
@@ -332,23 +325,29 @@ def cmd_bench(args) -> int:
     from .bench.runner import run_bench
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:  # it benched plain decoding alone, for minutes, against nothing
+        raise SpecDecodeError(f"--methods takes a comma list of methods, got {args.methods!r}")
     return run_bench(args, methods, _engine_config(args), _spec_config, _sampling(args))
+
+
+PROFILE_DRAFTERS = ("ngram", "draft")
 
 
 def cmd_profile(args) -> int:
     from .factory import build_proposer, cost_profile, drafter_key, load_target, log
 
     engine_config = _engine_config(args)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if any(m not in PROFILE_DRAFTERS for m in methods):
+        raise SpecDecodeError(f"profile --methods takes a comma list of {PROFILE_DRAFTERS}, got {args.methods!r}")
+    specs = [_spec_config(args, method, k="1") for method in methods]
     if engine_config.num_threads:
         import torch
 
         torch.set_num_threads(engine_config.num_threads)
     log(f"loading {args.model} ({args.dtype})")
     target = load_target(engine_config, args.runtime)
-    drafters = {}
-    for method in [m.strip() for m in args.methods.split(",") if m.strip()]:
-        spec = _spec_config(args, method, k="1")
-        drafters[drafter_key(spec)] = build_proposer(spec, target, engine_config)
+    drafters = {drafter_key(spec): build_proposer(spec, target, engine_config) for spec in specs}
     profile = cost_profile(target, args.dtype, drafters, force=args.remeasure)
     if args.json:
         print(json.dumps(profile.to_dict(), indent=1))
@@ -584,7 +583,7 @@ def cmd_bench_serve(args) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         raise SpecDecodeError(f"--modes takes a comma list of {MODES}, got {args.modes!r}")
-    levels = list(_int_tuple(args.concurrency, "--concurrency"))
+    levels = list(parse_int_list(args.concurrency, "--concurrency"))
     if args.request_rate is None and (not levels or min(levels) < 1):
         raise SpecDecodeError("--concurrency needs positive integers")
     if args.request_rate is not None and args.request_rate <= 0:

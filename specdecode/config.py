@@ -193,6 +193,18 @@ def load_presets() -> dict[str, dict]:
     return tomllib.loads(resources.files("specdecode.data").joinpath("presets.toml").read_text())
 
 
+def self_draft_layers(draft: str, total: int) -> int:
+    """L of a ``self:L`` drafter (the target's first L layers), checked against the target's
+    ``total`` layers before anything loads."""
+    try:
+        layers = int(draft.split(":", 1)[1])
+    except ValueError:
+        raise ConfigError(f"draft self:L needs an integer layer count, got {draft!r}") from None
+    if not 1 <= layers < total:
+        raise ConfigError(f"draft self:L needs 1 <= L < {total} (the target's layers), got {layers}")
+    return layers
+
+
 def parse_int_list(text, name: str) -> tuple[int, ...]:
     """``"4,3,2"`` (a flag's or a preset's value) -> (4, 3, 2); anything else is refused by ``name``."""
     try:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError, EngineConfig, SpecDecodeError, SpeculativeConfig
+from .config import ConfigError, EngineConfig, SpecDecodeError, SpeculativeConfig, self_draft_layers
 from .control.policies import CostAwareK, CostModel, FixedK, ThresholdK, TreeBudget
 from .cost.theory import best_k, tau_conditional
 from .engine import SpeculativeEngine
@@ -170,15 +170,9 @@ def build_proposer(spec: SpeculativeConfig, target: LoadedModel, engine: EngineC
 
         return MergedTreeProposer(NgramProposer(spec.ngram_sizes), eagle_proposer(spec.draft, target, spec.tree_width))
     if spec.draft.startswith("self:"):
-        try:
-            num_layers = int(spec.draft.split(":", 1)[1])
-        except ValueError:
-            raise ConfigError(f"--draft self:L needs an integer layer count, got {spec.draft!r}") from None
         if not hasattr(target.runtime, "layer_skip_view"):
             raise ConfigError("--draft self:L needs the native runtime")
-        total = target.runtime.cfg.num_layers
-        if not 1 <= num_layers < total:
-            raise ConfigError(f"--draft self:L needs 1 <= L < {total} (the target's layers), got {num_layers}")
+        num_layers = self_draft_layers(spec.draft, target.runtime.cfg.num_layers)
         return DraftModelProposer(target.runtime.layer_skip_view(num_layers))
     draft = load_target(replace(engine, model=spec.draft))
     check_vocabularies(target, draft)

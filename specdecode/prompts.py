@@ -28,11 +28,12 @@ def load_prompts(path: str | None, limit: int | None = None) -> list[dict]:
             continue
         try:
             row = json.loads(line)
-            prompt = row["turns"][0] if "turns" in row else row["prompt"]
-        except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+            prompt = row["turns"] if "turns" in row else row["prompt"]
+        except (json.JSONDecodeError, KeyError, TypeError):
             raise SpecDecodeError(
                 f"{origin} line {number}: expected {{'question_id', 'category', 'turns'}} or {{'prompt', 'category'}}"
             ) from None
+        prompt = _check_row(row, prompt, f"{origin} line {number}")
         category = row.get("category", "general")
         if limit is not None and per_category[category] >= limit:
             continue
@@ -41,3 +42,21 @@ def load_prompts(path: str | None, limit: int | None = None) -> list[dict]:
     if not prompts:
         raise SpecDecodeError(f"{origin} holds no prompts")
     return prompts
+
+
+def _check_row(row: dict, prompt, where: str) -> str:
+    """The record's first prompt text; a wrong type or an empty prompt is refused here, before
+    any model loads, rather than failing (or benching a wrong prompt) later."""
+    key = "turns" if "turns" in row else "prompt"
+    if isinstance(prompt, list) and prompt and all(isinstance(turn, str) for turn in prompt):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise SpecDecodeError(f"{where}: {key!r} must be a string or a non-empty list of strings, got {prompt!r}")
+    if not prompt.strip():
+        raise SpecDecodeError(f"{where}: the prompt is empty")
+    if not isinstance(row.get("category", ""), str):
+        raise SpecDecodeError(f"{where}: 'category' must be a string, got {row['category']!r}")
+    question_id = row.get("question_id", "")
+    if not isinstance(question_id, (str, int)) or isinstance(question_id, bool):  # Spec-Bench numbers its questions
+        raise SpecDecodeError(f"{where}: 'question_id' must be a string or an integer, got {question_id!r}")
+    return prompt

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import SpecDecodeError
+from ..config import SpecDecodeError, self_draft_layers
 from ..models.loading import load_tokenizer, resolve_model
 
 TEST_TEXT = (
@@ -52,6 +52,8 @@ def check_static(target: str, draft: str) -> CheckResult:
     target_source = resolve_model(target)
     if is_head(draft):
         return check_head(result, target_source, head_directory(draft))
+    if draft.startswith("self:"):
+        self_draft_layers(draft, target_source.config.get("num_hidden_layers", 0))
     if draft.startswith("self:") or draft == "ngram":
         result.add("drafter", "OK", f"{draft} uses the target's own tokenizer and weights")
         return result

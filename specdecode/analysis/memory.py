@@ -31,7 +31,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ConfigError
+from ..config import ConfigError, EngineConfig, self_draft_layers
 
 GIB = 1024**3
 BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 34 / 32, "int4": 20 / 32}  # block formats: + fp16 scales
@@ -158,6 +158,7 @@ def deployment_memory(target: str, draft: str | None, dtype: str = "bf16", batch
     ``process``: add the measured memory of the Python process itself."""
     if batch < 1 or context < 1 or k < 0:
         raise ConfigError(f"batch and context must be >= 1 and k >= 0, got {batch}, {context}, {k}")
+    EngineConfig(prefill_chunk=prefill_chunk)  # the runtime's bounds on a chunk, checked where they are defined
     if dtype in ("int8", "int4"):
         weights, dtype = weights or dtype, "bf16"
     weights = weights or dtype
@@ -168,7 +169,7 @@ def deployment_memory(target: str, draft: str | None, dtype: str = "bf16", batch
         rows["draft"] = {"weights": 0.0, "kv_cache": 0.0, "activations": 0.0, "load": 0.0}
         draft_note = "prompt lookup needs no model" if draft == "ngram" else "no drafter"
     elif draft.startswith("self:"):
-        layers = int(draft.split(":", 1)[1])
+        layers = self_draft_layers(draft, target_shape.layers)
         rows["draft"] = model_memory(target_shape, weights, dtype, batch, context, 0, shares_weights=True, layers=layers,
                                      prefill_chunk=prefill_chunk)
         draft_note = f"the target's first {layers} layers: shares its weights, own KV cache"

@@ -1,0 +1,75 @@
+"""Bad input to the CLI: one clear error line (exit 2), before any model loads, never a
+traceback or a silently wrong answer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdecode.cli import main
+from specdecode.prompts import load_prompts
+
+
+def run(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("record, problem", [
+    ({"prompt": 5}, "'prompt' must be a string or a non-empty list of strings, got 5"),
+    ({"prompt": None}, "'prompt' must be a string or a non-empty list of strings, got None"),
+    ({"prompt": "  "}, "the prompt is empty"),
+    ({"turns": [1, "b"]}, "'turns' must be a string or a non-empty list of strings"),
+    ({"turns": []}, "'turns' must be a string or a non-empty list of strings, got []"),
+    ({"prompt": "hi", "category": ["a"]}, "'category' must be a string, got ['a']"),
+    ({"prompt": "hi", "question_id": {"a": 1}}, "'question_id' must be a string or an integer"),
+])
+def test_bench_refuses_a_bad_prompt_record_by_file_and_line(tmp_path, capsys, tiny_llama_dir, record, problem):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "fine", "category": "c"}) + "\n" + json.dumps(record) + "\n")
+    code, err = run(capsys, "bench", "--prompts", str(path), "--model", str(tiny_llama_dir), "--max-new-tokens", "2")
+    assert code == 2
+    assert f"specdecode: error: {path} line 2: {problem}" in err
+
+
+def test_spec_bench_records_load_and_a_string_turn_is_the_whole_prompt(tmp_path):
+    path = tmp_path / "question.jsonl"
+    path.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["Write.", "Again."]}) + "\n"
+                    + json.dumps({"turns": "hello world"}) + "\n")
+    assert load_prompts(str(path)) == [{"question_id": 81, "category": "writing", "prompt": "Write."},
+                                       {"question_id": "general-1", "category": "general", "prompt": "hello world"}]
+
+
+@pytest.mark.parametrize("methods", ["none", "ngram,eagle", "bogus"])
+def test_profile_refuses_what_is_not_a_drafter_before_loading(capsys, methods):
+    code, err = run(capsys, "profile", "--methods", methods, "--draft", "self:7", "--model", "/nowhere/model")
+    assert code == 2
+    assert f"profile --methods takes a comma list of ('ngram', 'draft'), got {methods!r}" in err
+
+
+def test_check_refuses_a_bad_layer_skip_drafter_and_takes_a_good_one(capsys, tiny_llama_dir):
+    for draft, problem in [("self:x", "draft self:L needs an integer layer count, got 'self:x'"),
+                           ("self:2", "draft self:L needs 1 <= L < 2 (the target's layers), got 2"),
+                           ("self:0", "draft self:L needs 1 <= L < 2 (the target's layers), got 0")]:
+        code, err = run(capsys, "check", str(tiny_llama_dir), draft, "--no-calibration")
+        assert code == 2 and problem in err, (draft, err)
+    assert main(["check", str(tiny_llama_dir), "self:1", "--no-calibration"]) == 0
+    assert "verdict: COMPATIBLE" in capsys.readouterr().out
+
+
+def test_memory_refuses_bad_drafters_and_chunks_and_takes_good_ones(capsys):
+    memory = ("memory", "--target", "135M", "--no-process", "--budget", "100")
+    for flags, problem in [(["--draft", "self:x"], "draft self:L needs an integer layer count, got 'self:x'"),
+                           (["--draft", "self:30"], "draft self:L needs 1 <= L < 30 (the target's layers), got 30"),
+                           (["--prefill-chunk", "0"], "prefill_chunk must be in 1..512, got 0"),
+                           (["--prefill-chunk", "100000"], "prefill_chunk must be in 1..512, got 100000")]:
+        code, err = run(capsys, *memory, *flags)
+        assert code == 2 and problem in err, (flags, err)
+    assert main([*memory, "--draft", "self:29", "--prefill-chunk", "512"]) == 0
+    assert "the target's first 29 layers" in capsys.readouterr().out
+
+
+def test_bench_refuses_an_empty_method_list(capsys):
+    code, err = run(capsys, "bench", "--methods", " , ", "--model", "/nowhere/model")
+    assert code == 2 and "--methods takes a comma list of methods, got ' , '" in err
