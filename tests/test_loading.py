@@ -70,3 +70,15 @@ def test_default_model_converts_once_and_loads(monkeypatch, tmp_path):
         handle.write(b"\x00" if handle.read(1) != b"\x00" else b"\x01")
     repaired = resolve_model("default")
     assert loading._conversion_valid(repaired.path, loading.sha256_file(loading.default_gguf_path()))
+
+
+def test_weights_auto_times_a_short_context_model_within_its_context(tiny_llama_dir):
+    """--weights auto times each format at 256 tokens of context, or at what a shorter
+    model holds (a 256-position model was refused before it decoded anything)."""
+    import torch
+
+    from specdecode.factory import load_model
+
+    model = load_model(str(tiny_llama_dir), torch.bfloat16)  # the CLI's default dtype: formats compete
+    model.runtime.reset(8)
+    assert model.runtime.max_positions <= 256 and model.runtime(torch.tensor([[1, 2, 3]])).shape[-2] == 3
