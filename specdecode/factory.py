@@ -66,9 +66,9 @@ def load_model(name: str, dtype: torch.dtype, runtime: str = "auto", weights: st
         raise ConfigError(f"the native runtime supports llama, mistral and qwen2, not {source.model_type!r}")
     use_native = runtime == "native" or (runtime == "auto" and source.native)
     if not use_native:
-        if weights not in ("auto", dense_weights(dtype)) or exact:
-            raise ConfigError(f"{source.model_type!r} runs through transformers, which takes neither --weights "
-                              f"{weights} nor --exact; use --dtype to choose its precision")
+        if weights not in ("auto", dense_weights(dtype)) or exact or backend != "auto":
+            raise ConfigError(f"{source.model_type!r} runs through transformers, which takes neither --weights, "
+                              "--exact nor --backend; use --dtype to choose its precision")
         model = load_hf(source.path, dtype, device)
         return LoadedModel(source, model, load_tokenizer(source))
     backend, fmt = choose_backend(source, dtype, weights, backend, exact, device)

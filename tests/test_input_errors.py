@@ -73,3 +73,15 @@ def test_memory_refuses_bad_drafters_and_chunks_and_takes_good_ones(capsys):
 def test_bench_refuses_an_empty_method_list(capsys):
     code, err = run(capsys, "bench", "--methods", " , ", "--model", "/nowhere/model")
     assert code == 2 and "--methods takes a comma list of methods, got ' , '" in err
+
+
+def test_transformers_runtime_refuses_the_native_runtimes_flags(tiny_llama_dir):
+    """--backend kernels with --runtime hf ran on transformers and said nothing."""
+    import torch
+
+    from specdecode.config import ConfigError
+    from specdecode.factory import load_model
+
+    for flags in ({"backend": "kernels"}, {"backend": "torch"}, {"weights": "int4"}, {"exact": True}):
+        with pytest.raises(ConfigError, match="runs through transformers, which takes neither"):
+            load_model(str(tiny_llama_dir), torch.float32, runtime="hf", **flags)
