@@ -263,17 +263,25 @@ def test_api_key_and_full_queue(model_dir):
         assert response.status_code == 400 and "exceeds the request queue" in response.json()["error"]["message"]
 
 
-def test_audit_reruns_greedy_requests_and_finds_no_mismatch(model_dir):
-    client, state = make_client(model_dir, audit_rate=1.0)
+def test_audit_reruns_greedy_and_sampled_requests_and_finds_no_mismatch(model_dir):
+    """Greedy requests, and sampled ones (seeded or not: the re-run takes the seed the
+    request drew with) whose prompt-lookup drafts the target's own draws verify."""
+    # no router: it turns speculation off for a task type whose drafts keep failing, and a
+    # request that did not speculate is not audited
+    client, state = make_client(model_dir, '{"method": "ngram", "num_speculative_tokens": 3, "router": false}',
+                                audit_rate=1.0)
     with client:
         for prompt in ("abcabc", "xyxyxy", "hello"):
             client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 10, "temperature": 0})
+        for seed in (None, 11):
+            client.post("/v1/completions", json={"prompt": "abcabcabcabc", "max_tokens": 16, "temperature": 0.9,
+                                                 "seed": seed})
         import time
 
         deadline = time.time() + 30
-        while time.time() < deadline and state.metrics.audit_checked.labels(model_name="tiny")._value.get() < 3:
+        while time.time() < deadline and state.metrics.audit_checked.labels(model_name="tiny")._value.get() < 5:
             time.sleep(0.05)
-        assert state.metrics.audit_checked.labels(model_name="tiny")._value.get() == 3
+        assert state.metrics.audit_checked.labels(model_name="tiny")._value.get() == 5
         assert state.auditor.mismatches == []
 
 

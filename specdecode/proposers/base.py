@@ -65,6 +65,11 @@ class Proposer(Protocol):
     """A drafter. The engine calls ``start`` once per request, then ``propose`` each step."""
 
     name: str
+    # True where, when sampling, drafts are drawn from a distribution handed to the verifier
+    # (``draft_probs``: rejection sampling); absent or False: drafts are chosen
+    # deterministically and the target's own draws verify them (``chain.coupled_verify``),
+    # so a seeded request's tokens are plain sampling's (the server's audit relies on it)
+    samples_drafts: bool = False
 
     def start(self, prompt_ids: list[int], capacity: int) -> None:
         """Prepare for a new request whose sequence may grow to ``capacity`` tokens."""

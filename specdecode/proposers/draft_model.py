@@ -17,6 +17,7 @@ from .base import Proposal
 
 class DraftModelProposer:
     name = "draft"
+    samples_drafts = True  # when sampling, drafts are drawn and carry their distribution (base.Proposer)
 
     def __init__(self, runtime):
         self.runtime = runtime

@@ -31,6 +31,7 @@ MAX_TREE_DEPTH = 8  # head passes per tree step at most
 
 class EagleProposer:
     name = "eagle"
+    samples_drafts = True  # sampled chains carry their distribution (trees are top-k point masses)
 
     def __init__(self, head: EagleHead, embed_rows, kernels: bool = True, tree_width: int = 1):
         """``embed_rows(ids [T]) -> [T, H]``: the target's embedding (the head has none).

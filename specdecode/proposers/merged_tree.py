@@ -26,6 +26,7 @@ from .ngram import NgramProposer
 
 class MergedTreeProposer:
     name = "tree"
+    samples_drafts = True  # its chain fallback is the head's, which samples
     drafts_trees = True  # the engine's tree step, whatever the head's width
 
     def __init__(self, ngram: NgramProposer, eagle: EagleProposer, prior_first: float = 0.3,

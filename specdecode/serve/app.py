@@ -73,7 +73,10 @@ class SpeculativeOptions(BaseModel):
         return value
 
 
-# what each unsupported parameter may hold (its default, or asking for nothing)
+# Parameters of OpenAI's API (and vLLM's) that this server does not implement, with what
+# each may hold (its default, or asking for nothing): a request that sends the default still
+# runs, any other value is refused by name (accepted and ignored, it would give a silently
+# different answer)
 UNSUPPORTED_DEFAULTS = {
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
     "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "repetition_penalty": (None, 1),
@@ -87,7 +90,7 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept in model_extra: UNSUPPORTED_DEFAULTS reads them
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -100,25 +103,11 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     speculative: SpeculativeOptions | None = None
     task_type: str | None = None
-    # parameters of OpenAI's API (and vLLM's) that this server does not implement: taken,
-    # so that a request asking for their default still runs, and refused by name when it
-    # asks for anything else (accepted and ignored, they would give a silently different answer)
-    logprobs: Any = None
-    top_logprobs: Any = None
-    logit_bias: Any = None
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    repetition_penalty: Any = None
-    min_p: Any = None
-    min_tokens: Any = None
-    best_of: Any = None
-    response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
 
     def sampling(self, max_tokens: int) -> SamplingParams:
+        extra = self.model_extra or {}  # the keys this model does not declare
         for name, defaults in UNSUPPORTED_DEFAULTS.items():
-            if getattr(self, name, None) not in defaults:
+            if extra.get(name) not in defaults:
                 raise APIError(400, f"{name} is not supported by this server (only its default)", param=name)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stop):
@@ -194,8 +183,11 @@ class ServerState:
         engine = self.engine
         while not self.stopped:
             if not engine.has_work:
-                if self.auditor is not None and self.auditor.run_one():
-                    continue
+                try:  # an audit that cannot start must not end the thread (every request would hang)
+                    if self.auditor is not None and self.auditor.run_one():
+                        continue
+                except Exception:
+                    logger.exception("starting an audit failed")
                 self.wakeup.wait(0.05)
                 self.wakeup.clear()
                 continue

@@ -1,14 +1,17 @@
-"""The losslessness audit: a sampled fraction of finished greedy requests that speculated
-is decoded again without speculation, when the engine is otherwise idle, and compared
-token by token. A mismatch is counted in /metrics and logged with the request id, the
-first divergent position and the target's top-2 logit margin there (a margin near 0 is a
-numerical near-tie, a large one a bug)."""
+"""The losslessness audit: a sampled fraction of finished requests that speculated is
+decoded again without speculation, when the engine is otherwise idle, and compared token
+by token. Greedy requests, and sampled ones whose drafter does not sample (its drafts are
+verified by the target's own draws, one uniform per position: the re-run with the
+request's seed must draw the same tokens). A mismatch is counted in /metrics and logged
+with the request id, the first divergent position and the target's top-2 logit margin
+there (a margin near 0 is a numerical near-tie, a large one a bug)."""
 
 from __future__ import annotations
 
 import logging
 import random
 from collections import deque
+from dataclasses import replace
 
 import torch
 
@@ -25,11 +28,13 @@ class Auditor:
         self.mismatches: list[dict] = []
 
     def offer(self, sequence) -> None:
-        """A finished request; audited with probability ``rate`` if greedy and speculative."""
+        """A finished request; audited with probability ``rate`` if it speculated, greedily
+        or with drafts that the target's own draws verify."""
         if getattr(sequence, "audit_of", None) is not None:
             self.compare(sequence)
             return
-        if sequence.params.greedy and sequence.proposer is not None and sequence.finish_reason != "abort" \
+        comparable = sequence.params.greedy or not getattr(sequence.proposer, "samples_drafts", False)
+        if comparable and sequence.proposer is not None and sequence.finish_reason != "abort" \
                 and self.rng.random() < self.rate:
             self.backlog.append(sequence)
 
@@ -38,7 +43,8 @@ class Auditor:
         if not self.backlog:
             return False
         original = self.backlog.popleft()
-        audit = self.engine.add(original.prompt_ids, original.params, f"{original.request_id}-audit", speculate=False,
+        params = replace(original.params, seed=original.seed)  # the seed it drew with, if it was not given one
+        audit = self.engine.add(original.prompt_ids, params, f"{original.request_id}-audit", speculate=False,
                                  reuse_prefix=False)  # prefilled in full: an independent re-run
         audit.audit_of = original
         audit.task_type = original.task_type

@@ -108,9 +108,9 @@ class Sequence:
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
         self.stats.prompt_tokens = len(self.prompt_ids)
-        seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
-        self.generator = torch.Generator().manual_seed(seed)
-        self.draws = PositionUniforms(seed)  # the target's draws, one per position (engine.verify_chain)
+        self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
+        self.generator = torch.Generator().manual_seed(self.seed)
+        self.draws = PositionUniforms(self.seed)  # the target's draws, one per position (engine.verify_chain)
         self.tracker: TextTracker | None = None
 
     @property
