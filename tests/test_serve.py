@@ -351,3 +351,25 @@ def test_speculative_config_applies_every_preset_key():
     spec, router = parse_speculative_config('{"preset": "code-assistant", "k_max": 6, "prompt_lookup_min": 1, '
                                             '"prompt_lookup_max": 2, "router": false}')
     assert spec.k_max == 6 and spec.ngram_sizes == (2, 1) and not router
+
+
+def test_an_audit_that_cannot_start_does_not_stop_the_engine(model_dir):
+    """An exception while starting an audit ended the engine thread, and every later
+    request waited forever."""
+    client, state = make_client(model_dir, audit_rate=1.0)
+    calls = []
+
+    def broken():
+        calls.append(1)
+        raise RuntimeError("audit could not start")
+
+    state.auditor.run_one = broken
+    with client:
+        import time
+
+        deadline = time.time() + 10
+        while len(calls) < 2 and time.time() < deadline:  # the idle engine tries to start an audit, again
+            time.sleep(0.01)
+        assert len(calls) >= 2 and state.thread.is_alive()  # (a request to a dead engine would wait forever)
+        response = client.post("/v1/completions", json={"prompt": "abcabc", "max_tokens": 4, "temperature": 0})
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
