@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from .config import SamplingParams, SpecDecodeError
 from .control.policies import FixedK, KPolicy
@@ -51,22 +50,22 @@ def check_prompt(prompt_ids: list[int], context: int, vocab_size: int, limit: st
 
 
 def verify_chain(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
-                 params: SamplingParams, generator: torch.Generator | None,
-                 uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify chain drafts ``[B, k]`` against ``target_logits`` ``[B, k+1, V]``: greedy, or
+                 params: SamplingParams, generator: torch.Generator | None, draws: PositionUniforms,
+                 position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify one sequence's chain drafts ``[1, k]`` against ``target_logits`` ``[1, k+1, V]``
+    (row 0 scored at ``position - 1``, so it draws the token at ``position``): greedy, or
     sampling against the processed target distribution. Drafts drawn from ``draft_probs``
-    ``[B, k, V]`` go through rejection sampling (``generator``); deterministic drafts
+    ``[1, k, V]`` go through rejection sampling (``generator``); deterministic drafts
     (``draft_probs`` None) and plain steps through the target's own draws with the
-    positions' ``uniforms`` ``[B, k+1]`` (``coupled_verify``: the tokens plain sampling
-    draws with them), or rejection sampling of one-hot drafts where none are given.
-    (output_ids, num_accepted) as ``verify.chain`` returns them."""
+    request's ``draws`` at positions ``position..position + k`` (``coupled_verify``: the
+    tokens plain sampling draws with them). (output_ids, num_accepted) as ``verify.chain``
+    returns them."""
     if params.greedy:
         return greedy_verify(draft_ids, target_logits)
     target_probs = logits_to_probs(target_logits, params)
-    if draft_probs is None and uniforms is not None:
-        return coupled_verify(draft_ids, target_probs, uniforms)
     if draft_probs is None:
-        draft_probs = F.one_hot(draft_ids, target_probs.shape[-1]).float()
+        uniforms = draws(position, draft_ids.shape[1] + 1)[None].to(target_probs.device)
+        return coupled_verify(draft_ids, target_probs, uniforms)
     return rejection_sample(draft_ids, draft_probs, target_probs, generator)
 
 
@@ -339,8 +338,8 @@ class SpeculativeEngine:
         # 3. verify
         if isinstance(target_logits, torch.Tensor):
             draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[None, :num_drafted].to(self.device)
-            uniforms = None if params.greedy else draws(context, num_drafted + 1)[None].to(self.device)
-            output_ids, num_accepted = verify_chain(draft_ids, draft_probs, target_logits, params, generator, uniforms)
+            output_ids, num_accepted = verify_chain(draft_ids, draft_probs, target_logits, params, generator, draws,
+                                                    context)
             accepted = int(num_accepted[0])
             new_tokens = output_ids[0, : accepted + 1].tolist()
         else:  # greedy on logits computed on demand: the rows up to the first rejection

@@ -523,9 +523,8 @@ class BatchEngine:
     @staticmethod
     def _verify(sequence: Sequence, drafts: torch.Tensor, draft_probs, logits: torch.Tensor) -> list[int]:
         probs = None if draft_probs is None else draft_probs[None, :drafts.numel()]
-        uniforms = None if sequence.params.greedy else sequence.draws(len(sequence.tokens), drafts.numel() + 1)[None]
         output_ids, num_accepted = verify_chain(drafts[None], probs, logits, sequence.params, sequence.generator,
-                                                uniforms)
+                                                sequence.draws, len(sequence.tokens))
         return output_ids[0, :int(num_accepted[0]) + 1].tolist()
 
     def _commit(self, sequence: Sequence, new_tokens: list[int], drafted: int, accepted: int) -> None:
