@@ -7,7 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from specdecode.config import SamplingParams
-from specdecode.verify.chain import PAD_ID, coupled_verify, greedy_verify, greedy_verify_rows, rejection_sample
+from specdecode.verify.chain import PAD_ID, coupled_verify, greedy_tokens, greedy_verify, greedy_verify_rows, rejection_sample
 from specdecode.verify.sampling import (PositionUniforms, argmax_ids, inverse_cdf, logits_to_probs, outside_nucleus,
                                        sample)
 
@@ -53,6 +53,22 @@ def test_greedy_verify_rows_agrees_and_stops_at_the_first_rejection():
         n, bonus = greedy_verify_rows(drafts.tolist(), lambda i: asked.append(i) or logits[i])
         assert (n, bonus) == (int(accepted[0]), int(output[0, n]))
         assert asked == list(range(n + 1))
+
+
+def test_greedy_tokens_on_lists_agrees_with_the_batched_verifier():
+    """The list verifier the engines use for one sequence gives greedy_verify's tokens:
+    every draft length (0 = a plain step), full acceptance, a first-position rejection."""
+    assert greedy_tokens([], [7]) == [7]
+    assert greedy_tokens([1, 2], [1, 2, 9]) == [1, 2, 9]
+    assert greedy_tokens([1, 2], [3, 2, 9]) == [3]
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(300):
+        k = int(torch.randint(0, 6, (1,), generator=generator))
+        drafts = torch.randint(0, 3, (1, k), generator=generator)
+        logits = torch.randn(1, k + 1, 3, generator=generator)
+        output, accepted = greedy_verify(drafts, logits)
+        expected = output[0, : int(accepted[0]) + 1].tolist()
+        assert greedy_tokens(drafts[0].tolist(), logits[0].argmax(-1).tolist()) == expected
 
 
 def test_rejection_sample_certain_cases():

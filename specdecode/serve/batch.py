@@ -523,9 +523,8 @@ class BatchEngine:
     @staticmethod
     def _verify(sequence: Sequence, drafts: torch.Tensor, draft_probs, logits: torch.Tensor) -> list[int]:
         probs = None if draft_probs is None else draft_probs[None, :drafts.numel()]
-        output_ids, num_accepted = verify_chain(drafts[None], probs, logits, sequence.params, sequence.generator,
-                                                sequence.draws, len(sequence.tokens))
-        return output_ids[0, :int(num_accepted[0]) + 1].tolist()
+        return verify_chain(drafts[None], probs, logits, sequence.params, sequence.generator, sequence.draws,
+                            len(sequence.tokens))
 
     def _commit(self, sequence: Sequence, new_tokens: list[int], drafted: int, accepted: int) -> None:
         added, finish = commit_tokens(new_tokens, sequence.tokens, sequence.generated, sequence.tracker,

@@ -76,6 +76,17 @@ def coupled_verify(
     return _match_drafts(draft_ids, inverse_cdf(target_probs, uniforms))
 
 
+def greedy_tokens(draft: list[int], target: list[int]) -> list[int]:
+    """One chain's greedy verification on plain lists: ``draft`` (k tokens) against the
+    target's argmax at each of the k + 1 scored positions. The new tokens: the drafts up
+    to the first that differs from the target's, then the target's token there (the
+    bonus), as ``greedy_verify`` gives them for one sequence."""
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == target[accepted]:
+        accepted += 1
+    return draft[:accepted] + [target[accepted]]
+
+
 def greedy_verify_rows(draft: list[int], row: Callable[[int], torch.Tensor]) -> tuple[int, int]:
     """Greedy verification of one chain that asks for the target's logits a position at a
     time, ``row(i)`` -> [V] at draft position i (0 = the last committed token), and stops at
