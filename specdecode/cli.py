@@ -244,6 +244,21 @@ def _spec_config(args, method: str, k: str | None = None) -> SpeculativeConfig:
     )
 
 
+# drafter flags, and the methods that read them (each is ignored by every other method)
+DRAFTER_FLAGS = {"store": ("--store", ("suffix",)), "head": ("--head", ("eagle", "tree")),
+                 "tree_width": ("--tree-width", ("eagle", "tree"))}
+
+
+def _check_drafter_flags(args, methods: list[str]) -> None:
+    """Refuse a drafter flag that none of ``methods`` (names, or bench specs such as
+    eagle@6x3) reads: `--method ngram --store DIR` ran prompt lookup alone and said nothing."""
+    names = [method.partition("@")[0] for method in methods]
+    for attr, (flag, readers) in DRAFTER_FLAGS.items():
+        if getattr(args, attr, None) is not None and not any(name in readers for name in names):
+            raise SpecDecodeError(f"{flag} is read by --method {' or '.join(readers)} only; "
+                                  f"--method {','.join(names)} would ignore it")
+
+
 def _engine_config(args) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, chat_template=not getattr(args, "no_chat_template", False),
                         num_threads=args.threads, weights=args.weights, backend=args.backend, exact=args.exact,
@@ -265,6 +280,7 @@ def cmd_generate(args) -> int:
     from .control.router import Router, router_state_path
     from .factory import drafter_key
 
+    _check_drafter_flags(args, [args.method])
     configured = _spec_config(args, args.method)
     router = Router().load(router_state_path())
     route = router.route(args.prompt, args.method, drafter_key(configured))
@@ -327,6 +343,7 @@ def cmd_bench(args) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods:  # it benched plain decoding alone, for minutes, against nothing
         raise SpecDecodeError(f"--methods takes a comma list of methods, got {args.methods!r}")
+    _check_drafter_flags(args, methods)
     return run_bench(args, methods, _engine_config(args), _spec_config, _sampling(args))
 
 
@@ -340,6 +357,7 @@ def cmd_profile(args) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if any(m not in PROFILE_DRAFTERS for m in methods):
         raise SpecDecodeError(f"profile --methods takes a comma list of {PROFILE_DRAFTERS}, got {args.methods!r}")
+    _check_drafter_flags(args, methods)
     specs = [_spec_config(args, method, k="1") for method in methods]
     if engine_config.num_threads:
         import torch
@@ -420,6 +438,7 @@ def cmd_analyze(args) -> int:
 
     temperatures = _float_list(args.temperatures, "--temperatures")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    _check_drafter_flags(args, methods)
     analyze(args, _engine_config(args), _spec_config, _sampling(args), temperatures, methods, Path(args.out))
     print((Path(args.out) / "summary.md").read_text())
     log(f"wrote {args.out}: summary.md, analysis.json, report.html and PNG plots")

@@ -85,3 +85,22 @@ def test_transformers_runtime_refuses_the_native_runtimes_flags(tiny_llama_dir):
     for flags in ({"backend": "kernels"}, {"backend": "torch"}, {"weights": "int4"}, {"exact": True}):
         with pytest.raises(ConfigError, match="runs through transformers, which takes neither"):
             load_model(str(tiny_llama_dir), torch.float32, runtime="hf", **flags)
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["generate", "hi", "--method", "ngram", "--store", "/tmp"], "--store is read by --method suffix only; --method ngram"),
+    (["generate", "hi", "--method", "suffix", "--tree-width", "2"], "--tree-width is read by --method eagle or tree only"),
+    (["bench", "--methods", "none,ngram@3", "--head", "/tmp"], "--head is read by --method eagle or tree only; --method none,ngram"),
+    (["profile", "--methods", "ngram", "--store", "/tmp"], "--store is read by --method suffix only"),
+])
+def test_a_drafter_flag_no_method_reads_is_refused_before_loading(capsys, argv, problem):
+    """`--method ngram --store DIR` ran prompt lookup alone and said nothing of the store."""
+    code, err = run(capsys, *argv, "--model", "/nowhere/model")
+    assert code == 2 and problem in err, err
+
+
+def test_a_drafter_flag_is_taken_when_one_of_the_bench_methods_reads_it(capsys):
+    """bench --methods none,eagle@4x2 --tree-width 3 reads the flag (eagle's default spec):
+    it gets past the check and fails later, on the model path."""
+    code, err = run(capsys, "bench", "--methods", "none,eagle@4x2", "--tree-width", "3", "--model", "/nowhere/model")
+    assert code == 2 and "is read by" not in err and "/nowhere/model" in err, err

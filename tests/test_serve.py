@@ -292,7 +292,8 @@ def test_speculative_config_takes_vllm_keys():
     spec, _ = parse_speculative_config(json.dumps({"method": "eagle3", "num_speculative_tokens": "auto"}))
     assert spec.method == "eagle" and spec.k == "auto" and spec.tree_width == 1
     for bad, fragment in (('{"method": "medusa"}', "unknown speculative method"), ("{oops", "not valid JSON"),
-                          ('{"methd": "ngram"}', "unknown keys")):
+                          ('{"methd": "ngram"}', "unknown keys"),
+                          ('{"method": "ngram", "model": "heads/x"}', "method 'ngram' reads none")):
         with pytest.raises(ConfigError, match=fragment):
             parse_speculative_config(bad)
 

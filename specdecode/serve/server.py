@@ -74,6 +74,9 @@ def parse_speculative_config(text: str | dict | None) -> tuple[SpeculativeConfig
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise ConfigError(f"--speculative-config model must be a path or name, got {model!r}")
+    if model is not None and method in ("none", "ngram"):  # it was taken and ignored
+        raise ConfigError(f"--speculative-config model is the drafter's weights (eagle) or token store (suffix); "
+                          f"method {data.get('method', 'suffix')!r} reads none")
     router = data.get("router", True)
     if not isinstance(router, bool):  # bool("false") is True: take JSON true/false only
         raise ConfigError(f"--speculative-config router must be true or false, got {router!r}")
