@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     srv.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"])
     srv.add_argument("--backend", default="auto", choices=["auto", "kernels", "torch"])
-    srv.add_argument("--threads", type=int, default=None, help="kernel threads (default: every core but one, which the HTTP front end keeps; docs/serving.md)")
+    srv.add_argument("--threads", type=int, default=None, help="kernel threads (default: decode passes on every core or on every core but one, whichever they measure faster while serving; the cost profile at every core but one; docs/serving.md)")
     srv.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill chunk; chunks interleave with decode steps")
     srv.set_defaults(exact=None, device="cpu")
 
@@ -567,8 +567,11 @@ def cmd_serve(args) -> int:
 
     if args.prefill_threads is not None and args.prefill_threads < 1:
         raise SpecDecodeError(f"--prefill-threads must be >= 1, got {args.prefill_threads}")
+    decode_threads = None
     if args.threads is None and args.replicas is None:
         args.threads = serving_threads()
+        # decode passes: that many or every core, whichever the passes measure faster here
+        decode_threads = tuple(dict.fromkeys((args.threads, torch.get_num_threads())))
         if args.prefill_threads is None:  # prefill chunks may take the front end's core too
             args.prefill_threads = torch.get_num_threads()
     config = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads, weights=args.weights,
@@ -587,7 +590,8 @@ def cmd_serve(args) -> int:
         return 0
     state = build_state(config, args.speculative_config, args.max_num_seqs, args.max_queued_requests, args.api_key,
                         args.max_model_len, args.served_model_name, args.audit_rate, schedule=args.schedule,
-                        prefix_caching=args.enable_prefix_caching, prefill_threads=args.prefill_threads)
+                        prefix_caching=args.enable_prefix_caching, prefill_threads=args.prefill_threads,
+                        decode_threads=decode_threads)
     serve(state, args.host, args.port, args.shutdown_timeout)
     return 0
 

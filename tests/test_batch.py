@@ -457,3 +457,31 @@ def test_a_failed_admission_or_an_abort_while_waiting_frees_everything(model_dir
     assert broken.finish_reason == "abort" and "admitting" in broken.error
     assert len(good.generated) == len(queued.generated) == 4
     assert sorted(engine.free_rows) == [0, 1]
+
+
+@needs_kernels
+def test_decode_threads_chosen_by_measurement_change_no_output(model_dir):
+    """The server lets each decode pass run on one or two kernel threads, whichever it has
+    measured faster (looking at the other every few passes): a row's logits are the same
+    bits at any thread count, so every output equals one thread's throughout, and both
+    counts ran."""
+    from specdecode.control.threads import ThreadChoice
+
+    rng = random.Random(11)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    requests = [(random_prompt(rng), params, i % 3) for i in range(7)]
+    outputs = []
+    for choice in (None, ThreadChoice((1, 2), explore_every=2)):
+        engine = BatchEngine(runtime_for(model_dir, "kernels", "q4_1", torch.bfloat16), max_num_seqs=4,
+                             max_model_len=160, make_drafter=lambda: NgramProposer(), make_policy=lambda: 2)
+        engine.decode_threads = choice
+        sequences = []
+        for prompt, p, steps in requests:
+            sequences.append(engine.add(prompt, p))
+            for _ in range(steps):
+                engine.step()
+        engine.run()
+        outputs.append([s.generated for s in sequences])
+        if choice is not None:
+            assert all(count > 0 for count in choice.counts.values()) and len(choice.counts) == 4, choice.counts
+    assert outputs[0] == outputs[1]

@@ -492,3 +492,60 @@ def test_cli_route_retries_a_task_sent_to_plain_decoding(tiny_text_model_dir, ca
         assert code == 0
         methods.append(json_module.loads(capsys.readouterr().out)["route"]["method"])
     assert methods.count("none") >= Router().retry_every - 1 and "ngram" in methods, methods
+
+
+# -- kernel threads for a server's decode passes (control.threads) --------------------------
+
+def drive_threads(choice, speed, passes, rows_of=lambda i: 1 if i % 2 else 4):
+    """Run ``passes`` decode passes through ``choice``; ``speed(kind, threads, i)`` is the
+    factor over the predicted time a pass takes. Returns the thread count of each pass."""
+    from specdecode.control.threads import ThreadChoice
+
+    chosen = []
+    for i in range(passes):
+        rows = rows_of(i)
+        threads = choice.choose(rows, 1, 100)
+        kind = ThreadChoice.kind(rows)
+        choice.observe(threads, rows, 1, 100, speed(kind, threads, i) * choice.predict(rows, 1, 100))
+        chosen.append((kind, threads))
+    return chosen
+
+
+def test_thread_choice_runs_the_faster_count_per_kind_of_pass_and_looks_rarely():
+    """One thread faster alone, two faster for batches (the Zen 3 server): after both are
+    measured, each kind runs its faster count, and looking at the other costs few passes."""
+    from specdecode.control.threads import ThreadChoice
+
+    logged = []
+    choice = ThreadChoice((1, 2), explore_every=8, log=logged.append)
+    speed = lambda kind, threads, i: {("alone", 1): 1.0, ("alone", 2): 1.3, ("batch", 1): 1.4, ("batch", 2): 1.0}[kind, threads]
+    chosen = drive_threads(choice, speed, 2000)
+    late = chosen[200:]
+    for kind, fast in (("alone", 1), ("batch", 2)):
+        runs = [threads for k, threads in late if k == kind]
+        assert choice.best(kind) == fast
+        assert sum(t != fast for t in runs) / len(runs) < 0.03, kind  # the looks back off
+    assert any("batch) now on 2" in line for line in logged) and any("alone) now on 1" in line for line in logged)
+    assert choice.describe()["batch"]["preferred"] == 2
+
+
+def test_thread_choice_follows_a_machine_whose_speed_changes():
+    """Two threads win for the first 600 passes, then lose by 40%: the looks find it and
+    the choice moves back to one thread."""
+    from specdecode.control.threads import ThreadChoice
+
+    choice = ThreadChoice((1, 2), explore_every=8, max_explore_every=64)
+    speed = lambda kind, threads, i: (0.7 if i < 600 else 1.4) if threads == 2 else 1.0
+    chosen = drive_threads(choice, speed, 1500, rows_of=lambda i: 4)
+    assert [t for _, t in chosen[300:600]].count(2) > 270
+    assert [t for _, t in chosen[1000:]].count(1) > 450
+
+
+def test_thread_choice_with_one_option_never_looks_and_refuses_bad_counts():
+    from specdecode.control.threads import ThreadChoice
+
+    choice = ThreadChoice((2, 2))
+    assert {t for _, t in drive_threads(choice, lambda *a: 1.0, 50)} == {2}
+    for bad in ((), (0, 1), (1.5,)):
+        with pytest.raises(ConfigError, match="thread counts"):
+            ThreadChoice(bad)

@@ -192,6 +192,9 @@ class BatchEngine:
         # keeps a core for its front end while decoding, but a chunk is long and bound by
         # arithmetic: more threads pay there (rows are the same bits at any thread count)
         self.prefill_threads: int | None = None
+        # kernel threads for decode passes, chosen per pass by measuring them
+        # (control.threads.ThreadChoice; None: torch's, as always)
+        self.decode_threads = None
 
     # -- requests ---------------------------------------------------------------------
     def check_prompt(self, prompt_ids: list[int]) -> None:
@@ -466,10 +469,15 @@ class BatchEngine:
             inputs[i, 1:1 + drafts.numel()] = drafts
         drafted = time.perf_counter()
         layers = self._capture(rows)
+        context = max(len(s.tokens) for s in rows) - 1
+        chooser = self.decode_threads
+        threads = chooser.choose(len(rows), width, context) if chooser is not None else None
         out = self.runtime.forward_rows(inputs, [s.cache_row for s in rows], [len(s.tokens) - 1 for s in rows],
-                                        capture=layers)
+                                        capture=layers, threads=threads)
         logits, features = (out[0], out[1]) if layers else (out, None)
         scored = time.perf_counter()
+        if chooser is not None:
+            chooser.observe(threads, len(rows), width, context, (scored - drafted) * 1e3)
         if len(rows) == 1:  # alone, the pass is a step the k policy prices: what it cost, measured
             policy, drafts = rows[0].policy, plans[0][0].numel()
             note_cost, costs = getattr(policy, "observe_cost", None), getattr(policy, "costs", None)

@@ -125,7 +125,7 @@ def build_state(engine_config: EngineConfig, speculative: str | None, max_num_se
                 max_queued_requests: int = 64, api_key: str | None = None, max_model_len: int | None = None,
                 served_model_name: str | None = None, audit_rate: float = 0.0, target=None,
                 schedule: str = "fcfs", prefix_caching: bool = True,
-                prefill_threads: int | None = None) -> ServerState:
+                prefill_threads: int | None = None, decode_threads: tuple[int, ...] | None = None) -> ServerState:
     from ..control.router import Router
     from ..factory import cost_profile, load_target, log
 
@@ -162,6 +162,11 @@ def build_state(engine_config: EngineConfig, speculative: str | None, max_num_se
     engine.prefill_threads = prefill_threads
     if profile is not None:
         engine.batch_cost = profile.batch_time_ms
+    if decode_threads is not None and len(decode_threads) > 1:
+        from ..control.threads import ThreadChoice
+
+        engine.decode_threads = ThreadChoice(decode_threads, profile.batch_time_ms if profile is not None else None,
+                                             log=log)
     name = served_model_name or ("SmolLM2-135M-Instruct" if engine_config.model == "default" else engine_config.model)
     metrics = ServerMetrics(name)
     choices = SpeculationChoices(drafters, spec.method, Router() if use_router else None, profile)
@@ -177,9 +182,12 @@ def build_state(engine_config: EngineConfig, speculative: str | None, max_num_se
 def serving_threads() -> int:
     """Kernel threads for a server: every core torch would use but one. The event loop
     (HTTP, streaming, detokenizing) runs beside the engine thread, and a kernel whose team
-    of threads is preempted waits at each barrier for the one descheduled: on 2 cores, one
-    kernel thread served 171 tok/s to one client where two served 79 (docs/serving.md).
-    A profile is measured per thread count, so the first start at a new count measures one."""
+    of threads is preempted waits at each barrier for the one descheduled: on a 2-core Zen
+    4, one kernel thread served 171 tok/s to one client where two served 79; on a 2-core Zen
+    3 two served 8 clients faster (docs/serving.md). So by default decode passes choose
+    between this and every core by measuring them (``control.threads``); this count is the
+    one the cost profile is measured at (per thread count: the first start at a new count
+    measures one) and the one a pass runs at until both are measured."""
     import torch
 
     return max(1, torch.get_num_threads() - 1)
