@@ -300,13 +300,15 @@ def test_batch_time_comes_from_the_measured_batch_table():
     assert profile.batch_time_ms(4, 1, 600) == 22 + 4 * 10
 
 
-def run_batch(runtime, requests, prefix_caching, max_num_seqs=3, make_drafter=None, k=0, prefill_threads=None):
+def run_batch(runtime, requests, prefix_caching, max_num_seqs=3, make_drafter=None, k=0, prefill_threads=None,
+              decode_threads=None):
     """``requests``: (prompt, params, steps to run before the next arrives). Returns the
     engine and the sequences after it has drained."""
     engine = BatchEngine(runtime, max_num_seqs=max_num_seqs, max_model_len=160, make_drafter=make_drafter,
                          make_policy=lambda: k)
     engine.prefix_caching = prefix_caching
     engine.prefill_threads = prefill_threads
+    engine.decode_threads = decode_threads
     sequences = []
     for prompt, params, steps in requests:
         sequences.append(engine.add(prompt, params))
@@ -472,15 +474,9 @@ def test_decode_threads_chosen_by_measurement_change_no_output(model_dir):
     requests = [(random_prompt(rng), params, i % 3) for i in range(7)]
     outputs = []
     for choice in (None, ThreadChoice((1, 2), explore_every=2)):
-        engine = BatchEngine(runtime_for(model_dir, "kernels", "q4_1", torch.bfloat16), max_num_seqs=4,
-                             max_model_len=160, make_drafter=lambda: NgramProposer(), make_policy=lambda: 2)
-        engine.decode_threads = choice
-        sequences = []
-        for prompt, p, steps in requests:
-            sequences.append(engine.add(prompt, p))
-            for _ in range(steps):
-                engine.step()
-        engine.run()
+        runtime = runtime_for(model_dir, "kernels", "q4_1", torch.bfloat16)
+        _, sequences = run_batch(runtime, requests, True, max_num_seqs=4, make_drafter=lambda: NgramProposer(), k=2,
+                                 decode_threads=choice)
         outputs.append([s.generated for s in sequences])
         if choice is not None:
             assert all(count > 0 for count in choice.counts.values()) and len(choice.counts) == 4, choice.counts
