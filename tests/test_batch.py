@@ -475,9 +475,21 @@ def test_decode_threads_chosen_by_measurement_change_no_output(model_dir):
     outputs = []
     for choice in (None, ThreadChoice((1, 2), explore_every=2)):
         runtime = runtime_for(model_dir, "kernels", "q4_1", torch.bfloat16)
+        stack, real, teams = runtime.kernels, runtime.kernels.lib, []
+
+        class Spy:  # the team size each layer-stack call of the kernels got
+            def __getattr__(self, name):
+                function = getattr(real, name)
+                if name != "sd_forward_layers":
+                    return function
+                return lambda *args: teams.append(stack.model.num_threads) or function(*args)
+
+        stack.lib = Spy()
         _, sequences = run_batch(runtime, requests, True, max_num_seqs=4, make_drafter=lambda: NgramProposer(), k=2,
                                  decode_threads=choice)
         outputs.append([s.generated for s in sequences])
         if choice is not None:
             assert all(count > 0 for count in choice.counts.values()) and len(choice.counts) == 4, choice.counts
+            assert teams.count(1) >= sum(n for (_, t), n in choice.counts.items() if t == 1) > 0
+            assert teams.count(2) >= sum(n for (_, t), n in choice.counts.items() if t == 2) > 0
     assert outputs[0] == outputs[1]

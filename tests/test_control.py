@@ -541,6 +541,35 @@ def test_thread_choice_follows_a_machine_whose_speed_changes():
     assert [t for _, t in chosen[1000:]].count(1) > 450
 
 
+def test_thread_choice_is_not_misled_by_a_stalled_first_pass_and_switches_soon():
+    """The faster count's first pass stalls 10x (a server just started): the median of its
+    first passes starts its mean, so it is preferred within a few dozen passes. Later,
+    with the default back-off, the other count turns 30% faster: the looks find it."""
+    from specdecode.control.threads import ThreadChoice
+
+    choice = ThreadChoice((1, 2))
+    speed = lambda kind, threads, i: (10.0 if i == 1 else 0.75) if threads == 2 else (1.4 if i < 1500 else 0.5)
+    chosen = [t for _, t in drive_threads(choice, speed, 3000, rows_of=lambda i: 4)]
+    assert chosen[20:1500].count(2) > 0.95 * 1480
+    assert chosen[2200:].count(1) > 0.9 * 800
+
+
+def test_thread_choice_keeps_its_preference_when_passes_go_unmeasured():
+    """A pass whose time is never recorded (it raised, or its prediction was 0) must not turn
+    every later pass into a look at the other count."""
+    from specdecode.control.threads import ThreadChoice
+
+    choice = ThreadChoice((1, 2), predict=lambda rows, width, context: 0.0 if width == 7 else 1.0, explore_every=8)
+    for i in range(60):  # measured: 2 threads twice as fast
+        threads = choice.choose(4, 1, 100)
+        choice.observe(threads, 4, 1, 100, 1.0 if threads == 2 else 2.0)
+    for _ in range(5):  # chosen, never measured: no prediction, or no observe at all
+        choice.observe(choice.choose(4, 7, 100), 4, 7, 100, 1.0)
+        choice.choose(4, 1, 100)
+    later = [choice.choose(4, 1, 100) for _ in range(64)]
+    assert later.count(2) >= 60
+
+
 def test_thread_choice_with_one_option_never_looks_and_refuses_bad_counts():
     from specdecode.control.threads import ThreadChoice
 
@@ -549,3 +578,5 @@ def test_thread_choice_with_one_option_never_looks_and_refuses_bad_counts():
     for bad in ((), (0, 1), (1.5,)):
         with pytest.raises(ConfigError, match="thread counts"):
             ThreadChoice(bad)
+    with pytest.raises(ConfigError, match="decay"):
+        ThreadChoice((1, 2), decay=1.0)

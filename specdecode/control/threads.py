@@ -10,7 +10,9 @@ them is wrong on the other, so the engine measures: ``ThreadChoice`` keeps, per 
 pass (one sequence alone, or a batch), a decayed mean of each thread count's measured
 time over the time predicted for that pass's shape, runs the lower, and now and then runs
 another to look again (every ``explore_every`` passes of that kind, the interval doubling
-while looking finds nothing better, back to the start when it does).
+while a look measures worse than the preferred count's mean, back to the start when one
+measures better). Each count's mean starts from the median of its first passes, so one
+stalled pass at the start cannot keep the server on the slower count.
 
 A row's logits are the same bits at any thread count (the kernels' rows are independent
 of the team that computes them), so the choice changes timing only, never an output.
@@ -18,6 +20,7 @@ of the team that computes them), so the choice changes timing only, never an out
 
 from __future__ import annotations
 
+import statistics
 from typing import Callable
 
 from ..config import ConfigError
@@ -26,6 +29,9 @@ from ..config import ConfigError
 # ratio between thread counts matters, and both see the same mix of shapes over time.
 def rough_cost(rows: int, width: int, context: int) -> float:
     return 1.0 + 0.25 * (rows * width - 1)
+
+
+WARM_UP = 3  # passes of each count, per kind, whose median starts its mean (one pass can be stalled)
 
 
 class ThreadChoice:
@@ -37,13 +43,17 @@ class ThreadChoice:
             raise ConfigError(f"thread counts must be integers >= 1, got {options}")
         if explore_every < 1 or max_explore_every < explore_every:
             raise ConfigError(f"need 1 <= explore_every <= max_explore_every, got {explore_every}, {max_explore_every}")
+        if not 0.0 < decay < 1.0:
+            raise ConfigError(f"decay must be in (0, 1), got {decay}")
         self.options = options  # the first is the one tried first
         self.predict = predict or rough_cost
         self.explore_every, self.max_explore_every, self.decay = explore_every, max_explore_every, decay
         self.log = log
+        self.warm: dict[tuple[str, int], list[float]] = {}  # the first WARM_UP ratios of each (kind, threads)
         self.ratios: dict[tuple[str, int], float] = {}  # (kind, threads) -> decayed mean of measured / predicted
         self.interval: dict[str, int] = {}
         self.countdown: dict[str, int] = {}
+        self.looking: dict[str, tuple[int, int]] = {}  # kind -> (count looked at, the preferred one then)
         self.looks: dict[str, int] = {}  # how many looks each kind has taken (round robin over the others)
         self.preferred: dict[str, int] = {}
         self.counts: dict[tuple[str, int], int] = {}  # passes run per (kind, threads), for reports
@@ -53,45 +63,55 @@ class ThreadChoice:
         return "alone" if rows == 1 else "batch"
 
     def best(self, kind: str) -> int:
-        """The thread count with the lowest measured ratio for ``kind`` (untried: the first option)."""
-        tried = [n for n in self.options if (kind, n) in self.ratios]
-        if not tried:
+        """The thread count with the lowest measured ratio for ``kind`` (none measured: the first option)."""
+        measured = [n for n in self.options if (kind, n) in self.ratios]
+        if not measured:
             return self.options[0]
-        return min(tried, key=lambda n: (self.ratios[kind, n], self.options.index(n)))
+        return min(measured, key=lambda n: (self.ratios[kind, n], self.options.index(n)))
 
     def choose(self, rows: int, width: int, context: int) -> int:
         kind = self.kind(rows)
-        untried = [n for n in self.options if (kind, n) not in self.ratios]
-        if untried and (kind, self.options[0]) in self.ratios:
-            return untried[0]  # measure every option once, after the first
+        warming = [n for n in self.options if (kind, n) not in self.ratios]
+        if warming:  # each count's first passes, taken in turn
+            return min(warming, key=lambda n: (len(self.warm.get((kind, n), ())), self.options.index(n)))
         best = self.best(kind)
         left = self.countdown.get(kind, self.explore_every) - 1
         self.countdown[kind] = left
         if left > 0 or len(self.options) == 1:
             return best
+        # a look at another count; the countdown restarts now, whether or not the pass is measured
+        self.countdown[kind] = self.interval.get(kind, self.explore_every)
         others = [n for n in self.options if n != best]
         look = self.looks.get(kind, 0)
         self.looks[kind] = look + 1
-        return others[look % len(others)]
+        other = others[look % len(others)]
+        self.looking[kind] = (other, best)
+        return other
 
     def observe(self, threads: int, rows: int, width: int, context: int, ms: float) -> None:
         """A pass of ``rows`` x ``width`` tokens after ``context`` took ``ms`` on ``threads``."""
-        predicted = self.predict(rows, width, context)
-        if threads not in self.options or ms <= 0 or predicted <= 0:
-            return
         kind = self.kind(rows)
-        best_before = self.best(kind)
-        was_look = self.countdown.get(kind, self.explore_every) <= 0
-        ratio = ms / predicted
-        old = self.ratios.get((kind, threads))
-        if old is not None:  # one pass stalled by the OS must not swing the mean
-            ratio = min(max(ratio, old / 4), old * 4)
-        self.ratios[kind, threads] = ratio if old is None else old * self.decay + ratio * (1 - self.decay)
-        self.counts[kind, threads] = self.counts.get((kind, threads), 0) + 1
-        if was_look:
+        look = self.looking.pop(kind, None)
+        predicted = self.predict(rows, width, context)
+        if threads not in self.options or not ms > 0 or not predicted > 0:
+            return
+        ratio, key = ms / predicted, (kind, threads)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        if key not in self.ratios:
+            samples = self.warm.setdefault(key, [])
+            samples.append(ratio)
+            if len(samples) >= WARM_UP:
+                self.ratios[key] = statistics.median(samples)
+        else:
+            old = self.ratios[key]
+            clipped = min(max(ratio, old / 4), old * 4)  # one pass stalled by the OS must not swing the mean
+            self.ratios[key] = old * self.decay + clipped * (1 - self.decay)
+        if look is not None and look[0] == threads:
+            # a look that measured better than the preferred count's mean: look again soon
+            preferred = self.ratios.get((kind, look[1]))
             interval = self.interval.get(kind, self.explore_every)
-            found = self.best(kind) != best_before
-            self.interval[kind] = self.explore_every if found else min(2 * interval, self.max_explore_every)
+            better = preferred is not None and ratio < preferred
+            self.interval[kind] = self.explore_every if better else min(2 * interval, self.max_explore_every)
             self.countdown[kind] = self.interval[kind]
         best = self.best(kind)
         if self.preferred.get(kind) != best and all((kind, n) in self.ratios for n in self.options):
@@ -104,4 +124,4 @@ class ThreadChoice:
         return {kind: {"preferred": self.best(kind),
                        "ratios": {n: round(self.ratios[kind, n], 3) for n in self.options if (kind, n) in self.ratios},
                        "passes": {n: self.counts.get((kind, n), 0) for n in self.options}}
-                for kind in ("alone", "batch") if any((kind, n) in self.ratios for n in self.options)}
+                for kind in ("alone", "batch") if any((kind, n) in self.counts for n in self.options)}
