@@ -264,6 +264,40 @@ def test_batch_cap_drafts_only_when_the_batched_step_pays(model_dir):
     assert engine._batch_cap(rows + [probing], [4, 4, 4, 1]) == [1, 1, 1, 1]
 
 
+def test_rows_the_cap_keeps_plain_skip_their_k_choice_between_rechecks(model_dir):
+    """Under load, once the shared cap has let no adaptive row draft for recheck_every
+    steps, those rows' labels and k choices are skipped except on every recheck_every-th
+    step; when drafting pays again, the next recheck finds it. Outputs are unchanged."""
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8], [4, 4, 4, 4, 11]]
+    expected = alone_outputs(runtime_for(model_dir, "torch"), prompts, [params] * 3, (None, 1))
+
+    class Counting(_Tau):
+        choices = 0
+
+        def choose(self, context):
+            Counting.choices += 1
+            return super().choose(context)
+
+    engine = BatchEngine(runtime_for(model_dir, "torch"), max_num_seqs=4, max_model_len=96)
+    engine.batch_cost = lambda rows, width, context: float(rows * width)  # drafting never pays for a batch
+    rows = [engine.add(p, params, proposer=NgramProposer(), policy=Counting(3, 0.5)) for p in prompts]
+    while not all(r.prefill_done for r in rows):  # one prompt chunk a step; a row alone may draft
+        engine.step()
+    drafted, Counting.choices = sum(r.stats.draft_tokens for r in rows), 0
+    for _ in range(24):
+        engine.step()
+    assert Counting.choices < 3 * 24 / 2, Counting.choices  # most steps skipped the choice for all three rows
+    assert Counting.choices >= 3 * 2  # but not the rechecks
+    assert sum(r.stats.draft_tokens for r in rows) == drafted
+    engine.batch_cost = lambda rows, width, context: 100.0 + rows * width  # now drafts are nearly free
+    for _ in range(engine.recheck_every + 1):
+        engine.step()
+    assert sum(r.stats.draft_tokens for r in rows) > 0
+    engine.run()
+    assert [r.generated for r in rows] == expected
+
+
 def test_task_schedule_admits_the_running_rows_task_first(model_dir):
     engine = BatchEngine(runtime_for(model_dir, "torch"), max_num_seqs=2, max_model_len=64)
     engine.schedule = "task"
