@@ -374,3 +374,17 @@ def test_an_audit_that_cannot_start_does_not_stop_the_engine(model_dir):
         assert len(calls) >= 2 and state.thread.is_alive()  # (a request to a dead engine would wait forever)
         response = client.post("/v1/completions", json={"prompt": "abcabc", "max_tokens": 4, "temperature": 0})
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+
+
+def test_metrics_show_the_decode_threads_the_server_chose(model_dir):
+    """With no --threads, build_state gives the engine a ThreadChoice over the thread counts
+    it is handed; /metrics shows the count each kind of pass measured fastest."""
+    client, state = make_client(model_dir, decode_threads=(1, 2))
+    assert state.engine.decode_threads is not None and state.engine.decode_threads.options == (1, 2)
+    with client:
+        for _ in range(3):  # each request's passes run alone: both counts measured after a few
+            assert client.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 8}).status_code == 200
+        text = client.get("/metrics").text
+    line = next(l for l in text.splitlines() if l.startswith("specdecode:decode_kernel_threads{") and 'kind="alone"' in l)
+    assert float(line.rsplit(" ", 1)[1]) == state.engine.decode_threads.best("alone")
+    assert make_client(model_dir)[1].engine.decode_threads is None  # a fixed count: nothing to choose

@@ -197,6 +197,8 @@ class ServerState:
                 logger.exception("engine step failed; aborting the running requests")
                 finished = self._fail_all()
             self.metrics.queue(engine.num_running, engine.num_waiting)
+            if engine.decode_threads is not None:
+                self.metrics.kernel_threads(engine.decode_threads.preferred)
             for sequence in finished:
                 try:  # reports and the audit: a failure there must not stop decoding either
                     self._finished(sequence)

@@ -76,6 +76,8 @@ class ServerMetrics:
                               task)
         self.task_saved = gauge("task_seconds_saved", "Estimated decode seconds saved against plain decoding "
                                   "(cost profile), by task type; negative when speculation lost", task)
+        self.decode_threads = gauge("decode_kernel_threads", "Kernel threads decode passes run on, as measured "
+                                    "fastest, by kind of pass (alone: one sequence; batch)", ["kind"])
         self.drift = gauge("acceptance_drift", "Acceptance over the last drafted tokens / calibrated prior, by task "
                            "type (1 = as calibrated)", task)
         self.audit_checked = counter("audit_requests", "Greedy requests re-run with plain decoding and compared")
@@ -142,3 +144,8 @@ class ServerMetrics:
     def queue(self, running: int, waiting: int) -> None:
         self.labels(self.running).set(running)
         self.labels(self.waiting).set(waiting)
+
+    def kernel_threads(self, preferred: dict[str, int]) -> None:
+        """The thread count decode passes prefer now, per kind of pass (``ThreadChoice.preferred``)."""
+        for kind, threads in preferred.items():
+            self.labels(self.decode_threads, kind=kind).set(threads)
