@@ -251,8 +251,11 @@ DRAFTER_FLAGS = {"store": ("--store", ("suffix",)), "head": ("--head", ("eagle",
 
 def _check_drafter_flags(args, methods: list[str]) -> None:
     """Refuse a drafter flag that none of ``methods`` (names, or bench specs such as
-    eagle@6x3) reads: `--method ngram --store DIR` ran prompt lookup alone and said nothing."""
-    names = [method.partition("@")[0] for method in methods]
+    eagle@6x3) reads: `--method ngram --store DIR` ran prompt lookup alone and said nothing.
+    A misspelt method is named first (``parse_method``)."""
+    from .bench.runner import parse_method
+
+    names = [parse_method(method)[0] for method in methods]
     for attr, (flag, readers) in DRAFTER_FLAGS.items():
         if getattr(args, attr, None) is not None and not any(name in readers for name in names):
             raise SpecDecodeError(f"{flag} is read by method {' or '.join(readers)} only; "
@@ -338,13 +341,11 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench.runner import parse_method, run_bench
+    from .bench.runner import run_bench
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods:  # it benched plain decoding alone, for minutes, against nothing
         raise SpecDecodeError(f"--methods takes a comma list of methods, got {args.methods!r}")
-    for spec in methods:
-        parse_method(spec)  # a typo is named first
     _check_drafter_flags(args, methods)
     return run_bench(args, methods, _engine_config(args), _spec_config, _sampling(args))
 
