@@ -191,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--modes", default="spec,plain", help="spec (the server's default speculation), plain (speculation off per request)")
     bs.add_argument("--out", default=None, help="write the rows as JSON (and a plot beside it)")
     bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--rounds", type=int, default=1, help="run every level and mode N times, the modes in turn first; report medians and the median of each round's own ratios")
 
     mem = verbs.add_parser("memory", help="weights, KV cache and activation memory of target + drafter")
     mem.add_argument("--target", default="default", help="model name, HF directory, config.json, or a named size (135M, 360M, 1B, 3B, 7B, 8B, 13B, 70B)")
@@ -614,8 +615,11 @@ def cmd_bench_serve(args) -> int:
         raise SpecDecodeError("--concurrency needs positive integers")
     if args.request_rate is not None and args.request_rate <= 0:
         raise SpecDecodeError("--request-rate must be > 0")
+    if args.rounds < 1:
+        raise SpecDecodeError(f"--rounds must be at least 1, got {args.rounds}")
     bench_serve(load_prompts(args.prompts, args.limit), levels, args.request_rate, args.num_prompts, args.max_tokens,
-                modes, args.url, shlex.split(args.serve_args), Path(args.out) if args.out else None, args.seed)
+                modes, args.url, shlex.split(args.serve_args), Path(args.out) if args.out else None, args.seed,
+                rounds=args.rounds)
     return 0
 
 

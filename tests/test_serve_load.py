@@ -190,3 +190,47 @@ def test_sigterm_drains_in_flight_requests(model_dir, tmp_path):
             process.kill()
     log = (tmp_path / "log").read_text()
     assert "Traceback" not in log and "Finished server process" in log, log
+
+
+def test_bench_serve_rounds_alternate_modes_and_report_round_ratios(model_dir, tmp_path, capsys):
+    """``bench-serve --rounds 2`` against a live server: every (round, level, mode) measured,
+    the modes in turn first, and the summary's ratios taken round by round."""
+    from specdecode.bench.serve import bench_serve
+
+    prompts = [{"prompt": f"Count to {n}."} for n in range(4)]
+    with ServerThread(model_dir, max_num_seqs=4) as server:
+        rows = bench_serve(prompts, [1, 2], None, 2, 6, ["spec", "plain"], server.url, [], tmp_path / "b.json",
+                           rounds=2)
+    assert [(r["round"], r["concurrency"], r["mode"]) for r in rows] == [
+        (0, 1, "spec"), (0, 1, "plain"), (0, 2, "spec"), (0, 2, "plain"),
+        (1, 1, "plain"), (1, 1, "spec"), (1, 2, "plain"), (1, 2, "spec")]
+    assert all(r["failed"] == 0 and r["output_tokens"] == r["requests"] * 6 for r in rows)
+    saved = json.loads((tmp_path / "b.json").read_text())
+    assert saved["rounds"] == 2 and len(saved["rows"]) == 8 and (tmp_path / "b.png").exists()
+    by = {(r["round"], r["concurrency"], r["mode"]): r["output_throughput"] for r in rows}
+    level2 = saved["summary"][1]
+    ratios = sorted(by[i, 2, "spec"] / by[i, 2, "plain"] for i in (0, 1))
+    assert level2["spec_over_plain"]["min"] == pytest.approx(ratios[0])
+    assert level2["spec_over_plain"]["median"] == pytest.approx(sum(ratios) / 2)
+    assert level2["plain_over_lowest"]["max"] == pytest.approx(max(by[i, 2, "plain"] / by[i, 1, "plain"] for i in (0, 1)))
+    assert saved["summary"][0]["plain_over_lowest"] is None
+    assert "over 2 rounds" in capsys.readouterr().out
+
+
+def test_ratio_summary_takes_each_rounds_own_ratio():
+    """A machine twice as fast in round 1: the medians of the throughputs move, the
+    rounds' own ratios do not."""
+    from specdecode.bench.serve import ratio_summary
+
+    def row(i, level, mode, tok_s):
+        return {"round": i, "concurrency": level, "request_rate": None, "mode": mode, "output_throughput": tok_s}
+
+    rows = [row(0, 1, "spec", 150), row(0, 1, "plain", 100), row(0, 8, "spec", 250), row(0, 8, "plain", 250),
+            row(1, 1, "plain", 200), row(1, 1, "spec", 300), row(1, 8, "plain", 500), row(1, 8, "spec", 500),
+            row(2, 1, "spec", 160), row(2, 1, "plain", 100), row(2, 8, "spec", 240), row(2, 8, "plain", 260)]
+    low, high = ratio_summary(rows)
+    assert low["spec_over_plain"] == {"median": 1.5, "min": 1.5, "max": 1.6, "rounds": 3}
+    assert low["plain_tok_s"] == 100 and low["plain_over_lowest"] is None
+    assert high["plain_over_lowest"]["median"] == 2.5 and high["plain_over_lowest"]["min"] == 2.5
+    assert high["spec_over_plain"]["median"] == 1.0
+    assert high["spec_over_plain"]["min"] == pytest.approx(240 / 260)

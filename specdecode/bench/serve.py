@@ -10,6 +10,13 @@ acceptance the server counted meanwhile, scraped from /metrics.
 
 Without ``--url`` the command starts ``specdecode serve`` itself on a free loopback port
 and stops it at the end.
+
+``--rounds N`` runs the whole plan N times, the modes in turn first (spec, plain, then
+plain, spec, ...), and reports per level the median throughput of each mode and the
+median of the rounds' own ratios (speculation against plain at a level; plain at a level
+against plain at the lowest one). On our 2-core machines the speed drifts by up to a third
+within minutes, so a ratio of two levels measured minutes apart says little; the ratio of
+the two halves of one round, measured back to back, says more, and their median more still.
 """
 
 from __future__ import annotations
@@ -176,14 +183,64 @@ def start_server(serve_args: list[str], port: int, log_path: Path) -> subprocess
     raise SpecDecodeError(f"the server did not come up within 900 s; see {log_path}")
 
 
+def ratio_summary(rows: list[dict]) -> list[dict]:
+    """Per level (concurrency or rate): each mode's median output throughput over the
+    rounds, and the median, min and max of the rounds' own ratios: spec against plain at
+    that level, and plain at that level against plain at the lowest concurrency."""
+    def key(row):
+        return row["concurrency"] or row["request_rate"]
+
+    rounds = sorted({row.get("round", 0) for row in rows})
+    levels = sorted({key(row) for row in rows})
+    by = {(row.get("round", 0), key(row), row["mode"]): row["output_throughput"] for row in rows}
+
+    def spread(values: list[float]) -> dict | None:
+        if not values:
+            return None
+        return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": len(values)}
+
+    lowest = levels[0] if rows and rows[0]["concurrency"] else None
+    summary = []
+    for level in levels:
+        entry = {"level": level, "concurrency": level if lowest is not None else None,
+                 "request_rate": None if lowest is not None else level}
+        for mode in MODES:
+            values = [by[r, level, mode] for r in rounds if (r, level, mode) in by]
+            entry[f"{mode}_tok_s"] = statistics.median(values) if values else None
+        entry["spec_over_plain"] = spread([by[r, level, "spec"] / by[r, level, "plain"] for r in rounds
+                                           if (r, level, "spec") in by and by.get((r, level, "plain"))])
+        entry["plain_over_lowest"] = None
+        if lowest is not None and level != lowest:
+            entry["plain_over_lowest"] = spread([by[r, level, "plain"] / by[r, lowest, "plain"] for r in rounds
+                                                 if (r, level, "plain") in by and by.get((r, lowest, "plain"))])
+        summary.append(entry)
+    return summary
+
+
+def print_summary(summary: list[dict], rounds: int) -> None:
+    lowest = next((entry["level"] for entry in summary if entry["concurrency"]), None)
+    print(f"\nover {rounds} rounds (median tok/s; ratios: median of each round's own, [min, max])")
+    print(f"{'level':>6} {'spec tok/s':>11} {'plain tok/s':>12} {'spec/plain':>22} "
+          f"{'plain/plain@' + str(lowest) if lowest else '':>24}")
+
+    def ratio(spread: dict | None) -> str:
+        return "-" if spread is None else f"{spread['median']:.2f}x [{spread['min']:.2f}, {spread['max']:.2f}]"
+
+    for entry in summary:
+        spec = "-" if entry["spec_tok_s"] is None else f"{entry['spec_tok_s']:.1f}"
+        plain = "-" if entry["plain_tok_s"] is None else f"{entry['plain_tok_s']:.1f}"
+        print(f"{entry['level']:>6} {spec:>11} {plain:>12} {ratio(entry['spec_over_plain']):>22} "
+              f"{ratio(entry['plain_over_lowest']) if lowest else '':>24}")
+
+
 def print_table(rows: list[dict]) -> None:
-    header = (f"{'mode':<6} {'conc':>5} {'rate':>5} {'req':>4} {'fail':>4} {'req/s':>6} {'tok/s':>7} "
+    header = (f"{'round':>5} {'mode':<6} {'conc':>5} {'rate':>5} {'req':>4} {'fail':>4} {'req/s':>6} {'tok/s':>7} "
               f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'ITL p50':>8} {'ITL p99':>8} {'E2E p50':>8} "
               f"{'alpha':>6}")
     print(header)
     for r in rows:
         alpha = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
-        print(f"{r['mode']:<6} {r['concurrency'] or '-':>5} {r['request_rate'] or '-':>5} {r['requests']:>4} "
+        print(f"{r.get('round', 0):>5} {r['mode']:<6} {r['concurrency'] or '-':>5} {r['request_rate'] or '-':>5} {r['requests']:>4} "
               f"{r['failed']:>4} {r['request_throughput']:>6.2f} {r['output_throughput']:>7.1f} "
               f"{r['ttft']['p50'] * 1000:>7.0f}ms {r['ttft']['p99'] * 1000:>7.0f}ms "
               f"{r['tpot']['p50'] * 1000:>7.1f}ms {r['itl']['p50'] * 1000:>6.1f}ms {r['itl']['p99'] * 1000:>6.1f}ms "
@@ -198,12 +255,15 @@ def plot(rows: list[dict], path: Path) -> None:
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for mode in MODES:
-        points = sorted((r["concurrency"], r) for r in rows if r["mode"] == mode and r["concurrency"])
-        if not points:
+        levels = sorted({r["concurrency"] for r in rows if r["mode"] == mode and r["concurrency"]})
+        if not levels:
             continue
-        xs = [c for c, _ in points]
-        left.plot(xs, [r["output_throughput"] for _, r in points], marker="o", label=mode)
-        right.plot(xs, [r["tpot"]["p50"] * 1000 for _, r in points], marker="o", label=mode)
+        # the median over the rounds at each level
+        chosen = [[r for r in rows if r["mode"] == mode and r["concurrency"] == level] for level in levels]
+        left.plot(levels, [statistics.median(r["output_throughput"] for r in group) for group in chosen], marker="o",
+                  label=mode)
+        right.plot(levels, [statistics.median(r["tpot"]["p50"] * 1000 for r in group) for group in chosen],
+                   marker="o", label=mode)
     left.set_xlabel("concurrent clients")
     left.set_ylabel("output tokens/s")
     left.set_title("Token throughput")
@@ -221,7 +281,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def bench_serve(prompts: list[dict], concurrency: list[int], rate: float | None, num_prompts: int, max_tokens: int,
                 modes: list[str], url: str | None, serve_args: list[str], out: Path | None, seed: int = 0,
-                model: str | None = None) -> list[dict]:
+                model: str | None = None, rounds: int = 1) -> list[dict]:
     from tqdm import tqdm
 
     process = None
@@ -244,9 +304,12 @@ def bench_serve(prompts: list[dict], concurrency: list[int], rate: float | None,
         widest = max(concurrency) if rate is None else 4
         for mode in modes:
             asyncio.run(run_level(url, model, texts[:widest], 16, mode, widest, None, seed))
-        plan = [(level, mode) for level in levels for mode in modes]
+        # round i runs the modes in turn first, so that a drift of the machine's speed
+        # within a round favours neither
+        plan = [(i, level, mode) for i in range(rounds) for level in levels
+                for mode in (modes if i % 2 == 0 else modes[::-1])]
         warned = False
-        for level, mode in tqdm(plan, desc="bench-serve", unit="level", file=sys.stderr):
+        for i, level, mode in tqdm(plan, desc="bench-serve", unit="level", file=sys.stderr):
             # every level starts from an empty prefix cache, so it reuses only what its own
             # requests share (a system prompt), not the prompts the last level sent
             reset = httpx.post(f"{url}/reset_prefix_cache", timeout=10)
@@ -256,7 +319,7 @@ def bench_serve(prompts: list[dict], concurrency: list[int], rate: float | None,
                       f"prompts the last one sent, if the server caches prefixes", file=sys.stderr)
             count = max(num_prompts, level or 1)
             chosen = [texts[i % len(texts)] for i in range(count)]
-            rows.append(asyncio.run(run_level(url, model, chosen, max_tokens, mode, level, rate, seed)))
+            rows.append({"round": i, **asyncio.run(run_level(url, model, chosen, max_tokens, mode, level, rate, seed))})
         audit = wait_for_audits(url)
     finally:
         if process is not None:
@@ -266,12 +329,16 @@ def bench_serve(prompts: list[dict], concurrency: list[int], rate: float | None,
             except subprocess.TimeoutExpired:
                 process.kill()
     print_table(rows)
+    summary = ratio_summary(rows)
+    if rounds > 1 or len(modes) > 1:
+        print_summary(summary, rounds)
     if audit["audit_requests_total"]:
         print(f"audit: {audit['audit_requests_total']:.0f} greedy requests re-decoded plainly, "
               f"{audit['audit_mismatches_total']:.0f} differed")
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"url": url, "model": model, "max_tokens": max_tokens, "rows": rows,
+        out.write_text(json.dumps({"url": url, "model": model, "max_tokens": max_tokens, "rounds": rounds,
+                                   "rows": rows, "summary": summary,
                                    "audit": {k: audit[k] for k in ("audit_requests_total", "audit_mismatches_total")}},
                                   indent=1))
         plot(rows, out.with_suffix(".png"))
