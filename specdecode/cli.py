@@ -15,7 +15,8 @@ import json
 import logging
 import sys
 
-from .config import EngineConfig, SamplingParams, SpecDecodeError, SpeculativeConfig, parse_int_list, parse_k
+from .config import (DEFAULT_SELF_DRAFT, EngineConfig, SamplingParams, SpecDecodeError, SpeculativeConfig,
+                     parse_int_list, parse_k)
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +33,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", default="auto", help="draft tokens per step: 'auto' (default: chosen per step from measured acceptance and costs, 0 = plain when speculation would lose) or an integer")
     parser.add_argument("--k-policy", default="cost", choices=["cost", "threshold"], help="with --k auto: 'cost' (expected speedup, cost profile) or 'threshold' (the literature's acceptance thresholds)")
     parser.add_argument("--k-max", type=int, default=10, help="with --k auto: the most draft tokens per step")
-    parser.add_argument("--draft", default="self:4", help="draft model for --method draft: a path, or self:L (the target's first L layers; untrained, it loses here: docs/performance.md)")
+    parser.add_argument("--draft", default=None, help="draft model for --method draft: a path, or self:L (the target's first L layers; default self:4; untrained, it loses here: docs/performance.md)")
     parser.add_argument("--store", default=None, help="token store directory for --method suffix (default: the store shipped for the default model)")
     parser.add_argument("--head", default=None, help="EAGLE head directory for --method eagle (default: the head shipped for the default model)")
     parser.add_argument("--tree-width", type=int, default=None, help="--method eagle/tree: children per expanded node of the head's dynamic tree of --k nodes (default 3; 1 drafts chains; bench spec eagle@6x3)")
@@ -240,14 +241,14 @@ def _spec_config(args, method: str, k: str | None = None) -> SpeculativeConfig:
     return SpeculativeConfig(
         method=method, k=parse_k("auto" if k == "threshold" else k), tree_width=width,
         draft=(getattr(args, "head", None) if method in ("eagle", "tree")
-               else getattr(args, "store", None) if method == "suffix" else args.draft),
+               else getattr(args, "store", None) if method == "suffix" else args.draft or DEFAULT_SELF_DRAFT),
         ngram_sizes=parse_int_list(args.ngram_sizes, "--ngram-sizes"), k_policy=policy, k_max=args.k_max,
     )
 
 
 # drafter flags, and the methods that read them (each is ignored by every other method)
 DRAFTER_FLAGS = {"store": ("--store", ("suffix",)), "head": ("--head", ("eagle", "tree")),
-                 "tree_width": ("--tree-width", ("eagle", "tree"))}
+                 "tree_width": ("--tree-width", ("eagle", "tree")), "draft": ("--draft", ("draft",))}
 
 
 def _check_drafter_flags(args, methods: list[str]) -> None:

@@ -86,6 +86,7 @@ class SamplingParams:
 
 
 DEFAULT_TREE_WIDTH = 3  # measured: docs/training.md, "Tree shape"
+DEFAULT_SELF_DRAFT = "self:4"  # --method draft without --draft: the target's first 4 layers
 
 
 @dataclass(frozen=True)

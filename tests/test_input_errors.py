@@ -92,6 +92,8 @@ def test_transformers_runtime_refuses_the_native_runtimes_flags(tiny_llama_dir):
     (["generate", "hi", "--method", "suffix", "--tree-width", "2"], "--tree-width is read by method eagle or tree only"),
     (["bench", "--methods", "none,ngram@3", "--head", "/tmp"], "--head is read by method eagle or tree only; none, ngram would ignore it"),
     (["profile", "--methods", "ngram", "--store", "/tmp"], "--store is read by method suffix only"),
+    (["generate", "hi", "--method", "suffix", "--draft", "self:2"], "--draft is read by method draft only; suffix would ignore it"),
+    (["bench", "--methods", "none,ngram", "--draft", "self:2"], "--draft is read by method draft only; none, ngram would ignore it"),
 ])
 def test_a_drafter_flag_no_method_reads_is_refused_before_loading(capsys, argv, problem):
     """`--method ngram --store DIR` ran prompt lookup alone and said nothing of the store."""

@@ -197,7 +197,8 @@ def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config
         payload = {
             "config": {"model": args.model, "dtype": args.dtype, "k": args.k, "k_policy": args.k_policy,
                        "k_max": args.k_max, "max_new_tokens": params.max_new_tokens,
-                       "temperature": params.temperature, "methods": methods, "repeats": args.repeats, "draft": args.draft,
+                       "temperature": params.temperature, "methods": methods, "repeats": args.repeats,
+                       "draft": spec_config(args, "draft").draft if any(parse_method(m)[0] == "draft" for m in methods) else None,
                        "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
                        "prompts": args.prompts or "builtin", "cost_profile": profile},
             "summary": summary,
