@@ -527,3 +527,18 @@ def test_decode_threads_chosen_by_measurement_change_no_output(model_dir):
             assert teams.count(1) >= sum(n for (_, t), n in choice.counts.items() if t == 1) > 0
             assert teams.count(2) >= sum(n for (_, t), n in choice.counts.items() if t == 2) > 0
     assert outputs[0] == outputs[1]
+
+
+def test_a_sequence_counts_the_decode_steps_it_shared(model_dir):
+    """batched_steps: 0 for a request decoded alone (the router may learn from its time),
+    every decode step after the first for two requests running together."""
+    engine = BatchEngine(runtime_for(model_dir, "torch"), max_num_seqs=2, max_model_len=64,
+                         make_drafter=NgramProposer, make_policy=lambda: 2)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    alone = engine.add([5, 6, 7, 5, 6, 7], params)
+    engine.run()
+    first, second = engine.add([5, 6, 7, 5], params), engine.add([9, 8, 9, 8], params)
+    engine.run()
+    assert alone.batched_steps == 0 and alone.stats.target_forwards > 0
+    assert first.batched_steps > 0 and second.batched_steps > 0
+    assert first.batched_steps <= first.stats.target_forwards

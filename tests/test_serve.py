@@ -388,3 +388,39 @@ def test_metrics_show_the_decode_threads_the_server_chose(model_dir):
     line = next(l for l in text.splitlines() if l.startswith("specdecode:decode_kernel_threads{") and 'kind="alone"' in l)
     assert float(line.rsplit(" ", 1)[1]) == state.engine.decode_threads.best("alone")
     assert make_client(model_dir)[1].engine.decode_threads is None  # a fixed count: nothing to choose
+
+
+def test_router_learns_only_from_requests_decoded_alone():
+    """A request decoded in a batch took the batch's time: priced against one plain step per
+    token it looked like a loss and turned speculation off for its task, at one client too.
+    The router now learns from requests decoded alone, timed by their own steps."""
+    from types import SimpleNamespace
+
+    from specdecode.config import SamplingParams
+    from specdecode.control.router import Router
+    from specdecode.serve.app import SpeculationChoices
+    from specdecode.serve.batch import Sequence
+
+    profile = SimpleNamespace(acceptance={}, time_ms=lambda size, context: 5.0)
+    router = Router()
+    choices = SpeculationChoices({"ngram": (None, None, "ngram")}, "ngram", router, profile)
+    metrics = SimpleNamespace(drift_ratio=lambda task, prior: None)
+
+    def finished(batched_steps: int) -> Sequence:
+        sequence = Sequence("r", [1, 2, 3], SamplingParams(max_new_tokens=100), proposer=object(), method="ngram",
+                            task_type="code")
+        sequence.batched_steps = batched_steps
+        stats = sequence.stats
+        stats.new_tokens, stats.draft_tokens, stats.accepted_tokens = 100, 60, 40
+        stats.drafted_per_position, stats.accepted_per_position = [30], [24]
+        # 0.3 s of its own steps, 4.8 s of wall time after the prefill (others' prefill ran between)
+        stats.draft_seconds, stats.verify_seconds, stats.prefill_seconds, stats.wall_seconds = 0.05, 0.25, 0.2, 5.0
+        return sequence
+
+    for _ in range(5):
+        choices.observe(finished(batched_steps=40), metrics)
+    assert router.records == {}
+    assert router.route("def f(x): return x", "ngram", "ngram").method == "ngram"
+    choices.observe(finished(batched_steps=0), metrics)
+    record = router.records["code/ngram"]
+    assert record.speedup == pytest.approx(100 * 5.0 / 1e3 / 0.3)  # not 100 * 5 ms / 4.8 s

@@ -197,10 +197,11 @@ def router_state_path() -> Path:
     return cache_dir() / "router-state.json"
 
 
-def speedup_from_stats(stats, profile, context: int) -> float:
+def speedup_from_stats(stats, profile, context: int, decode_seconds: float | None = None) -> float:
     """A request's measured speedup without a plain run beside it: the plain decoding time
-    the profile predicts for its tokens (one step each) over its measured decode time."""
-    decode = stats.wall_seconds - stats.prefill_seconds
+    the profile predicts for its tokens (one step each) over its measured decode time
+    (``decode_seconds``, default its wall time after the prefill)."""
+    decode = stats.wall_seconds - stats.prefill_seconds if decode_seconds is None else decode_seconds
     if decode <= 0 or stats.new_tokens == 0:
         return 1.0
     return stats.new_tokens * profile.time_ms(1, context) / 1e3 / decode

@@ -346,10 +346,20 @@ class SpeculationChoices:
         drafter = self.drafters[sequence.method][2]
         prior = self.calibrated_prior(sequence.method)
         metrics.drift_ratio(sequence.task_type, prior)
-        if self.router is not None and sequence.stats.draft_tokens and self.profile is not None:
+        # The router learns from requests that decoded alone, timed by their own steps
+        # (drafting and the target's passes; not the other requests' prefill chunks that
+        # ran in between). A request decoded in a batch took the batch's time: priced
+        # against one plain step per token it measured 0.2-0.3x at 8-16 clients, which
+        # turned speculation off for its task at one client too (bench-serve, c1 after c8
+        # and c16: spec/plain 1.38x, then 1.08x and 0.98x). Under load the batch cap
+        # decides per step whether drafting pays.
+        if (self.router is not None and sequence.stats.draft_tokens and self.profile is not None
+                and not sequence.batched_steps):
             from ..control.router import speedup_from_stats
 
-            speedup = speedup_from_stats(sequence.stats, self.profile, len(sequence.prompt_ids))
+            stats = sequence.stats
+            speedup = speedup_from_stats(stats, self.profile, len(sequence.prompt_ids),
+                                         decode_seconds=stats.draft_seconds + stats.verify_seconds)
             with self.lock:
                 self.router.observe(sequence.task_type, drafter, sequence.stats.first_alpha, speedup)
 

@@ -104,6 +104,7 @@ class Sequence:
     looked_up: int = 0  # prompt tokens looked up in it (0 until the sequence gets a row)
     reuse_prefix: bool = True  # False: prefill the whole prompt (the audit's independent re-run)
     share_prefix: bool = True  # False: its row serves no other prompt (running at a cache reset)
+    batched_steps: int = 0  # decode steps it shared with other rows (its time was then the batch's)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -500,6 +501,9 @@ class BatchEngine:
             elif costs is not None:
                 costs.observe_step(width, (scored - drafted) * 1e3, len(rows[0].tokens) - 1)
         share = 1.0 / len(rows)  # each row is charged its share of the pass
+        if len(rows) > 1:
+            for sequence in rows:
+                sequence.batched_steps += 1
         for i, (sequence, (drafts, draft_probs)) in enumerate(zip(rows, plans)):
             new_tokens = self._verify(sequence, drafts, draft_probs, logits[i:i + 1, :1 + drafts.numel()])
             accepted = len(new_tokens) - 1
