@@ -961,24 +961,35 @@ static inline void store_out(const sd_linear* L, float* out, int64_t out_stride,
     *dst = accumulate ? *dst + v : v;
 }
 
+// activation rows r0 .. r0 + R - 1 of a tile: codes, their pre-broadcast table (or null),
+// block scales and block sums
+template <int R, bool TABLE>
+struct tile_rows {
+    const int8_t* xq[R];
+    const int32_t* xb[R];
+    const float *xd[R], *xs[R];
+    tile_rows(const scratch_q& q, const int32_t* table, int64_t r0, int cols) {
+        const int blocks = cols / 32;
+        for (int r = 0; r < R; r++) {
+            xq[r] = q.xq + (r0 + r) * cols, xd[r] = q.xd + (r0 + r) * blocks, xs[r] = q.xs + (r0 + r) * blocks;
+            xb[r] = TABLE ? table + (r0 + r) * cols * 2 : nullptr;  // 8 int32 per 4 codes
+        }
+    }
+};
+
 // Q4_1X8 and Q8_0X8: one group of 8 output features against R activation rows
 template <int R, bool TABLE>
 static inline void linear_x8_tile(const sd_linear* L, const scratch_q& q, const int32_t* table, int64_t r0, int g,
                                   float* out, int64_t out_stride, int accumulate) {
-    const int cols = L->cols, blocks = cols / 32;
-    const int8_t* xr[R];
-    const int32_t* br[R];
-    const float *dr[R], *sr[R];
-    for (int r = 0; r < R; r++) {
-        xr[r] = q.xq + (r0 + r) * cols, dr[r] = q.xd + (r0 + r) * blocks, sr[r] = q.xs + (r0 + r) * blocks;
-        br[r] = TABLE ? table + (r0 + r) * cols * 2 : nullptr;  // 8 int32 per 4 codes
-    }
+    const int blocks = L->cols / 32;
+    const tile_rows<R, TABLE> x(q, table, r0, L->cols);
     const int64_t at = (int64_t)g * blocks;
     float vals[8 * R];
     if (L->fmt == SD_Q4_1X8)
-        dot_q4_1x8<R, TABLE>(xr, br, dr, sr, (const uint8_t*)L->w + 128 * at, L->d + 8 * at, L->m + 8 * at, blocks, vals);
+        dot_q4_1x8<R, TABLE>(x.xq, x.xb, x.xd, x.xs, (const uint8_t*)L->w + 128 * at, L->d + 8 * at, L->m + 8 * at,
+                             blocks, vals);
     else
-        dot_q8_0x8<R, TABLE>(xr, br, dr, (const int8_t*)L->w + 256 * at, L->d + 8 * at, blocks, q.offset, vals);
+        dot_q8_0x8<R, TABLE>(x.xq, x.xb, x.xd, (const int8_t*)L->w + 256 * at, L->d + 8 * at, blocks, q.offset, vals);
     for (int r = 0; r < R; r++)
         for (int f = 0; f < 8; f++) store_out(L, out, out_stride, accumulate, r0 + r, 8 * g + f, vals[8 * r + f]);
 }
@@ -998,18 +1009,12 @@ template <int R, bool TABLE>
 __attribute__((noinline)) static void linear_x8x2_rows(const sd_linear* L, const scratch_q& q, const int32_t* table,
                                                        int64_t r0, int g, float* out, int64_t out_stride,
                                                        int accumulate) {
-    const int cols = L->cols, blocks = cols / 32;
-    const int8_t* xr[R];
-    const int32_t* br[R];
-    const float *dr[R], *sr[R];
-    for (int r = 0; r < R; r++) {
-        xr[r] = q.xq + (r0 + r) * cols, dr[r] = q.xd + (r0 + r) * blocks, sr[r] = q.xs + (r0 + r) * blocks;
-        br[r] = TABLE ? table + (r0 + r) * cols * 2 : nullptr;
-    }
+    const int blocks = L->cols / 32;
+    const tile_rows<R, TABLE> x(q, table, r0, L->cols);
     const int64_t at = (int64_t)g * blocks, next = at + blocks;
     const uint8_t* w = (const uint8_t*)L->w;
     float vals[16 * R];
-    dot_q4_1x8x2<R, TABLE>(xr, br, dr, sr, w + 128 * at, w + 128 * next, L->d + 8 * at, L->d + 8 * next,
+    dot_q4_1x8x2<R, TABLE>(x.xq, x.xb, x.xd, x.xs, w + 128 * at, w + 128 * next, L->d + 8 * at, L->d + 8 * next,
                            L->m + 8 * at, L->m + 8 * next, blocks, vals);
     for (int r = 0; r < R; r++)
         for (int f = 0; f < 16; f++) store_out(L, out, out_stride, accumulate, r0 + r, 8 * g + f, vals[16 * r + f]);
