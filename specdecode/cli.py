@@ -611,7 +611,7 @@ def cmd_bench_serve(args) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         raise SpecDecodeError(f"--modes takes a comma list of {MODES}, got {args.modes!r}")
-    levels = list(parse_int_list(args.concurrency, "--concurrency"))
+    levels = list(dict.fromkeys(parse_int_list(args.concurrency, "--concurrency")))  # a level once
     if args.request_rate is None and (not levels or min(levels) < 1):
         raise SpecDecodeError("--concurrency needs positive integers")
     if args.request_rate is not None and args.request_rate <= 0:

@@ -170,6 +170,9 @@ def test_analyze_writes_every_report(tiny_text_model_dir, tmp_path, capsys):
     html = (out / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 5 and "<table>" in html
     assert set(result["k_sweep"]["0.0"]) == {"ngram"}  # adaptive ngram against ngram@2
+    # the draft model's KV cache and activations count in its memory, not prompt lookup's
+    assert result["memory"]["draft@2"]["total_gib"] > result["memory"]["ngram@2"]["total_gib"]
+    assert result["config"]["draft"] == "self:1"
     predicted = {(r["method"], r["category"]): r["predicted_speedup"] for r in rows if r["temperature"] == 0.0}
     for category, entry in result["k_sweep"]["0.0"]["ngram"].items():
         assert entry["best_fixed_predicted"] == {"method": "ngram@2", "speedup": predicted[("ngram@2", category)]}

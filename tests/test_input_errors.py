@@ -106,3 +106,12 @@ def test_a_drafter_flag_is_taken_when_one_of_the_bench_methods_reads_it(capsys):
     it gets past the check and fails later, on the model path."""
     code, err = run(capsys, "bench", "--methods", "none,eagle@4x2", "--tree-width", "3", "--model", "/nowhere/model")
     assert code == 2 and "is read by" not in err and "/nowhere/model" in err, err
+
+
+def test_method_draft_without_draft_flag_uses_the_first_four_layers():
+    from specdecode.cli import _spec_config, build_parser
+
+    args = build_parser().parse_args(["generate", "hi", "--method", "draft"])
+    assert args.draft is None and _spec_config(args, "draft").draft == "self:4"
+    args = build_parser().parse_args(["generate", "hi", "--method", "draft", "--draft", "self:2"])
+    assert _spec_config(args, "draft").draft == "self:2"

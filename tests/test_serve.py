@@ -401,7 +401,7 @@ def test_router_learns_only_from_requests_decoded_alone():
     from specdecode.serve.app import SpeculationChoices
     from specdecode.serve.batch import Sequence
 
-    profile = SimpleNamespace(acceptance={}, time_ms=lambda size, context: 5.0)
+    profile = SimpleNamespace(acceptance={}, time_ms=lambda size, context: 5.0 + context / 1000)
     router = Router()
     choices = SpeculationChoices({"ngram": (None, None, "ngram")}, "ngram", router, profile)
     metrics = SimpleNamespace(drift_ratio=lambda task, prior: None)
@@ -423,4 +423,5 @@ def test_router_learns_only_from_requests_decoded_alone():
     assert router.route("def f(x): return x", "ngram", "ngram").method == "ngram"
     choices.observe(finished(batched_steps=0), metrics)
     record = router.records["code/ngram"]
-    assert record.speedup == pytest.approx(100 * 5.0 / 1e3 / 0.3)  # not 100 * 5 ms / 4.8 s
+    # plain steps priced at the middle of the output (3 + 50 tokens); not 100 * 5 ms / 4.8 s
+    assert record.speedup == pytest.approx(100 * 5.053 / 1e3 / 0.3)

@@ -189,7 +189,9 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
     memory = {}
     for label in methods[1:]:
         name, _ = parse_method(label)
-        draft = "ngram" if name == "ngram" else args.draft
+        # the drafter whose memory counts: a draft model's (self:L or a path); prompt
+        # lookup's; none beside the target for the rest (a token store, a head: small)
+        draft = "ngram" if name == "ngram" else spec_config(args, "draft").draft if name == "draft" else None
         report = deployment_memory(args.model, draft, engine_config.dtype, args.batch, 2048, 10, args.budget,
                                    prefill_chunk=engine_config.prefill_chunk)
         memory[label] = {"total_gib": report["total"] / 2**30, "budget_gib": report["budget"] / 2**30, "fits": report["fits"]}
@@ -203,7 +205,9 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
         "k_sweep": sweeps,
         "config": {"model": args.model, "dtype": args.dtype, "methods": methods, "temperatures": temperatures,
                    "max_new_tokens": params.max_new_tokens, "prompts": args.prompts or "builtin",
-                   "serving": args.serving, "batch": args.batch, "draft": args.draft,
+                   "serving": args.serving, "batch": args.batch,
+                   "draft": spec_config(args, "draft").draft if any(parse_method(m)[0] == "draft" for m in methods)
+                   else None,
                    "repeats": args.repeats},
         "profile": {"machine": profile.machine, "threads": profile.threads, "drafter_costs": costs,
                     "v": {str(k): profile.v(k, 256) for k in (1, 2, 4, 6, 8, 10)}},

@@ -219,7 +219,8 @@ def ratio_summary(rows: list[dict]) -> list[dict]:
 
 def print_summary(summary: list[dict], rounds: int) -> None:
     lowest = next((entry["level"] for entry in summary if entry["concurrency"]), None)
-    print(f"\nover {rounds} rounds (median tok/s; ratios: median of each round's own, [min, max])")
+    print(f"\nover {rounds} round{'s' if rounds > 1 else ''} (median tok/s; ratios: median of each round's own, "
+          f"[min, max])")
     print(f"{'level':>6} {'spec tok/s':>11} {'plain tok/s':>12} {'spec/plain':>22} "
           f"{'plain/plain@' + str(lowest) if lowest else '':>24}")
 

@@ -197,11 +197,12 @@ def router_state_path() -> Path:
     return cache_dir() / "router-state.json"
 
 
-def speedup_from_stats(stats, profile, context: int, decode_seconds: float | None = None) -> float:
+def speedup_from_stats(stats, profile, prompt_tokens: int, decode_seconds: float | None = None) -> float:
     """A request's measured speedup without a plain run beside it: the plain decoding time
-    the profile predicts for its tokens (one step each) over its measured decode time
+    the profile predicts for its tokens (one step each, priced at the middle of the output,
+    as the server's seconds-saved estimate does) over its measured decode time
     (``decode_seconds``, default its wall time after the prefill)."""
     decode = stats.wall_seconds - stats.prefill_seconds if decode_seconds is None else decode_seconds
     if decode <= 0 or stats.new_tokens == 0:
         return 1.0
-    return stats.new_tokens * profile.time_ms(1, context) / 1e3 / decode
+    return stats.new_tokens * profile.time_ms(1, prompt_tokens + stats.new_tokens // 2) / 1e3 / decode
