@@ -22,8 +22,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from ..bench.runner import (build_engines, check_repeats, encode_prompts, is_fixed_k, k_sweep, needed_context,
-                            parse_method, run_records, summarize, sweep_policies, warm_up)
+from ..bench.runner import (build_engines, check_repeats, draft_model, encode_prompts, is_fixed_k, k_sweep,
+                            needed_context, parse_method, run_records, summarize, sweep_policies, warm_up)
 from ..prompts import load_prompts
 
 SHORT_OUTPUT = 20  # tokens
@@ -191,7 +191,7 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
         name, _ = parse_method(label)
         # the drafter whose memory counts: a draft model's (self:L or a path); prompt
         # lookup's; none beside the target for the rest (a token store, a head: small)
-        draft = "ngram" if name == "ngram" else spec_config(args, "draft").draft if name == "draft" else None
+        draft = "ngram" if name == "ngram" else draft_model(args, [label], spec_config)
         report = deployment_memory(args.model, draft, engine_config.dtype, args.batch, 2048, 10, args.budget,
                                    prefill_chunk=engine_config.prefill_chunk)
         memory[label] = {"total_gib": report["total"] / 2**30, "budget_gib": report["budget"] / 2**30, "fits": report["fits"]}
@@ -205,9 +205,7 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
         "k_sweep": sweeps,
         "config": {"model": args.model, "dtype": args.dtype, "methods": methods, "temperatures": temperatures,
                    "max_new_tokens": params.max_new_tokens, "prompts": args.prompts or "builtin",
-                   "serving": args.serving, "batch": args.batch,
-                   "draft": spec_config(args, "draft").draft if any(parse_method(m)[0] == "draft" for m in methods)
-                   else None,
+                   "serving": args.serving, "batch": args.batch, "draft": draft_model(args, methods, spec_config),
                    "repeats": args.repeats},
         "profile": {"machine": profile.machine, "threads": profile.threads, "drafter_costs": costs,
                     "v": {str(k): profile.v(k, 256) for k in (1, 2, 4, 6, 8, 10)}},

@@ -168,6 +168,14 @@ def _run_one(label: str, engine, prompt: dict, prompt_ids: list[int], params, eo
     return record
 
 
+def draft_model(args, methods: list[str], spec_config) -> str | None:
+    """The draft model ``--method draft`` runs with (``--draft``, or its default) when one of
+    ``methods`` is a draft-model spec; None otherwise (the JSON reports record it)."""
+    if any(parse_method(method)[0] == "draft" for method in methods):
+        return spec_config(args, "draft").draft
+    return None
+
+
 def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config, params) -> int:
     from ..factory import load_target, log
 
@@ -198,7 +206,7 @@ def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config
             "config": {"model": args.model, "dtype": args.dtype, "k": args.k, "k_policy": args.k_policy,
                        "k_max": args.k_max, "max_new_tokens": params.max_new_tokens,
                        "temperature": params.temperature, "methods": methods, "repeats": args.repeats,
-                       "draft": spec_config(args, "draft").draft if any(parse_method(m)[0] == "draft" for m in methods) else None,
+                       "draft": draft_model(args, methods, spec_config),
                        "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
                        "prompts": args.prompts or "builtin", "cost_profile": profile},
             "summary": summary,

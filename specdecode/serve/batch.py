@@ -501,10 +501,8 @@ class BatchEngine:
             elif costs is not None:
                 costs.observe_step(width, (scored - drafted) * 1e3, len(rows[0].tokens) - 1)
         share = 1.0 / len(rows)  # each row is charged its share of the pass
-        if len(rows) > 1:
-            for sequence in rows:
-                sequence.batched_steps += 1
         for i, (sequence, (drafts, draft_probs)) in enumerate(zip(rows, plans)):
+            sequence.batched_steps += len(rows) > 1
             new_tokens = self._verify(sequence, drafts, draft_probs, logits[i:i + 1, :1 + drafts.numel()])
             accepted = len(new_tokens) - 1
             stats = sequence.stats
