@@ -526,7 +526,7 @@ def test_thread_choice_runs_the_faster_count_per_kind_of_pass_and_looks_rarely()
         assert choice.best(kind) == fast
         assert sum(t != fast for t in runs) / len(runs) < 0.03, kind  # the looks back off
     assert any("batch) now on 2" in line for line in logged) and any("alone) now on 1" in line for line in logged)
-    assert choice.describe()["batch"]["preferred"] == 2
+    assert choice.preferred == {"batch": 2, "alone": 1}  # what /metrics reports
 
 
 def test_thread_choice_follows_a_machine_whose_speed_changes():

@@ -119,9 +119,3 @@ class ThreadChoice:
             if self.log is not None:
                 means = ", ".join(f"{n}: {self.ratios[kind, n]:.2f}" for n in self.options)
                 self.log(f"decode passes ({kind}) now on {best} kernel thread(s); measured / predicted time {means}")
-
-    def describe(self) -> dict:
-        return {kind: {"preferred": self.best(kind),
-                       "ratios": {n: round(self.ratios[kind, n], 3) for n in self.options if (kind, n) in self.ratios},
-                       "passes": {n: self.counts.get((kind, n), 0) for n in self.options}}
-                for kind in ("alone", "batch") if any((kind, n) in self.counts for n in self.options)}
