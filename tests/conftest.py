@@ -11,7 +11,8 @@ TINY_VOCAB = 97
 
 
 def save_tiny_model(path, model_type: str = "llama", seed: int = 0, vocab_size: int = TINY_VOCAB,
-                    num_layers: int = 2, hidden_size: int = 64, init_std: float = 0.2):
+                    num_layers: int = 2, hidden_size: int = 64, init_std: float = 0.2, num_heads: int = 4,
+                    num_kv_heads: int = 2):
     """Build a tiny random causal LM with transformers and save it as a checkpoint dir.
 
     A large ``init_std`` spreads the logits, so greedy argmax has clear winners and
@@ -27,8 +28,8 @@ def save_tiny_model(path, model_type: str = "llama", seed: int = 0, vocab_size: 
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
         max_position_embeddings=256,
         initializer_range=init_std,
         tie_word_embeddings=(model_type == "llama"),

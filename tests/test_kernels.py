@@ -180,21 +180,25 @@ def test_scored_row_is_bitwise_independent_of_what_else_is_scored(tmp_path, fmt,
         assert torch.equal(one_by_one, together), context
 
 
-def long_context_model(path, hidden_size: int = 64):
-    """One layer, 1,024 positions; head_dim = hidden_size / 4 (256: the real model's 64)."""
+def long_context_model(path, hidden_size: int = 64, num_heads: int = 4, num_kv_heads: int = 2):
+    """One layer, 1,024 positions; head_dim = hidden_size / num_heads (256 / 4: the real
+    model's 64; 384 / 6 with 2 KV heads: also its 3 query heads per KV head)."""
     import json
 
-    save_tiny_model(path, "llama", seed=5, num_layers=1, hidden_size=hidden_size)
+    save_tiny_model(path, "llama", seed=5, num_layers=1, hidden_size=hidden_size, num_heads=num_heads,
+                    num_kv_heads=num_kv_heads)
     config = json.loads((path / "config.json").read_text())
     config["max_position_embeddings"] = 1024
     (path / "config.json").write_text(json.dumps(config))
     return path
 
 
-@pytest.mark.parametrize("hidden_size", [64, 256])
-def test_long_context_rows_are_invariant_across_key_chunks(tmp_path, hidden_size):
-    """At head_dim 16 and at 64 (the real model's, whose value sums stay in registers)."""
-    path = long_context_model(tmp_path / "long", hidden_size)
+@pytest.mark.parametrize("hidden_size, num_heads", [(64, 4), (256, 4), (384, 6)])
+def test_long_context_rows_are_invariant_across_key_chunks(tmp_path, hidden_size, num_heads):
+    """At head_dim 16 and at 64 (the real model's, whose value sums stay in registers), with
+    2 and 3 query heads per KV head (3: SmolLM2's; one row's three heads take the direct
+    path's value passes of 16 elements on AVX2, rows together the tiles)."""
+    path = long_context_model(tmp_path / "long", hidden_size, num_heads)
     runtime = load_native(path, torch.bfloat16, "q8_0", "kernels")
     tokens = torch.randint(0, 97, (1, 700), generator=torch.Generator().manual_seed(6))
     runtime.reset(720)

@@ -1512,17 +1512,27 @@ static void attend_chunk_direct(const sd_model* M, const sd_layer* L, const floa
     for (int h = 0; h < NH; h++) chunk_softmax(scores[h], count, out_partials[h]);
     // The outputs, key by key in order: with 32 vector registers all 64 elements of the NH
     // heads in one pass over the values, prefetched 8 keys ahead (4,000 tokens of context:
-    // a step 7.4 -> 6.6 ms on Zen 4), else 32 at a time in two.
-    constexpr int HALF = SD_AVX512 && NH <= 3 ? 64 : 32;
+    // a step 7.4 -> 6.6 ms on Zen 4), else 32 at a time in two. With 16 registers three
+    // heads take 16 at a time in four: 32 at a time held 12 sums, 4 value vectors and the
+    // broadcast score in 17 registers, one sum was spilled, and its store and reload each
+    // key became the loop's critical path (perf on a Zen 3: 30% of the kernel's samples on
+    // that store). There the first pass also prefetches the value rows 16 keys ahead: the
+    // keys' pass did not keep them close enough (samples piled on the value loads). Attention
+    // alone, 30 layers, one token, Zen 3: 3.52 -> 3.08 ms at 1,500 tokens of context, 8.72
+    // -> 7.34 at 4,000 (scripts/attention_ab.py, the two builds alternating).
+    constexpr int HALF = SD_AVX512 && NH <= 3 ? 64 : !SD_AVX512 && NH == 3 ? 16 : 32;
     for (int half = 0; half < 64; half += HALF) {
         constexpr int C = HALF / 8;
         __m256 o[NH][C];
         for (int h = 0; h < NH; h++)
             for (int c = 0; c < C; c++) o[h][c] = _mm256_setzero_ps();
         for (int n = 0; n < count; n++) {  // o[h]: elements (even, odd) of 16, C / 2 times
-            if (SD_AVX512) {  // measured on Zen 4 only; the AVX2 path keeps its prefetches as they were
+            if (SD_AVX512) {  // measured on Zen 4 only
                 _mm_prefetch((const char*)vrow[n + 8] + 2 * half, _MM_HINT_T0);
                 if (C == 8) _mm_prefetch((const char*)vrow[n + 8] + 64, _MM_HINT_T0);
+            } else if (half == 0) {  // by address: rows past the chunk's end are the next keys'
+                _mm_prefetch((const char*)(vrow[n] + 16 * 64), _MM_HINT_T0);
+                _mm_prefetch((const char*)(vrow[n] + 16 * 64) + 64, _MM_HINT_T0);
             }
             const uint16_t* v = vrow[n] + half;
             __m256 vv[C];
