@@ -28,15 +28,15 @@ def main() -> None:
     runtime.reset(max(CONTEXTS) + 100)
     model, layers = runtime.kernels.model, runtime.num_layers
     generator = torch.Generator().manual_seed(0)
-    qkv = torch.randn(max(SIZES), runtime.cfg.hidden_size + 2 * runtime.cfg.num_kv_heads * runtime.cfg.head_dim,
-                      generator=generator)
-    out = torch.empty(max(SIZES), runtime.cfg.hidden_size)
+    cfg = runtime.cfg
+    qkv = torch.randn(max(SIZES), (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, generator=generator)
+    out = torch.empty(max(SIZES), cfg.num_heads * cfg.head_dim)
     rows = np.zeros(1, np.int32)
     for context in CONTEXTS:
         while runtime.length < context:
             runtime(torch.randint(0, 49152, (1, min(256, context - runtime.length)), generator=generator), last_only=True)
         starts = np.array([context], np.int32)
-        kv_mb = layers * 2 * runtime.cfg.num_kv_heads * runtime.cfg.head_dim * context * 2 / 1e6
+        kv_mb = layers * 2 * cfg.num_kv_heads * cfg.head_dim * context * 2 / 1e6
         for size in SIZES:
             best: dict[tuple[str, str], float] = {}
             for _ in range(ROUNDS):

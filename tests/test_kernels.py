@@ -208,11 +208,12 @@ def test_long_context_rows_are_invariant_across_key_chunks(tmp_path, hidden_size
     together = runtime(tokens[:, 600:664])
     assert torch.equal(together[:, :1], alone)
     # every row, not only the first: rows scored together share the tiles of the chunks
-    # they all see whole (in groups of 24 rows here), one by one they do not
+    # they all see whole (in groups of 48 query heads: 24 rows here, 16 with 3 heads per KV
+    # head), one by one they do not
     runtime.rollback(600)
     one_by_one = torch.cat([runtime(tokens[:, 600 + i : 601 + i]) for i in range(64)], dim=1)
     assert torch.equal(one_by_one, together)
-    for count in (2, 3):  # 4 and 6 query heads per chunk (the direct path, with 32 registers)
+    for count in (2, 3):  # 4-9 query heads per chunk: the direct path with 32 registers, else the tiles
         runtime.rollback(600)
         assert torch.equal(runtime(tokens[:, 600 : 600 + count]), one_by_one[:, :count]), count
 

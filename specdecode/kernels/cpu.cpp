@@ -1412,8 +1412,9 @@ static inline __m256 dot8_keys(const float* q, const float* keys, int D) {
 #endif
 
 // fp32 copies of `count` visible key (or value) rows starting at visible index `first`.
-// Each row read prefetches the row 32 slots on (by address: past a chunk's end those are
-// the next tile's cached keys; a prefetch never faults), which the tiles of several rows
+// Each row read prefetches the row 32 slots on, by address (usually the next tile's or the
+// next chunk's row; near the end of the cached keys a new token's, an unused slot's or one
+// past the cache: computed as an integer, and a prefetch never faults), which the tiles of several rows
 // lacked: `perf` put the most samples of the tile path on these loads when the cache came
 // from memory. Whole steps, scripts/step_ab.py, minimum of 6 rounds on a Zen 3: T = 4 /
 // 8 at 1,500 tokens of context 16.38 -> 15.75 / 24.16 -> 22.81 ms, at 4,000 24.45 ->
@@ -1424,8 +1425,8 @@ static inline void gather_rows(const void* cache, int fmt, int64_t base, int sta
     for (int n = 0; n < count; n++) {
         const int visible_index = first + n;
         const int64_t slot = visible_index < start ? visible_index : start + new_index[visible_index - start];
-        const char* ahead = (const char*)cache + ((base + slot) * D + 32 * D) * (row_bytes / D);
-        for (int line = 0; line < row_bytes; line += 64) __builtin_prefetch(ahead + line, 0, 3);
+        const uintptr_t ahead = (uintptr_t)cache + (uintptr_t)((base + slot + 32) * row_bytes);
+        for (int line = 0; line < row_bytes; line += 64) __builtin_prefetch((const void*)(ahead + line), 0, 3);
         if (split)
             load_row_split(cache, fmt, (base + slot) * D, D, out + (int64_t)n * D);
         else
@@ -1539,9 +1540,10 @@ static void attend_chunk_direct(const sd_model* M, const sd_layer* L, const floa
             if (SD_AVX512) {  // measured on Zen 4 only
                 _mm_prefetch((const char*)vrow[n + 8] + 2 * half, _MM_HINT_T0);
                 if (C == 8) _mm_prefetch((const char*)vrow[n + 8] + 64, _MM_HINT_T0);
-            } else if (half == 0) {  // by address: rows past the chunk's end are the next keys'
-                _mm_prefetch((const char*)(vrow[n] + 16 * 64), _MM_HINT_T0);
-                _mm_prefetch((const char*)(vrow[n] + 16 * 64) + 64, _MM_HINT_T0);
+            } else if (NH == 3 && half == 0) {  // by address (integers: it may point past the cache)
+                const uintptr_t ahead = (uintptr_t)vrow[n] + 16 * 64 * sizeof(uint16_t);
+                _mm_prefetch((const char*)ahead, _MM_HINT_T0);
+                _mm_prefetch((const char*)(ahead + 64), _MM_HINT_T0);
             }
             const uint16_t* v = vrow[n] + half;
             __m256 vv[C];
