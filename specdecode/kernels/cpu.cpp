@@ -1414,9 +1414,9 @@ static inline __m256 dot8_keys(const float* q, const float* keys, int D) {
 // fp32 copies of `count` visible key (or value) rows starting at visible index `first`.
 // Each row read prefetches the row 32 slots on, by address (usually the next tile's or the
 // next chunk's row; near the end of the cached keys a new token's, an unused slot's or one
-// past the cache: computed as an integer, and a prefetch never faults), which the tiles of several rows
-// lacked: `perf` put the most samples of the tile path on these loads when the cache came
-// from memory. Whole steps, scripts/step_ab.py, minimum of 6 rounds on a Zen 3: T = 4 /
+// past the cache: computed as an integer, and a prefetch never faults). The tiles of
+// several rows lacked it: `perf` put the most samples of the tile path on these loads when
+// the cache came from memory. Whole steps, scripts/step_ab.py, minimum of 6 rounds on a Zen 3: T = 4 /
 // 8 at 1,500 tokens of context 16.38 -> 15.75 / 24.16 -> 22.81 ms, at 4,000 24.45 ->
 // 22.81 / 50.45 -> 47.07 (medians 1-4% lower).
 static inline void gather_rows(const void* cache, int fmt, int64_t base, int start, const int* new_index, int first,
