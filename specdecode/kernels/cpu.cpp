@@ -1418,7 +1418,7 @@ static inline __m256 dot8_keys(const float* q, const float* keys, int D) {
 // several rows lacked it: `perf` put the most samples of the tile path on these loads when
 // the cache came from memory. Whole steps, scripts/step_ab.py, minimum of 6 rounds on a Zen 3: T = 4 /
 // 8 at 1,500 tokens of context 16.38 -> 15.75 / 24.16 -> 22.81 ms, at 4,000 24.45 ->
-// 22.81 / 50.45 -> 47.07 (medians 1-4% lower).
+// 22.81 / 50.45 -> 47.07 (medians 0.5-4% lower).
 static inline void gather_rows(const void* cache, int fmt, int64_t base, int start, const int* new_index, int first,
                                int count, int D, float* out, bool split) {
     const int row_bytes = D * (fmt == SD_F32 ? 4 : 2);
@@ -1528,8 +1528,8 @@ static void attend_chunk_direct(const sd_model* M, const sd_layer* L, const floa
     // key became the loop's critical path (perf on a Zen 3: 30% of the kernel's samples on
     // that store). There the first pass also prefetches the value rows 16 keys ahead: the
     // keys' pass did not keep them close enough (samples piled on the value loads). Attention
-    // alone, 30 layers, one token, Zen 3: 3.52 -> 3.08 ms at 1,500 tokens of context, 8.72
-    // -> 7.34 at 4,000 (scripts/attention_ab.py, the two builds alternating).
+    // alone, 30 layers, one token, Zen 3: 4.69 -> 3.79 ms at 1,500 tokens of context, 10.82
+    // -> 9.10 at 4,000 (scripts/attention_ab.py, the two builds alternating).
     constexpr int HALF = SD_AVX512 && NH <= 3 ? 64 : !SD_AVX512 && NH == 3 ? 16 : 32;
     for (int half = 0; half < 64; half += HALF) {
         constexpr int C = HALF / 8;
