@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from step_ab import CONTEXTS, SIZES, build_libraries
+from specdecode.cost.profile import extend_context
 from specdecode.models.llama import load_native
 from specdecode.models.loading import resolve_model
 
@@ -33,8 +34,7 @@ def main() -> None:
     out = torch.empty(max(SIZES), cfg.num_heads * cfg.head_dim)
     rows = np.zeros(1, np.int32)
     for context in CONTEXTS:
-        while runtime.length < context:
-            runtime(torch.randint(0, 49152, (1, min(256, context - runtime.length)), generator=generator), last_only=True)
+        extend_context(runtime, context, generator)
         starts = np.array([context], np.int32)
         kv_mb = layers * 2 * cfg.num_kv_heads * cfg.head_dim * context * 2 / 1e6
         for size in SIZES:
