@@ -1026,15 +1026,12 @@ __attribute__((noinline)) static void linear_x8x2_rows(const sd_linear* L, const
 template <int R>
 __attribute__((noinline)) static void linear_x16_rows(const sd_linear* L, const scratch_q& q, int64_t r0, int g,
                                                       float* out, int64_t out_stride, int accumulate) {
-    const int cols = L->cols, blocks = cols / 32;
-    const int8_t* xr[R];
-    const float *dr[R], *sr[R];
-    for (int r = 0; r < R; r++)
-        xr[r] = q.xq + (r0 + r) * cols, dr[r] = q.xd + (r0 + r) * blocks, sr[r] = q.xs + (r0 + r) * blocks;
+    const int blocks = L->cols / 32;
+    const tile_rows<R, false> x(q, nullptr, r0, L->cols);
     const int64_t at = (int64_t)g * blocks, next = at + blocks;
     const uint8_t* w = (const uint8_t*)L->w;
     float vals[16 * R];
-    dot_q4_1x16<R>(xr, dr, sr, w + 128 * at, w + 128 * next, L->d + 8 * at, L->d + 8 * next, L->m + 8 * at,
+    dot_q4_1x16<R>(x.xq, x.xd, x.xs, w + 128 * at, w + 128 * next, L->d + 8 * at, L->d + 8 * next, L->m + 8 * at,
                    L->m + 8 * next, blocks, vals);
     for (int r = 0; r < R; r++)
         for (int f = 0; f < 16; f++) store_out(L, out, out_stride, accumulate, r0 + r, 8 * g + f, vals[16 * r + f]);
@@ -1416,9 +1413,9 @@ static inline __m256 dot8_keys(const float* q, const float* keys, int D) {
 // next chunk's row; near the end of the cached keys a new token's, an unused slot's or one
 // past the cache: computed as an integer, and a prefetch never faults). The tiles of
 // several rows lacked it: `perf` put the most samples of the tile path on these loads when
-// the cache came from memory. Whole steps, scripts/step_ab.py, minimum of 6 rounds on a Zen 3: T = 4 /
-// 8 at 1,500 tokens of context 16.38 -> 15.75 / 24.16 -> 22.81 ms, at 4,000 24.45 ->
-// 22.81 / 50.45 -> 47.07 (medians 0.5-4% lower).
+// the cache came from memory. Whole steps, scripts/step_ab.py, minimum of 6 rounds on a
+// Zen 3: T = 4 / 8 at 1,500 tokens of context 16.38 -> 15.75 / 24.16 -> 22.81 ms, at 4,000
+// 24.45 -> 22.81 / 50.45 -> 47.07 (medians 0.5-4% lower).
 static inline void gather_rows(const void* cache, int fmt, int64_t base, int start, const int* new_index, int first,
                                int count, int D, float* out, bool split) {
     const int row_bytes = D * (fmt == SD_F32 ? 4 : 2);
