@@ -35,3 +35,16 @@ def test_cuda_sampling_is_seeded(tmp_path):
     engine = SpeculativeEngine(gpu.runtime, proposer=DraftModelProposer(gpu.runtime.layer_skip_view(1)), k=3)
     params = SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=20, seed=3, ignore_eos=True)
     assert engine.generate([5, 6, 7], params).token_ids == engine.generate([5, 6, 7], params).token_ids
+
+
+def test_cuda_bf16_leaves_the_cpu_packing_out(tmp_path):
+    """bf16 weights are prepacked for oneDNN on the CPU only: a packed copy left behind on
+    the CPU made every projection of a bf16 model on the GPU fail."""
+    path = save_tiny_model(tmp_path / "t", seed=12, num_layers=2)
+    gpu = load_model(path, torch.bfloat16, device="cuda")
+    weights = gpu.runtime.weights
+    assert all(getattr(linear, "packed_weight", None) is None
+               for layer in weights.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    engine = SpeculativeEngine(gpu.runtime, proposer=NgramProposer(), k=3)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    assert len(engine.generate([5, 9, 11, 5, 9, 11], params).token_ids) == 12

@@ -139,6 +139,8 @@ def test_bf16_runtime_stays_close_to_fp32_reference(tiny_llama_dir):
     bf16 keeps 8 bits of mantissa: relative error ~0.4% per op, so a loose bound."""
     ids = torch.randint(0, 97, (1, 11), generator=torch.Generator().manual_seed(6))
     runtime = load_native(tiny_llama_dir, torch.bfloat16)
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():  # packed on the CPU (never on a GPU: test_cuda)
+        assert getattr(runtime.weights.layers[0].qkv, "packed_weight", None) is not None
     runtime.reset(32)
     ours = runtime(ids).float()
     reference = hf_logits(tiny_llama_dir, ids)

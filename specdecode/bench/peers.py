@@ -27,22 +27,25 @@ LLAMACPP_INSTALL = (
 class HFPeer:
     label = "transformers generate(), fp32"
 
-    def __init__(self, model_dir, eos_ids: tuple[int, ...]):
+    def __init__(self, model_dir, eos_ids: tuple[int, ...], device: torch.device | str = "cpu"):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device).eval()
         self.eos_ids = eos_ids
+        if self.device.type != "cpu":
+            self.label = f"transformers generate(), fp32, {self.device.type}"
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
         eos = self.eos_ids
         started = time.perf_counter()
         with torch.inference_mode():
             output = self.model.generate(
-                torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                torch.tensor([prompt_ids], device=self.device), max_new_tokens=max_new_tokens, do_sample=False,
                 eos_token_id=list(eos) or None, pad_token_id=eos[0] if eos else 0,
             )
+            new = output[0, len(prompt_ids):].tolist()  # waits for the device
         seconds = time.perf_counter() - started
-        new = output[0, len(prompt_ids):].tolist()
         while new and new[-1] in eos:
             new.pop()
         return new, seconds
@@ -82,7 +85,7 @@ class LlamaCppPeer:
 def build_peer(name: str, target, context: int):
     """The peer for bench method ``name`` over the loaded target model."""
     if name == "hf":
-        return HFPeer(target.source.path, target.eos_token_ids)
+        return HFPeer(target.source.path, target.eos_token_ids, target.runtime.device)
     if name == "llamacpp":
         return LlamaCppPeer(target.source.gguf, context, target.eos_token_ids)
     raise SpecDecodeError(f"unknown peer {name!r}; choose from {PEERS}")

@@ -188,14 +188,14 @@ class LlamaWeights(nn.Module):
         model = cls(cfg, embed, layers, norm, lm_head, rope_tables(cfg, model_dir), dtype)
         model.carried = dict(reader.carried) if reader is not None else {}
         model.requires_grad_(False).eval()
-        if dtype == torch.bfloat16 and fmt == "bf16":
-            model.pack_for_cpu()
         return model
 
     def pack_for_cpu(self) -> None:
         """Add a oneDNN-prepacked copy of every bf16 projection (see ``_torch_linear``).
-        The plain weights stay: the embedding lookup, the kernels and training read them."""
-        if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        The plain weights stay: the embedding lookup, the kernels and training read them.
+        Weights on another device are left alone (the packed copy is a CPU tensor)."""
+        if self.device.type != "cpu" or not (torch.backends.mkldnn.is_available()
+                                             and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
             return
         linears = [self.lm_head] + [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         for linear in linears:
@@ -661,4 +661,6 @@ def load_native(model_dir: Path, dtype: torch.dtype, weights: str | None = None,
     loaded = LlamaWeights.from_pretrained(model_dir, config, dtype, weights, gguf_path)
     if device != "cpu":
         loaded = loaded.to(device)
+    elif dtype == torch.bfloat16 and (weights or "bf16") == "bf16":
+        loaded.pack_for_cpu()
     return NativeRuntime(loaded, backend=backend, prefill_chunk=prefill_chunk)
