@@ -183,10 +183,9 @@ def eagle_proposer(path: str | None, target: LoadedModel, tree_width: int = 1):
     """An EAGLE drafter with the head ``load_head`` finds for ``target``."""
     from .proposers.eagle import EagleProposer
 
-    head = load_head(path, target)
     weights = target.runtime.weights
-    return EagleProposer(head, lambda ids: weights.embed_rows(ids.to(weights.device)).float().cpu(),
-                         tree_width=tree_width)
+    head = load_head(path, target).to(weights.device)  # beside the target: its features stay there
+    return EagleProposer(head, lambda ids: weights.embed_rows(ids).float(), tree_width=tree_width)
 
 
 def load_head(path: str | None, target: LoadedModel):

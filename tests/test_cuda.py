@@ -48,3 +48,73 @@ def test_cuda_bf16_leaves_the_cpu_packing_out(tmp_path):
     engine = SpeculativeEngine(gpu.runtime, proposer=NgramProposer(), k=3)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     assert len(engine.generate([5, 9, 11, 5, 9, 11], params).token_ids) == 12
+
+
+def eagle_on(device: str, tmp_path) -> None:
+    """EAGLE chains, dynamic trees and merged trees through the factory on ``device``:
+    greedy equal to plain, seeded sampling repeatable (written for the GPU; runs anywhere)."""
+    from specdecode.config import SpeculativeConfig
+    from specdecode.factory import build_proposer
+    from specdecode.proposers.eagle_head import EagleConfig, EagleHead
+
+    target = load_model(save_tiny_model(tmp_path / "t", seed=13, num_layers=3), torch.float32, backend="torch",
+                        device=device)
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(target.runtime.cfg, 60))
+    for parameter in head.parameters():  # peaked draft distributions: drafts get accepted
+        torch.nn.init.normal_(parameter, std=0.3) if parameter.dim() > 1 else None
+    head.set_draft_vocab(torch.randperm(target.runtime.vocab_size)[:60].sort().values)
+    head.save(tmp_path / "head")
+    prompt = [5, 9, 11, 5, 9, 11, 5]
+    greedy = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, max_new_tokens=20, seed=3, ignore_eos=True)
+    plain = SpeculativeEngine(target.runtime).generate(prompt, greedy).token_ids
+    drafted = 0
+    for method, width in (("eagle", 1), ("eagle", 3), ("tree", 3)):
+        spec = SpeculativeConfig(method=method, draft=str(tmp_path / "head"), tree_width=width)
+        engine = SpeculativeEngine(target.runtime, proposer=build_proposer(spec, target, None), k=4)
+        result = engine.generate(prompt, greedy)
+        assert result.token_ids == plain, (method, width)
+        drafted += result.stats.draft_tokens
+        assert engine.generate(prompt, sampled).token_ids == engine.generate(prompt, sampled).token_ids
+    assert drafted > 0
+
+
+def test_cuda_eagle_chains_and_trees(tmp_path):
+    eagle_on("cuda", tmp_path)
+
+
+def batch_on(device: str, tmp_path) -> None:
+    """The serving engine on ``device``: concurrent greedy requests, plain and with prompt
+    lookup, each equal to its output alone; seeded sampled rows with a sampling drafter
+    (the request's generator on the device) repeatable."""
+    import random
+
+    from specdecode.models.llama import load_native
+    from specdecode.serve.batch import BatchEngine
+
+    path = save_tiny_model(tmp_path / "b", seed=14, num_layers=2)
+    runtime = load_native(path, torch.float32, "fp32", "torch", prefill_chunk=16, device=device)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 97) for _ in range(rng.randint(2, 6))] * rng.randint(1, 4) for _ in range(8)]
+    greedy = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    alone = [SpeculativeEngine(runtime).generate(p, greedy).token_ids for p in prompts]
+    engine = BatchEngine(runtime, max_num_seqs=4, max_model_len=128, make_drafter=NgramProposer,
+                         make_policy=lambda: 3)
+    sequences = [engine.add(p, greedy, speculate=i % 2 == 0) for i, p in enumerate(prompts)]
+    engine.run()
+    assert [s.generated for s in sequences] == alone
+    sampled = SamplingParams(temperature=0.9, max_new_tokens=16, seed=5, ignore_eos=True)
+
+    def run_sampled() -> list[list[int]]:
+        engine = BatchEngine(runtime, max_num_seqs=4, max_model_len=128,
+                             make_drafter=lambda: DraftModelProposer(runtime.layer_skip_view(1)), make_policy=lambda: 2)
+        rows = [engine.add(p, sampled) for p in prompts[:3]]
+        engine.run()
+        return [s.generated for s in rows]
+
+    assert run_sampled() == run_sampled()
+
+
+def test_cuda_batch_engine(tmp_path):
+    batch_on("cuda", tmp_path)

@@ -34,16 +34,18 @@ class EagleProposer:
     samples_drafts = True  # sampled chains carry their distribution (trees are top-k point masses)
 
     def __init__(self, head: EagleHead, embed_rows, kernels: bool = True, tree_width: int = 1):
-        """``embed_rows(ids [T]) -> [T, H]``: the target's embedding (the head has none).
+        """``embed_rows(ids [T]) -> [T, H]``: the target's embedding (the head has none), on
+        the head's device.
         ``kernels``: draft with Q8_0 projections on the CPU kernels where they load.
         ``tree_width``: 1 drafts chains; K > 1 drafts EAGLE-2 dynamic trees, expanding the
         top-K children of the top-K frontier nodes per depth (``propose_tree``)."""
         if tree_width < 1:
             raise SpecDecodeError(f"tree width must be >= 1, got {tree_width}")
         self.head = head.eval().requires_grad_(False)
+        self.device = head.d2t.device  # the head's (the factory puts it on the target's device)
         self.tree_width = tree_width
         self.layer = None  # the decoder layer as one kernel call (KernelHeadLayer), where it loads
-        if kernels and head.use_kernels():
+        if kernels and self.device.type == "cpu" and head.use_kernels():
             from ..models.cpu_runtime import KernelHeadLayer
 
             try:
@@ -73,7 +75,8 @@ class EagleProposer:
         c = self.head.config
         shape = (c.num_kv_heads, capacity, c.head_dim)
         if self.k_cache is None or self.k_cache.shape[1] < capacity:
-            self.k_cache, self.v_cache = torch.zeros(shape), torch.zeros(shape)
+            self.k_cache = torch.zeros(shape, device=self.device)
+            self.v_cache = torch.zeros(shape, device=self.device)
             if self.layer is not None:
                 self.layer.bind(self.k_cache, self.v_cache)
         self.length, self.last_logits, self.last_g = 0, None, None
@@ -87,18 +90,18 @@ class EagleProposer:
         cache causally, or by ``mask`` [T, start + T]; return the outputs g [T, H]."""
         head, c = self.head, self.head.config
         count = hidden.shape[0]
-        embeds = self.embed_rows(torch.tensor(token_ids)).float()
+        embeds = self.embed_rows(torch.tensor(token_ids, device=self.device)).float()
         if self.layer is not None:
             return self.layer(embeds, hidden, start, positions, mask)
         if positions is None:
-            positions = torch.arange(start, start + count)
+            positions = torch.arange(start, start + count, device=self.device)
         q, k, v = head.qkv(embeds[None], hidden[None], positions)
         end = start + count
         self.k_cache[:, start:end] = k[0]
         self.v_cache[:, start:end] = v[0]
         if mask is None and count > 1:
-            mask = torch.ones(count, end, dtype=torch.bool)
-            mask[:, start:] = torch.ones(count, count, dtype=torch.bool).tril()
+            mask = torch.ones(count, end, dtype=torch.bool, device=self.device)
+            mask[:, start:] = torch.ones(count, count, dtype=torch.bool, device=self.device).tril()
         attn = F.scaled_dot_product_attention(q, self.k_cache[None, :, :end], self.v_cache[None, :, :end],
                                               attn_mask=mask, scale=1.0 / math.sqrt(c.head_dim),
                                               enable_gqa=c.num_heads != c.num_kv_heads)
@@ -132,7 +135,7 @@ class EagleProposer:
         if start > self.length:  # a gap (e.g. the engine skipped us): entries would be misplaced
             self.length, self.last_logits, self.last_g = 0, None, None
             return
-        hidden = self.head.project("fc", features.float())
+        hidden = self.head.project("fc", features.to(self.device).float())
         g = self._run(hidden, token_ids, start)
         self.length = start + features.shape[0]
         self.last_g = g[-1]
@@ -155,7 +158,7 @@ class EagleProposer:
                 probs = logits_to_probs(logits, params)
                 index = int(sample(probs, generator))
                 token = int(head.d2t[index])
-                draft_probs.append(torch.zeros(vocab).index_copy_(0, head.d2t, probs))
+                draft_probs.append(torch.zeros(vocab, device=self.device).index_copy_(0, head.d2t, probs))
             draft_ids.append(token)
             if depth < k - 1:
                 g = self._run(g[None], [token], self.length + depth)[0]
@@ -208,7 +211,7 @@ class EagleProposer:
                 break  # descendants score no better than the frontier: none could enter the tree
             hidden = torch.stack([self.last_g if parent_of[i] < 0 else g_of[parent_of[i]] for i in expand])
             count = len(expand)
-            mask = torch.zeros(count, next_slot + count, dtype=torch.bool)
+            mask = torch.zeros(count, next_slot + count, dtype=torch.bool, device=self.device)
             mask[:, :committed] = True
             for row, node in enumerate(expand):
                 ancestor = parent_of[node]
@@ -216,7 +219,7 @@ class EagleProposer:
                     mask[row, slot_of[ancestor]] = True
                     ancestor = parent_of[ancestor]
                 mask[row, next_slot + row] = True
-            positions = torch.tensor([committed + depth_of[i] - 1 for i in expand])
+            positions = torch.tensor([committed + depth_of[i] - 1 for i in expand], device=self.device)
             g = self._run(hidden, [tokens_of[i] for i in expand], next_slot, positions, mask)
             passes += 1
             logits = self._logits(g)

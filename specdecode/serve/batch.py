@@ -105,12 +105,13 @@ class Sequence:
     reuse_prefix: bool = True  # False: prefill the whole prompt (the audit's independent re-run)
     share_prefix: bool = True  # False: its row serves no other prompt (running at a cache reset)
     batched_steps: int = 0  # decode steps it shared with other rows (its time was then the batch's)
+    device: torch.device | str = "cpu"  # the target's: its generator draws where the drafts and logits are
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
         self.stats.prompt_tokens = len(self.prompt_ids)
         self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
-        self.generator = torch.Generator().manual_seed(self.seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(self.seed)
         self.draws = PositionUniforms(self.seed)  # the target's draws, one per position (engine.verify_chain)
         self.tracker: TextTracker | None = None
 
@@ -225,7 +226,8 @@ class BatchEngine:
             policy = FixedK(policy)
         sequence = Sequence(request_id or f"seq-{next(self._ids)}", list(prompt_ids), params, proposer,
                             policy if proposer is not None else None, prior_alpha, task_type, listener,
-                            method=method if proposer is not None else "none", reuse_prefix=reuse_prefix)
+                            method=method if proposer is not None else "none", reuse_prefix=reuse_prefix,
+                            device=self.runtime.device)
         if params.stop and self.tokenizer is None:
             raise SpecDecodeError("stop strings need a tokenizer; this model has none")
         sequence.tracker = TextTracker(self.tokenizer, params.stop)
