@@ -67,11 +67,13 @@ def verify_chain(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, targ
     if params.greedy:
         return greedy_tokens(draft_ids[0].tolist(), argmax_ids(target_logits[0]).tolist())
     target_probs = logits_to_probs(target_logits, params)
+    draft_ids = draft_ids.to(target_probs.device)  # drafts may come from the CPU (lookup, a serving row)
     if draft_probs is None:
         uniforms = draws(position, draft_ids.shape[1] + 1)[None].to(target_probs.device)
         output_ids, num_accepted = coupled_verify(draft_ids, target_probs, uniforms)
     else:
-        output_ids, num_accepted = rejection_sample(draft_ids, draft_probs, target_probs, generator)
+        output_ids, num_accepted = rejection_sample(draft_ids, draft_probs.to(target_probs.device), target_probs,
+                                                    generator)
     return output_ids[0, : int(num_accepted[0]) + 1].tolist()
 
 
