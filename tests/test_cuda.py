@@ -24,6 +24,7 @@ def test_cuda_greedy_speculation_equals_plain_and_the_cpu(tmp_path):
     prompt = [5, 9, 11, 5, 9, 11, 5]
     plain = SpeculativeEngine(gpu.runtime).generate(prompt, params).token_ids
     assert gpu.runtime.backend == "torch" and gpu.runtime.k_cache.device.type == "cuda"
+    assert gpu.runtime.describe() != cpu.runtime.describe()  # it keys the cost profile
     assert plain == SpeculativeEngine(cpu.runtime).generate(prompt, params).token_ids
     for proposer in (NgramProposer(), DraftModelProposer(gpu.runtime.layer_skip_view(1))):
         assert SpeculativeEngine(gpu.runtime, proposer=proposer, k=4).generate(prompt, params).token_ids == plain
@@ -118,3 +119,11 @@ def batch_on(device: str, tmp_path) -> None:
 
 def test_cuda_batch_engine(tmp_path):
     batch_on("cuda", tmp_path)
+
+
+def test_cuda_bandwidth_is_the_gpus():
+    """The profile's T = 1 bound reads the weights where they are: on the GPU, its memory
+    (an H200 read ~4 TB/s; the host behind it 172 GB/s)."""
+    from specdecode.cost.profile import measure_bandwidth
+
+    assert measure_bandwidth(device="cuda") > 2 * measure_bandwidth(device="cpu")

@@ -368,15 +368,20 @@ def with_batches(profile: CostProfile, model_key: str, runtime, progress: bool =
     return profile
 
 
-def measure_bandwidth(megabytes: int = 256, repeats: int = 7) -> float:
-    """Memory read bandwidth in GB/s: summing a buffer far larger than the caches, with
-    torch's threads (the kernels use the same), median of ``repeats``."""
-    buffer = torch.ones(megabytes * 2**20 // 4)
+def measure_bandwidth(megabytes: int = 256, repeats: int = 7, device: torch.device | str = "cpu") -> float:
+    """Memory read bandwidth in GB/s of ``device`` (the target's: its weights are read
+    there): summing a buffer far larger than the caches, with torch's threads on the CPU
+    (the kernels use the same), median of ``repeats``."""
+    device = torch.device(device)
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    buffer = torch.ones(megabytes * 2**20 // 4, device=device)
     buffer.sum()
     times = []
     for _ in range(repeats):
+        synchronize()
         started = time.perf_counter()
         buffer.sum()
+        synchronize()
         times.append(time.perf_counter() - started)
     return buffer.numel() * 4 / statistics.median(times) / 1e9
 
@@ -439,8 +444,9 @@ def get_profile(model_key: str, dtype: str, runtime, drafters: dict | None = Non
         contexts, sizes, table = measure_target(runtime, progress=progress)
         weight_bytes, kv_bytes = step_bytes(runtime)
         describe = getattr(runtime, "describe", None)
+        bandwidth = measure_bandwidth(device=getattr(runtime, "device", "cpu"))
         profile = CostProfile(model_key, dtype, machine_id(), torch.get_num_threads(), contexts, sizes, table,
-                              bandwidth_gbs=measure_bandwidth(), weight_bytes=weight_bytes, kv_bytes_per_token=kv_bytes,
+                              bandwidth_gbs=bandwidth, weight_bytes=weight_bytes, kv_bytes_per_token=kv_bytes,
                               runtime=describe() if describe else "", **measure_head(runtime),
                               measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
         changed = True

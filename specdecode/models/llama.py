@@ -433,7 +433,15 @@ class NativeRuntime:
         return self.kernels is not None
 
     def describe(self) -> str:
-        return f"{self.backend} backend, {self.weight_format} weights, {str(self.dtype).removeprefix('torch.')} KV cache"
+        """How it runs; it also keys the cost profile, so a GPU's costs never stand in for the
+        CPU's on the same machine."""
+        where = ""
+        if self.device.type == "cuda":
+            where = f" on {torch.cuda.get_device_name(self.device)}"
+        elif self.device.type != "cpu":
+            where = f" on {self.device.type}"
+        return (f"{self.backend} backend{where}, {self.weight_format} weights, "
+                f"{str(self.dtype).removeprefix('torch.')} KV cache")
 
     # -- cache management -------------------------------------------------------------
     def reset(self, capacity: int, batch: int = 1) -> None:
