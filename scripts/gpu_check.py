@@ -1,5 +1,6 @@
-"""The CUDA path end to end, through the CLI a user runs: every method's greedy output
-against plain decoding (`generate --compare --json`), seeded sampling run twice, the GPU
+"""The CUDA path end to end, through the CLI a user runs: each method's greedy output
+against plain decoding (`generate --compare --json`; the tiny model runs ngram, suffix and
+draft, the real one adds eagle and tree), seeded sampling against plain sampling, the GPU
 against the CPU in fp32, and optionally `bench` and `profile` on the GPU.
 
     python scripts/gpu_check.py --model tiny --out OUT            # a tiny random chat model
@@ -92,7 +93,7 @@ def main() -> int:
                                      "--temperature", "0.8", "--top-p", "0.9", "--seed", "5", *base], log)
                 texts.append(json.loads(stdout)["text"] if rc == 0 else None)
             record(f"sampled {dtype} {sampler} seed 5 twice == plain", 0,
-                   ok=texts[0] is not None and texts[0] == texts[1] == texts[2] or dtype != "fp32",
+                   ok=all(t is not None for t in texts) and (dtype != "fp32" or texts[0] == texts[1] == texts[2]),
                    same=[texts[0] == texts[1], texts[0] == texts[2]])
         # the GPU against the CPU (torch backend), fp32, plain greedy
         texts = []

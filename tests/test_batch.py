@@ -542,3 +542,10 @@ def test_a_sequence_counts_the_decode_steps_it_shared(model_dir):
     assert alone.batched_steps == 0 and alone.stats.target_forwards > 0
     assert first.batched_steps > 0 and second.batched_steps > 0
     assert first.batched_steps <= first.stats.target_forwards
+
+
+def test_batch_engine_check_of_test_cuda_on_the_cpu(tmp_path):
+    """The check tests/test_cuda.py runs on a GPU, here on the CPU's torch backend."""
+    from test_cuda import batch_on
+
+    batch_on("cpu", tmp_path)

@@ -580,3 +580,16 @@ def test_thread_choice_with_one_option_never_looks_and_refuses_bad_counts():
             ThreadChoice(bad)
     with pytest.raises(ConfigError, match="decay"):
         ThreadChoice((1, 2), decay=1.0)
+
+
+def test_profile_measures_the_bandwidth_of_the_targets_device(tmp_path, monkeypatch):
+    """The T = 1 bound reads the weights where they live: the profile asks for the
+    bandwidth of the runtime's device (it once measured the host's for a GPU target)."""
+    from specdecode.models.llama import load_native
+
+    runtime = load_native(save_tiny_model(tmp_path / "t", seed=3, num_layers=1), torch.float32)
+    asked = []
+    monkeypatch.setattr(profile_module, "measure_target", lambda runtime, progress: ([100], [1, 2], [[1.0, 1.5]]))
+    monkeypatch.setattr(profile_module, "measure_bandwidth", lambda device="cpu": asked.append(device) or 10.0)
+    profile = get_profile("bandwidth-test", "fp32", runtime, progress=False)
+    assert asked == [runtime.device] and profile.bandwidth_gbs == 10.0

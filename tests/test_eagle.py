@@ -362,3 +362,10 @@ def test_merged_trees_are_lossless_and_hold_both_drafters(targets):
                 assert walked == chain
                 checked_paths += 1
         assert checked_paths > 0
+
+
+def test_eagle_chains_and_trees_through_the_factory(tmp_path):
+    """The check tests/test_cuda.py runs on a GPU, here on the CPU's torch backend."""
+    from test_cuda import eagle_on
+
+    eagle_on("cpu", tmp_path)

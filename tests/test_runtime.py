@@ -178,3 +178,16 @@ def test_unknown_checkpoint_tensor_is_named(tmp_path, tiny_llama_dir):
     save_file(state, tmp_path / "m" / "model.safetensors")
     with pytest.raises(SpecDecodeError, match=r"model\.layers\.0\.self_attn\.q_norm\.weight"):
         load_native(tmp_path / "m", torch.float32)
+
+
+def test_bf16_weights_are_packed_for_the_cpu_at_load(tiny_llama_dir, monkeypatch):
+    """load_native packs dense bf16 weights for oneDNN (a model bound for a GPU is moved
+    there unpacked: test_cuda), whether or not this CPU's oneDNN takes bf16."""
+    from specdecode.models.llama import LlamaWeights
+
+    packed = []
+    monkeypatch.setattr(LlamaWeights, "pack_for_cpu", lambda self: packed.append(self.device.type))
+    load_native(tiny_llama_dir, torch.bfloat16)
+    load_native(tiny_llama_dir, torch.float32)
+    load_native(tiny_llama_dir, torch.bfloat16, "q8_0")
+    assert packed == ["cpu"]  # once: bf16 dense only

@@ -222,12 +222,21 @@ def save_profile(profile: CostProfile, model_key: str) -> Path:
 
 
 # -- measurement --------------------------------------------------------------------
+def _wait() -> None:
+    """Let a GPU finish what was queued, so a timed call is charged its own work (kernels
+    return before they run there); nothing on the CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _median_ms(fn, repeats: int) -> float:
     fn()  # warm-up: first calls allocate
     times = []
     for _ in range(repeats):
+        _wait()
         started = time.perf_counter()
         fn()
+        _wait()
         times.append((time.perf_counter() - started) * 1e3)
     return statistics.median(times)
 
@@ -242,8 +251,10 @@ def extend_context(runtime, context: int, generator: torch.Generator) -> None:
 def timed_forward_ms(runtime, tokens: torch.Tensor, context: int) -> float:
     """Milliseconds of one forward over ``tokens`` after ``context`` cached ones; the
     cache is rolled back to ``context`` after it."""
+    _wait()
     started = time.perf_counter()
     runtime(tokens)
+    _wait()
     elapsed = (time.perf_counter() - started) * 1e3
     runtime.rollback(context)
     return elapsed
@@ -309,6 +320,7 @@ def measure_head(runtime, sizes=(2, 4, 8), context: int = 100, repeats: int = 15
     extend_context(runtime, context, generator)
 
     def timed(tokens, read: int | None) -> float:
+        _wait()
         started = time.perf_counter()
         if read is None:
             runtime(tokens)
@@ -316,6 +328,7 @@ def measure_head(runtime, sizes=(2, 4, 8), context: int = 100, repeats: int = 15
             logits = runtime(tokens, lazy_logits=True)
             for position in range(read):
                 logits.row(0, position)
+        _wait()
         elapsed = (time.perf_counter() - started) * 1e3
         runtime.rollback(context)
         return elapsed
@@ -350,8 +363,10 @@ def measure_batches(runtime, rows=BATCH_ROWS, widths=BATCH_WIDTHS, context: int 
     for round_ in tqdm(range(repeats + 1), desc="profile batches", unit="round", disable=not progress):
         order.shuffle(cells)
         for r, w in cells:
+            _wait()
             started = time.perf_counter()
             runtime.forward_rows(inputs[(r, w)], list(range(r)), [context] * r)
+            _wait()
             if round_:  # round 0 warms up every shape
                 times[(r, w)].append((time.perf_counter() - started) * 1e3)
     return [[statistics.median(times[(r, w)]) for w in widths] for r in rows]
@@ -372,16 +387,14 @@ def measure_bandwidth(megabytes: int = 256, repeats: int = 7, device: torch.devi
     """Memory read bandwidth in GB/s of ``device`` (the target's: its weights are read
     there): summing a buffer far larger than the caches, with torch's threads on the CPU
     (the kernels use the same), median of ``repeats``."""
-    device = torch.device(device)
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     buffer = torch.ones(megabytes * 2**20 // 4, device=device)
     buffer.sum()
     times = []
     for _ in range(repeats):
-        synchronize()
+        _wait()
         started = time.perf_counter()
         buffer.sum()
-        synchronize()
+        _wait()
         times.append(time.perf_counter() - started)
     return buffer.numel() * 4 / statistics.median(times) / 1e9
 

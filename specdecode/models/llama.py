@@ -669,6 +669,6 @@ def load_native(model_dir: Path, dtype: torch.dtype, weights: str | None = None,
     loaded = LlamaWeights.from_pretrained(model_dir, config, dtype, weights, gguf_path)
     if device != "cpu":
         loaded = loaded.to(device)
-    elif dtype == torch.bfloat16 and (weights or "bf16") == "bf16":
-        loaded.pack_for_cpu()
+    if dtype == torch.bfloat16 and (weights or "bf16") == "bf16":
+        loaded.pack_for_cpu()  # a no-op off the CPU
     return NativeRuntime(loaded, backend=backend, prefill_chunk=prefill_chunk)
