@@ -345,7 +345,7 @@ class SpeculativeEngine:
 
         # 3. verify
         if isinstance(target_logits, torch.Tensor):
-            draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[None, :num_drafted].to(self.device)
+            draft_probs = None if proposal.draft_probs is None else proposal.draft_probs[None, :num_drafted]
             new_tokens = verify_chain(draft_ids, draft_probs, target_logits, params, generator, draws, context)
             accepted = len(new_tokens) - 1
         else:  # greedy on logits computed on demand: the rows up to the first rejection

@@ -56,16 +56,11 @@ def eagle_on(device: str, tmp_path) -> None:
     greedy equal to plain, seeded sampling repeatable (written for the GPU; runs anywhere)."""
     from specdecode.config import SpeculativeConfig
     from specdecode.factory import build_proposer
-    from specdecode.proposers.eagle_head import EagleConfig, EagleHead
+    from test_eagle import random_head
 
     target = load_model(save_tiny_model(tmp_path / "t", seed=13, num_layers=3), torch.float32, backend="torch",
                         device=device)
-    torch.manual_seed(0)
-    head = EagleHead(EagleConfig.for_target(target.runtime.cfg, 60))
-    for parameter in head.parameters():  # peaked draft distributions: drafts get accepted
-        torch.nn.init.normal_(parameter, std=0.3) if parameter.dim() > 1 else None
-    head.set_draft_vocab(torch.randperm(target.runtime.vocab_size)[:60].sort().values)
-    head.save(tmp_path / "head")
+    random_head(target, seed=0).save(tmp_path / "head")
     prompt = [5, 9, 11, 5, 9, 11, 5]
     greedy = SamplingParams(max_new_tokens=30, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, max_new_tokens=20, seed=3, ignore_eos=True)
