@@ -297,6 +297,26 @@ def test_eagle_trees_are_lossless_and_well_formed(targets, width):
     assert any(int(tree.depths().max()) >= 2 and tree.size > int(tree.depths().max()) for _, tree in trees)
 
 
+@pytest.mark.parametrize("width", [3, 4])
+def test_wide_trees_near_the_end_of_a_request_fit_the_heads_cache(tmp_path, width):
+    """A tree step writes its expanded nodes after the committed entries of the head's
+    cache (up to ``width`` per pass): near the end of a short request, with a large fixed
+    budget, that is more than the sequence's own room. A fresh proposer per request, so no
+    earlier, longer request has left a larger cache behind."""
+    for backend in ("torch", "kernels"):  # flatter target distributions than the fixture's: deep trees
+        target = load_model(save_tiny_model(tmp_path / backend, seed=30, num_layers=2, init_std=0.3), torch.float32,
+                            backend=backend)
+        plain = SpeculativeEngine(target.runtime)
+        for k, new_tokens in ((7, 8), (8, 9), (10, 9), (8, 10)):
+            proposer = proposer_for(target, random_head(target, 0))
+            proposer.tree_width = width
+            engine = SpeculativeEngine(target.runtime, proposer=proposer, k=k)
+            params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+            prompt = [5, 9, 14, 22, 5, 9]
+            result = engine.generate(prompt, params)
+            assert result.token_ids == plain.generate(prompt, params).token_ids, (width, k, new_tokens)
+
+
 def test_auto_tree_budgets_are_lossless(targets):
     """--k auto for trees (TreeBudget): budgets and trims vary per step, output does not."""
     from specdecode.control.policies import CostModel, TreeBudget

@@ -72,7 +72,12 @@ class EagleProposer:
         return len(self.capture) * self.head.config.hidden_size
 
     def start(self, prompt_ids: list[int], capacity: int) -> None:
+        """``capacity``: the most tokens the sequence may hold. A tree step also writes its
+        expanded nodes after the committed entries (``propose_tree``: up to ``tree_width``
+        per pass, ``MAX_TREE_DEPTH - 1`` passes), so the head's cache holds those too."""
         c = self.head.config
+        if self.drafts_trees:
+            capacity += self.tree_width * (MAX_TREE_DEPTH - 1)
         shape = (c.num_kv_heads, capacity, c.head_dim)
         if self.k_cache is None or self.k_cache.shape[1] < capacity:
             self.k_cache = torch.zeros(shape, device=self.device)
