@@ -108,3 +108,18 @@ def tiny_server_state(model_dir, speculative: str, **kwargs):
     config = EngineConfig(model=str(model_dir), dtype="fp32", backend="torch")
     target = load_model(str(model_dir), torch.float32, backend="torch")
     return build_state(config, speculative, target=target, served_model_name="tiny", **kwargs)
+
+
+def pooled_chisquare(observed: torch.Tensor, expected: torch.Tensor, minimum: float = 5.0) -> float:
+    """Chi-square p-value of counts against expected counts over the cells the expectation
+    allows (expected > 0), the cells expected fewer than ``minimum`` times pooled into one
+    (the test's approximation needs about 5 per cell)."""
+    from scipy.stats import chisquare
+
+    support = expected > 0
+    observed, expected = observed[support].double(), expected[support].double()
+    small = expected < minimum
+    if small.any():
+        observed = torch.cat([observed[~small], observed[small].sum()[None]])
+        expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    return float(chisquare(observed.numpy(), expected.numpy())[1])

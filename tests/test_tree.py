@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chisquare
+from conftest import pooled_chisquare
 
 from specdecode.config import SamplingParams
 from specdecode.verify.chain import coupled_verify, greedy_verify
@@ -94,13 +94,14 @@ def test_coupled_tree_on_a_chain_agrees_with_the_chain_verifier():
 VOCAB = 5
 
 
-def two_token_joint_through_trees(verifier, params: SamplingParams, point_masses: bool, runs: int = 8000,
+def three_token_joint_through_trees(verifier, params: SamplingParams, point_masses: bool, runs: int = 8000,
                                   seed: int = 7):
     """Toy Markov target and draft over 5 tokens (tables [V, V], row = previous token).
     Each run builds a tree: 3 children of the root, 2 under each of them, drawn i.i.d.
     from the draft (or its top-k, as point masses); the target's rows follow each node's
-    token. The first two emitted tokens (the second drawn from the target directly when
-    the step ends after one) must follow target(y1|x0) * target(y2|y1)."""
+    token. The first three emitted tokens (the bonus after a full path included; drawn
+    from the target directly where the step ended earlier) must follow
+    target(y1|x0) * target(y2|y1) * target(y3|y2)."""
     x0 = 0
     gen = torch.Generator().manual_seed(seed)
     target_logits = torch.randn(VOCAB, VOCAB, generator=gen) * 1.5
@@ -113,7 +114,7 @@ def two_token_joint_through_trees(verifier, params: SamplingParams, point_masses
             return draft_table[row].topk(count).indices.tolist()
         return sample(draft_table[row].expand(count, VOCAB), gen).tolist()
 
-    counts = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
+    counts = torch.zeros(VOCAB ** 3, dtype=torch.float64)
     depth_reached = [0, 0, 0]
     for _ in range(runs):
         tokens, parents, rows = [], [], [x0]
@@ -133,10 +134,12 @@ def two_token_joint_through_trees(verifier, params: SamplingParams, point_masses
         path, bonus = verifier(t, target_probs, draft_probs, gen)
         emitted = [tokens[n - 1] for n in path] + [bonus]
         depth_reached[len(path)] += 1
-        y1 = emitted[0]
-        y2 = emitted[1] if len(emitted) > 1 else int(sample(target_table[y1], gen))
-        counts[y1 * VOCAB + y2] += 1
-    joint = target_table[x0].double()[:, None] * target_table.double()
+        while len(emitted) < 3:  # where the step ended early, the target's next draws
+            emitted.append(int(sample(target_table[emitted[-1]], gen)))
+        y1, y2, y3 = emitted
+        counts[(y1 * VOCAB + y2) * VOCAB + y3] += 1
+    joint = (target_table[x0].double()[:, None, None] * target_table.double()[:, :, None]
+             * target_table.double()[None, :, :])
     expected = (joint / joint.sum()).flatten() * runs
     return counts, expected, depth_reached
 
@@ -152,11 +155,11 @@ TREE_CASES = [
 @pytest.mark.parametrize("params, point_masses", TREE_CASES,
                          ids=lambda c: str(c) if isinstance(c, bool) else f"T{c.temperature}-k{c.top_k}-p{c.top_p}")
 def test_tree_sampling_reproduces_target_distribution(params, point_masses):
-    observed, expected, depth_reached = two_token_joint_through_trees(tree_rejection_sample, params, point_masses)
+    observed, expected, depth_reached = three_token_joint_through_trees(tree_rejection_sample, params, point_masses)
     support = expected > 0
     assert observed[~support].sum() == 0, "emitted a token the processed target forbids"
     assert all(n > 100 for n in depth_reached), depth_reached  # rejections at the root, at depth 1, and full paths
-    _, p_value = chisquare(observed[support].numpy(), expected[support].numpy())
+    p_value = pooled_chisquare(observed, expected)
     assert p_value > 1e-3, p_value
 
 
@@ -169,11 +172,11 @@ def coupled_tree(t, target_probs, draft_probs, generator):
                                     SamplingParams(temperature=1.0, top_p=0.8)],
                          ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
 def test_coupled_tree_sampling_reproduces_target_distribution(params):
-    observed, expected, depth_reached = two_token_joint_through_trees(coupled_tree, params, point_masses=True)
+    observed, expected, depth_reached = three_token_joint_through_trees(coupled_tree, params, point_masses=True)
     support = expected > 0
     assert observed[~support].sum() == 0, "emitted a token the processed target forbids"
     assert all(n > 100 for n in depth_reached), depth_reached
-    _, p_value = chisquare(observed[support].numpy(), expected[support].numpy())
+    p_value = pooled_chisquare(observed, expected)
     assert p_value > 1e-3, p_value
 
 
@@ -184,10 +187,9 @@ def one_uniform_for_every_depth(t, target_probs, draft_probs, generator):
 
 
 def test_tree_reusing_a_uniform_would_be_caught():
-    observed, expected, _ = two_token_joint_through_trees(one_uniform_for_every_depth, SamplingParams(temperature=1.0),
-                                                          point_masses=True)
-    support = expected > 0
-    _, p_value = chisquare(observed[support].numpy(), expected[support].numpy())
+    observed, expected, _ = three_token_joint_through_trees(one_uniform_for_every_depth, SamplingParams(temperature=1.0),
+                                                            point_masses=True)
+    p_value = pooled_chisquare(observed, expected)
     assert p_value < 1e-6, p_value
 
 
@@ -201,8 +203,61 @@ def forgetful_verifier(t, target_probs, draft_probs, generator):
 
 @pytest.mark.parametrize("point_masses", [True, False])
 def test_wrong_tree_verifier_would_be_caught(point_masses):
-    observed, expected, _ = two_token_joint_through_trees(forgetful_verifier, SamplingParams(temperature=1.0),
-                                                          point_masses)
-    support = expected > 0
-    _, p_value = chisquare(observed[support].numpy(), expected[support].numpy())
+    observed, expected, _ = three_token_joint_through_trees(forgetful_verifier, SamplingParams(temperature=1.0),
+                                                            point_masses)
+    p_value = pooled_chisquare(observed, expected)
     assert p_value < 1e-6, p_value
+
+
+def stale_bonus_tree_verifier(t, target_probs, draft_probs, generator):
+    """A plausible mistake: after a full path, the bonus drawn at the last node's parent."""
+    path, bonus = tree_rejection_sample(t, target_probs, draft_probs, generator)
+    if path and not t.children()[path[-1]]:
+        parent = int(t.parents[path[-1] - 1])
+        bonus = int(sample(target_probs[parent], generator))
+    return path, bonus
+
+
+def test_wrong_bonus_after_a_full_path_would_be_caught():
+    observed, expected, depth_reached = three_token_joint_through_trees(
+        stale_bonus_tree_verifier, SamplingParams(temperature=1.0), point_masses=False)
+    assert depth_reached[2] > 1000
+    assert pooled_chisquare(observed, expected) < 1e-6
+
+
+def trimmed_first_tokens(p: torch.Tensor, q: torch.Tensor, runs: int, seed: int) -> torch.Tensor:
+    """Counts of the first emitted token when 3 children of the root, drawn i.i.d. from q,
+    are cut to 2 by ``TreeProposal.best`` (as the tree budget trims) before verification,
+    with confidences that favour the likeliest drafts."""
+    from specdecode.proposers.base import TreeProposal
+
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(p.numel(), dtype=torch.float64)
+    for _ in range(runs):
+        kids = torch.multinomial(q, 3, replacement=True, generator=gen)
+        proposal = TreeProposal(Tree(kids, torch.zeros(3, dtype=torch.int64)), q.expand(3, -1).clone(),
+                                confidence=q[kids])
+        kept = proposal.best(2)
+        path, bonus = tree_rejection_sample(kept.tree, p.expand(kept.tree.size + 1, -1), kept.draft_probs, gen)
+        counts[int(kept.tree.tokens[path[0] - 1]) if path else bonus] += 1
+    return counts
+
+
+def test_trimming_a_tree_of_drawn_nodes_keeps_it_lossless():
+    """Which drawn siblings a smaller budget keeps must not depend on their tokens: keeping
+    the most confident ones pulled the output towards the drafter (p-value 0 before)."""
+    p, q = torch.tensor([0.4, 0.3, 0.2, 0.1]), torch.tensor([0.1, 0.2, 0.3, 0.4])
+    runs = 20_000
+    expected = p.double() / p.double().sum() * runs
+    assert pooled_chisquare(trimmed_first_tokens(p, q, runs, seed=1), expected) > 1e-3
+
+
+def test_drawn_trees_keep_their_first_nodes_when_trimmed():
+    from specdecode.proposers.base import TreeProposal
+
+    t = tree([5, 6, 7, 8, 9], [0, 0, 1, 3, 2])
+    drawn = TreeProposal(t, torch.rand(5, 10), confidence=torch.tensor([0.1, 0.9, 0.05, 0.04, 0.8]))
+    kept = drawn.best(3)
+    assert kept.tree.tokens.tolist() == [5, 6, 7] and torch.equal(kept.draft_probs, drawn.draft_probs[:3])
+    assert kept.confidence.tolist() == pytest.approx([0.1, 0.9, 0.05])
+    assert TreeProposal(t, torch.rand(5, 10)).best(2).tree.tokens.tolist() == [5, 6]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chisquare
+from conftest import pooled_chisquare
 
 from specdecode.config import SamplingParams
 from specdecode.verify.chain import PAD_ID, coupled_verify, greedy_tokens, greedy_verify, greedy_verify_rows, rejection_sample
@@ -103,15 +103,17 @@ SAMPLING_CASES = [
 ]
 
 
-def two_token_joint(verifier, params: SamplingParams, rows: int = 200_000, seed: int = 1234):
-    """Run ``verifier`` on N steps of two drafts each and count the first two output tokens.
+def three_token_joint(verifier, params: SamplingParams, rows: int = 200_000, seed: int = 1234):
+    """Run ``verifier`` on N steps of two drafts each and count the first three output
+    tokens: the two drafts' positions and the bonus after full acceptance.
 
     Toy models over a 5-token vocabulary whose next-token logits depend on the previous
     token (tables [V, V]). Each of N rows: the draft samples d1 from draft_table[x0] and
-    d2 from draft_table[d1]; the target scores them; the verifier runs. If the step ends
-    after one token, the second comes from the target directly (as the next step would,
-    by the same argument). A lossless verifier's pair (y1, y2) follows
-    target(y1|x0)·target(y2|y1). Returns (observed counts, expected counts, accepted [N]).
+    d2 from draft_table[d1]; the target scores them; the verifier runs. Where the step ends
+    early, the next tokens come from the target directly (as the next step would, by the
+    same argument). A lossless verifier's triple (y1, y2, y3) follows
+    target(y1|x0)·target(y2|y1)·target(y3|y2). Returns (observed counts, expected counts,
+    accepted [N]).
     """
     vocab, x0 = 5, 0
     gen = torch.Generator().manual_seed(seed)
@@ -131,21 +133,24 @@ def two_token_joint(verifier, params: SamplingParams, rows: int = 200_000, seed:
 
     y1 = output[:, 0]
     y2 = torch.where(accepted >= 1, output[:, 1], sample(target_table[y1], gen))
-    observed = torch.bincount(y1 * vocab + y2, minlength=vocab * vocab).double()
-    joint = target_table[x0].double()[:, None] * target_table.double()
+    y3 = torch.where(accepted >= 2, output[:, 2], sample(target_table[y2], gen))
+    observed = torch.bincount((y1 * vocab + y2) * vocab + y3, minlength=vocab ** 3).double()
+    joint = (target_table[x0].double()[:, None, None] * target_table.double()[:, :, None]
+             * target_table.double()[None, :, :])
     expected = (joint / joint.sum()).flatten() * rows
     return observed, expected, accepted
 
 
 @pytest.mark.parametrize("params", SAMPLING_CASES, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
 def test_speculative_sampling_reproduces_target_distribution(params):
-    """Joint distribution of the first two tokens of a step equals the target's."""
-    observed, expected, accepted = two_token_joint(rejection_sample, params)
+    """Joint distribution of the first three tokens of a step (the bonus after full
+    acceptance included) equals the target's."""
+    observed, expected, accepted = three_token_joint(rejection_sample, params)
     support = expected > 0
     assert observed[~support].sum() == 0, "sampled a token the processed target forbids"
     assert (accepted == 0).any() and (accepted == 1).any() and (accepted == 2).any(), \
         "the test must exercise rejection at each position and full acceptance"
-    _, p_value = chisquare(observed[support].numpy(), expected[support].numpy())
+    p_value = pooled_chisquare(observed, expected)
     assert p_value > 1e-3, p_value
 
 
@@ -163,11 +168,29 @@ def residual_bug_verifier(draft_ids, draft_probs, target_probs, generator):
 def test_wrong_verifier_would_be_caught():
     """The statistical test itself has power: the same harness run on a verifier that
     draws corrections from the target instead of the residual rejects it."""
-    observed, expected, accepted = two_token_joint(residual_bug_verifier, SamplingParams(temperature=1.0))
+    observed, expected, accepted = three_token_joint(residual_bug_verifier, SamplingParams(temperature=1.0))
     support = expected > 0
     assert (accepted < 2).float().mean() > 0.2  # enough rejections for the bug to show
-    _, p_value = chisquare(observed[support].numpy(), expected[support].numpy())
+    p_value = pooled_chisquare(observed, expected)
     assert p_value < 1e-6, p_value
+
+
+def stale_bonus_verifier(draft_ids, draft_probs, target_probs, generator):
+    """A plausible mistake: after full acceptance, the bonus drawn from the target's
+    distribution at the last draft's parent instead of after it."""
+    output, accepted = rejection_sample(draft_ids, draft_probs, target_probs, generator)
+    k = draft_ids.shape[1]
+    full = accepted == k
+    output[full, k] = sample(target_probs[full, k - 1], generator)
+    return output, accepted
+
+
+def test_wrong_bonus_would_be_caught():
+    """The harness counts the bonus after full acceptance: a verifier that draws it from
+    the wrong position fails."""
+    observed, expected, accepted = three_token_joint(stale_bonus_verifier, SamplingParams(temperature=1.0))
+    assert (accepted == 2).float().mean() > 0.2
+    assert pooled_chisquare(observed, expected) < 1e-6
 
 
 def coupled(draft_ids, draft_probs, target_probs, generator):
@@ -181,11 +204,11 @@ def coupled(draft_ids, draft_probs, target_probs, generator):
 def test_coupled_verification_reproduces_target_distribution(params):
     """The target's own draws, one uniform per position, follow the target whatever the
     drafts (here drawn from a related, wrong draft)."""
-    observed, expected, accepted = two_token_joint(coupled, params)
+    observed, expected, accepted = three_token_joint(coupled, params)
     support = expected > 0
     assert observed[~support].sum() == 0, "sampled a token the processed target forbids"
     assert (accepted == 0).any() and (accepted == 1).any() and (accepted == 2).any()
-    _, p_value = chisquare(observed[support].numpy(), expected[support].numpy())
+    p_value = pooled_chisquare(observed, expected)
     assert p_value > 1e-3, p_value
 
 
@@ -196,9 +219,9 @@ def one_uniform_for_all_positions(draft_ids, draft_probs, target_probs, generato
 
 
 def test_reused_uniform_would_be_caught():
-    observed, expected, _ = two_token_joint(one_uniform_for_all_positions, SamplingParams(temperature=1.0))
+    observed, expected, _ = three_token_joint(one_uniform_for_all_positions, SamplingParams(temperature=1.0))
     support = expected > 0
-    _, p_value = chisquare(observed[support].numpy(), expected[support].numpy())
+    p_value = pooled_chisquare(observed, expected)
     assert p_value < 1e-6, p_value
 
 

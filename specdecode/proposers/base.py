@@ -36,7 +36,9 @@ class TreeProposal:
 
     tree: "Tree"
     # [n, V] float32: the distribution each node's token was drawn from; None: the
-    # nodes were chosen deterministically (top-k), point masses to the verifier
+    # nodes were chosen deterministically (top-k), point masses to the verifier. Drawn
+    # nodes: the children of a node are independent draws from its distribution
+    # (duplicates allowed), numbered in the order they were drawn (verify.tree).
     draft_probs: torch.Tensor | None = None
     # [n] float32: the drafter's estimate of each node's chance to be accepted (the
     # product of its path's draft probabilities), never above its parent's; None: no
@@ -50,15 +52,21 @@ class TreeProposal:
 
     def best(self, count: int) -> "TreeProposal":
         """The ``count`` most confident nodes (ties: the earlier node), a subtree since a
-        node is never more confident than its parent."""
-        if self.confidence is None or count >= self.tree.size:
+        node is never more confident than its parent. A tree of drawn nodes
+        (``draft_probs``) keeps its first ``count`` nodes instead, whatever their
+        confidence: the siblings kept must stay independent draws, so which of them are
+        kept may not depend on the tokens drawn (keeping the likeliest would bias the
+        sampled output towards the drafter)."""
+        if count >= self.tree.size or (self.confidence is None and self.draft_probs is None):
             return self
-        order = sorted(range(self.tree.size), key=lambda i: (-float(self.confidence[i]), i))[:count]
-        kept = sorted(order)
+        if self.draft_probs is not None:
+            kept = list(range(count))  # parents come first: a subtree, each node's children a prefix
+        else:
+            kept = sorted(sorted(range(self.tree.size), key=lambda i: (-float(self.confidence[i]), i))[:count])
         index = torch.tensor(kept, dtype=torch.int64)
         return TreeProposal(self.tree.keep([i + 1 for i in kept]),
-                            None if self.draft_probs is None else self.draft_probs[index], self.confidence[index],
-                            self.passes)
+                            None if self.draft_probs is None else self.draft_probs[index],
+                            None if self.confidence is None else self.confidence[index], self.passes)
 
 
 class Proposer(Protocol):

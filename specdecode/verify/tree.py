@@ -3,19 +3,21 @@
 A tree has a root, node 0 (the last committed token, scored with the drafts), and draft
 nodes 1..n, node i holding token ``tokens[i-1]`` under parent ``parents[i-1]`` (< i).
 The target scores all n+1 nodes in one pass: node i sits at position ``start + depth(i)``
-and attends to the cache and to its ancestors (``Tree.mask``). Children of a node carry
-distinct tokens.
+and attends to the cache and to its ancestors (``Tree.mask``). Children of a node chosen
+deterministically carry distinct tokens; children drawn from a draft distribution q are
+independent draws from it (duplicates allowed), in the order they were drawn.
 
 Verification walks down from the root. Greedy: go to the child whose token is the
 target's argmax at the current node, while there is one; the bonus is the argmax at the
-node where the walk stops. Sampling (multi-draft speculative sampling: SpecInfer,
-Miao et al. 2024; the recursive rejection of Yang et al. 2024): at the current node the
-children are tried in turn against the target's distribution p there; a child drawn
-from a draft distribution q is accepted with probability min(1, p(x)/q(x)) and a
-rejection replaces p by norm(max(p - q, 0)); a child chosen deterministically (top-k of
-a drafter) is a point mass: accepted with probability p(x), and a rejection sets p(x) to
-0 and renormalises. When every child is rejected the bonus is drawn from what is left of
-p. Either way the emitted tokens follow the target's distribution exactly.
+node where the walk stops. Sampling (multi-draft speculative sampling, SpecInfer's
+multi-round rejection: Miao et al. 2024): at the current node the children are tried in
+turn against the target's distribution p there; a child drawn from q is accepted with
+probability min(1, p(x)/q(x)) and a rejection replaces p by norm(max(p - q, 0)), which is
+exact for independent draws from q (siblings drawn without replacement, or chosen among
+draws by their tokens, would need another rule); a child chosen deterministically (top-k
+of a drafter) is a point mass: accepted with probability p(x), and a rejection sets p(x)
+to 0 and renormalises. When every child is rejected the bonus is drawn from what is left
+of p. Either way the emitted tokens follow the target's distribution exactly.
 
 A chain of k drafts is the tree whose node i has parent i-1; on it both functions agree
 with ``chain.greedy_verify`` and ``chain.rejection_sample``. ``coupled_tree_verify`` walks
