@@ -203,7 +203,7 @@ class SpeculativeEngine:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         generator = torch.Generator(device=self.device).manual_seed(seed)
         draws = PositionUniforms(seed)  # the target's draws, one per position of the sequence
-        tracker = TextTracker(self.tokenizer, params.stop)
+        tracker = TextTracker(self.tokenizer, params.stop, prompt_ids)
         tokens, generated, finish = list(prompt_ids), [], None
 
         started = time.perf_counter()

@@ -7,6 +7,11 @@ prefix offset on, taking the part past the already-read tokens as new text. A to
 ends inside a multi-byte character (byte-level BPE, or a byte-fallback tokenizer) yields
 no text until the character is complete.
 
+The first new tokens are decoded after the last few tokens of the prompt (``context``),
+as vLLM does: a SentencePiece decoder (Llama 2, Mistral) strips the leading space of the
+first token it decodes, so a completion decoded alone would lose the space before its
+first word.
+
 Stop strings are searched in the text around each new piece, so a stop that spans token
 boundaries is found on the token that completes it. A stop string that is one special
 token of the tokenizer (``<|im_end|>``), which decoding with special tokens skipped never
@@ -18,10 +23,13 @@ still become a stop string.
 from __future__ import annotations
 
 REPLACEMENT = "\ufffd"  # what decoding shows for an incomplete UTF-8 sequence
+CONTEXT_TOKENS = 5  # prompt tokens decoded before the first new ones (vLLM's initial offset)
 
 
 class TextTracker:
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), context: list[int] | tuple[int, ...] = ()):
+        """``context``: the prompt's token ids (its last ``CONTEXT_TOKENS`` are decoded
+        with the first new tokens and never shown)."""
         if stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         self.tokenizer = tokenizer
@@ -35,12 +43,12 @@ class TextTracker:
                     self.special_stops[tokenizer.convert_tokens_to_ids(string)] = string
         self.stop = tuple(s for s in stop if s not in self.special_stops.values())
         self.longest_stop = max((len(s) for s in self.stop), default=0)
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = list(context[-CONTEXT_TOKENS:]) if context else []
         self.text = ""
         self.emitted = 0
         self.stopped = False
         self.prefix_offset = 0  # tokens before it are never decoded again
-        self.read_offset = 0  # tokens before it have produced their text
+        self.read_offset = len(self.token_ids)  # tokens before it have produced their text
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 
@@ -255,12 +256,32 @@ def test_api_key_and_full_queue(model_dir):
         assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0}).status_code == 401
         assert client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
                            ).status_code == 401
-        response = client.post("/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer sekret"})
-        assert response.status_code == 503 and response.headers["retry-after"]
-        assert response.json()["error"]["code"] == "overloaded"
-        response = client.post("/v1/completions", json={"prompt": "hi", "n": 2},
+        response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                                headers={"Authorization": "Bearer sekret"})
-        assert response.status_code == 400 and "exceeds the request queue" in response.json()["error"]["message"]
+        assert response.status_code == 200  # a free row takes it: no queue needed
+        response = client.post("/v1/completions", json={"prompt": "hi", "n": 9},
+                               headers={"Authorization": "Bearer sekret"})
+        assert response.status_code == 400 and "exceeds what the server holds" in response.json()["error"]["message"]
+
+
+def test_the_queue_limit_counts_the_requests_beyond_the_free_rows(model_dir):
+    """Two free rows and room for one queued request: the fourth request at once gets 503
+    with Retry-After (the engine does not run here, so all of them wait)."""
+    from specdecode.serve.app import APIError
+
+    state = tiny_server_state(model_dir, '{"method": "none"}', max_num_seqs=2, max_queued_requests=1)
+
+    async def submit_four() -> list:
+        queue, outcomes = asyncio.Queue(), []
+        for index in range(4):
+            try:
+                state.submit([5, 6], SamplingParams(max_new_tokens=2), None, None, "ab", f"r{index}", queue)
+                outcomes.append(200)
+            except APIError as error:
+                outcomes.append((error.status, error.code, error.headers.get("Retry-After")))
+        return outcomes
+
+    assert asyncio.run(submit_four()) == [200, 200, 200, (503, "overloaded", "1")]
 
 
 def test_audit_reruns_greedy_and_sampled_requests_and_finds_no_mismatch(model_dir):

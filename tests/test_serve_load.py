@@ -166,6 +166,23 @@ def test_disconnect_mid_stream_frees_the_row(model_dir):
         assert 'specdecode:request_success_total{finished_reason="abort",model_name="tiny"} 1.0' in text
 
 
+def test_a_request_aborted_while_it_waits_is_counted(model_dir):
+    """A client that leaves while its request waits for a row: the request never runs, and
+    is still reported (request_success{finished_reason="abort"}, its prompt tokens)."""
+    with ServerThread(model_dir, max_num_seqs=1, max_model_len=256) as server:
+        state = server.state
+        hog = state.engine.add([5, 6, 7], SamplingParams(max_new_tokens=120, ignore_eos=True, temperature=0))
+        state.wakeup.set()
+        waiting = state.engine.add([8, 9, 10, 11], SamplingParams(max_new_tokens=5, temperature=0))
+        assert not waiting.finished
+        state.abort(waiting)
+        wait_idle(state)
+        assert hog.finish_reason == "length" and waiting.finish_reason == "abort" and not waiting.generated
+        text = httpx.get(f"{server.url}/metrics").text
+        assert 'specdecode:request_success_total{finished_reason="abort",model_name="tiny"} 1.0' in text
+        assert 'specdecode:prompt_tokens_total{model_name="tiny"} 7.0' in text
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
 def test_sigterm_drains_in_flight_requests(model_dir, tmp_path):
     port = free_port()

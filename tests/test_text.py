@@ -118,3 +118,33 @@ def test_streaming_holds_back_a_possible_stop_prefix(tokenizer):
         tracker.add(token)
         pieces.append(tracker.delta())
     assert "".join(pieces) + tracker.delta(final=True) == "go START"
+
+
+def sentencepiece_word_tokenizer():
+    """Words with SentencePiece's "\u2581" space marker and the decoder of Llama 2 /
+    Mistral's tokenizer.json, which strips the leading space of what it decodes."""
+    words = ["The", "capital", "of", "France", "is", "Paris", "and", "Berlin"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({"\u2581" + word: 3 + i for i, word in enumerate(words)})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                                        eos_token="</s>")
+    return tokenizer, lambda text: [vocab["\u2581" + word] for word in text.split()]
+
+
+def test_the_first_new_word_keeps_its_leading_space_after_the_prompt():
+    """Decoded after the prompt's last tokens, as vLLM does: alone, the first token's space
+    was stripped ("isParis"), and a stop string starting with it could not match."""
+    tokenizer, ids = sentencepiece_word_tokenizer()
+    prompt, new = ids("The capital of France is"), ids("Paris and Berlin")
+    tracker = TextTracker(tokenizer, context=prompt)
+    pieces = []
+    for token in new:
+        tracker.add(token)
+        pieces.append(tracker.delta())
+    pieces.append(tracker.delta(final=True))
+    assert "".join(pieces) == " Paris and Berlin" == tokenizer.decode(prompt + new)[len(tokenizer.decode(prompt)):]
+    stopped = TextTracker(tokenizer, (" Paris",), context=prompt)
+    assert stopped.add(new[0]) and stopped.text == ""

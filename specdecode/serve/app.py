@@ -246,7 +246,10 @@ class ServerState:
         if not self.accepting:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down",
                            headers={"Retry-After": "5"})
-        if index == 0 and self.engine.num_waiting + choices > self.max_queued_requests:
+        # a request that a free row takes at the next step is not queued: only those beyond
+        # the free rows count against --max-queued-requests
+        free_rows = len(self.engine.free_rows)
+        if index == 0 and self.engine.num_waiting + choices > self.max_queued_requests + free_rows:
             raise APIError(503, f"the request queue is full ({self.max_queued_requests} waiting); retry later",
                            "server_error", code="overloaded", headers={"Retry-After": "1"})
         plan = self.speculation.plan(options, task_type, prompt_text)
@@ -487,9 +490,11 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
         if getattr(body, "echo", False):
             echo = prompt_text or (tokenizer.decode(prompt_ids) if tokenizer is not None else "")
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        if body.n > max(state.max_queued_requests, 1):  # the choices queue together
-            raise APIError(400, f"n = {body.n} exceeds the request queue (--max-queued-requests "
-                                f"{state.max_queued_requests})", param="n")
+        room = state.engine.max_num_seqs + state.max_queued_requests
+        if body.n > room:  # the choices are admitted together
+            raise APIError(400, f"n = {body.n} exceeds what the server holds at once (--max-num-seqs "
+                                f"{state.engine.max_num_seqs} + --max-queued-requests {state.max_queued_requests})",
+                           param="n")
         queue: asyncio.Queue = asyncio.Queue()
         sequences = []
         try:

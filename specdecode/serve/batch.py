@@ -175,6 +175,7 @@ class BatchEngine:
         self.prefix_queries = 0  # prompt tokens admitted, and how many of them came from the cache
         self.prefix_hits = 0
         self.waiting: deque[Sequence] = deque()
+        self.left_waiting: list[Sequence] = []  # finished before they ran (aborted, failed to start)
         self.running: list[Sequence] = []
         self.lock = threading.Lock()  # guards waiting (other threads add and abort)
         self._ids = itertools.count()
@@ -230,7 +231,7 @@ class BatchEngine:
                             device=self.runtime.device)
         if params.stop and self.tokenizer is None:
             raise SpecDecodeError("stop strings need a tokenizer; this model has none")
-        sequence.tracker = TextTracker(self.tokenizer, params.stop)
+        sequence.tracker = TextTracker(self.tokenizer, params.stop, prompt_ids)
         with self.lock:
             self.waiting.append(sequence)
         return sequence
@@ -245,6 +246,8 @@ class BatchEngine:
                 del self.waiting[index]
         if index is not None:
             self._finish(sequence, "abort")
+            with self.lock:
+                self.left_waiting.append(sequence)  # the next step reports it with the others
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix at the next step (thread-safe): the free rows' entries
@@ -276,6 +279,9 @@ class BatchEngine:
                 sequence.share_prefix = False
         self._reap(finished)
         self._admit()
+        with self.lock:
+            finished += self.left_waiting
+            self.left_waiting = []
         pending = [s for s in self.running if not s.prefill_done]
         if pending:
             self._prefill_chunk(pending[0])
@@ -310,6 +316,7 @@ class BatchEngine:
                 if sequence.aborted:
                     del self.waiting[index]
                     self._finish(sequence, "abort")
+                    self.left_waiting.append(sequence)
                     continue
                 best, source = self._best_prefix(sequence) if owned else (0, None)
                 if owned and self._prefix_coming(sequence, best):  # it stays where it is; admitted later, it copies
@@ -328,6 +335,7 @@ class BatchEngine:
                     if sequence.cache_row is not None:
                         self._free_row(sequence)
                     self._finish(sequence, "abort")
+                    self.left_waiting.append(sequence)
                     continue
                 self.running.append(sequence)
 
