@@ -15,7 +15,7 @@ first word.
 Stop strings are searched in the text around each new piece, so a stop that spans token
 boundaries is found on the token that completes it. A stop string that is one special
 token of the tokenizer (``<|im_end|>``), which decoding with special tokens skipped never
-shows, is matched on the token id. The text is cut before a stop. ``delta`` says how much
+shows, is matched on the token id as well as in the text. The text is cut before a stop. ``delta`` says how much
 text is safe to stream: never a trailing partial character, never a suffix that could
 still become a stop string.
 """
@@ -41,7 +41,7 @@ class TextTracker:
             for string in stop:
                 if string in specials:
                     self.special_stops[tokenizer.convert_tokens_to_ids(string)] = string
-        self.stop = tuple(s for s in stop if s not in self.special_stops.values())
+        self.stop = tuple(stop)  # a special token's text spelled by ordinary tokens stops too
         self.longest_stop = max((len(s) for s in self.stop), default=0)
         self.token_ids: list[int] = list(context[-CONTEXT_TOKENS:]) if context else []
         self.text = ""

@@ -105,6 +105,10 @@ def test_a_special_token_stop_string_matches_its_token(tokenizer):
     tracker = TextTracker(tokenizer, ("<|end|>",))
     hits = [index for index, token in enumerate(ids) if tracker.add(token)]
     assert hits[0] == len(encode(tokenizer, "answer")) and tracker.text == "answer"
+    spelled = [tokenizer.convert_tokens_to_ids(c) for c in "ok<|end|>more"]  # the same characters, ordinary tokens
+    tracker = TextTracker(tokenizer, ("<|end|>",))
+    hits = [index for index, token in enumerate(spelled) if tracker.add(token)]
+    assert hits[0] == len("ok<|end|>") - 1 and tracker.text == "ok"
 
 
 def test_streaming_holds_back_a_possible_stop_prefix(tokenizer):

@@ -81,7 +81,16 @@ UNSUPPORTED_DEFAULTS = {
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
     "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "repetition_penalty": (None, 1),
     "min_p": (None, 0), "min_tokens": (None, 0), "best_of": (None, 1), "response_format": (None, {"type": "text"}),
-    "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "prediction": (None,), "prompt_logprobs": (None, 0),
+    # vLLM's own sampling and output parameters
+    "stop_token_ids": (None, []), "include_stop_str_in_output": (None, False), "allowed_token_ids": (None, []),
+    "bad_words": (None, []), "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "use_beam_search": (None, False), "length_penalty": (None, 1), "truncate_prompt_tokens": (None,),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "guided_decoding_backend": (None,), "structured_outputs": (None,), "logits_processors": (None, []),
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False), "chat_template": (None,),
+    "chat_template_kwargs": (None, {}), "documents": (None, []),
 }
 
 
@@ -109,6 +118,8 @@ class _Common(BaseModel):
         for name, defaults in UNSUPPORTED_DEFAULTS.items():
             if extra.get(name) not in defaults:
                 raise APIError(400, f"{name} is not supported by this server (only its default)", param=name)
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stop):
             raise APIError(400, "stop strings must be non-empty", param="stop")
@@ -466,7 +477,10 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
             raise APIError(400, "prompt is empty", param="prompt")
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send the prompt as token ids", param="prompt")
-        return list(tokenizer(prompt)["input_ids"]), prompt
+        try:
+            return list(tokenizer(prompt)["input_ids"]), prompt
+        except (TypeError, ValueError, UnicodeError) as error:  # e.g. a lone surrogate, which UTF-8 cannot hold
+            raise APIError(400, f"the prompt could not be tokenized: {error}", param="prompt") from None
 
     def encode_chat(body: ChatRequest) -> tuple[list[int], str]:
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
