@@ -115,3 +115,32 @@ def test_method_draft_without_draft_flag_uses_the_first_four_layers():
     assert args.draft is None and _spec_config(args, "draft").draft == "self:4"
     args = build_parser().parse_args(["generate", "hi", "--method", "draft", "--draft", "self:2"])
     assert _spec_config(args, "draft").draft == "self:2"
+
+
+def _broken_copy(source, target, how: str):
+    import shutil
+
+    shutil.copytree(source, target)
+    if how == "config not JSON":
+        (target / "config.json").write_text("{bad")
+    elif how == "config without hidden_size":
+        config = json.loads((target / "config.json").read_text())
+        del config["hidden_size"]
+        (target / "config.json").write_text(json.dumps(config))
+    else:  # a safetensors file cut short
+        data = (target / "model.safetensors").read_bytes()
+        (target / "model.safetensors").write_bytes(data[: len(data) // 2])
+    return target
+
+
+@pytest.mark.parametrize("how, problem", [
+    ("config not JSON", "config.json is not valid JSON"),
+    ("config without hidden_size", "config.json has no positive integer for hidden_size"),
+    ("safetensors cut short", "model.safetensors is not a readable safetensors file"),
+])
+def test_a_damaged_checkpoint_gets_one_line_naming_the_file(tmp_path, capsys, tiny_llama_dir, how, problem):
+    """Found in review: each of these ended in a traceback from json or safetensors."""
+    model = _broken_copy(tiny_llama_dir, tmp_path / "m", how)
+    code, err = run(capsys, "generate", "hi", "--model", str(model), "--no-chat-template", "--max-new-tokens", "2",
+                    "--weights", "fp32", "--k", "1")
+    assert code == 2 and problem in err and "Traceback" not in err, err

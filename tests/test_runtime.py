@@ -180,6 +180,26 @@ def test_unknown_checkpoint_tensor_is_named(tmp_path, tiny_llama_dir):
         load_native(tmp_path / "m", torch.float32)
 
 
+@pytest.mark.parametrize("key, value, name", [("intermediate_size", 256, "gate_proj.weight"),
+                                              ("vocab_size", 300, "embed_tokens.weight"),
+                                              ("num_key_value_heads", 4, "k_proj.weight")])
+def test_a_config_that_does_not_describe_the_weights_is_refused(tmp_path, tiny_llama_dir, key, value, name):
+    """config.json edited so that it no longer matches the checkpoint's tensors: the kernels
+    had computed garbage without an error (found in review); the load is refused, naming the
+    tensor and both shapes."""
+    import shutil
+
+    from specdecode.config import SpecDecodeError
+
+    shutil.copytree(tiny_llama_dir, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config[key] = value
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    for backend in ("torch", "kernels"):
+        with pytest.raises(SpecDecodeError, match=rf"{name.replace('.', '[.]')}' has shape .* config.json implies"):
+            load_native(tmp_path / "m", torch.float32, backend=backend)
+
+
 def test_bf16_weights_are_packed_for_the_cpu_at_load(tiny_llama_dir, monkeypatch):
     """load_native packs dense bf16 weights for oneDNN (a model bound for a GPU is moved
     there unpacked: test_cuda), whether or not this CPU's oneDNN takes bf16."""

@@ -54,6 +54,11 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, config: dict) -> "LlamaConfig":
+        missing = [key for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                   "num_attention_heads") if not isinstance(config.get(key), int) or config[key] < 1]
+        if missing:
+            raise SpecDecodeError(f"config.json has no positive integer for {', '.join(missing)}, which the native "
+                                  "runtime needs to read the checkpoint")
         model_type = config.get("model_type")
         if config.get("hidden_act", "silu") != "silu":
             raise SpecDecodeError(f"native runtime supports hidden_act 'silu' only, got {config['hidden_act']!r}")
@@ -172,7 +177,10 @@ class LlamaWeights(nn.Module):
             raise SpecDecodeError(f"{model_dir} holds no *.safetensors weights (only safetensors are read)")
         handles = {}
         for file in files:
-            handle = safe_open(str(file), framework="pt")
+            try:
+                handle = safe_open(str(file), framework="pt")
+            except Exception as error:  # safetensors' own error type: a truncated or corrupt file
+                raise SpecDecodeError(f"{file} is not a readable safetensors file ({error})") from None
             handles.update({name: handle for name in handle.keys()})
         reader = _GGUFTensors(gguf_path, cfg, Path(model_dir)) if gguf_path is not None and fmt in ("q8_0", "q4_1") else None
         loader = _CheckpointReader(handles, cfg, fmt, dtype, reader)
@@ -231,11 +239,40 @@ class _CheckpointReader:
     def has(self, name: str) -> bool:
         return name in self.handles
 
+    def expected_shape(self, name: str) -> tuple[int, ...] | None:
+        """The shape config.json implies for a parameter (None: a name not checked here)."""
+        c = self.cfg
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        shapes = {"embed_tokens.weight": (c.vocab_size, c.hidden_size), "lm_head.weight": (c.vocab_size, c.hidden_size),
+                  "q_proj.weight": (q, c.hidden_size), "k_proj.weight": (kv, c.hidden_size),
+                  "v_proj.weight": (kv, c.hidden_size), "o_proj.weight": (c.hidden_size, q),
+                  "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,),
+                  "gate_proj.weight": (c.intermediate_size, c.hidden_size),
+                  "up_proj.weight": (c.intermediate_size, c.hidden_size),
+                  "down_proj.weight": (c.hidden_size, c.intermediate_size), "layernorm.weight": (c.hidden_size,),
+                  "norm.weight": (c.hidden_size,)}
+        return next((shape for suffix, shape in shapes.items() if name.endswith(suffix)), None)
+
+    def check_shape(self, name: str, shape: tuple[int, ...]) -> None:
+        """Refuse a tensor whose shape is not what config.json implies: the kernels would read
+        past it or leave part of it unread, and compute wrong logits without an error."""
+        expected = self.expected_shape(name)
+        if expected is not None and tuple(shape) != expected:
+            raise SpecDecodeError(f"checkpoint parameter {name!r} has shape {list(shape)}, but config.json implies "
+                                  f"{list(expected)} (hidden_size {self.cfg.hidden_size}, intermediate_size "
+                                  f"{self.cfg.intermediate_size}, vocab_size {self.cfg.vocab_size}, heads "
+                                  f"{self.cfg.num_heads}/{self.cfg.num_kv_heads} of {self.cfg.head_dim}): the "
+                                  "config does not describe these weights")
+
     def tensor(self, name: str) -> torch.Tensor:
         if name not in self.handles:
             raise SpecDecodeError(f"checkpoint lacks parameter {name!r}")
+        self.check_shape(name, tuple(self.handles[name].get_slice(name).get_shape()))
         self.consumed.add(name)
-        return self.handles[name].get_tensor(name)
+        try:
+            return self.handles[name].get_tensor(name)
+        except Exception as error:  # safetensors' own error type: its data cut short or corrupt
+            raise SpecDecodeError(f"checkpoint parameter {name!r} could not be read ({error})") from None
 
     def _dense_or_quantized(self, weight: torch.Tensor, fmt: str, bias: torch.Tensor | None) -> PackedLinear:
         if fmt in ("fp32", "bf16"):
@@ -243,17 +280,21 @@ class _CheckpointReader:
             return PackedLinear.dense(weight, bias, dense_dtype)
         return PackedLinear.quantize(weight, fmt, bias)
 
+    def _carried(self, name: str, fmt: str) -> PackedLinear:
+        layer = self.gguf.linear(name, fmt)
+        self.check_shape(name, (layer.rows, layer.cols))
+        self.consumed.add(name)
+        return layer
+
     def linear(self, name: str, fmt: str) -> PackedLinear:
         if self.gguf is not None and self.gguf.has(name):
-            self.consumed.add(name)
-            return self.gguf.linear(name, fmt)
+            return self._carried(name, fmt)
         return self._dense_or_quantized(self.tensor(name), fmt, None)
 
     def fused(self, names: list[str], biases: list[str] | None) -> PackedLinear:
         bias = torch.cat([self.tensor(b) for b in biases]) if biases else None
         if self.gguf is not None and all(self.gguf.has(n) for n in names):
-            self.consumed.update(names)
-            parts = [self.gguf.linear(n, self.fmt) for n in names]
+            parts = [self._carried(n, self.fmt) for n in names]
             fused = PackedLinear.concat(parts)
             if bias is not None:
                 fused.bias = nn.Parameter(bias.float(), requires_grad=False)
@@ -665,7 +706,12 @@ class NativeRuntime:
 def load_native(model_dir: Path, dtype: torch.dtype, weights: str | None = None, backend: str = "torch",
                 gguf_path: Path | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                 device: str = "cpu") -> NativeRuntime:
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):  # missing, unreadable or not JSON: resolve_model says which, by name
+        from .loading import resolve_model
+
+        config = resolve_model(str(model_dir)).config
     loaded = LlamaWeights.from_pretrained(model_dir, config, dtype, weights, gguf_path)
     if device != "cpu":
         loaded = loaded.to(device)

@@ -100,7 +100,13 @@ def resolve_model(name: str | os.PathLike | None) -> ModelSource:
                 f"model {name!r}: the directory exists but has no config.json "
                 "(expected a Hugging Face causal-LM checkpoint)"
             )
-        return ModelSource(name, path, json.loads(config_file.read_text()))
+        try:
+            config = json.loads(config_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ModelNotFoundError(f"model {name!r}: {config_file} is not valid JSON ({error})") from None
+        if not isinstance(config, dict):
+            raise ModelNotFoundError(f"model {name!r}: {config_file} does not hold a JSON object")
+        return ModelSource(name, path, config)
     if path.is_file() and path.suffix.lower() == ".gguf":
         return _from_gguf(path, name)
     if path.is_file():
