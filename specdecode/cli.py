@@ -545,7 +545,7 @@ def cmd_train_eagle(args) -> int:
     from .factory import load_target, log
     from .train.eagle import check_train_settings, train_eagle
 
-    check_train_settings(args.draft_vocab, args.ttt_steps, args.minutes, args.lr, args.batch_tokens)
+    check_train_settings(args.draft_vocab, args.ttt_steps, args.minutes, args.lr, args.batch_tokens, args.max_length)
     engine_config = _engine_config(args)
     if engine_config.num_threads:
         import torch

@@ -106,6 +106,11 @@ def test_build_data_resumes_after_an_interruption(tiny_runtime, tmp_path):
 
     with pytest.raises(ConfigError, match="another --out"):
         build_data(target, cut, **{**settings, "samples": 2})
+    # another target's answers are not resumed into (found in review: they were reused as they were)
+    other = SimpleNamespace(runtime=tiny_runtime, tokenizer=CharTokenizer(), eos_token_ids=(),
+                            source=SimpleNamespace(path=tmp_path / "another-model"))
+    with pytest.raises(ConfigError, match="another --out"):
+        build_data(other, cut, **settings)
     # ids are positions in the prompt set: answers kept for a prompt that changed are refused
     lines = (cut / "answers.jsonl").read_text().splitlines()
     changed = json.loads(lines[0]) | {"prompt_ids": [1, 2, 3]}
@@ -280,3 +285,37 @@ def test_train_eagle_end_to_end_writes_a_loadable_head_and_resumes(tiny_runtime,
     continued = EagleHead.load(tmp_path / "more")
     assert torch.equal(continued.d2t, head.d2t)
     assert json.loads((tmp_path / "more" / "config.json").read_text())["recipe"]["init"] == str(out)
+
+
+def test_train_eagle_refuses_what_it_cannot_train_on(tiny_runtime, tiny_answers, tmp_path):
+    """Found in review: no sequence left to train on looped for ever past --minutes, a data
+    line without its fields or with another vocabulary's ids ended in a traceback, and a
+    checkpoint and features of another target were resumed."""
+    from specdecode.config import SpecDecodeError
+    from specdecode.train.eagle import train_eagle
+
+    target = SimpleNamespace(runtime=tiny_runtime, eos_token_ids=(2,))
+    quick = dict(draft_vocab=48, ttt_steps=2, minutes=0.02, batch_tokens=256, log=lambda message: None)
+    with pytest.raises(ConfigError, match="--max-length must be >= 3"):
+        train_eagle(target, tiny_answers, tmp_path / "h0", max_length=2, **quick)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "answers.jsonl").write_text(json.dumps({"prompt_id": "train-code-000", "temperature": 0,
+                                                     "prompt_ids": [5], "answer_ids": [6]}) + "\n")
+    with pytest.raises(SpecDecodeError, match="no training sequence"):
+        train_eagle(target, empty, tmp_path / "h1", **quick)
+    for record, problem in (({"prompt_ids": [5, 6], "answer_ids": [7, 8], "temperature": 0}, "no 'prompt_id'"),
+                            ({"prompt_id": "train-code-001", "prompt_ids": [5, 6], "answer_ids": [7, 10 ** 6],
+                              "temperature": 0}, "token ids outside")):
+        bad = tmp_path / f"bad-{len(problem)}"
+        bad.mkdir()
+        (bad / "answers.jsonl").write_text((tiny_answers / "answers.jsonl").read_text() + json.dumps(record) + "\n")
+        with pytest.raises(SpecDecodeError, match=rf"answers.jsonl line 81: {problem}"):
+            train_eagle(target, bad, tmp_path / "h2", **quick)
+    first = SimpleNamespace(runtime=tiny_runtime, eos_token_ids=(2,), source=SimpleNamespace(path=tmp_path / "a"))
+    train_eagle(first, tiny_answers, tmp_path / "h3", **quick)
+    features = list((tmp_path / "h3" / "features").glob("*/shard-*.pt"))
+    assert features  # under a directory of their own target
+    second = SimpleNamespace(runtime=tiny_runtime, eos_token_ids=(2,), source=SimpleNamespace(path=tmp_path / "b"))
+    with pytest.raises(SpecDecodeError, match="other settings \\(target"):
+        train_eagle(second, tiny_answers, tmp_path / "h3", **quick)

@@ -106,13 +106,30 @@ def _rewrite_complete(path: Path, records: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
+def target_identity(target) -> str:
+    """The target a training artefact was made with: its checkpoint and how it ran (backend,
+    weight format, dtype). Answers and features of another target, or of the same one in
+    another format, are not mixed into a resumed run."""
+    from ..factory import model_key
+
+    return model_key(target) if getattr(target, "source", None) is not None else type(target.runtime).__name__
+
+
 def build_answers(target, out: Path, prompt_count: int | None, samples: int, temperature: float, max_new_tokens: int,
                   seed: int, summary: DataSummary, encode, batch: int = 1) -> None:
-    settings = {"samples": samples, "temperature": temperature, "max_new_tokens": max_new_tokens, "seed": seed}
+    settings = {"samples": samples, "temperature": temperature, "max_new_tokens": max_new_tokens, "seed": seed,
+                "target": target_identity(target)}
     settings_path = out / "answers.settings.json"
-    if settings_path.is_file() and json.loads(settings_path.read_text()) != settings:
-        raise ConfigError(f"{out} holds answers made with {settings_path.read_text().strip()}; "
-                          f"use another --out to build with {json.dumps(settings)}")
+    if settings_path.is_file():
+        try:
+            saved = json.loads(settings_path.read_text())
+        except json.JSONDecodeError:
+            saved = None
+        if isinstance(saved, dict):
+            saved.setdefault("target", settings["target"])  # answers made before the field: unchecked
+        if saved != settings:
+            raise ConfigError(f"{out} holds answers made with {settings_path.read_text().strip()}; "
+                              f"use another --out to build with {json.dumps(settings)}")
     settings_path.write_text(json.dumps(settings) + "\n")
     path = out / "answers.jsonl"
     records = _read_jsonl(path)

@@ -46,27 +46,47 @@ class Sequence:
     greedy: bool = False  # the target's own greedy answer: its argmax is the next token
 
 
-def training_sequences(data_dir: Path, corpus_tokens: int, max_length: int) -> list[Sequence]:
+def _records(path: Path, fields: dict[str, type], vocab_size: int | None):
+    """The JSON lines of ``path``, each checked to hold ``fields`` (name -> type) and token
+    ids inside the vocabulary; a bad line is refused by file and line number."""
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise SpecDecodeError(f"{path} line {number}: not JSON ({error})") from None
+        problem = next((f"no {name!r} ({getattr(kind, '__name__', 'number')})" for name, kind in fields.items()
+                        if not isinstance(record, dict) or not isinstance(record.get(name), kind)), None)
+        if problem is None and vocab_size is not None:
+            ids = [i for name, kind in fields.items() if kind is list for i in record[name]]
+            if any(not isinstance(i, int) or not 0 <= i < vocab_size for i in ids):
+                problem = f"token ids outside [0, {vocab_size}): data made for another target?"
+        if problem is not None:
+            raise SpecDecodeError(f"{path} line {number}: {problem}")
+        yield record
+
+
+def training_sequences(data_dir: Path, corpus_tokens: int, max_length: int,
+                       vocab_size: int | None = None) -> list[Sequence]:
     """Answers (prompt + answer, loss on the answer) and corpus chunks (loss everywhere)."""
     answers_path = data_dir / "answers.jsonl"
     if not answers_path.is_file():
         raise SpecDecodeError(f"{answers_path} not found: build it with `specdecode train data --out {data_dir}`")
     sequences = []
-    for line in answers_path.read_text().splitlines():
-        record = json.loads(line)
+    answer_fields = {"prompt_id": str, "prompt_ids": list, "answer_ids": list, "temperature": (int, float)}
+    for record in _records(answers_path, answer_fields, vocab_size):
         if not record["answer_ids"]:
             continue
-        index = int(record["prompt_id"].rsplit("-", 1)[1])
+        index = int(record["prompt_id"].rsplit("-", 1)[-1]) if record["prompt_id"].rsplit("-", 1)[-1].isdigit() else 0
         ids = (record["prompt_ids"] + record["answer_ids"])[:max_length]
         sequences.append(Sequence(ids, len(record["prompt_ids"]) - 1, index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1,
                                   record["temperature"] == 0))
     corpus_path = data_dir / "corpus.jsonl"
     taken = 0
     if corpus_path.is_file() and corpus_tokens > 0:
-        for line in corpus_path.read_text().splitlines():
+        for record in _records(corpus_path, {"ids": list}, vocab_size):
             if taken >= corpus_tokens:
                 break
-            ids = json.loads(line)["ids"][:max_length]
+            ids = record["ids"][:max_length]
             sequences.append(Sequence(ids, 0, False))
             taken += len(ids)
     return [s for s in sequences if len(s.ids) >= 3]
@@ -210,7 +230,8 @@ class Trainer:
         return float(loss.detach()), float((correct & mask).sum()) / max(int(mask.sum()), 1)
 
 
-def check_train_settings(draft_vocab: int, ttt_steps: int, minutes: float, lr: float, batch_tokens: int) -> None:
+def check_train_settings(draft_vocab: int, ttt_steps: int, minutes: float, lr: float, batch_tokens: int,
+                         max_length: int = 768) -> None:
     if draft_vocab < 16:
         raise ConfigError(f"--draft-vocab must be >= 16, got {draft_vocab}")
     if not 1 <= ttt_steps <= 16:
@@ -221,6 +242,8 @@ def check_train_settings(draft_vocab: int, ttt_steps: int, minutes: float, lr: f
         raise ConfigError(f"--lr must be in (0, 1), got {lr}")
     if batch_tokens < 16:
         raise ConfigError(f"--batch-tokens must be >= 16, got {batch_tokens}")
+    if max_length < 3:
+        raise ConfigError(f"--max-length must be >= 3 (a prompt token and two to predict), got {max_length}")
 
 
 def batches(items: list, batch_tokens: int, seed: int) -> list[list]:
@@ -245,11 +268,18 @@ def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_
     """The whole recipe; returns the evaluation report (also written to OUT/report.json)."""
     from tqdm import tqdm
 
-    check_train_settings(draft_vocab, ttt_steps, minutes, lr, batch_tokens)
+    from .data import target_identity
+
+    check_train_settings(draft_vocab, ttt_steps, minutes, lr, batch_tokens, max_length)
     out.mkdir(parents=True, exist_ok=True)
     runtime, cfg = target.runtime, target.runtime.cfg
     torch.manual_seed(seed)
-    sequences = training_sequences(Path(data_dir), corpus_tokens, max_length)
+    sequences = training_sequences(Path(data_dir), corpus_tokens, max_length, cfg.vocab_size)
+    if not any(not s.held_out for s in sequences):
+        raise SpecDecodeError(f"{data_dir} gives no training sequence of 3 tokens or more (with --max-length "
+                              f"{max_length} and --corpus-tokens {corpus_tokens}); build more with "
+                              "`specdecode train data`")
+    identity = target_identity(target)
     if init is not None:  # go on from a trained head: its sizes, vocabulary and weights
         head = EagleHead.load(Path(init))
         config = head.config
@@ -265,7 +295,9 @@ def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_
 
     total_tokens = sum(len(s.ids) for s in sequences)
     with tqdm(total=total_tokens, unit="tok", desc="target features") as bar:
-        records = extract_features(runtime, sequences, config.capture_layers, out / "features", bar.update)
+        # features are the target's: another target (or format) keeps its own shards
+        features_dir = out / "features" / hashlib.sha1(identity.encode()).hexdigest()[:12]
+        records = extract_features(runtime, sequences, config.capture_layers, features_dir, bar.update)
     train_items = [(s, records[sequence_key(s.ids)]) for s in sequences if not s.held_out]
     eval_items = [(s, records[sequence_key(s.ids)]) for s in sequences if s.held_out]
     log(f"sequences: {len(train_items)} training ({sum(len(s.ids) for s, _ in train_items)} tokens), "
@@ -282,13 +314,14 @@ def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_
     state = {"epoch": 0, "batch": 0, "seconds": 0.0, "steps": 0}
     # the recipe; a resumed run must share it with the one it continues (--minutes may grow)
     settings = {"ttt_steps": ttt_steps, "lr": lr, "batch_tokens": batch_tokens, "corpus_tokens": corpus_tokens,
-                "max_length": max_length, "seed": seed, "bf16": bf16, "init": None if init is None else str(init)}
+                "max_length": max_length, "seed": seed, "bf16": bf16, "init": None if init is None else str(init),
+                "target": identity}
     if checkpoint.is_file():
         saved = torch.load(checkpoint, weights_only=False)
         if saved["config"] != config.__dict__ or not torch.equal(saved["d2t"], head.d2t):
             raise SpecDecodeError(f"{checkpoint} was trained with other settings; remove it or use another --out")
-        before = saved.get("settings", settings)  # checkpoints older than the field: unchecked
-        differ = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
+        before = saved.get("settings", settings)  # checkpoints older than a field: that field unchecked
+        differ = {k: (before[k], v) for k, v in settings.items() if k in before and before[k] != v}
         if differ:
             named = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in differ.items())
             raise SpecDecodeError(f"{checkpoint} was trained with other settings ({named}); "
