@@ -235,6 +235,72 @@ def test_heads_export_to_vllm_layouts_and_import_back(targets, tmp_path, fmt):
         EagleHead.load(tmp_path / fmt)
 
 
+def _damaged(source, target, how: str):
+    """A copy of the head directory ``source`` with one thing wrong."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    config_path, tensors_path = target / "config.json", target / "model.safetensors"
+    config, tensors = json.loads(config_path.read_text()), load_file(str(tensors_path))
+    layer = next((p for p in ("midlayer.", "layers.0.") if p + "self_attn.q_proj.weight" in tensors), "")
+    if how == "config field missing":
+        del config["head_dim"]
+    elif how == "extra tensor":
+        tensors[layer + "self_attn.q_proj.bias"] = torch.zeros(8)
+    elif how == "wrong shape":
+        tensors[layer + "mlp.up_proj.weight" if layer else "up_proj.weight"] = torch.zeros(3, 3)
+    elif how == "d2t outside the vocabulary":
+        key = "d2t"
+        tensors[key] = tensors[key].clone()
+        tensors[key][-1] = 10_000 if not layer else 10_000 - 59
+    elif how == "d2t twice":
+        tensors["d2t"] = tensors["d2t"].clone()
+        if layer:  # offsets: make draft id 1 map where draft id 0 does
+            tensors["d2t"][1] = tensors["d2t"][0] - 1
+        else:
+            tensors["d2t"][1] = tensors["d2t"][0]
+    elif how == "t2d disagrees":
+        tensors["t2d"] = ~tensors["t2d"]
+    else:  # cut short
+        tensors_path.write_bytes(tensors_path.read_bytes()[:100])
+        return target
+    config_path.write_text(json.dumps(config))
+    save_file(tensors, str(tensors_path))
+    return target
+
+
+@pytest.mark.parametrize("fmt, how, problem", [
+    ("ours", "config field missing", "config.json lacks head_dim"),
+    ("ours", "extra tensor", "tensors do not fit the config"),
+    ("ours", "wrong shape", "tensors do not fit the config"),
+    ("ours", "d2t outside the vocabulary", "outside \\[0, 97\\)"),
+    ("ours", "d2t twice", "names a target id twice"),
+    ("ours", "cut short", "not a readable safetensors file"),
+    ("eagle3", "extra tensor", "q_proj.bias'\\], which this EAGLE head does not compute"),
+    ("eagle3", "d2t outside the vocabulary", "outside \\[0, 97\\)"),
+    ("eagle3", "d2t twice", "names a target id twice"),
+    ("eagle3", "t2d disagrees", "t2d .* disagrees with its d2t"),
+    ("speculators", "extra tensor", "which this EAGLE head does not compute"),
+])
+def test_damaged_heads_are_refused_by_name(targets, tmp_path, fmt, how, problem):
+    """Found in review: each of these ended in a traceback (a missing field, a corrupt file),
+    failed only when drafting (a d2t outside the vocabulary), or loaded and drafted from a
+    different model (an extra tensor of an imported head was dropped)."""
+    from specdecode.config import SpecDecodeError
+    from specdecode.proposers.eagle_formats import export_head
+
+    head = random_head(targets[0], 4)
+    head.save(tmp_path / "ours")
+    if fmt != "ours":
+        export_head(EagleHead.load(tmp_path / "ours"), tmp_path / fmt, fmt, verifier="tiny")
+    broken = _damaged(tmp_path / fmt, tmp_path / "broken", how)
+    with pytest.raises(SpecDecodeError, match=problem):
+        EagleHead.load(broken)
+
+
 def test_the_cost_profile_times_real_head_passes(targets):
     """measure_drafter shows a head drafter target features first, so its proposals are
     real drafts (an unfed head would propose nothing and look free)."""

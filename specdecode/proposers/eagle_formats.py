@@ -121,8 +121,6 @@ def import_head(directory: Path, raw: dict, fmt: str, target_layers: int | None 
     """An EagleHead from a directory in layout ``fmt`` ("eagle3" or "speculators").
     ``target_layers``: the target's layer count, for checkpoints that do not name the
     layers they read (the EAGLE-3 default 2, L/2, L-3 is taken then)."""
-    from safetensors.torch import load_file
-
     from .eagle_head import EagleConfig, EagleHead
 
     llama = raw.get("transformer_layer_config", {}) if fmt == "speculators" else raw
@@ -150,7 +148,7 @@ def import_head(directory: Path, raw: dict, fmt: str, target_layers: int | None 
     if raw.get("target_hidden_size") not in (None, config.hidden_size):
         raise SpecDecodeError(f"{directory}: target hidden size {raw['target_hidden_size']} differs from the "
                               f"head's {config.hidden_size}; not supported")
-    tensors = load_file(str(Path(directory) / "model.safetensors"))
+    tensors = read_tensors(Path(directory) / "model.safetensors")
     prefix = next((p for p in ("midlayer.", "layers.0.") if p + "self_attn.q_proj.weight" in tensors), None)
     if prefix is None:
         raise SpecDecodeError(f"{directory}/model.safetensors has no decoder layer (midlayer.* or layers.0.*)")
@@ -158,12 +156,47 @@ def import_head(directory: Path, raw: dict, fmt: str, target_layers: int | None 
     missing = [theirs for theirs in names.values() if theirs not in tensors]
     if missing:
         raise SpecDecodeError(f"{directory}/model.safetensors lacks {missing}")
+    # the vocabulary maps and the target's own embedding (shared, not the head's) are read or
+    # checked below; any other tensor is a part of a variant this head does not compute
+    unknown = sorted(set(tensors) - set(names.values()) - {"d2t", "t2d", "embed_tokens.weight"})
+    if unknown:
+        raise SpecDecodeError(f"{directory}/model.safetensors holds {unknown[:3]}{' ...' if len(unknown) > 3 else ''}, "
+                              "which this EAGLE head does not compute; loading it would draft from a different model")
     head = EagleHead(config)
     state = {ours: tensors[theirs].float() for ours, theirs in names.items()}
     offsets = tensors.get("d2t")
     state["d2t"] = torch.arange(config.draft_vocab_size) + (0 if offsets is None else offsets.to(torch.int64))
+    load_checked(head, state, directory)
+    t2d = tensors.get("t2d")
+    if t2d is not None:
+        expected = torch.zeros(config.target_vocab_size, dtype=torch.bool)
+        expected[head.d2t] = True
+        if t2d.shape != expected.shape or not torch.equal(t2d.bool(), expected):
+            raise SpecDecodeError(f"{directory}: its t2d (the target ids it drafts) disagrees with its d2t")
+    return head.eval()
+
+
+def read_tensors(path: Path) -> dict:
+    """A head's safetensors file, or an error naming it."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as error:  # safetensors' own error type: a truncated or corrupt file
+        raise SpecDecodeError(f"{path} is not a readable safetensors file ({error})") from None
+
+
+def load_checked(head, state: dict, directory: Path) -> None:
+    """``state`` into ``head``, every tensor used and of its shape, and a draft vocabulary of
+    distinct ids inside the target's (else an error naming the head; a d2t outside the
+    vocabulary failed only when drafting)."""
     try:
         head.load_state_dict(state)
     except RuntimeError as error:
-        raise SpecDecodeError(f"{directory}: tensors do not fit the config: {str(error).splitlines()[-1].strip()}") from None
-    return head.eval()
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        raise SpecDecodeError(f"{directory}: tensors do not fit the config: {' '.join(lines[1:3]) or lines[0]}") from None
+    d2t, c = head.d2t, head.config
+    if d2t.numel() and (int(d2t.min()) < 0 or int(d2t.max()) >= c.target_vocab_size):
+        raise SpecDecodeError(f"{directory}: its draft vocabulary maps to target ids outside [0, {c.target_vocab_size})")
+    if d2t.unique().numel() != d2t.numel():
+        raise SpecDecodeError(f"{directory}: its draft vocabulary names a target id twice")

@@ -204,9 +204,7 @@ class EagleHead(nn.Module):
     def load(cls, directory: Path, target_layers: int | None = None) -> "EagleHead":
         """A head written by ``save``, or by vLLM/EAGLE-3 or speculators (``eagle_formats``);
         ``target_layers`` places the layers a foreign checkpoint reads if it does not say."""
-        from safetensors.torch import load_file
-
-        from .eagle_formats import detect, import_head
+        from .eagle_formats import detect, import_head, load_checked, read_tensors
 
         directory = Path(directory)
         if not (directory / "config.json").is_file() or not (directory / "model.safetensors").is_file():
@@ -219,9 +217,16 @@ class EagleHead(nn.Module):
         if fmt != "specdecode":
             return import_head(directory, raw, fmt, target_layers)
         fields = EagleConfig.__dataclass_fields__
-        config = EagleConfig(**{k: v for k, v in raw.items() if k in fields})
-        config.capture_layers = tuple(config.capture_layers)
-        head = cls(config)
-        state = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(directory / "model.safetensors")).items()}
-        head.load_state_dict(state)
+        missing = [name for name in fields if name not in raw]
+        if missing:
+            raise SpecDecodeError(f"{directory}/config.json lacks {', '.join(missing)}")
+        try:
+            config = EagleConfig(**{k: v for k, v in raw.items() if k in fields})
+            config.capture_layers = tuple(int(layer) for layer in config.capture_layers)
+            head = cls(config)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise SpecDecodeError(f"{directory}/config.json does not describe a head: {error}") from None
+        tensors = read_tensors(directory / "model.safetensors")
+        state = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
+        load_checked(head, state, directory)
         return head.eval()
