@@ -287,12 +287,13 @@ def cmd_generate(args) -> int:
 
     _check_drafter_flags(args, [args.method])
     configured = _spec_config(args, args.method)
-    router = Router().load(router_state_path())
+    state_path = router_state_path(args.model)
+    router = Router().load(state_path, warn=log)
     route = router.route(args.prompt, args.method, drafter_key(configured))
     if args.route:
         # saved now, whether or not the request speculates: the per-task request count is
         # what brings a task routed to plain decoding back to speculation every retry_every
-        router.save(router_state_path())
+        router.save(state_path)
         log(f"route: {route.reason} -> {route.method}")
     spec = _spec_config(args, route.method if args.route else args.method)
     log(f"loading {args.model} ({args.dtype})")
@@ -314,7 +315,7 @@ def cmd_generate(args) -> int:
 
         measured = speedup_from_stats(result.stats, engine.policy.costs.profile, len(prompt_ids))
         router.observe(route.task, engine.drafter, result.stats.first_alpha, measured)
-        router.save(router_state_path())
+        router.save(state_path)
     record = {"text": result.text, "finish_reason": result.finish_reason, "method": engine.method, "k": engine.k_label, "stats": result.stats.to_dict()}
     if engine.policy is not None and hasattr(engine.policy, "chosen"):
         record["k_per_step"] = engine.policy.chosen

@@ -484,7 +484,8 @@ def test_cli_route_retries_a_task_sent_to_plain_decoding(tiny_text_model_dir, ca
     from specdecode.control.router import Router, TaskRecord, classify, router_state_path
 
     prompt = "What is the capital of France?"
-    Router(records={f"{classify(prompt)}/ngram": TaskRecord(alpha=0.05, speedup=0.6, weight=5.0)}).save(router_state_path())
+    Router(records={f"{classify(prompt)}/ngram": TaskRecord(alpha=0.05, speedup=0.6, weight=5.0)}).save(
+        router_state_path(str(tiny_text_model_dir)))
     methods = []
     for _ in range(Router().retry_every + 1):
         code = cli.main(["generate", prompt, "--route", "--method", "ngram", "--model", str(tiny_text_model_dir),
@@ -492,6 +493,27 @@ def test_cli_route_retries_a_task_sent_to_plain_decoding(tiny_text_model_dir, ca
         assert code == 0
         methods.append(json_module.loads(capsys.readouterr().out)["route"]["method"])
     assert methods.count("none") >= Router().retry_every - 1 and "ngram" in methods, methods
+
+
+@pytest.mark.parametrize("content", ["{bad", '{"records": 5}', '{"records": {"qa/ngram": {"alpha": "x", "nope": 1}}}'])
+def test_an_unreadable_router_state_never_stops_a_request(tiny_text_model_dir, capsys, content):
+    """Found in review: a torn or foreign router-state file made every `generate` end in a
+    traceback, with or without --route. It is set aside with one line, and rewritten whole."""
+    import json as json_module
+
+    from specdecode import cli
+    from specdecode.control.router import router_state_path
+
+    path = router_state_path(str(tiny_text_model_dir))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(content)
+    code = cli.main(["generate", "What is the capital of France?", "--route", "--method", "ngram", "--model",
+                     str(tiny_text_model_dir), "--dtype", "fp32", "--no-chat-template", "--max-new-tokens", "3",
+                     "--json"])
+    captured = capsys.readouterr()
+    assert code == 0 and "is unreadable" in captured.err and "starting afresh" in captured.err
+    assert json_module.loads(path.read_text())["requests"]  # saved again, whole
+    assert router_state_path(str(tiny_text_model_dir)) != router_state_path("default")  # one state per model
 
 
 # -- kernel threads for a server's decode passes (control.threads) --------------------------

@@ -214,7 +214,7 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
         "records": records,
     }
     write_reports(result, out_dir)
-    learn(records, drafter_names)
+    learn(records, drafter_names, args.model)
     return result
 
 
@@ -238,15 +238,16 @@ def add_predicted_sweep(sweeps: dict, table: list[dict]) -> None:
                         entry[m]["predicted_vs_best_fixed"] = predicted[(temperature, m, category)] / fixed[best] - 1.0
 
 
-def learn(records: list[dict], drafter_names: dict[str, str]) -> None:
-    """Hand what was measured to the router, so later requests start from it."""
+def learn(records: list[dict], drafter_names: dict[str, str], model: str = "default") -> None:
+    """Hand what was measured to ``model``'s router, so later requests start from it."""
     from ..control.router import Router, router_state_path
 
-    router = Router().load(router_state_path())
+    path = router_state_path(model)
+    router = Router().load(path)
     for r in records:
         if r["method"] != "none" and r.get("draft_tokens"):
             router.observe(r["task"], drafter_names[r["method"]], r["first_alpha"], r["speedup"])
-    router.save(router_state_path())
+    router.save(path)
 
 
 # -- reports --------------------------------------------------------------------------

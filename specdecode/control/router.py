@@ -14,7 +14,9 @@ from a given passage), creative, general (questions, math, translation, chat).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -178,23 +180,40 @@ class Router:
         self.records.setdefault(f"{task}/{drafter}", TaskRecord()).update(alpha, speedup, self.decay)
 
     def save(self, path: Path) -> None:
+        """Written whole or not at all (a temporary file renamed over it): two processes,
+        or one stopped mid-write, never leave a torn file."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"records": {k: asdict(v) for k, v in self.records.items()},
-                                    "requests": self.requests}, indent=1))
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        temporary.write_text(json.dumps({"records": {k: asdict(v) for k, v in self.records.items()},
+                                         "requests": self.requests}, indent=1))
+        os.replace(temporary, path)
 
-    def load(self, path: Path) -> "Router":
-        if path.is_file():
+    def load(self, path: Path, warn=None) -> "Router":
+        """The measurements saved at ``path``; a file that cannot be read is set aside (with a
+        line to ``warn``) and the router starts afresh, so it never stops a request."""
+        if not path.is_file():
+            return self
+        try:
             data = json.loads(path.read_text())
-            self.records = {k: TaskRecord(**v) for k, v in data.get("records", {}).items()}
-            self.requests = dict(data.get("requests", {}))
+            records = {str(k): TaskRecord(**v) for k, v in data.get("records", {}).items()}
+            requests = {str(k): int(v) for k, v in data.get("requests", {}).items()}
+        except (ValueError, TypeError, AttributeError) as error:
+            if warn is not None:
+                warn(f"router state {path} is unreadable ({type(error).__name__}: {error}); starting afresh")
+            return self
+        self.records, self.requests = records, requests
         return self
 
 
-def router_state_path() -> Path:
-    """Where the CLI keeps per-task measurements between requests."""
+def router_state_path(model: str = "default") -> Path:
+    """Where the CLI keeps per-task measurements between requests, one file per model (a
+    drafter's acceptance and speedup on one target say nothing about another's)."""
     from ..models.loading import cache_dir
 
-    return cache_dir() / "router-state.json"
+    if model == "default":
+        return cache_dir() / "router-state.json"
+    identity = str(Path(model).expanduser().resolve())
+    return cache_dir() / f"router-state-{hashlib.sha1(identity.encode()).hexdigest()[:12]}.json"
 
 
 def speedup_from_stats(stats, profile, prompt_tokens: int, decode_seconds: float | None = None) -> float:
