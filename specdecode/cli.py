@@ -579,6 +579,10 @@ def cmd_serve(args) -> int:
 
     if args.prefill_threads is not None and args.prefill_threads < 1:
         raise SpecDecodeError(f"--prefill-threads must be >= 1, got {args.prefill_threads}")
+    if not 1 <= args.port <= 65535:
+        raise SpecDecodeError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise SpecDecodeError(f"--max-model-len must be >= 1, got {args.max_model_len}")
     decode_threads = None
     if args.threads is None and args.replicas is None:
         args.threads = serving_threads()

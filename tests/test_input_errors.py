@@ -144,3 +144,29 @@ def test_a_damaged_checkpoint_gets_one_line_naming_the_file(tmp_path, capsys, ti
     code, err = run(capsys, "generate", "hi", "--model", str(model), "--no-chat-template", "--max-new-tokens", "2",
                     "--weights", "fp32", "--k", "1")
     assert code == 2 and problem in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["--port", "99999"], "--port must be in 1..65535, got 99999"),
+    (["--port", "0"], "--port must be in 1..65535, got 0"),
+    (["--max-model-len", "-5"], "--max-model-len must be >= 1, got -5"),
+    (["--max-model-len", "0"], "--max-model-len must be >= 1, got 0"),
+])
+def test_serve_refuses_a_bad_port_or_context_before_loading(capsys, argv, problem):
+    """Found in review: port 99999 was announced and another port bound; -5 crashed in torch,
+    0 silently meant the model's context."""
+    code, err = run(capsys, "serve", *argv)
+    assert code == 2 and problem in err
+
+
+def test_a_context_longer_than_the_models_is_refused(tiny_llama_dir):
+    """--max-model-len beyond the model's context was silently cut to it."""
+    import torch
+
+    from specdecode.config import SpecDecodeError
+    from specdecode.models.llama import load_native
+    from specdecode.serve.batch import BatchEngine
+
+    runtime = load_native(tiny_llama_dir, torch.float32)
+    with pytest.raises(SpecDecodeError, match=rf"max_model_len 100000 is outside 1..{runtime.max_positions}"):
+        BatchEngine(runtime, max_num_seqs=1, max_model_len=100_000)

@@ -162,7 +162,10 @@ class BatchEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_num_seqs = max_num_seqs
-        self.max_model_len = min(max_model_len or runtime.max_positions, runtime.max_positions)
+        if max_model_len is not None and not 1 <= max_model_len <= runtime.max_positions:
+            raise SpecDecodeError(f"max_model_len {max_model_len} is outside 1..{runtime.max_positions} "
+                                  "(this model's context)")
+        self.max_model_len = max_model_len or runtime.max_positions
         self.prefill_chunk = prefill_chunk or runtime.prefill_chunk
         self.make_drafter = make_drafter
         self.make_policy = make_policy

@@ -206,7 +206,7 @@ def answer_batched(target, prompts: list[dict], index_of: dict[str, int], row_pa
     encoded = [encode(p["prompt"]) for p in prompts]
     longest = max((len(ids) for ids in encoded), default=0) + max(p.max_new_tokens for p in row_params) + 1
     engine = BatchEngine(target.runtime, None, target.eos_token_ids, max_num_seqs=batch,
-                         max_model_len=longest)
+                         max_model_len=min(longest, target.runtime.max_positions))
     pending: dict[str, list] = {}
     for prompt, prompt_ids in zip(prompts, encoded):
         rows = []
