@@ -528,8 +528,9 @@ def cmd_train_export(args) -> int:
     head = load_head(args.head, target)
     embed = runtime.weights.embed.dequantize().float() if args.format == "speculators" else None
     verifier = args.verifier or (DEFAULT_VERIFIER if args.model == "default" else args.model)
+    architectures = target.source.config.get("architectures") or ["LlamaForCausalLM"]
     files = export_head(head, Path(args.out), args.format, verifier=verifier, max_positions=runtime.max_positions,
-                        embed=embed, speculative_tokens=args.k)
+                        embed=embed, speculative_tokens=args.k, verifier_architectures=list(architectures))
     log(f"wrote {', '.join(str(f) for f in files)} ({args.format} layout)")
     if args.format == "eagle3":
         print(f"vLLM: --speculative-config '{{\"method\": \"eagle3\", \"model\": \"{args.out}\", "

@@ -205,7 +205,8 @@ def test_heads_export_to_vllm_layouts_and_import_back(targets, tmp_path, fmt):
     head.save(tmp_path / "ours")  # bf16, like the export
     ours = EagleHead.load(tmp_path / "ours")
     embed = target.runtime.weights.embed_rows(torch.arange(target.runtime.vocab_size)).float()
-    export_head(ours, tmp_path / fmt, fmt, verifier="tiny", max_positions=256, embed=embed)
+    export_head(ours, tmp_path / fmt, fmt, verifier="tiny", max_positions=256, embed=embed,
+                verifier_architectures=["MistralForCausalLM"])
     tensors = load_file(str(tmp_path / fmt / "model.safetensors"))
     config = json.loads((tmp_path / fmt / "config.json").read_text())
     layer = "midlayer." if fmt == "eagle3" else "layers.0."
@@ -218,7 +219,8 @@ def test_heads_export_to_vllm_layouts_and_import_back(targets, tmp_path, fmt):
         assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 60
         assert "embed_tokens.weight" not in tensors
     else:
-        assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny"
+        assert config["speculators_config"]["verifier"] == {"name_or_path": "tiny",
+                                                            "architectures": ["MistralForCausalLM"]}
         assert config["transformer_layer_config"]["num_hidden_layers"] == 1
         assert torch.equal(tensors["embed_tokens.weight"], embed.to(torch.bfloat16))
     back = EagleHead.load(tmp_path / fmt)
@@ -326,6 +328,13 @@ def test_check_understands_heads(targets, tmp_path):
     bad = check_static(str(other), str(tmp_path / "head"))
     assert not bad.compatible and "reads the inputs of layers [2, 1, 0] of 2" in str(bad.lines)
     assert not check_static(target_dir, f"eagle:{tmp_path / 'nothing'}").compatible
+    # a head in vLLM's layouts is read as a head too (found in review: as a draft model)
+    from specdecode.proposers.eagle_formats import export_head
+
+    for fmt in ("eagle3", "speculators"):
+        export_head(EagleHead.load(tmp_path / "head"), tmp_path / fmt, fmt, verifier="tiny")
+        exported = check_static(target_dir, str(tmp_path / fmt))
+        assert exported.compatible and any(name == "captured layers" for name, _, _ in exported.lines), fmt
 
 
 @pytest.mark.parametrize("width", [2, 3])

@@ -97,9 +97,21 @@ def check_static(target: str, draft: str) -> CheckResult:
 
 
 def is_head(draft: str) -> bool:
-    """'eagle' (the shipped head), 'eagle:DIR', or a directory holding an EAGLE head."""
-    return draft == "eagle" or draft.startswith("eagle:") or (Path(draft) / "config.json").is_file() and \
-        json.loads((Path(draft) / "config.json").read_text()).get("architecture") == "specdecode-eagle3"
+    """'eagle' (the shipped head), 'eagle:DIR', or a directory holding an EAGLE head in any
+    layout it loads from (ours, vLLM/EAGLE's eagle3, speculators')."""
+    from ..config import SpecDecodeError
+    from ..proposers.eagle_formats import detect
+
+    if draft == "eagle" or draft.startswith("eagle:"):
+        return True
+    config = Path(draft) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        raw = json.loads(config.read_text())
+        return isinstance(raw, dict) and bool(detect(raw))
+    except (ValueError, SpecDecodeError):  # not JSON, or a model's config rather than a head's
+        return False
 
 
 def head_directory(draft: str) -> Path:

@@ -66,10 +66,12 @@ def _llama_config(config) -> dict:
 
 
 def export_head(head, out: Path, fmt: str, verifier: str | None = None, max_positions: int | None = None,
-                embed: torch.Tensor | None = None, speculative_tokens: int = 3) -> list[Path]:
+                embed: torch.Tensor | None = None, speculative_tokens: int = 3,
+                verifier_architectures: list[str] | None = None) -> list[Path]:
     """Write ``head`` to ``out`` in layout ``fmt``; returns the files written. ``verifier``:
-    the target's name or path (speculators names it); ``embed`` [V, H]: the target's token
-    embedding, stored by the speculators layout."""
+    the target's name or path, and ``verifier_architectures`` its config's architectures
+    (speculators names both); ``embed`` [V, H]: the target's token embedding, stored by
+    the speculators layout."""
     from safetensors.torch import save_file
 
     if fmt not in FORMATS:
@@ -107,7 +109,8 @@ def export_head(head, out: Path, fmt: str, verifier: str | None = None, max_posi
                 "algorithm": "eagle3", "default_proposal_method": "greedy",
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
                                       "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                "verifier": {"name_or_path": verifier or "", "architectures": ["LlamaForCausalLM"]},
+                "verifier": {"name_or_path": verifier or "",
+                             "architectures": verifier_architectures or ["LlamaForCausalLM"]},
             },
         }
     out = Path(out)
