@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
     gen.add_argument("--compare", action="store_true", help="also run plain decoding and report speedup and identity")
-    gen.add_argument("--route", action="store_true", help="classify the prompt's task type and choose the method from acceptance measured on past requests of that type")
+    gen.add_argument("--route", action=argparse.BooleanOptionalAction, default=False, help="classify the prompt's task type and choose the method from acceptance measured on past requests of that type (--no-route overrides a preset's)")
     gen.add_argument("--preset", default=None, help="a named configuration (specdecode presets lists them); flags override it")
     _add_model_args(gen)
     _add_sampling_args(gen)
@@ -227,6 +227,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _set_threads(engine_config: EngineConfig) -> None:
+    """--threads for this process's torch work (the kernels read it from the config)."""
+    if engine_config.num_threads:
+        import torch
+
+        torch.set_num_threads(engine_config.num_threads)
+
+
 def _spec_config(args, method: str, k: str | None = None) -> SpeculativeConfig:
     """The speculative config from flags; ``k`` overrides --k ('threshold' = --k auto
     --k-policy threshold), for bench specs like ngram@3."""
@@ -236,6 +244,9 @@ def _spec_config(args, method: str, k: str | None = None) -> SpeculativeConfig:
         k, _, shape = k.partition("x")
         if not shape.isdigit():
             raise SpecDecodeError(f"a tree spec is K x WIDTH (e.g. eagle@6x3), got width {shape!r}")
+        if method not in ("eagle", "tree"):  # it was dropped without a word
+            raise SpecDecodeError(f"{k}x{shape}: a tree width is for eagle and tree; {method} drafts chains "
+                                  f"(give k alone)")
         width = int(shape)
     policy = "threshold" if k == "threshold" else args.k_policy
     return SpeculativeConfig(
@@ -371,10 +382,7 @@ def cmd_profile(args) -> int:
         raise SpecDecodeError(f"profile --methods takes a comma list of {PROFILE_DRAFTERS}, got {args.methods!r}")
     _check_drafter_flags(args, methods)
     specs = [_spec_config(args, method, k="1") for method in methods]
-    if engine_config.num_threads:
-        import torch
-
-        torch.set_num_threads(engine_config.num_threads)
+    _set_threads(engine_config)
     log(f"loading {args.model} ({args.dtype})")
     target = load_target(engine_config, args.runtime)
     drafters = {drafter_key(spec): build_proposer(spec, target, engine_config) for spec in specs}
@@ -492,17 +500,16 @@ def cmd_train(args) -> int:
         from .factory import log
         from .train.store import build_store
 
-        target = load_target(_engine_config(args))
+        engine_config = _engine_config(args)
+        _set_threads(engine_config)
+        target = load_target(engine_config)
         build_store(Path(args.data), Path(args.out), target.runtime.cfg.vocab_size, args.command, log=log)
         print(f"written to {args.out}/; use it with --method suffix --store {args.out}")
         return 0
     check_settings(args.prompts, args.samples, args.temperature, args.max_new_tokens, args.corpus_tokens,
                    args.chunk_tokens)
     engine_config = _engine_config(args)
-    if engine_config.num_threads:
-        import torch
-
-        torch.set_num_threads(engine_config.num_threads)
+    _set_threads(engine_config)
     target = load_target(engine_config)
     plain = SpeculativeEngine(target.runtime, target.tokenizer, None, 0, target.eos_token_ids)
     summary = build_data(target, Path(args.out), args.prompts, args.samples, args.temperature, args.max_new_tokens,
@@ -523,7 +530,9 @@ def cmd_train_export(args) -> int:
 
     if args.k < 1:
         raise SpecDecodeError(f"--k must be >= 1, got {args.k}")
-    target = load_target(_engine_config(args))
+    engine_config = _engine_config(args)
+    _set_threads(engine_config)
+    target = load_target(engine_config)
     runtime = target.runtime
     head = load_head(args.head, target)
     embed = runtime.weights.embed.dequantize().float() if args.format == "speculators" else None
@@ -549,10 +558,7 @@ def cmd_train_eagle(args) -> int:
 
     check_train_settings(args.draft_vocab, args.ttt_steps, args.minutes, args.lr, args.batch_tokens, args.max_length)
     engine_config = _engine_config(args)
-    if engine_config.num_threads:
-        import torch
-
-        torch.set_num_threads(engine_config.num_threads)
+    _set_threads(engine_config)
     target = load_target(engine_config)
     report = train_eagle(target, Path(args.data), Path(args.out), args.draft_vocab, args.ttt_steps, args.minutes,
                          args.lr, args.batch_tokens, args.corpus_tokens, args.max_length, args.seed,

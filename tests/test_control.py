@@ -495,6 +495,22 @@ def test_cli_route_retries_a_task_sent_to_plain_decoding(tiny_text_model_dir, ca
     assert methods.count("none") >= Router().retry_every - 1 and "ngram" in methods, methods
 
 
+def test_no_route_overrides_a_presets_route(tiny_text_model_dir, capsys):
+    """The chat-assistant preset routes; --no-route turns that off, as flags override presets."""
+    import json as json_module
+
+    from specdecode import cli
+
+    routed = []
+    for flag in ([], ["--no-route"]):
+        code = cli.main(["generate", "What is the capital of France?", "--preset", "chat-assistant", *flag, "--model",
+                         str(tiny_text_model_dir), "--dtype", "fp32", "--no-chat-template", "--max-new-tokens", "3",
+                         "--temperature", "0", "--json"])
+        assert code == 0
+        routed.append(json_module.loads(capsys.readouterr().out)["route"]["routed"])
+    assert routed == [True, False]
+
+
 @pytest.mark.parametrize("content", ["{bad", '{"records": 5}', '{"records": {"qa/ngram": {"alpha": "x", "nope": 1}}}'])
 def test_an_unreadable_router_state_never_stops_a_request(tiny_text_model_dir, capsys, content):
     """Found in review: a torn or foreign router-state file made every `generate` end in a

@@ -94,6 +94,8 @@ def test_transformers_runtime_refuses_the_native_runtimes_flags(tiny_llama_dir):
     (["profile", "--methods", "ngram", "--store", "/tmp"], "--store is read by method suffix only"),
     (["generate", "hi", "--method", "suffix", "--draft", "self:2"], "--draft is read by method draft only; suffix would ignore it"),
     (["bench", "--methods", "none,ngram", "--draft", "self:2"], "--draft is read by method draft only; none, ngram would ignore it"),
+    (["generate", "hi", "--method", "ngram", "--k", "3x2"], "a tree width is for eagle and tree; ngram drafts chains"),
+    (["bench", "--methods", "none,suffix@4x2"], "a tree width is for eagle and tree; suffix drafts chains"),
 ])
 def test_a_drafter_flag_no_method_reads_is_refused_before_loading(capsys, argv, problem):
     """`--method ngram --store DIR` ran prompt lookup alone and said nothing of the store."""

@@ -36,6 +36,8 @@ def parse_method(spec: str) -> tuple[str, str | None]:
         raise SpecDecodeError(f"unknown bench method {name!r} in {spec!r}; choose from {KNOWN_METHODS}")
     if k and name in ("none", *PEERS):
         raise SpecDecodeError(f"{spec!r}: {name} takes no k")
+    if "x" in k and name not in ("eagle", "tree"):
+        raise SpecDecodeError(f"{spec!r}: a tree width is for eagle and tree; {name} drafts chains (give k alone)")
     return name, (k or None)
 
 
