@@ -78,6 +78,10 @@ def test_streaming_with_usage_and_stop_strings(served):
     assert text == expected
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+    raw = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True,
+                                               "stream_options": {"include_usage": True}}).text
+    events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+    assert all("usage" in e and e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["total_tokens"] > 0
 
     stream = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=10,
                                          temperature=0, stream=True)
@@ -172,6 +176,7 @@ def test_concurrent_greedy_requests_equal_their_outputs_alone(served):
     ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
     ({"prompt": "a" * 300}, 400, "context is 256 tokens"),
+    ({"prompt": "hi", "max_tokens": 300}, 400, "maximum context length is 256 tokens"),  # was cut short silently
     ({"prompt": "hi", "speculative": {"method": "medusa"}}, 400, "not available"),
     ({"prompt": "hi", "speculative": {"num_speculative_tokens": 0}}, 400, "num_speculative_tokens"),
     ({"prompt": "hi", "speculative": {"bogus": 1}}, 400, "bogus"),

@@ -500,6 +500,11 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
         if params.stop and tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer; this model has none", param="stop")
         state.check_prompt(prompt_ids)  # before anything decodes the ids (echo)
+        limit = state.engine.max_model_len
+        if len(prompt_ids) + max_tokens > limit:  # as OpenAI and vLLM answer: never a silently shorter reply
+            raise APIError(400, f"this model's maximum context length is {limit} tokens, but {len(prompt_ids) + max_tokens} "
+                                f"were requested ({len(prompt_ids)} in the prompt, {max_tokens} to generate); "
+                                "reduce the prompt or max_tokens", param="max_tokens", code="context_length_exceeded")
         echo = ""
         if getattr(body, "echo", False):
             echo = prompt_text or (tokenizer.decode(prompt_ids) if tokenizer is not None else "")
@@ -585,7 +590,10 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
                 choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
             else:
                 choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
-            return {"id": request_id, "object": kind, "created": created, "model": state.model_name, "choices": [choice]}
+            body = {"id": request_id, "object": kind, "created": created, "model": state.model_name, "choices": [choice]}
+            if include_usage:  # OpenAI: every chunk but the last carries "usage": null
+                body["usage"] = None
+            return body
 
         try:
             for index in range(len(sequences)):
