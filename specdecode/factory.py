@@ -174,6 +174,8 @@ def build_proposer(spec: SpeculativeConfig, target: LoadedModel, engine: EngineC
             raise ConfigError("--draft self:L needs the native runtime")
         num_layers = self_draft_layers(spec.draft, target.runtime.cfg.num_layers)
         return DraftModelProposer(target.runtime.layer_skip_view(num_layers))
+    if not resolve_model(spec.draft).native:  # --weights, --backend and --exact are the target's flags
+        engine = replace(engine, weights="auto", backend="auto", exact=None)
     draft = load_target(replace(engine, model=spec.draft))
     check_vocabularies(target, draft)
     return DraftModelProposer(draft.runtime)

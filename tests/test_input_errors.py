@@ -172,3 +172,22 @@ def test_a_context_longer_than_the_models_is_refused(tiny_llama_dir):
     runtime = load_native(tiny_llama_dir, torch.float32)
     with pytest.raises(SpecDecodeError, match=rf"max_model_len 100000 is outside 1..{runtime.max_positions}"):
         BatchEngine(runtime, max_num_seqs=1, max_model_len=100_000)
+
+
+def test_a_transformers_draft_model_does_not_take_the_targets_flags(tmp_path, tiny_llama_dir):
+    """Found in review: --backend torch (meant for the target) was refused for a gpt2 draft
+    model that runs through transformers, with a message about the draft's flags."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdecode.config import EngineConfig, SamplingParams, SpeculativeConfig
+    from specdecode.engine import SpeculativeEngine
+    from specdecode.factory import build_engine, load_model
+
+    config = AutoConfig.for_model("gpt2", vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=128)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gpt2")
+    engine = build_engine(EngineConfig(model=str(tiny_llama_dir), dtype="fp32", backend="torch", weights="fp32"),
+                          SpeculativeConfig(method="draft", draft=str(tmp_path / "gpt2"), k=2))
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    plain = SpeculativeEngine(load_model(str(tiny_llama_dir), torch.float32, backend="torch").runtime)
+    assert engine.generate([5, 6, 7], params).token_ids == plain.generate([5, 6, 7], params).token_ids

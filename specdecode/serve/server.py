@@ -196,8 +196,16 @@ def serving_threads() -> int:
 def serve(state: ServerState, host: str, port: int, shutdown_timeout: float) -> None:
     import uvicorn
 
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # from the signal on, a request on a connection still open gets a 503 with
+            # Retry-After (new connections are refused) while the in-flight ones drain
+            state.accepting = False
+            super().handle_exit(sig, frame)
+
     app = create_app(state, state.tokenizer)
-    uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout, log_level="info")
+    Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout,
+                          log_level="info")).run()
 
 
 def ray_application(engine_config: EngineConfig, speculative: str | None, replicas: int, max_num_seqs: int,
