@@ -10,7 +10,8 @@ no text until the character is complete.
 The first new tokens are decoded after the last few tokens of the prompt (``context``),
 as vLLM does: a SentencePiece decoder (Llama 2, Mistral) strips the leading space of the
 first token it decodes, so a completion decoded alone would lose the space before its
-first word.
+first word. (A prompt given as token ids that ends inside a multi-byte character: the bytes
+that complete it come out as the rest of that character, not shown, as in vLLM.)
 
 Stop strings are searched in the text around each new piece, so a stop that spans token
 boundaries is found on the token that completes it. A stop string that is one special

@@ -511,7 +511,8 @@ def test_no_route_overrides_a_presets_route(tiny_text_model_dir, capsys):
     assert routed == [True, False]
 
 
-@pytest.mark.parametrize("content", ["{bad", '{"records": 5}', '{"records": {"qa/ngram": {"alpha": "x", "nope": 1}}}'])
+@pytest.mark.parametrize("content", ["{bad", '{"records": 5}', '{"records": {"qa/ngram": {"alpha": "x", "nope": 1}}}',
+                                     '{"records": {"general/ngram": {"alpha": "x", "speedup": "y", "weight": 5}}}'])
 def test_an_unreadable_router_state_never_stops_a_request(tiny_text_model_dir, capsys, content):
     """Found in review: a torn or foreign router-state file made every `generate` end in a
     traceback, with or without --route. It is set aside with one line, and rewritten whole."""
@@ -529,7 +530,10 @@ def test_an_unreadable_router_state_never_stops_a_request(tiny_text_model_dir, c
     captured = capsys.readouterr()
     assert code == 0 and "is unreadable" in captured.err and "starting afresh" in captured.err
     assert json_module.loads(path.read_text())["requests"]  # saved again, whole
-    assert router_state_path(str(tiny_text_model_dir)) != router_state_path("default")  # one state per model
+    assert path.with_name(path.name + ".unreadable").read_text() == content  # set aside, not lost
+    # one state per model, whatever the name it is reached by
+    assert router_state_path(str(tiny_text_model_dir)) != router_state_path("default")
+    assert router_state_path("smollm2") == router_state_path("default") == router_state_path("SmolLM2-135M-Instruct")
 
 
 # -- kernel threads for a server's decode passes (control.threads) --------------------------

@@ -108,7 +108,7 @@ def test_build_data_resumes_after_an_interruption(tiny_runtime, tmp_path):
         build_data(target, cut, **{**settings, "samples": 2})
     # another target's answers are not resumed into (found in review: they were reused as they were)
     other = SimpleNamespace(runtime=tiny_runtime, tokenizer=CharTokenizer(), eos_token_ids=(),
-                            source=SimpleNamespace(path=tmp_path / "another-model"))
+                            source=SimpleNamespace(path=tmp_path, config={"model_type": "another"}, gguf=None))
     with pytest.raises(ConfigError, match="another --out"):
         build_data(other, cut, **settings)
     # ids are positions in the prompt set: answers kept for a prompt that changed are refused
@@ -312,10 +312,13 @@ def test_train_eagle_refuses_what_it_cannot_train_on(tiny_runtime, tiny_answers,
         (bad / "answers.jsonl").write_text((tiny_answers / "answers.jsonl").read_text() + json.dumps(record) + "\n")
         with pytest.raises(SpecDecodeError, match=rf"answers.jsonl line 81: {problem}"):
             train_eagle(target, bad, tmp_path / "h2", **quick)
-    first = SimpleNamespace(runtime=tiny_runtime, eos_token_ids=(2,), source=SimpleNamespace(path=tmp_path / "a"))
+    first = SimpleNamespace(runtime=tiny_runtime, eos_token_ids=(2,),
+                            source=SimpleNamespace(path=tmp_path, config={"model_type": "a"}, gguf=None))
     train_eagle(first, tiny_answers, tmp_path / "h3", **quick)
     features = list((tmp_path / "h3" / "features").glob("*/shard-*.pt"))
     assert features  # under a directory of their own target
-    second = SimpleNamespace(runtime=tiny_runtime, eos_token_ids=(2,), source=SimpleNamespace(path=tmp_path / "b"))
-    with pytest.raises(SpecDecodeError, match="other settings \\(target"):
+    second = SimpleNamespace(runtime=tiny_runtime, eos_token_ids=(2,),
+                             source=SimpleNamespace(path=tmp_path, config={"model_type": "b"}, gguf=None))
+    with pytest.raises(SpecDecodeError, match="other settings \\(target 'a [0-9a-f]{12}\\|kernels backend"):
         train_eagle(second, tiny_answers, tmp_path / "h3", **quick)
+    assert str(tmp_path) not in (tmp_path / "h3" / "config.json").read_text()  # no path in what may be shipped

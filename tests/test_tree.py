@@ -227,17 +227,18 @@ def test_wrong_bonus_after_a_full_path_would_be_caught():
 
 def trimmed_first_tokens(p: torch.Tensor, q: torch.Tensor, runs: int, seed: int) -> torch.Tensor:
     """Counts of the first emitted token when 3 children of the root, drawn i.i.d. from q,
-    are cut to 2 by ``TreeProposal.best`` (as the tree budget trims) before verification,
-    with confidences that favour the likeliest drafts."""
+    go through ``TreeProposal.best`` with a count chosen from their confidences (as the tree
+    budget chooses it: 2 when the second is likely, else 1) before verification."""
     from specdecode.proposers.base import TreeProposal
 
     gen = torch.Generator().manual_seed(seed)
     counts = torch.zeros(p.numel(), dtype=torch.float64)
     for _ in range(runs):
         kids = torch.multinomial(q, 3, replacement=True, generator=gen)
+        confidence = q[kids]
         proposal = TreeProposal(Tree(kids, torch.zeros(3, dtype=torch.int64)), q.expand(3, -1).clone(),
-                                confidence=q[kids])
-        kept = proposal.best(2)
+                                confidence=confidence)
+        kept = proposal.best(2 if confidence[1] >= 0.3 else 1)
         path, bonus = tree_rejection_sample(kept.tree, p.expand(kept.tree.size + 1, -1), kept.draft_probs, gen)
         counts[int(kept.tree.tokens[path[0] - 1]) if path else bonus] += 1
     return counts
@@ -245,19 +246,19 @@ def trimmed_first_tokens(p: torch.Tensor, q: torch.Tensor, runs: int, seed: int)
 
 def test_trimming_a_tree_of_drawn_nodes_keeps_it_lossless():
     """Which drawn siblings a smaller budget keeps must not depend on their tokens: keeping
-    the most confident ones pulled the output towards the drafter (p-value 0 before)."""
+    the most confident ones, or a count chosen from their confidences, pulled the output
+    towards the drafter (p-values 0 and 2e-65 before)."""
     p, q = torch.tensor([0.4, 0.3, 0.2, 0.1]), torch.tensor([0.1, 0.2, 0.3, 0.4])
     runs = 20_000
     expected = p.double() / p.double().sum() * runs
     assert pooled_chisquare(trimmed_first_tokens(p, q, runs, seed=1), expected) > 1e-3
 
 
-def test_drawn_trees_keep_their_first_nodes_when_trimmed():
+def test_drawn_trees_are_never_trimmed():
     from specdecode.proposers.base import TreeProposal
 
     t = tree([5, 6, 7, 8, 9], [0, 0, 1, 3, 2])
     drawn = TreeProposal(t, torch.rand(5, 10), confidence=torch.tensor([0.1, 0.9, 0.05, 0.04, 0.8]))
-    kept = drawn.best(3)
-    assert kept.tree.tokens.tolist() == [5, 6, 7] and torch.equal(kept.draft_probs, drawn.draft_probs[:3])
-    assert kept.confidence.tolist() == pytest.approx([0.1, 0.9, 0.05])
-    assert TreeProposal(t, torch.rand(5, 10)).best(2).tree.tokens.tolist() == [5, 6]
+    assert drawn.best(3) is drawn and drawn.best(0) is drawn
+    chosen = TreeProposal(t, None, confidence=drawn.confidence)  # deterministic nodes: the most confident
+    assert chosen.best(2).tree.tokens.tolist() == [6, 9]

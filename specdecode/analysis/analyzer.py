@@ -242,8 +242,10 @@ def learn(records: list[dict], drafter_names: dict[str, str], model: str = "defa
     """Hand what was measured to ``model``'s router, so later requests start from it."""
     from ..control.router import Router, router_state_path
 
+    from ..factory import log
+
     path = router_state_path(model)
-    router = Router().load(path)
+    router = Router().load(path, warn=log)
     for r in records:
         if r["method"] != "none" and r.get("draft_tokens"):
             router.observe(r["task"], drafter_names[r["method"]], r["first_alpha"], r["speedup"])

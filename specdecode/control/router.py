@@ -63,7 +63,8 @@ _THRESHOLD = 2.0  # evidence below this is "general"
 
 # Starting guesses of the acceptance at draft position 1 (GenerationStats.first_alpha) per
 # task type, used as the adaptive-k prior until this machine has measured its own
-# (router-state.json; ``specdecode analyze`` and ``generate --route`` record them).
+# (router-state-*.json in the cache, one per model; ``specdecode analyze`` and ``generate
+# --route`` record them).
 # ngram: acceptance at draft position 1 with fixed k = 5, greedy, fp32, on the built-in
 # suite (docs/adaptive.md); other drafters start from the policy's neutral 0.5.
 DEFAULT_PRIORS = {
@@ -197,9 +198,15 @@ class Router:
             data = json.loads(path.read_text())
             records = {str(k): TaskRecord(**v) for k, v in data.get("records", {}).items()}
             requests = {str(k): int(v) for k, v in data.get("requests", {}).items()}
+            for record in records.values():
+                if not all(isinstance(getattr(record, f), (int, float)) for f in ("alpha", "speedup", "weight")):
+                    raise TypeError(f"a record that is not numbers: {record}")
         except (ValueError, TypeError, AttributeError) as error:
+            aside = path.with_name(path.name + ".unreadable")
+            os.replace(path, aside)  # kept for a look, out of the way of the next save
             if warn is not None:
-                warn(f"router state {path} is unreadable ({type(error).__name__}: {error}); starting afresh")
+                warn(f"router state {path} is unreadable ({type(error).__name__}: {error}); moved to {aside.name}, "
+                     "starting afresh")
             return self
         self.records, self.requests = records, requests
         return self
@@ -207,12 +214,11 @@ class Router:
 
 def router_state_path(model: str = "default") -> Path:
     """Where the CLI keeps per-task measurements between requests, one file per model (a
-    drafter's acceptance and speedup on one target say nothing about another's)."""
-    from ..models.loading import cache_dir
+    drafter's acceptance and speedup on one target say nothing about another's), keyed by
+    the checkpoint the name resolves to (its aliases and relative paths share one file)."""
+    from ..models.loading import DEFAULT_MODEL_NAMES, cache_dir
 
-    if model == "default":
-        return cache_dir() / "router-state.json"
-    identity = str(Path(model).expanduser().resolve())
+    identity = "default" if model in DEFAULT_MODEL_NAMES else str(Path(model).expanduser().resolve())
     return cache_dir() / f"router-state-{hashlib.sha1(identity.encode()).hexdigest()[:12]}.json"
 
 

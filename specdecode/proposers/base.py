@@ -53,20 +53,16 @@ class TreeProposal:
     def best(self, count: int) -> "TreeProposal":
         """The ``count`` most confident nodes (ties: the earlier node), a subtree since a
         node is never more confident than its parent. A tree of drawn nodes
-        (``draft_probs``) keeps its first ``count`` nodes instead, whatever their
-        confidence: the siblings kept must stay independent draws, so which of them are
-        kept may not depend on the tokens drawn (keeping the likeliest would bias the
-        sampled output towards the drafter)."""
-        if count >= self.tree.size or (self.confidence is None and self.draft_probs is None):
+        (``draft_probs``) is kept whole: its siblings must stay independent draws, so
+        which of them are kept may not depend on the tokens drawn, and both keeping the
+        likeliest and a count chosen from their confidences (the tree budget's) would
+        (either biased the sampled output towards the drafter). Such a drafter sizes its
+        tree before it draws."""
+        if count >= self.tree.size or self.confidence is None or self.draft_probs is not None:
             return self
-        if self.draft_probs is not None:
-            kept = list(range(count))  # parents come first: a subtree, each node's children a prefix
-        else:
-            kept = sorted(sorted(range(self.tree.size), key=lambda i: (-float(self.confidence[i]), i))[:count])
+        kept = sorted(sorted(range(self.tree.size), key=lambda i: (-float(self.confidence[i]), i))[:count])
         index = torch.tensor(kept, dtype=torch.int64)
-        return TreeProposal(self.tree.keep([i + 1 for i in kept]),
-                            None if self.draft_probs is None else self.draft_probs[index],
-                            None if self.confidence is None else self.confidence[index], self.passes)
+        return TreeProposal(self.tree.keep([i + 1 for i in kept]), None, self.confidence[index], self.passes)
 
 
 class Proposer(Protocol):

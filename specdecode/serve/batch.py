@@ -259,7 +259,7 @@ class BatchEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.left_waiting)  # the last: to be reported
 
     @property
     def num_running(self) -> int:

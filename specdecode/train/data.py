@@ -107,12 +107,23 @@ def _rewrite_complete(path: Path, records: list[dict]) -> None:
 
 
 def target_identity(target) -> str:
-    """The target a training artefact was made with: its checkpoint and how it ran (backend,
-    weight format, dtype). Answers and features of another target, or of the same one in
-    another format, are not mixed into a resumed run."""
-    from ..factory import model_key
+    """The target a training artefact was made with: a fingerprint of its checkpoint (its
+    config and the names and sizes of its weight files: no path, since it is written into
+    shipped manifests) and how it ran (backend, weight format, dtype). Answers and features
+    of another target, or of the same one in another format, are not mixed into a resumed
+    run."""
+    import hashlib
 
-    return model_key(target) if getattr(target, "source", None) is not None else type(target.runtime).__name__
+    describe = getattr(target.runtime, "describe", None)
+    how = describe() if describe else type(target.runtime).__name__
+    source = getattr(target, "source", None)
+    if source is None:
+        return how
+    digest = hashlib.sha1(json.dumps(source.config, sort_keys=True).encode())
+    weights = sorted(Path(source.path).glob("*.safetensors")) + ([Path(source.gguf)] if source.gguf else [])
+    for file in weights:
+        digest.update(f"{file.name}:{file.stat().st_size};".encode())
+    return f"{source.config.get('model_type', 'model')} {digest.hexdigest()[:12]}|{how}"
 
 
 def build_answers(target, out: Path, prompt_count: int | None, samples: int, temperature: float, max_new_tokens: int,

@@ -295,8 +295,10 @@ def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_
 
     total_tokens = sum(len(s.ids) for s in sequences)
     with tqdm(total=total_tokens, unit="tok", desc="target features") as bar:
-        # features are the target's: another target (or format) keeps its own shards
-        features_dir = out / "features" / hashlib.sha1(identity.encode()).hexdigest()[:12]
+        # features are the target's at the layers the head reads: another target, format or
+        # set of layers keeps its own shards
+        layers = ",".join(str(layer) for layer in config.capture_layers)
+        features_dir = out / "features" / hashlib.sha1(f"{identity}|{layers}".encode()).hexdigest()[:12]
         records = extract_features(runtime, sequences, config.capture_layers, features_dir, bar.update)
     train_items = [(s, records[sequence_key(s.ids)]) for s in sequences if not s.held_out]
     eval_items = [(s, records[sequence_key(s.ids)]) for s in sequences if s.held_out]
