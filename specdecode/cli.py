@@ -381,6 +381,11 @@ def cmd_profile(args) -> int:
     if any(m not in PROFILE_DRAFTERS for m in methods):
         raise SpecDecodeError(f"profile --methods takes a comma list of {PROFILE_DRAFTERS}, got {args.methods!r}")
     _check_drafter_flags(args, methods)
+    policy_flags = [flag for flag, value, default in (("--k", args.k, "auto"), ("--k-policy", args.k_policy, "cost"),
+                                                       ("--k-max", args.k_max, 10)) if value != default]
+    if policy_flags:  # it measures what passes cost; no k is chosen here
+        raise SpecDecodeError(f"profile measures costs and chooses no k: {', '.join(policy_flags)} would be ignored "
+                              "(they are for generate, bench and serve)")
     specs = [_spec_config(args, method, k="1") for method in methods]
     _set_threads(engine_config)
     log(f"loading {args.model} ({args.dtype})")

@@ -41,6 +41,12 @@ def test_spec_bench_records_load_and_a_string_turn_is_the_whole_prompt(tmp_path)
                                        {"question_id": "general-1", "category": "general", "prompt": "hello world"}]
 
 
+@pytest.mark.parametrize("flags", [["--k", "3"], ["--k-policy", "threshold"], ["--k-max", "4"]])
+def test_profile_refuses_k_policy_flags_it_would_ignore(capsys, flags):
+    code, err = run(capsys, "profile", *flags, "--model", "/nowhere/model")
+    assert code == 2 and f"{flags[0]} would be ignored" in err
+
+
 @pytest.mark.parametrize("methods", ["none", "ngram,eagle", "bogus"])
 def test_profile_refuses_what_is_not_a_drafter_before_loading(capsys, methods):
     code, err = run(capsys, "profile", "--methods", methods, "--draft", "self:7", "--model", "/nowhere/model")
