@@ -176,13 +176,17 @@ class SpeculativeEngine:
         """Where two generations from ``prompt_ids`` first differ, and the target's top-2
         logit margin there (after the shared prefix): a margin near 0 is a numerical
         near-tie, which rounding differences between kernels can flip; a large one would be
-        a bug. None when one output is a prefix of the other."""
+        a bug. Where one output is a prefix of the other, they diverge where the shorter one
+        ended (its token there None: it ended at EOS). None when they are the same."""
         position = next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), None)
         if position is None:
-            return None
+            if len(reference) == len(other):
+                return None
+            position = min(len(reference), len(other))
         logits = self.next_token_logits(prompt_ids + reference[:position])
         top = logits.topk(2)
-        return {"position": position, "reference_token": reference[position], "other_token": other[position],
+        token = lambda tokens: tokens[position] if position < len(tokens) else None  # noqa: E731
+        return {"position": position, "reference_token": token(reference), "other_token": token(other),
                 "top1_token": int(top.indices[0]), "top2_token": int(top.indices[1]),
                 "top2_margin": float(top.values[0] - top.values[1])}
 
@@ -306,7 +310,9 @@ class SpeculativeEngine:
         else:
             self.target.rollback(context)
         new_tokens = [int(tree.tokens[node - 1]) for node in path] + [bonus]
-        stats.observe_step(tree.size, len(path), int(depths.max()) if tree.size else 0)
+        stopped_at = path[-1] if path else 0
+        stats.observe_step(tree.size, len(path), int(depths.max()) if tree.size else 0,
+                           rejected=bool(tree.children()[stopped_at]))
         stats.draft_passes += proposal.passes
         observed = time.perf_counter()
         stats.verify_seconds += observed - scored

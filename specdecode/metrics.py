@@ -40,16 +40,19 @@ class GenerationStats:
     wall_seconds: float = 0.0
     last_drafted: int = field(default=0, repr=False)
 
-    def observe_step(self, num_drafted: int, num_accepted: int, depth: int | None = None) -> None:
+    def observe_step(self, num_drafted: int, num_accepted: int, depth: int | None = None,
+                     rejected: bool | None = None) -> None:
         """One verification pass. A tree of ``num_drafted`` nodes passes its ``depth``:
-        per-position counts are then per depth (a chain's depth is its length)."""
+        per-position counts are then per depth (a chain's depth is its length), and
+        ``rejected``: whether the walk stopped at a node that had children (a path that
+        ends at a leaf rejected nothing; default: it stopped short of ``depth``)."""
         self.target_forwards += 1
         self.last_drafted = num_drafted
         self.steps_by_drafted[num_drafted] = self.steps_by_drafted.get(num_drafted, 0) + 1
         self.draft_tokens += num_drafted
         self.accepted_tokens += num_accepted
-        self.rejections += num_accepted < num_drafted
         depth = num_drafted if depth is None else depth
+        self.rejections += (num_accepted < depth) if rejected is None else bool(rejected)
         grow = depth - len(self.drafted_per_position)
         if grow > 0:
             self.drafted_per_position += [0] * grow

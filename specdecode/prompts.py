@@ -22,7 +22,7 @@ def load_prompts(path: str | None, limit: int | None = None) -> list[dict]:
         if not file.is_file():
             raise SpecDecodeError(f"prompts file {path!r} not found")
         text, origin = file.read_text(), path
-    prompts, per_category = [], defaultdict(int)
+    prompts, per_category, lines_of = [], defaultdict(int), {}
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -38,7 +38,12 @@ def load_prompts(path: str | None, limit: int | None = None) -> list[dict]:
         if limit is not None and per_category[category] >= limit:
             continue
         per_category[category] += 1
-        prompts.append({"question_id": row.get("question_id", f"{category}-{per_category[category]}"), "category": category, "prompt": prompt})
+        question_id = row.get("question_id", f"{category}-{per_category[category]}")
+        if question_id in lines_of:  # every method's run of a prompt is matched to plain's by it
+            raise SpecDecodeError(f"{origin} line {number}: question_id {question_id!r} is also the id of line "
+                                  f"{lines_of[question_id]}; each prompt needs its own")
+        lines_of[question_id] = number
+        prompts.append({"question_id": question_id, "category": category, "prompt": prompt})
     if not prompts:
         raise SpecDecodeError(f"{origin} holds no prompts")
     return prompts

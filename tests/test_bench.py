@@ -55,4 +55,21 @@ def test_divergent_outputs_carry_the_margin_at_their_first_difference(tiny_llama
     summary = summarize(records)
     assert summary["overall"]["hf"]["divergent"] == 1
     assert summary["overall"]["none"]["aggregate_tokens_per_s"] > 0
+    assert by_method["ngram"]["draft_passes"] == by_method["ngram"]["draft_tokens"]  # analyze prices passes
     json.dumps(records)  # records stay JSON-serialisable
+    # one output a prefix of the other (one side ended at EOS there): a divergence too, found
+    # in review (it was left out of the count of outputs not identical)
+    ended = plain.first_divergence(prompt, reference, reference[:3])
+    top = plain.next_token_logits(prompt + reference[:3]).topk(2).values
+    assert ended["position"] == 3 and ended["other_token"] is None and ended["reference_token"] == reference[3]
+    assert ended["top2_margin"] == pytest.approx(float(top[0] - top[1]))
+    assert plain.first_divergence(prompt, reference, list(reference)) is None
+
+
+def test_bench_serve_percentiles_are_vllms():
+    """Linear interpolation between ranks, as numpy and `vllm bench serve` take them (nearest
+    rank gave 3 and 4 for the p50 and p99 of [1, 2, 3, 4])."""
+    from specdecode.bench.serve import percentile
+
+    assert percentile([4, 1, 3, 2], 50) == 2.5 and percentile([1, 2, 3, 4, 5, 6], 99) == pytest.approx(5.95)
+    assert percentile([], 50) == 0.0

@@ -24,6 +24,7 @@ def run(capsys, *argv: str) -> tuple[int, str]:
     ({"turns": []}, "'turns' must be a string or a non-empty list of strings, got []"),
     ({"prompt": "hi", "category": ["a"]}, "'category' must be a string, got ['a']"),
     ({"prompt": "hi", "question_id": {"a": 1}}, "'question_id' must be a string or an integer"),
+    ({"prompt": "again", "category": "c", "question_id": "c-1"}, "question_id 'c-1' is also the id of line 1"),
 ])
 def test_bench_refuses_a_bad_prompt_record_by_file_and_line(tmp_path, capsys, tiny_llama_dir, record, problem):
     path = tmp_path / "prompts.jsonl"

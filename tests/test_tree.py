@@ -262,3 +262,21 @@ def test_drawn_trees_are_never_trimmed():
     assert drawn.best(3) is drawn and drawn.best(0) is drawn
     chosen = TreeProposal(t, None, confidence=drawn.confidence)  # deterministic nodes: the most confident
     assert chosen.best(2).tree.tokens.tolist() == [6, 9]
+
+
+def test_tree_steps_count_a_rejection_only_where_the_walk_left_children_untaken():
+    """Found in review: a tree step counted as a rejection whenever its path was shorter than
+    its node count, so every tree step did, and the later-position acceptance the k policy
+    and `check` read was halved (0.5 where every path reached full depth)."""
+    from specdecode.metrics import GenerationStats, acceptance_rates
+
+    stats = GenerationStats()
+    for _ in range(10):  # 6 nodes, depth 2, the path to a leaf at full depth: nothing rejected
+        stats.observe_step(6, 2, depth=2, rejected=False)
+    assert stats.rejections == 0 and acceptance_rates([stats]) == (1.0, 1.0)
+    stats.observe_step(6, 1, depth=2, rejected=True)  # stopped at a node with children
+    assert stats.rejections == 1 and stats.trial_alpha == pytest.approx(21 / 22)
+    chain = GenerationStats()
+    chain.observe_step(3, 1)  # chains keep their rule: shorter than the drafts is a rejection
+    chain.observe_step(3, 3)
+    assert chain.rejections == 1

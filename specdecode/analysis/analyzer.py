@@ -274,7 +274,7 @@ def _table_rows(result: dict) -> list[list[str]]:
     return rows
 
 
-HEADER = ["T", "method", "category", "n", "alpha", "var", "tau", "acceptance by position (tree depth) 1..6",
+HEADER = ["T", "method", "category", "n", "alpha", "var", "tau", "acceptance by position (tree depth) 1..6, mean over prompts",
           "predicted", "measured", "error", "same", "by acceptance"]
 
 

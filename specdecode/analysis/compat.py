@@ -167,8 +167,12 @@ def calibrate(target: str, draft: str, dtype: str = "bf16", k: int = 5) -> dict:
     runs = calibration_runs(loaded, proposer, k, max_new_tokens=48)
     if not runs:
         return {"skipped": "the target has no tokenizer to encode the calibration prompts"}
-    positions = [sum(s.acceptance_per_position[i] for s in runs if len(s.acceptance_per_position) > i) / len(runs)
-                 for i in range(k)]
+    # pooled as defined: of the steps that drafted position i, the share that accepted it
+    positions = []
+    for i in range(k):
+        drafted = sum(s.drafted_per_position[i] for s in runs if len(s.drafted_per_position) > i)
+        accepted = sum(s.accepted_per_position[i] for s in runs if len(s.accepted_per_position) > i)
+        positions.append(accepted / drafted if drafted else 0.0)
     accepted = sum(s.accepted_tokens for s in runs)
     trials = accepted + sum(s.rejections for s in runs)
     alpha = accepted / trials if trials else 0.0

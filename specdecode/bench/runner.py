@@ -157,6 +157,7 @@ def _run_one(label: str, engine, prompt: dict, prompt_ids: list[int], params, eo
             first_alpha=stats.first_alpha if name != "none" else None, tau=stats.tau,
             draft_seconds=stats.draft_seconds, verify_seconds=stats.verify_seconds,
             prefill_seconds=stats.prefill_seconds, draft_tokens=stats.draft_tokens,
+            draft_passes=stats.draft_passes,  # a tree's head passes (analyze prices the drafter by them)
             accepted_tokens=stats.accepted_tokens, target_forwards=stats.target_forwards,
             acceptance_per_position=stats.acceptance_per_position,
             steps_by_drafted=dict(sorted(stats.steps_by_drafted.items())),
@@ -251,7 +252,7 @@ def summarize(records: list[dict]) -> dict:
             "prompts": len(rows),
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows),
             "aggregate_tokens_per_s": sum(r["new_tokens"] for r in rows) / sum(r["seconds"] for r in rows),
-            "speedup": statistics.median(r["tokens_per_s"] / plain[r["question_id"]] for r in rows if plain.get(r["question_id"])),
+            "speedup": _median([r["tokens_per_s"] / plain[r["question_id"]] for r in rows if plain.get(r["question_id"])]),
             "alpha": accepted / drafted if drafted else None,
             "tau": (accepted + passes) / passes if passes else 1.0,
             "identical_to_plain": sum(r["identical_to_plain"] for r in rows) / len(rows),
@@ -264,6 +265,11 @@ def summarize(records: list[dict]) -> dict:
             "divergence_margin_max": max(margins) if margins else None,
         }
     return dict(summary)
+
+
+def _median(values: list[float]) -> float:
+    """The median, or 0 where plain decoding produced no token to compare with."""
+    return statistics.median(values) if values else 0.0
 
 
 def _mean(values) -> float | None:
