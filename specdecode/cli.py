@@ -321,7 +321,9 @@ def cmd_generate(args) -> int:
         plain = build_engine(engine_config, SpeculativeConfig(method="none"), args.runtime, target=target)
         warm_up({"none": plain}, prompt_ids, params)
     result = engine.generate(prompt_ids, params, on_text=stream, prior_alpha=route.prior_alpha)
-    if args.route and engine.policy is not None and hasattr(engine.policy, "costs"):
+    # learnt only from a request that drafted: one that ran plain would teach the task an
+    # acceptance of 0 and talk its later requests out of speculating (as analyze and the server)
+    if args.route and engine.policy is not None and hasattr(engine.policy, "costs") and result.stats.draft_tokens:
         from .control.router import speedup_from_stats
 
         measured = speedup_from_stats(result.stats, engine.policy.costs.profile, len(prompt_ids))

@@ -635,3 +635,116 @@ def test_profile_measures_the_bandwidth_of_the_targets_device(tmp_path, monkeypa
     monkeypatch.setattr(profile_module, "measure_bandwidth", lambda device="cpu": asked.append(device) or 10.0)
     profile = get_profile("bandwidth-test", "fp32", runtime, progress=False)
     assert asked == [runtime.device] and profile.bandwidth_gbs == 10.0
+
+
+def _flat_profile(c: float, drafter: str, batch=None) -> CostProfile:
+    """A profile where scoring T tokens costs 1 + 0.03 (T - 1) steps of 20 ms (wider at
+    longer contexts), and drafting c steps a pass."""
+    sizes, contexts = [1, 2, 4, 8, 16], [100, 600, 1500]
+    table = [[20 * (1 + 0.05 * i) * (1 + 0.03 * (t - 1)) for t in sizes] for i in range(len(contexts))]
+    profile = CostProfile("m", "bf16", "x", 2, contexts, sizes, table, drafters={drafter: c})
+    if batch is not None:
+        profile.batch_rows, profile.batch_widths, profile.batch_ms = batch
+    return profile
+
+
+@pytest.mark.parametrize("speed", [1.0, 0.85, 0.7])
+def test_drafts_never_accepted_fall_back_to_plain_on_a_machine_faster_than_its_profile(speed):
+    """Found in review: the steps' times are learnt relative to plain steps, so on a machine
+    now faster than when profiled a request that drafted every step priced scoring two
+    tokens below one, kept drafting with nothing accepted, and never took the plain step
+    that would have corrected it (300 of 300 steps drafted at 0.85 and 0.7)."""
+    profile = _flat_profile(0.001, "ngram")
+    policy = CostAwareK(CostModel(profile, "ngram"), k_max=10, default_prior=0.5, default_later=0.5)
+    policy.start()
+    drafted = 0
+    for step in range(300):
+        context = 300 + step
+        k = policy.choose(context)
+        ms = profile.time_ms(k + 1, context) * speed
+        policy.observe_cost(1e-6 * k, k, ms / 1e3, k)
+        policy.observe(k, 0)  # nothing is ever accepted
+        drafted += k > 0
+    assert drafted < 60 and min(policy.costs.v_table(600, 10)[1:]) >= 1.0
+
+
+def test_the_batch_cap_counts_what_the_rows_drafting_costs():
+    """Found in review: 8 rows of a head drafter costing 0.3 of a step a pass, half their
+    drafts accepted: the pass over 8 x 2 tokens costs barely more than 8 x 1, so the cap kept
+    k = 1, which with the drafting runs at 0.61x of plain. With the drafting counted it keeps
+    them plain."""
+    from types import SimpleNamespace
+
+    from specdecode.serve.batch import BatchEngine, clone_policy
+
+    rows_, widths = [1, 2, 4, 8], [1, 2, 4, 6]
+    batch_ms = [[20 * (1 + 0.1 * (r - 1)) * (1 + 0.03 * (w - 1)) for w in widths] for r in rows_]
+    profile = _flat_profile(0.3, "eagle", batch=(rows_, widths, batch_ms))
+    template = CostAwareK(CostModel(profile, "eagle"), k_max=6, default_prior=0.5, default_later=0.5)
+    rows = []
+    for _ in range(8):
+        policy = clone_policy(template)
+        policy.start(0.5)
+        rows.append(SimpleNamespace(policy=policy, tokens=[0] * 300))
+    wanted = [row.policy.choose(300) for row in rows]
+    assert max(wanted) >= 1  # alone, each row would draft
+    engine = SimpleNamespace(batch_cost=profile.batch_time_ms, steps=1, probe_every=64)
+    assert BatchEngine._batch_cap(engine, rows, wanted) == [0] * 8
+    cheap = _flat_profile(0.0, "eagle", batch=(rows_, widths, batch_ms))  # free drafting: the cap lets it draft
+    for row in rows:
+        row.policy._c = 0.0
+    engine.batch_cost = cheap.batch_time_ms
+    assert max(BatchEngine._batch_cap(engine, rows, wanted)) >= 1
+
+
+def test_a_probe_the_batch_cap_holds_back_stays_due_until_it_goes_through():
+    """Found in review: a plain row's probe passes the batch cap only on every 64th step; a
+    probe capped on another step was spent, so a row whose probe period (30 here) never met
+    those steps never looked at its acceptance again while batched."""
+    from types import SimpleNamespace
+
+    from specdecode.serve.batch import BatchEngine, clone_policy
+
+    rows_, widths = [1, 2, 4, 8], [1, 2, 4, 6]
+    batch_ms = [[20 * (1 + 0.1 * (r - 1)) * (1 + 0.03 * (w - 1)) for w in widths] for r in rows_]
+    profile = _flat_profile(0.2, "eagle", batch=(rows_, widths, batch_ms))
+    template = CostAwareK(CostModel(profile, "eagle"), k_max=6, default_prior=0.05, default_later=0.05)
+    rows = []
+    for _ in range(2):
+        policy = clone_policy(template)
+        policy.start(0.05)
+        rows.append(SimpleNamespace(policy=policy, tokens=[0] * 300))
+    rows[0].policy.choose(300)  # admitted a step before the other: another phase
+    engine = SimpleNamespace(batch_cost=profile.batch_time_ms, steps=0, probe_every=64)
+    through = [0, 0]
+    for step in range(1, 4000):
+        engine.steps = step
+        capped = BatchEngine._batch_cap(engine, rows, [row.policy.choose(300) for row in rows])
+        for i, (row, k) in enumerate(zip(rows, capped)):
+            through[i] += k > 0
+            row.policy.observe(k, 0)  # a probe that went through is rejected: still losing
+    assert min(through) >= 10, through
+
+
+def test_the_transformers_runtime_names_its_device_in_the_profile_key(tiny_llama_dir):
+    """Found in review: it said "transformers, float32" on a GPU too, so a profile measured on
+    one stood in for the other on the same machine (the native runtime names the GPU)."""
+    model = load_model(tiny_llama_dir, torch.float32, runtime="hf")
+    on_cpu = model.runtime.describe()
+    assert " on " not in on_cpu
+    model.runtime.device = torch.device("meta")  # any device but the CPU
+    assert model.runtime.describe() != on_cpu and " on meta" in model.runtime.describe()
+
+
+def test_cli_route_learns_nothing_from_a_request_that_drafted_nothing(tiny_text_model_dir, capsys):
+    """Found in review: a routed request that ran plain taught its task an acceptance of 0."""
+    import json as json_module
+
+    from specdecode import cli
+    from specdecode.control.router import Router, router_state_path
+
+    code = cli.main(["generate", "What is the capital of France?", "--route", "--method", "ngram", "--model",
+                     str(tiny_text_model_dir), "--dtype", "fp32", "--no-chat-template", "--max-new-tokens", "1",
+                     "--json"])
+    assert code == 0 and json_module.loads(capsys.readouterr().out)["stats"]["draft_tokens"] == 0
+    assert Router().load(router_state_path(str(tiny_text_model_dir))).records == {}

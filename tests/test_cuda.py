@@ -25,6 +25,8 @@ def test_cuda_greedy_speculation_equals_plain_and_the_cpu(tmp_path):
     plain = SpeculativeEngine(gpu.runtime).generate(prompt, params).token_ids
     assert gpu.runtime.backend == "torch" and gpu.runtime.k_cache.device.type == "cuda"
     assert gpu.runtime.describe() != cpu.runtime.describe()  # it keys the cost profile
+    hf_gpu = load_model(path, torch.float32, runtime="hf", device="cuda")  # the transformers runtime too
+    assert hf_gpu.runtime.describe() != load_model(path, torch.float32, runtime="hf").runtime.describe()
     assert plain == SpeculativeEngine(cpu.runtime).generate(prompt, params).token_ids
     for proposer in (NgramProposer(), DraftModelProposer(gpu.runtime.layer_skip_view(1))):
         assert SpeculativeEngine(gpu.runtime, proposer=proposer, k=4).generate(prompt, params).token_ids == plain

@@ -255,7 +255,12 @@ class CostModel:
         table = self._tables.get((bucket, k_max))
         if table is None:
             table = self._tables[(bucket, k_max)] = [self.v(k, bucket) for k in range(k_max + 1)]
-        return [v * factor for v, factor in zip(table, self.steps.factors(k_max + 1))]
+        # never below one step: the factors are relative to the last plain steps' times, and a
+        # request that drafts every step learns nothing new about those, so a machine that got
+        # faster since would price scoring several tokens below one token, and drafting that
+        # is never accepted would look free (found in review)
+        return [max(v * factor, 1.0) if k else v * factor
+                for k, (v, factor) in enumerate(zip(table, self.steps.factors(k_max + 1)))]
 
 
 class CostAwareK(MeasuresDraftCost):
@@ -384,6 +389,8 @@ class CostAwareK(MeasuresDraftCost):
 
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
+            if self.probing:  # the probe drafted nothing (no draft, or a batch's cap): it stays due
+                self.plain_steps = self.probe_interval + 1
             return
         decay = self.decay
         first = self.first_counts

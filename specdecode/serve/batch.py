@@ -533,9 +533,10 @@ class BatchEngine:
 
     def _batch_cap(self, rows: list[Sequence], wanted: list[int]) -> list[int]:
         """Speculation under load: every row of a step is padded to the longest draft, so
-        the step costs batch_cost(rows, 1 + d) for the largest d. Pick the cap d on the
-        adaptive rows' drafts that maximises the tokens the step is expected to yield
-        (each row's own tau(k), from its measured acceptance) per millisecond; 0 when
+        the step costs batch_cost(rows, 1 + d) for the largest d, plus every row's drafting.
+        Pick the cap d on the adaptive rows' drafts that maximises the tokens the step is
+        expected to yield (each row's own tau(k), from its measured acceptance) per
+        millisecond; 0 when
         drafting would lose. Rows with a fixed k keep theirs. A row probing (a policy
         looking again at acceptance while speculation is off) would widen every row of
         the step, so its probe goes through on one batched step in ``probe_every``
@@ -548,11 +549,16 @@ class BatchEngine:
         if not any(adaptive):
             return wanted
         context = max(len(s.tokens) for s in rows)
+        # the rows draft one after another before the pass: k passes of c steps each (a
+        # chain's; c from each row's policy, what its drafting measured)
+        step_ms = self.batch_cost(1, 1, context)
+        costs = [getattr(s.policy, "_c", 0.0) for s in rows]
         best, best_rate = 0, 0.0
         for cap in range(max(w for w, a in zip(wanted, adaptive) if a) + 1):
             ks = [min(w, cap) if a else w for w, a in zip(wanted, adaptive)]
             expected = sum(s.policy.tau(k) if a else 1.0 for s, k, a in zip(rows, ks, adaptive))
-            rate = expected / self.batch_cost(len(rows), 1 + max(ks), context)
+            drafting = sum(k * c for k, c in zip(ks, costs)) * step_ms
+            rate = expected / (self.batch_cost(len(rows), 1 + max(ks), context) + drafting)
             if rate > best_rate * (1.02 if cap else 1.0):  # drafting must win by a margin
                 best, best_rate = cap, rate
         return [min(w, best) if a else w for w, a in zip(wanted, adaptive)]
