@@ -536,10 +536,9 @@ class BatchEngine:
         the step costs batch_cost(rows, 1 + d) for the largest d, plus every row's drafting.
         Pick the cap d on the adaptive rows' drafts that maximises the tokens the step is
         expected to yield (each row's own tau(k), from its measured acceptance) per
-        millisecond; 0 when
-        drafting would lose. Rows with a fixed k keep theirs. A row probing (a policy
-        looking again at acceptance while speculation is off) would widen every row of
-        the step, so its probe goes through on one batched step in ``probe_every``
+        millisecond; 0 when drafting would lose. Rows with a fixed k keep theirs. A row
+        probing (a policy looking again at acceptance while speculation is off) would widen
+        every row of the step, so its probe goes through on one batched step in ``probe_every``
         only, and is capped like the others in between."""
         if self.batch_cost is None or len(rows) < 2 or max(wanted) == 0:
             return wanted
