@@ -228,8 +228,8 @@ def load_store(path: str | None, target: LoadedModel):
     if not Path(path).is_dir():
         raise ConfigError(f"token store not found: {path} is not a directory")
     store = _load_store(str(Path(path).resolve()))
-    vocab = target.runtime.cfg.vocab_size if hasattr(target.runtime, "cfg") else None
-    if vocab is not None and store.vocab_size != vocab:
+    vocab = target.runtime.vocab_size  # either runtime (the transformers one has no cfg)
+    if store.vocab_size != vocab:
         raise VocabularyMismatchError(f"token store {path} holds ids of a {store.vocab_size}-token vocabulary; "
                                       f"{target.source.name!r} has {vocab}")
     return store

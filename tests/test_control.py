@@ -748,3 +748,60 @@ def test_cli_route_learns_nothing_from_a_request_that_drafted_nothing(tiny_text_
                      "--json"])
     assert code == 0 and json_module.loads(capsys.readouterr().out)["stats"]["draft_tokens"] == 0
     assert Router().load(router_state_path(str(tiny_text_model_dir))).records == {}
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe", b"[1, 2]", b"null", b'{"version": 1, "step_ms": [1]}'])
+def test_damaged_cost_caches_are_measured_again(tmp_path, monkeypatch, content):
+    """Found in review: a profile or weight-format cache holding valid JSON of the wrong shape,
+    or bytes that are not UTF-8, ended in a traceback instead of a new measurement."""
+    from specdecode.cost import formats
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    path = profile_module.profile_path("m", "fp32")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content)
+    assert load_profile("m", "fp32") is None
+    cached = formats._path("m", torch.float32, ["q8_0", "bf16"])
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_bytes(content)
+    monkeypatch.setattr(formats, "step_ms", lambda runtimes: {"q8_0": 2.0, "bf16": 3.0})
+    assert formats.fastest_weights("m", torch.float32, ["q8_0", "bf16"], lambda fmt: None) == "q8_0"
+
+
+def test_cache_files_are_written_whole_by_concurrent_writers(tmp_path):
+    """Found in review: the profile's fixed temporary name raced (one writer renamed the
+    other's file away: FileNotFoundError), and the weight-format cache was written in place."""
+    import json
+    import threading
+
+    from specdecode.models.loading import write_atomic
+
+    path, errors = tmp_path / "p.json", []
+
+    def writer(value: int) -> None:
+        try:
+            for _ in range(200):
+                write_atomic(path, json.dumps({"value": value, "pad": "x" * 4000}))
+        except Exception as error:  # noqa: BLE001  (any failure fails the test)
+            errors.append(error)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and json.loads(path.read_text())["value"] in (0, 1)
+    assert [p.name for p in tmp_path.iterdir()] == ["p.json"]  # no temporary file left
+
+
+def test_measured_costs_are_keyed_by_the_kernels_build(monkeypatch):
+    """Found in review: profiles and the weight-format choice were keyed by the kernels'
+    source alone, so costs measured with an AVX2 build stood in for a scalar one, or for a
+    build by another compiler."""
+    from specdecode.cost import formats
+
+    before = profile_module.profile_path("m", "fp32"), formats._path("m", torch.float32, ["bf16"])
+    monkeypatch.setattr(profile_module, "build_digest", lambda: "another-build")
+    monkeypatch.setattr(formats, "build_digest", lambda: "another-build")
+    assert profile_module.profile_path("m", "fp32") != before[0]
+    assert formats._path("m", torch.float32, ["bf16"]) != before[1]

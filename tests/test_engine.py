@@ -265,3 +265,26 @@ def test_bad_sampling_and_draft_flags():
             SamplingParams(seed=bad)
     with pytest.raises(ConfigError, match="needs a draft model"):
         SpeculativeConfig(method="draft")
+
+
+def test_a_draft_model_with_a_shorter_context_drafts_what_fits(tmp_path):
+    """Found in review: a draft model whose context is shorter than the target's failed a
+    request the target could hold ("sequence of 33 tokens exceeds the KV cache capacity
+    32"); it drafts what fits, then nothing, and the output is plain decoding's."""
+    import json
+
+    from conftest import save_tiny_model
+    from specdecode.factory import load_model
+    from specdecode.proposers.draft_model import DraftModelProposer
+
+    target = load_model(save_tiny_model(tmp_path / "target", seed=3, num_layers=2), torch.float32, backend="torch")
+    draft_dir = save_tiny_model(tmp_path / "draft", seed=4, num_layers=1)
+    config = json.loads((draft_dir / "config.json").read_text())
+    config["max_position_embeddings"] = 32
+    (draft_dir / "config.json").write_text(json.dumps(config))
+    draft = load_model(draft_dir, torch.float32, backend="torch")
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    prompt = list(range(5, 25))
+    plain = SpeculativeEngine(target.runtime).generate(prompt, params)
+    result = SpeculativeEngine(target.runtime, proposer=DraftModelProposer(draft.runtime), k=3).generate(prompt, params)
+    assert result.token_ids == plain.token_ids and 0 < result.stats.draft_tokens

@@ -360,3 +360,34 @@ def test_portable_build_without_avx2(monkeypatch, tmp_path):
     plain = SpeculativeEngine(runtime).generate(prompt, params).token_ids
     for proposer in (NgramProposer(), DraftModelProposer(runtime.layer_skip_view(1))):
         assert SpeculativeEngine(runtime, proposer=proposer, k=3).generate(prompt, params).token_ids == plain
+
+
+def test_a_damaged_kernel_library_is_built_again(tmp_path, monkeypatch):
+    """Found in review: a library cut short or overwritten from outside raised OSError from
+    ctypes (not the KernelsUnavailable the torch fallback catches), and was reused for ever.
+    It is built again once; if that does not load either, the kernels are unavailable."""
+    import shutil
+
+    good = kernels.build()
+    version = ctypes.CDLL(str(good)).sd_version()
+    damaged = tmp_path / "damaged.so"
+    damaged.write_bytes(b"not a library")
+    rebuilt = tmp_path / "rebuilt.so"
+    shutil.copy(good, rebuilt)
+    calls = []
+
+    def fake_build(force: bool = False, march: str | None = None):
+        calls.append(force)
+        return rebuilt if force else damaged
+
+    monkeypatch.setattr(kernels, "build", fake_build)
+    kernels.load_build.cache_clear()
+    try:
+        assert kernels.load_build("test-march").sd_version() == version and calls == [False, True]
+        rebuilt = tmp_path / "still-damaged.so"  # a new file: the loaded one stays mapped
+        rebuilt.write_bytes(b"still not a library")
+        kernels.load_build.cache_clear()
+        with pytest.raises(kernels.KernelsUnavailable, match="do not load"):
+            kernels.load_build("test-march")
+    finally:
+        kernels.load_build.cache_clear()

@@ -64,6 +64,8 @@ def test_continuation_follows_the_most_frequent_next_token_and_the_longest_suffi
 def test_store_refuses_ids_outside_its_vocabulary():
     with pytest.raises(ConfigError, match="outside"):
         TokenStore([[1, 2, 12]], 10)
+    with pytest.raises(ConfigError, match="outside"):  # the separator's id (15 here) was taken for a break
+        TokenStore([[1, 15, 2, 3]], 10)
 
 
 def test_proposer_tries_the_request_then_the_store_then_one_token_matches():
@@ -159,6 +161,10 @@ def test_store_must_match_the_target(targets, tmp_path):
     build_store(tmp_path / "data", tmp_path / "other", vocab_size=vocab + 1, log=lambda m: None)
     with pytest.raises(VocabularyMismatchError, match=f"{vocab + 1}-token"):
         build_proposer(SpeculativeConfig(method="suffix", draft=str(tmp_path / "other")), target, EngineConfig())
+    on_transformers = load_model(target.source.path, torch.float32, runtime="hf")  # it was let through there
+    with pytest.raises(VocabularyMismatchError, match=f"{vocab + 1}-token"):
+        build_proposer(SpeculativeConfig(method="suffix", draft=str(tmp_path / "other")), on_transformers,
+                       EngineConfig())
     with pytest.raises(ConfigError, match="not a directory"):
         build_proposer(SpeculativeConfig(method="suffix", draft=str(tmp_path / "none")), target, EngineConfig())
     # no store is shipped for a tiny model: the request alone (said on stderr)

@@ -183,11 +183,10 @@ class Router:
     def save(self, path: Path) -> None:
         """Written whole or not at all (a temporary file renamed over it): two processes,
         or one stopped mid-write, never leave a torn file."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        temporary.write_text(json.dumps({"records": {k: asdict(v) for k, v in self.records.items()},
-                                         "requests": self.requests}, indent=1))
-        os.replace(temporary, path)
+        from ..models.loading import write_atomic
+
+        write_atomic(path, json.dumps({"records": {k: asdict(v) for k, v in self.records.items()},
+                                       "requests": self.requests}, indent=1))
 
     def load(self, path: Path, warn=None) -> "Router":
         """The measurements saved at ``path``; a file that cannot be read is set aside (with a

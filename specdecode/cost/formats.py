@@ -17,8 +17,8 @@ from typing import Callable
 
 import torch
 
-from ..kernels import source_digest
-from ..models.loading import cache_dir
+from ..kernels import build_digest
+from ..models.loading import cache_dir, write_atomic
 from .profile import extend_context, machine_id, timed_forward_ms
 
 CONTEXT = 256
@@ -27,7 +27,7 @@ VERSION = 1
 
 def _path(model_key: str, dtype: torch.dtype, candidates: list[str]):
     key = (f"{model_key}|{dtype}|{machine_id()}|{torch.get_num_threads()}|{','.join(candidates)}|{VERSION}"
-           f"|kernels {source_digest()}")
+           f"|kernels {build_digest()}")
     return cache_dir() / "formats" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
@@ -63,7 +63,7 @@ def fastest_weights(model_key: str, dtype: torch.dtype, candidates: list[str], l
         try:
             timings = json.loads(path.read_text())["step_ms"]
             return min(timings, key=timings.get)
-        except (json.JSONDecodeError, KeyError, ValueError):
+        except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, not UTF-8, the wrong shape
             pass  # a corrupt record is measured again
     print(f"specdecode: measuring which weight format decodes fastest here ({', '.join(candidates)}; once, cached)",
           file=sys.stderr, flush=True)
@@ -71,7 +71,6 @@ def fastest_weights(model_key: str, dtype: torch.dtype, candidates: list[str], l
     best = min(timings, key=timings.get)
     summary = ", ".join(f"{fmt} {ms:.1f} ms" for fmt, ms in timings.items())
     print(f"specdecode: single-token step {summary} -> {best}", file=sys.stderr, flush=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"machine": machine_id(), "threads": torch.get_num_threads(), "context": CONTEXT,
-                                "step_ms": timings, "chosen": best}, indent=1))
+    write_atomic(path, json.dumps({"machine": machine_id(), "threads": torch.get_num_threads(), "context": CONTEXT,
+                                   "step_ms": timings, "chosen": best}, indent=1))
     return best

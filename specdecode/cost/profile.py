@@ -35,8 +35,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..kernels import source_digest
-from ..models.loading import cache_dir
+from ..kernels import build_digest
+from ..models.loading import cache_dir, write_atomic
 
 PROFILE_VERSION = 9  # 9: each timed step follows a single-token step
 # k + 1 for the k the policies choose (1..11) and the tree sizes to come (up to 64)
@@ -194,7 +194,7 @@ class CostProfile:
 
 # -- storage ------------------------------------------------------------------------
 def profile_path(model_key: str, dtype: str) -> Path:
-    key = f"{model_key}|{dtype}|{machine_id()}|{torch.get_num_threads()}|kernels {source_digest()}"
+    key = f"{model_key}|{dtype}|{machine_id()}|{torch.get_num_threads()}|kernels {build_digest()}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_dir() / "profiles" / f"{dtype}-{digest}.json"
 
@@ -205,19 +205,16 @@ def load_profile(model_key: str, dtype: str) -> CostProfile | None:
         return None
     try:
         data = json.loads(path.read_text())
-        if data.get("version") != PROFILE_VERSION:
+        if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION:
             return None
         return CostProfile.from_dict(data)
-    except (json.JSONDecodeError, TypeError):
+    except (ValueError, TypeError, AttributeError):  # not JSON, not UTF-8, or the wrong fields
         return None  # a corrupt profile is re-measured
 
 
 def save_profile(profile: CostProfile, model_key: str) -> Path:
     path = profile_path(model_key, profile.dtype)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(profile.to_dict(), indent=1))
-    tmp.replace(path)
+    write_atomic(path, json.dumps(profile.to_dict(), indent=1))
     return path
 
 

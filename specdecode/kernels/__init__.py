@@ -89,6 +89,16 @@ def source_digest() -> str:
     return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
 
 
+@lru_cache(maxsize=1)
+def build_digest() -> str:
+    """What measured costs (profiles, the weight format ``--weights auto`` chose) are keyed
+    by: the build the kernels load here (source, flags, -march, compiler version, CPU
+    flags), so a rebuild for another instruction set or compiler is measured anew; the
+    source's digest where no compiler builds them."""
+    compiler = _compiler()
+    return source_digest() if compiler is None else _build_key(compiler, _march())
+
+
 def _build_key(compiler: str, march: str) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     digest = hashlib.sha256()
@@ -136,7 +146,14 @@ def load_build(march: str) -> ctypes.CDLL:
     """The library built for ``march``, loaded, with its functions' signatures set."""
     import torch  # noqa: F401  (see load)
 
-    lib = ctypes.CDLL(str(build(march=march)))
+    path = build(march=march)
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError:  # damaged from outside (a copy cut short, a full disk): built again, once
+        try:
+            lib = ctypes.CDLL(str(build(force=True, march=march)))
+        except OSError as error:
+            raise KernelsUnavailable(f"the CPU kernels built at {path} do not load: {error}") from None
     c_int, c_i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
     signatures = {
         "sd_version": ([], c_int),

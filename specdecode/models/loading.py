@@ -58,6 +58,23 @@ class ModelSource:
         return self.model_type in NATIVE_ARCHITECTURES
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: a temporary file of this process's own
+    beside it, renamed over it. Two processes saving the same cache file, or one stopped
+    mid-write, never leave a torn file (a fixed temporary name raced: one writer renamed
+    the other's away)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w") as file:
+            file.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+
+
 def cache_dir() -> Path:
     if os.environ.get("SPECDECODE_CACHE"):
         return Path(os.environ["SPECDECODE_CACHE"])

@@ -42,6 +42,11 @@ class DraftModelProposer:
     def propose(
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
     ) -> Proposal:
+        # a draft model with a shorter context than the target's drafts what fits its cache
+        # (the sequence and k - 1 drafts), then nothing (it had failed the whole request)
+        k = min(k, self.runtime.max_positions - len(tokens) + 1)
+        if k <= 0:
+            return Proposal.empty()
         logits = self._sync(tokens)  # [V]
         draft_ids, draft_probs = [], []
         for position in range(k):

@@ -51,7 +51,11 @@ class TokenStore:
         else:
             parts = []
             for document in documents:
-                parts.append(np.asarray(document, dtype=np.int64))
+                ids = np.asarray(document, dtype=np.int64)
+                if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):  # the separator's id too
+                    raise ConfigError(f"token store holds ids outside [0, {vocab_size}): "
+                                      f"{int(ids.min())}..{int(ids.max())}")
+                parts.append(ids)
                 parts.append(np.array([self.separator], dtype=np.int64))
             tokens = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
         real = tokens[tokens != self.separator]
