@@ -668,6 +668,26 @@ def test_drafts_never_accepted_fall_back_to_plain_on_a_machine_faster_than_its_p
     assert drafted < 60 and min(policy.costs.v_table(600, 10)[1:]) >= 1.0
 
 
+def _batched_rows(c: float, prior: float, count: int):
+    """A profile whose batched passes are memory bound (8 rows x 2 tokens cost barely more
+    than 8 x 1) for a head drafter costing ``c`` steps a pass, and ``count`` server rows,
+    each with its own policy (acceptance prior ``prior``) cloned from one template."""
+    from types import SimpleNamespace
+
+    from specdecode.serve.batch import clone_policy
+
+    rows_, widths = [1, 2, 4, 8], [1, 2, 4, 6]
+    batch_ms = [[20 * (1 + 0.1 * (r - 1)) * (1 + 0.03 * (w - 1)) for w in widths] for r in rows_]
+    profile = _flat_profile(c, "eagle", batch=(rows_, widths, batch_ms))
+    template = CostAwareK(CostModel(profile, "eagle"), k_max=6, default_prior=prior, default_later=prior)
+    rows = []
+    for _ in range(count):
+        policy = clone_policy(template)
+        policy.start(prior)
+        rows.append(SimpleNamespace(policy=policy, tokens=[0] * 300))
+    return profile, rows
+
+
 def test_the_batch_cap_counts_what_the_rows_drafting_costs():
     """Found in review: 8 rows of a head drafter costing 0.3 of a step a pass, half their
     drafts accepted: the pass over 8 x 2 tokens costs barely more than 8 x 1, so the cap kept
@@ -675,25 +695,15 @@ def test_the_batch_cap_counts_what_the_rows_drafting_costs():
     them plain."""
     from types import SimpleNamespace
 
-    from specdecode.serve.batch import BatchEngine, clone_policy
+    from specdecode.serve.batch import BatchEngine
 
-    rows_, widths = [1, 2, 4, 8], [1, 2, 4, 6]
-    batch_ms = [[20 * (1 + 0.1 * (r - 1)) * (1 + 0.03 * (w - 1)) for w in widths] for r in rows_]
-    profile = _flat_profile(0.3, "eagle", batch=(rows_, widths, batch_ms))
-    template = CostAwareK(CostModel(profile, "eagle"), k_max=6, default_prior=0.5, default_later=0.5)
-    rows = []
-    for _ in range(8):
-        policy = clone_policy(template)
-        policy.start(0.5)
-        rows.append(SimpleNamespace(policy=policy, tokens=[0] * 300))
+    profile, rows = _batched_rows(c=0.3, prior=0.5, count=8)
     wanted = [row.policy.choose(300) for row in rows]
     assert max(wanted) >= 1  # alone, each row would draft
     engine = SimpleNamespace(batch_cost=profile.batch_time_ms, steps=1, probe_every=64)
     assert BatchEngine._batch_cap(engine, rows, wanted) == [0] * 8
-    cheap = _flat_profile(0.0, "eagle", batch=(rows_, widths, batch_ms))  # free drafting: the cap lets it draft
-    for row in rows:
+    for row in rows:  # free drafting: the cap lets them draft
         row.policy._c = 0.0
-    engine.batch_cost = cheap.batch_time_ms
     assert max(BatchEngine._batch_cap(engine, rows, wanted)) >= 1
 
 
@@ -703,17 +713,9 @@ def test_a_probe_the_batch_cap_holds_back_stays_due_until_it_goes_through():
     those steps never looked at its acceptance again while batched."""
     from types import SimpleNamespace
 
-    from specdecode.serve.batch import BatchEngine, clone_policy
+    from specdecode.serve.batch import BatchEngine
 
-    rows_, widths = [1, 2, 4, 8], [1, 2, 4, 6]
-    batch_ms = [[20 * (1 + 0.1 * (r - 1)) * (1 + 0.03 * (w - 1)) for w in widths] for r in rows_]
-    profile = _flat_profile(0.2, "eagle", batch=(rows_, widths, batch_ms))
-    template = CostAwareK(CostModel(profile, "eagle"), k_max=6, default_prior=0.05, default_later=0.05)
-    rows = []
-    for _ in range(2):
-        policy = clone_policy(template)
-        policy.start(0.05)
-        rows.append(SimpleNamespace(policy=policy, tokens=[0] * 300))
+    profile, rows = _batched_rows(c=0.2, prior=0.05, count=2)
     rows[0].policy.choose(300)  # admitted a step before the other: another phase
     engine = SimpleNamespace(batch_cost=profile.batch_time_ms, steps=0, probe_every=64)
     through = [0, 0]
