@@ -106,6 +106,30 @@ def _rewrite_complete(path: Path, records: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
+def read_records(path: Path, fields: dict[str, type | tuple], vocab_size: int | None = None):
+    """The JSON lines of ``path`` (blank ones skipped), each checked to hold ``fields`` (name
+    -> type) and, with ``vocab_size``, token ids inside the vocabulary in its list fields; a
+    bad line is refused by file and line number."""
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{path} line {number}: not JSON ({error})") from None
+        problem = next((f"no {name!r} ({getattr(kind, '__name__', 'number')})" for name, kind in fields.items()
+                        if not isinstance(record, dict) or not isinstance(record.get(name), kind)), None)
+        if problem is None:
+            ids = [i for name, kind in fields.items() if kind is list for i in record[name]]
+            if any(not isinstance(i, int) for i in ids):
+                problem = "token ids that are not integers"
+            elif vocab_size is not None and any(not 0 <= i < vocab_size for i in ids):
+                problem = f"token ids outside [0, {vocab_size}): data made for another target?"
+        if problem is not None:
+            raise ConfigError(f"{path} line {number}: {problem}")
+        yield record
+
+
 def target_identity(target) -> str:
     """The target a training artefact was made with: a fingerprint of its checkpoint (its
     config and the names and sizes of its weight files: no path, since it is written into

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ..config import ConfigError, SpecDecodeError
 from ..proposers.eagle_head import EagleConfig, EagleHead
+from .data import read_records
 
 HELD_OUT_EVERY = 20  # prompts whose index % 20 == 19 are held out for evaluation
 SHARD_TOKENS = 65536
@@ -46,25 +47,6 @@ class Sequence:
     greedy: bool = False  # the target's own greedy answer: its argmax is the next token
 
 
-def _records(path: Path, fields: dict[str, type], vocab_size: int | None):
-    """The JSON lines of ``path``, each checked to hold ``fields`` (name -> type) and token
-    ids inside the vocabulary; a bad line is refused by file and line number."""
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise SpecDecodeError(f"{path} line {number}: not JSON ({error})") from None
-        problem = next((f"no {name!r} ({getattr(kind, '__name__', 'number')})" for name, kind in fields.items()
-                        if not isinstance(record, dict) or not isinstance(record.get(name), kind)), None)
-        if problem is None and vocab_size is not None:
-            ids = [i for name, kind in fields.items() if kind is list for i in record[name]]
-            if any(not isinstance(i, int) or not 0 <= i < vocab_size for i in ids):
-                problem = f"token ids outside [0, {vocab_size}): data made for another target?"
-        if problem is not None:
-            raise SpecDecodeError(f"{path} line {number}: {problem}")
-        yield record
-
-
 def training_sequences(data_dir: Path, corpus_tokens: int, max_length: int,
                        vocab_size: int | None = None) -> list[Sequence]:
     """Answers (prompt + answer, loss on the answer) and corpus chunks (loss everywhere)."""
@@ -73,7 +55,7 @@ def training_sequences(data_dir: Path, corpus_tokens: int, max_length: int,
         raise SpecDecodeError(f"{answers_path} not found: build it with `specdecode train data --out {data_dir}`")
     sequences = []
     answer_fields = {"prompt_id": str, "prompt_ids": list, "answer_ids": list, "temperature": (int, float)}
-    for record in _records(answers_path, answer_fields, vocab_size):
+    for record in read_records(answers_path, answer_fields, vocab_size):
         if not record["answer_ids"]:
             continue
         index = int(record["prompt_id"].rsplit("-", 1)[-1]) if record["prompt_id"].rsplit("-", 1)[-1].isdigit() else 0
@@ -83,7 +65,7 @@ def training_sequences(data_dir: Path, corpus_tokens: int, max_length: int,
     corpus_path = data_dir / "corpus.jsonl"
     taken = 0
     if corpus_path.is_file() and corpus_tokens > 0:
-        for record in _records(corpus_path, {"ids": list}, vocab_size):
+        for record in read_records(corpus_path, {"ids": list}, vocab_size):
             if taken >= corpus_tokens:
                 break
             ids = record["ids"][:max_length]

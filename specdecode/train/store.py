@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..config import ConfigError
 from ..models.loading import sha256_file
+from .data import read_records
 from ..proposers.suffix import STORE_FILE, TokenStore
 
 
@@ -23,16 +24,8 @@ def read_answers(data: Path) -> list[list[int]]:
     path = data / "answers.jsonl"
     if not path.is_file():
         raise ConfigError(f"{path} not found: build the target's answers first with `specdecode train data --out {data}`")
-    answers = []
-    with path.open() as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                answers.append([int(t) for t in row["answer_ids"]])
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                raise ConfigError(f"{path} line {number}: expected a JSON row with 'answer_ids'") from None
+    # the range of the ids is the store's to check, against the vocabulary it is built for
+    answers = [row["answer_ids"] for row in read_records(path, {"answer_ids": list})]
     if not answers:
         raise ConfigError(f"{path} holds no answers")
     return answers
