@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..config import SpecDecodeError
+from . import device_label
 
 
 class HFRuntime:
@@ -62,14 +63,8 @@ class HFRuntime:
     __call__ = forward
 
     def describe(self) -> str:
-        """How it runs; it keys the cost profile, so it names a GPU (a GPU's costs must not
-        stand in for the CPU's on the same machine; the CPU string is unchanged)."""
-        where = ""
-        if self.device.type == "cuda":
-            where = f" on {torch.cuda.get_device_name(self.device)}"
-        elif self.device.type != "cpu":
-            where = f" on {self.device.type}"
-        return f"transformers{where}, {self.weight_format}"
+        """How it runs; it keys the cost profile (``device_label``)."""
+        return f"transformers{device_label(self.device)}, {self.weight_format}"
 
 
 def load_hf(model_dir, dtype: torch.dtype, device: str = "cpu") -> HFRuntime:

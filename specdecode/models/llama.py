@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError, SpecDecodeError
+from . import device_label
 from .quant import PackedLinear, check_block_shape
 
 BACKENDS = ("kernels", "torch")
@@ -474,14 +475,8 @@ class NativeRuntime:
         return self.kernels is not None
 
     def describe(self) -> str:
-        """How it runs; it also keys the cost profile, so a GPU's costs never stand in for the
-        CPU's on the same machine."""
-        where = ""
-        if self.device.type == "cuda":
-            where = f" on {torch.cuda.get_device_name(self.device)}"
-        elif self.device.type != "cpu":
-            where = f" on {self.device.type}"
-        return (f"{self.backend} backend{where}, {self.weight_format} weights, "
+        """How it runs; it also keys the cost profile (``device_label``)."""
+        return (f"{self.backend} backend{device_label(self.device)}, {self.weight_format} weights, "
                 f"{str(self.dtype).removeprefix('torch.')} KV cache")
 
     # -- cache management -------------------------------------------------------------
