@@ -226,16 +226,18 @@ def _wait() -> None:
         torch.cuda.synchronize()
 
 
+def _elapsed_ms(fn) -> float:
+    """Milliseconds of ``fn()``, a GPU's queued work finished before and after it."""
+    _wait()
+    started = time.perf_counter()
+    fn()
+    _wait()
+    return (time.perf_counter() - started) * 1e3
+
+
 def _median_ms(fn, repeats: int) -> float:
     fn()  # warm-up: first calls allocate
-    times = []
-    for _ in range(repeats):
-        _wait()
-        started = time.perf_counter()
-        fn()
-        _wait()
-        times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
+    return statistics.median(_elapsed_ms(fn) for _ in range(repeats))
 
 
 def extend_context(runtime, context: int, generator: torch.Generator) -> None:
@@ -248,11 +250,7 @@ def extend_context(runtime, context: int, generator: torch.Generator) -> None:
 def timed_forward_ms(runtime, tokens: torch.Tensor, context: int) -> float:
     """Milliseconds of one forward over ``tokens`` after ``context`` cached ones; the
     cache is rolled back to ``context`` after it."""
-    _wait()
-    started = time.perf_counter()
-    runtime(tokens)
-    _wait()
-    elapsed = (time.perf_counter() - started) * 1e3
+    elapsed = _elapsed_ms(lambda: runtime(tokens))
     runtime.rollback(context)
     return elapsed
 
@@ -317,16 +315,15 @@ def measure_head(runtime, sizes=(2, 4, 8), context: int = 100, repeats: int = 15
     extend_context(runtime, context, generator)
 
     def timed(tokens, read: int | None) -> float:
-        _wait()
-        started = time.perf_counter()
-        if read is None:
-            runtime(tokens)
-        else:
-            logits = runtime(tokens, lazy_logits=True)
-            for position in range(read):
-                logits.row(0, position)
-        _wait()
-        elapsed = (time.perf_counter() - started) * 1e3
+        def step() -> None:
+            if read is None:
+                runtime(tokens)
+            else:
+                logits = runtime(tokens, lazy_logits=True)
+                for position in range(read):
+                    logits.row(0, position)
+
+        elapsed = _elapsed_ms(step)
         runtime.rollback(context)
         return elapsed
 
@@ -360,12 +357,9 @@ def measure_batches(runtime, rows=BATCH_ROWS, widths=BATCH_WIDTHS, context: int 
     for round_ in tqdm(range(repeats + 1), desc="profile batches", unit="round", disable=not progress):
         order.shuffle(cells)
         for r, w in cells:
-            _wait()
-            started = time.perf_counter()
-            runtime.forward_rows(inputs[(r, w)], list(range(r)), [context] * r)
-            _wait()
+            elapsed = _elapsed_ms(lambda: runtime.forward_rows(inputs[(r, w)], list(range(r)), [context] * r))
             if round_:  # round 0 warms up every shape
-                times[(r, w)].append((time.perf_counter() - started) * 1e3)
+                times[(r, w)].append(elapsed)
     return [[statistics.median(times[(r, w)]) for w in widths] for r in rows]
 
 
@@ -386,14 +380,8 @@ def measure_bandwidth(megabytes: int = 256, repeats: int = 7, device: torch.devi
     (the kernels use the same), median of ``repeats``."""
     buffer = torch.ones(megabytes * 2**20 // 4, device=device)
     buffer.sum()
-    times = []
-    for _ in range(repeats):
-        _wait()
-        started = time.perf_counter()
-        buffer.sum()
-        _wait()
-        times.append(time.perf_counter() - started)
-    return buffer.numel() * 4 / statistics.median(times) / 1e9
+    seconds = statistics.median(_elapsed_ms(buffer.sum) for _ in range(repeats)) / 1e3
+    return buffer.numel() * 4 / seconds / 1e9
 
 
 def step_bytes(runtime) -> tuple[int, int]:
