@@ -56,6 +56,51 @@ def test_conversion_is_checked_and_rebuilt(tmp_path):
     assert not loading._conversion_valid(target, "abc")
 
 
+def test_concurrent_conversions_of_one_gguf_convert_once(monkeypatch, tmp_path):
+    """Processes resolving the same GGUF at once (pytest-xdist workers, two servers) convert
+    it once: the others wait for the lock and read the result. Before, each converted and
+    removed the directory another had just finished and was reading. A killed converter's
+    staging directory is cleared under the lock."""
+    import threading
+    import time
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"a stand-in GGUF")
+    sha = loading.sha256_file(gguf)
+    stale = tmp_path / "cache" / "models" / f".convert-model-{sha[:16]}-killed"
+    stale.mkdir(parents=True)
+    conversions = []
+
+    def fake_convert(gguf_path, source_sha, target):
+        conversions.append(target)
+        time.sleep(0.3)  # long enough for every other thread to find no valid conversion
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "model.safetensors").write_bytes(b"weights")
+        (target / "config.json").write_text("{}")
+        (target / loading.MANIFEST).write_text(json.dumps({
+            "version": loading.CONVERSION_VERSION, "source_sha256": source_sha,
+            "files": {"model.safetensors": loading.sha256_file(target / "model.safetensors")}}))
+
+    monkeypatch.setattr(loading, "_convert_gguf", fake_convert)
+    results, errors = [], []
+
+    def resolve():
+        try:
+            results.append(loading._from_gguf(gguf, "model"))
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=resolve) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(results) == 4
+    assert len(conversions) == 1
+    assert not stale.exists()
+
+
 @pytest.mark.slow
 def test_default_model_converts_once_and_loads(monkeypatch, tmp_path):
     """Cold conversion into an empty cache, then a warm load, then repair of a corrupt file."""

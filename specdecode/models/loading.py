@@ -13,6 +13,8 @@ Nothing is ever fetched from a model hub.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -149,10 +151,30 @@ def _from_gguf(gguf_path: Path, name: str) -> ModelSource:
     source_sha = sha256_file(gguf_path)
     target = cache_dir() / "models" / f"{gguf_path.stem}-{source_sha[:16]}"
     if not _conversion_valid(target, source_sha):
-        if target.exists():
-            log.warning("cached conversion at %s is incomplete or corrupt; rebuilding", target)
-        _convert_gguf(gguf_path, source_sha, target)
+        with _conversion_lock(target):  # one converter at a time; the others wait, then read its result
+            if not _conversion_valid(target, source_sha):
+                if target.exists():
+                    log.warning("cached conversion at %s is incomplete or corrupt; rebuilding", target)
+                _convert_gguf(gguf_path, source_sha, target)
     return ModelSource(name, target, json.loads((target / "config.json").read_text()), gguf_path)
+
+
+@contextlib.contextmanager
+def _conversion_lock(target: Path):
+    """Hold an exclusive lock on ``target``'s conversion while it is checked and (re)built.
+
+    Without it, processes converting the same GGUF at once (pytest-xdist workers, two
+    servers) each removed the directory that another had just finished and was reading.
+    Staging directories of a converter that was killed are removed here, under the lock."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            for leftover in target.parent.glob(f".convert-{target.name}-*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _conversion_valid(target: Path, source_sha: str) -> bool:
@@ -191,7 +213,7 @@ def _convert_gguf(gguf_path: Path, source_sha: str, target: Path) -> None:
         raise ModelNotFoundError(f"model {str(gguf_path)!r}: transformers cannot read this GGUF: {exc}") from exc
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".convert-{target.name}-", dir=target.parent))
     try:
         state = model.state_dict()
         if model.config.tie_word_embeddings:
@@ -241,7 +263,7 @@ def gguf_tensor_index(gguf_path: Path, cache: Path | None = None) -> dict:
     tensors = {t.name: GGUFTensor(t.name, int(t.tensor_type), tuple(int(n) for n in t.shape), int(t.data_offset),
                                   int(t.n_bytes)) for t in gguf.GGUFReader(str(gguf_path)).tensors}
     if index_file is not None:
-        index_file.write_text(json.dumps([t.__dict__ for t in tensors.values()]))
+        write_atomic(index_file, json.dumps([t.__dict__ for t in tensors.values()]))
     return tensors
 
 
