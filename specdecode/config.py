@@ -89,6 +89,9 @@ DEFAULT_TREE_WIDTH = 3  # measured: docs/training.md, "Tree shape"
 DEFAULT_SELF_DRAFT = "self:4"  # --method draft without --draft: the target's first 4 layers
 
 
+DEFAULT_NGRAM_SIZES = (3, 2, 1)  # prompt lookup's n-gram sizes, longest first
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Which drafter proposes tokens and how many per step.
@@ -109,7 +112,7 @@ class SpeculativeConfig:
     method: str = "ngram"
     k: int | str = "auto"
     draft: str | None = None
-    ngram_sizes: tuple[int, ...] = (3, 2, 1)
+    ngram_sizes: tuple[int, ...] = DEFAULT_NGRAM_SIZES
     k_policy: str = "cost"
     k_max: int = 10
     # eagle/tree: children per expanded node of the head's dynamic tree (EAGLE-2); 1 drafts

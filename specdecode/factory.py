@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError, EngineConfig, SpecDecodeError, SpeculativeConfig, self_draft_layers
+from .config import (DEFAULT_NGRAM_SIZES, ConfigError, EngineConfig, SpecDecodeError, SpeculativeConfig,
+                     self_draft_layers)
 from .control.policies import CostAwareK, CostModel, FixedK, ThresholdK, TreeBudget
 from .cost.theory import best_k, tau_conditional
 from .engine import SpeculativeEngine
@@ -261,15 +262,22 @@ def _fingerprint_mark(path: Path) -> str:
 
 def drafter_key(spec: SpeculativeConfig) -> str:
     """How a drafter is named in cost profiles and reports. A head's name carries a
-    fingerprint of its weights, so a retrained head is calibrated anew."""
-    if spec.method in ("eagle", "tree"):
+    fingerprint of its weights, so a retrained head is calibrated anew; a drafter that
+    looks up the request's n-grams names sizes other than the default, whose acceptance
+    differs (calibrated with (3, 2, 1), ``--ngram-sizes 1`` started from those rates)."""
+    sizes = tuple(sorted(set(spec.ngram_sizes), reverse=True))
+    mark_sizes = "" if sizes == DEFAULT_NGRAM_SIZES else f" n={','.join(map(str, sizes))}"
+    if spec.method == "eagle":
         mark = _fingerprint_mark(Path(spec.draft or DEFAULT_EAGLE_HEAD) / "model.safetensors")
-        return (f"{spec.method}:{spec.draft or 'default'}{mark}"
-                + (f" width {spec.tree_width}" if spec.tree_width > 1 else ""))
+        return f"eagle:{spec.draft or 'default'}{mark}" + (f" width {spec.tree_width}" if spec.tree_width > 1 else "")
+    if spec.method == "tree":
+        mark = _fingerprint_mark(Path(spec.draft or DEFAULT_EAGLE_HEAD) / "model.safetensors")
+        return (f"tree:{spec.draft or 'default'}{mark}" + (f" width {spec.tree_width}" if spec.tree_width > 1 else "")
+                + mark_sizes)
     if spec.method == "suffix":
         mark = _fingerprint_mark(Path(spec.draft or DEFAULT_TOKEN_STORE) / "tokens.safetensors")
-        return f"suffix:{spec.draft or 'default'}{mark}"
-    return "ngram" if spec.method == "ngram" else f"draft:{spec.draft}"
+        return f"suffix:{spec.draft or 'default'}{mark}{mark_sizes}"
+    return f"ngram{mark_sizes}" if spec.method == "ngram" else f"draft:{spec.draft}"
 
 
 def model_key(model: LoadedModel) -> str:

@@ -807,3 +807,24 @@ def test_measured_costs_are_keyed_by_the_kernels_build(monkeypatch):
     monkeypatch.setattr(formats, "build_digest", lambda: "another-build")
     assert profile_module.profile_path("m", "fp32") != before[0]
     assert formats._path("m", torch.float32, ["bf16"]) != before[1]
+
+
+def test_drafters_with_other_ngram_sizes_are_calibrated_and_priced_apart():
+    """Found in review: the acceptance calibrated for prompt lookup with n-grams (3, 2, 1)
+    was reused for --ngram-sizes 1 (which drafts on far more steps, and worse), because the
+    drafter's name in the cost profile ignored the sizes. The default keeps its name."""
+    from specdecode.control.router import Router
+    from specdecode.factory import drafter_key
+
+    assert drafter_key(SpeculativeConfig(method="ngram")) == "ngram"
+    assert drafter_key(SpeculativeConfig(method="ngram", ngram_sizes=(1, 2, 3))) == "ngram"
+    assert drafter_key(SpeculativeConfig(method="ngram", ngram_sizes=(1,))) == "ngram n=1"
+    default_suffix = drafter_key(SpeculativeConfig(method="suffix"))
+    assert drafter_key(SpeculativeConfig(method="suffix", ngram_sizes=(4, 2))) == default_suffix + " n=4,2"
+    assert drafter_key(SpeculativeConfig(method="tree", ngram_sizes=(2,))).endswith(" n=2")
+    # the eagle head alone looks up no n-grams
+    assert drafter_key(SpeculativeConfig(method="eagle", ngram_sizes=(2,))) == drafter_key(
+        SpeculativeConfig(method="eagle"))
+    # the router's built-in starting guess still applies to the family
+    router = Router()
+    assert router.prior("code", "ngram n=1") == router.prior("code", "ngram") is not None
