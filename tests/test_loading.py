@@ -115,6 +115,11 @@ def test_default_model_converts_once_and_loads(monkeypatch, tmp_path):
         handle.write(b"\x00" if handle.read(1) != b"\x00" else b"\x01")
     repaired = resolve_model("default")
     assert loading._conversion_valid(repaired.path, loading.sha256_file(loading.default_gguf_path()))
+    # the config is checked too (it was outside the manifest: a damaged one was read as is)
+    manifest = json.loads((repaired.path / loading.MANIFEST).read_text())
+    assert {"config.json", "tokenizer.json", "model.safetensors"} <= set(manifest["files"])
+    (repaired.path / "config.json").write_text('{"num_hidden_layers": 3}')
+    assert resolve_model("default").config["num_hidden_layers"] == 30
 
 
 def test_weights_auto_times_a_short_context_model_within_its_context(tiny_llama_dir):

@@ -226,7 +226,8 @@ def _convert_gguf(gguf_path: Path, source_sha: str, target: Path) -> None:
         (staging / "config.json").write_text(json.dumps(config, indent=2, default=str))
         tokenizer.save_pretrained(staging)
         model.generation_config.save_pretrained(staging)
-        files = {p.name: sha256_file(p) for p in staging.iterdir() if p.suffix == ".safetensors"}
+        # every file, the config and tokenizer too: a damaged config.json is found and rebuilt
+        files = {p.name: sha256_file(p) for p in sorted(staging.iterdir()) if p.is_file()}
         manifest = {
             "version": CONVERSION_VERSION,
             "source": str(gguf_path),
