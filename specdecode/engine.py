@@ -21,6 +21,7 @@ import torch
 from .config import SamplingParams, SpecDecodeError
 from .control.policies import FixedK, KPolicy
 from .metrics import GenerationStats
+from .models import synchronize
 from .proposers.base import Proposal, Proposer
 from .text import TextTracker
 from .verify.chain import coupled_verify, greedy_tokens, greedy_verify_rows, rejection_sample
@@ -222,6 +223,7 @@ class SpeculativeEngine:
             _, features = self._score(torch.tensor([tokens[:-1]]), last_only=True)
             if features is not None:  # a head drafter reads the prompt's hidden states
                 self.proposer.observe(0, features[0], tokens)
+        synchronize(self.device)  # a GPU's prefill is charged here, not to the first step
         stats.prefill_seconds = time.perf_counter() - started
 
         labelled = hasattr(self.policy, "use_label") and hasattr(self.proposer, "draft_label")

@@ -549,3 +549,30 @@ def test_batch_engine_check_of_test_cuda_on_the_cpu(tmp_path):
     from test_cuda import batch_on
 
     batch_on("cpu", tmp_path)
+
+
+def test_timed_passes_wait_for_the_device_first(model_dir, monkeypatch):
+    """Found in review for the GPU: a forward pass returns there once its kernels are
+    queued, so the prefill was timed as the time to queue it (and its work charged to the
+    first step), and the batched engine's verification times (which price k and teach the
+    router) were launch times. Both engines now wait for the target's device before they
+    read the clock after a pass: the prefill, each prefill chunk and each decode pass."""
+    import specdecode.engine as engine_module
+    import specdecode.serve.batch as batch_module
+
+    calls = []
+    monkeypatch.setattr(engine_module, "synchronize", lambda device: calls.append(("engine", device.type)))
+    monkeypatch.setattr(batch_module, "synchronize", lambda device: calls.append(("batch", device.type)))
+    runtime = runtime_for(model_dir, "torch")
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    SpeculativeEngine(runtime, proposer=NgramProposer(), k=2).generate([5, 6, 7, 5, 6], params)
+    assert calls == [("engine", "cpu")]  # once, after the prefill (a step's verification reads the logits)
+    calls.clear()
+    engine = BatchEngine(runtime_for(model_dir, "torch", prefill_chunk=2), max_num_seqs=2, max_model_len=64,
+                         make_drafter=NgramProposer, make_policy=lambda: 2)
+    sequence = engine.add([5, 6, 7, 5, 6], params)
+    engine.run()
+    assert len(sequence.generated) == 4
+    # two prefill chunks of 2 (the prompt's last token is the first pass's input), then one
+    # wait per decode pass
+    assert calls[:2] == [("batch", "cpu")] * 2 and len(calls) == 2 + sequence.stats.target_forwards

@@ -828,3 +828,18 @@ def test_drafters_with_other_ngram_sizes_are_calibrated_and_priced_apart():
     # the router's built-in starting guess still applies to the family
     router = Router()
     assert router.prior("code", "ngram n=1") == router.prior("code", "ngram") is not None
+
+
+def test_logits_on_demand_never_price_a_step_below_a_plain_one():
+    """A profile timed while the machine was busy can hold a head pass over 2 rows far
+    dearer than on demand: the saving then exceeded v, a step cost less than nothing, and
+    choosing k raised "step cost must be positive" mid-request (seen once in a suite run
+    beside other work). A step scoring k + 1 rows costs at least a plain step."""
+    profile = CostProfile("m", "fp32", "cpu", 2, contexts=[100], sizes=[1, 2, 4], step_ms=[[10, 11, 13]],
+                          drafters={"ngram": 0.0}, head_ms=2.0, head_next_ms=2.0, head_sizes=[1, 2, 4],
+                          head_full_ms=[2.0, 30.0, 40.0])
+    costs = CostModel(profile, "ngram", lazy_head=True)
+    assert costs.step_cost(1, 1.0, 100) == (1.0, True)
+    policy = CostAwareK(costs, k_max=3, default_later=0.5)
+    policy.start(prior_alpha=0.4)
+    assert policy.choose(100) >= 0

@@ -242,7 +242,11 @@ class CostModel:
         logits on demand save where they save anything."""
         v = (table or self.v_table(context, k))[k]
         saving = self.head_saving(k, read, context)
-        return (v - saving, True) if saving > 0 else (v, False)
+        # never below one step: scoring k + 1 rows and reading at least one row's logits
+        # costs what a plain step does at least. A profile measured while the machine was
+        # busy (a head pass over 2 rows timed at a stall) gave a negative cost, and the
+        # policy stopped the request with an error (found in a test run beside other work)
+        return (max(v - saving, 1.0), True) if saving > 0 else (v, False)
 
     @property
     def c(self) -> float:

@@ -11,3 +11,13 @@ def device_label(device) -> str:
     if device.type == "cuda":
         return f" on {torch.cuda.get_device_name(device)}"
     return "" if device.type == "cpu" else f" on {device.type}"
+
+
+def synchronize(device) -> None:
+    """Wait until ``device`` has run what was queued on it, so that a timer read next
+    charges a pass its own work: on a GPU a forward pass returns once its kernels are
+    queued. Nothing on the CPU, where every call has finished when it returns."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)

@@ -43,6 +43,9 @@ class EagleProposer:
             raise SpecDecodeError(f"tree width must be >= 1, got {tree_width}")
         self.head = head.eval().requires_grad_(False)
         self.device = head.d2t.device  # the head's (the factory puts it on the target's device)
+        # draft -> target ids as a list: indexing the tensor per drafted token cost a device
+        # round trip each on a GPU (about 40 a step for a tree)
+        self.d2t = head.d2t.tolist()
         self.tree_width = tree_width
         self.layer = None  # the decoder layer as one kernel call (KernelHeadLayer), where it loads
         if kernels and self.device.type == "cpu" and head.use_kernels():
@@ -158,11 +161,11 @@ class EagleProposer:
         draft_ids, draft_probs = [], []
         for depth in range(k):
             if params.greedy:
-                token = int(head.d2t[logits.argmax()])
+                token = self.d2t[int(logits.argmax())]
             else:
                 probs = logits_to_probs(logits, params)
                 index = int(sample(probs, generator))
-                token = int(head.d2t[index])
+                token = self.d2t[index]
                 draft_probs.append(torch.zeros(vocab, device=self.device).index_copy_(0, head.d2t, probs))
             draft_ids.append(token)
             if depth < k - 1:
@@ -201,7 +204,7 @@ class EagleProposer:
                 if value == float("-inf"):
                     continue
                 scores.append(base + value)
-                tokens_of.append(int(head.d2t[index]))
+                tokens_of.append(self.d2t[index])
                 parent_of.append(parent)
                 depth_of.append(depth)
 

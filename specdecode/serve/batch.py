@@ -55,6 +55,7 @@ import torch
 from ..config import SamplingParams, SpecDecodeError
 from ..engine import check_prompt, commit_tokens, verify_chain
 from ..metrics import GenerationStats
+from ..models import synchronize
 from ..proposers.base import Proposal
 from ..text import TextTracker
 from ..verify.sampling import PositionUniforms
@@ -464,6 +465,7 @@ class BatchEngine:
         features = self._features(sequence, out[1] if layers else None, layers)
         if features is not None:
             sequence.proposer.observe(begin, features[0], sequence.tokens)
+        synchronize(self.runtime.device)  # a GPU's chunk is charged here, not to the next row's drafting
         sequence.prefilled = end
         sequence.stats.prefill_seconds += time.perf_counter() - started
 
@@ -503,6 +505,7 @@ class BatchEngine:
         out = self.runtime.forward_rows(inputs, [s.cache_row for s in rows], [len(s.tokens) - 1 for s in rows],
                                         capture=layers, threads=threads)
         logits, features = (out[0], out[1]) if layers else (out, None)
+        synchronize(self.runtime.device)  # the pass's time, not the time to queue it on a GPU
         scored = time.perf_counter()
         if chooser is not None:
             chooser.observe(threads, len(rows), width, context, (scored - drafted) * 1e3)
