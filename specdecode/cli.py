@@ -37,7 +37,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", default=None, help="token store directory for --method suffix (default: the store shipped for the default model)")
     parser.add_argument("--head", default=None, help="EAGLE head directory for --method eagle (default: the head shipped for the default model)")
     parser.add_argument("--tree-width", type=int, default=None, help="--method eagle/tree: children per expanded node of the head's dynamic tree of --k nodes (default 3; 1 drafts chains; bench spec eagle@6x3)")
-    parser.add_argument("--ngram-sizes", default="3,2,1", help="n-gram sizes tried by --method ngram, longest first")
+    parser.add_argument("--ngram-sizes", default="3,2,1", help="n-gram sizes of the request's own text tried by --method ngram, suffix and tree, longest first")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 
 
@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--remeasure", action="store_true", help="measure again even if a cached profile exists")
     prof.add_argument("--json", action="store_true", help="print the profile as JSON")
     _add_model_args(prof)
+    for action in prof._actions:  # accepted only to be refused by name (cmd_profile): not listed
+        if set(action.option_strings) & {"--k", "--k-policy", "--k-max", "--store", "--head", "--tree-width"}:
+            action.help = argparse.SUPPRESS
 
     ana = verbs.add_parser("analyze", help="per prompt and category: acceptance, predicted and measured speedup, recommendations")
     ana.add_argument("--prompts", default=None, help="JSONL (Spec-Bench or {prompt, category}); default: our suite")
@@ -171,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--schedule", default="fcfs", choices=["fcfs", "task"], help="admission order: arrival, or requests of the running rows' task type first (docs/serving.md)")
     srv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="start a prompt from the longest prefix it shares with a cache row (a system prompt, earlier turns) instead of prefilling it again; on by default, as in vLLM (docs/serving.md)")
     srv.add_argument("--prefill-threads", type=int, default=None, help="kernel threads for prefill chunks (default: every core when --threads is left to its default, else --threads): a chunk is long and compute bound, so it may use the core the front end keeps")
-    srv.add_argument("--audit-rate", type=float, default=0.0, help="fraction of greedy speculative requests re-run plainly when idle and compared (/metrics)")
+    srv.add_argument("--audit-rate", type=float, default=0.0, help="fraction of speculative requests (greedy, and seeded sampled ones whose drafter does not sample) re-run plainly when idle and compared (/metrics)")
     srv.add_argument("--replicas", type=int, default=None, help="serve N replicas of the engine behind Ray Serve's proxy (pip install 'specdecode[ray]'; docs/serving.md)")
     srv.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     srv.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"])
@@ -387,7 +390,7 @@ def cmd_profile(args) -> int:
                                                        ("--k-max", args.k_max, 10)) if value != default]
     if policy_flags:  # it measures what passes cost; no k is chosen here
         raise SpecDecodeError(f"profile measures costs and chooses no k: {', '.join(policy_flags)} would be ignored "
-                              "(they are for generate, bench and serve)")
+                              "(they are for generate and bench; serve takes them in --speculative-config)")
     specs = [_spec_config(args, method, k="1") for method in methods]
     _set_threads(engine_config)
     log(f"loading {args.model} ({args.dtype})")

@@ -333,7 +333,7 @@ def bench_serve(prompts: list[dict], concurrency: list[int], rate: float | None,
     if rounds > 1 or len(modes) > 1:
         print_summary(summary, rounds)
     if audit["audit_requests_total"]:
-        print(f"audit: {audit['audit_requests_total']:.0f} greedy requests re-decoded plainly, "
+        print(f"audit: {audit['audit_requests_total']:.0f} requests re-decoded plainly, "
               f"{audit['audit_mismatches_total']:.0f} differed")
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
