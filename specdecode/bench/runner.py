@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from ..config import ConfigError, EngineConfig, SpecDecodeError
+from ..control.policies import FixedK
 from ..prompts import load_prompts
 from .peers import PEERS, build_peer
 from .plots import plot_bench
@@ -87,6 +88,15 @@ def check_repeats(repeats: int, params) -> None:
         raise ConfigError("--repeats with sampling needs --seed, so that every repeat decodes the same text")
 
 
+def _repeats_must_agree(engine) -> bool:
+    """Whether greedy repeats of one request must decode the same tokens on ``engine``
+    (run_records): on a batch-invariant runtime, or where k is not adaptive."""
+    if getattr(getattr(engine, "target", None), "exact", False):
+        return True
+    policy = getattr(engine, "policy", None)
+    return getattr(engine, "proposer", None) is None or policy is None or isinstance(policy, (int, FixedK))
+
+
 def run_records(engines: dict, prompts: list[dict], encoded: list[list[int]], params, eos_ids,
                 desc: str = "bench", repeats: int = 1) -> list[dict]:
     """Every prompt through every engine; the first engine ('none') is the baseline that
@@ -99,9 +109,10 @@ def run_records(engines: dict, prompts: list[dict], encoded: list[list[int]], pa
     ``repeats`` > 1 runs each prompt's round of engines that many times and keeps, per
     engine, the fastest run (as timeit does: a stall of the machine only ever adds time).
     Every repeat is the same request: with sampling, ``params.seed`` must be set. Greedy
-    repeats on a batch-invariant runtime (``exact``) must decode the same tokens (else it
-    is a bug, raised). Other repeats may not where k is adaptive: what the policy learnt in
-    between moves k; sampled draws follow the drafts, and without batch invariance (the
+    repeats must decode the same tokens (else it is a bug, raised) on a batch-invariant
+    runtime (``exact``) and wherever every repeat scores the same rows (plain decoding, a
+    fixed k, the peers). Other repeats may not where k is adaptive: what the policy learnt
+    in between moves k; sampled draws follow the drafts, and without batch invariance (the
     torch backend, a GPU) scoring a different number of rows can flip a near-tie. The
     record then says ``repeats_identical: false``."""
     check_repeats(repeats, params)
@@ -120,7 +131,7 @@ def run_records(engines: dict, prompts: list[dict], encoded: list[list[int]], pa
             record = min(attempts, key=lambda r: r["seconds"])
             token_ids = record.pop("token_ids")
             if any(r["token_ids"] != token_ids for r in attempts if r is not record):
-                if params.greedy and getattr(getattr(engines[label], "target", None), "exact", False):
+                if params.greedy and _repeats_must_agree(engines[label]):
                     raise SpecDecodeError(f"{label} decoded different tokens on repeats of {prompt['question_id']}")
                 record["repeats_identical"] = False
             if repeats > 1:

@@ -234,6 +234,11 @@ class CostModel:
         full = self._tables.get(("head pass", k))
         if full is None:
             full = self._tables[("head pass", k)] = self.profile.head_pass_ms(k + 1)
+        step = self._tables.get(("ms", bucket, k + 1))
+        if step is None:
+            step = self._tables[("ms", bucket, k + 1)] = self.profile.time_ms(k + 1, bucket)
+        if full >= step:  # a head pass dearer than the whole step it is part of: timed at a stall
+            return 0.0
         return (full - self.profile.lazy_head_ms(read, k + 1)) / single
 
     def step_cost(self, k: int, read: float, context: int, table: list[float] | None = None) -> tuple[float, bool]:
@@ -243,9 +248,9 @@ class CostModel:
         v = (table or self.v_table(context, k))[k]
         saving = self.head_saving(k, read, context)
         # never below one step: scoring k + 1 rows and reading at least one row's logits
-        # costs what a plain step does at least. A profile measured while the machine was
-        # busy (a head pass over 2 rows timed at a stall) gave a negative cost, and the
-        # policy stopped the request with an error (found in a test run beside other work)
+        # costs what a plain step does at least (a last guard: a profile measured while the
+        # machine was busy gave a negative cost, and the policy stopped the request with an
+        # error; head_saving now also refuses a head pass timed above its whole step)
         return (max(v - saving, 1.0), True) if saving > 0 else (v, False)
 
     @property

@@ -155,8 +155,7 @@ class Router:
         record = self.records.get(f"{task}/{drafter}")
         if record is not None and record.weight >= 1.0:
             return record.alpha
-        # a drafter with non-default n-gram sizes ('ngram n=2,1') starts from its family's guess
-        return DEFAULT_PRIORS.get(drafter.split(" ")[0], {}).get(task)
+        return DEFAULT_PRIORS.get(drafter, {}).get(task)
 
     def route(self, prompt: str, method: str = "ngram", drafter: str = "ngram") -> Route:
         """Method and prior for ``prompt``. ``method``/``drafter``: the configured

@@ -14,7 +14,7 @@ Nothing is ever fetched from a model hub.
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import glob
 import hashlib
 import importlib.util
 import json
@@ -165,16 +165,30 @@ def _conversion_lock(target: Path):
 
     Without it, processes converting the same GGUF at once (pytest-xdist workers, two
     servers) each removed the directory that another had just finished and was reading.
-    Staging directories of a converter that was killed are removed here, under the lock."""
+    Staging directories of a converter that was killed are removed here, under the lock.
+    Where the lock cannot be taken (no fcntl, a file system without flock), the conversion
+    goes on without it and without that sweep, as before the lock existed."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    # read-only and created if missing: a lock file left by another user of a shared cache
+    # can still be locked (opening it for writing was refused)
+    handle = os.open(target.parent / f".{target.name}.lock", os.O_RDONLY | os.O_CREAT, 0o666)
+    try:
         try:
-            for leftover in target.parent.glob(f".convert-{target.name}-*"):
-                shutil.rmtree(leftover, ignore_errors=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError as error:
+            log.warning("cannot lock %s (%s); converting without the lock", target, error)
             yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            return
+        for leftover in target.parent.glob(f".convert-{glob.escape(target.name)}-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        yield
+    finally:
+        os.close(handle)  # releases the lock
 
 
 def _conversion_valid(target: Path, source_sha: str) -> bool:
