@@ -267,13 +267,11 @@ def drafter_key(spec: SpeculativeConfig) -> str:
     differs (calibrated with (3, 2, 1), ``--ngram-sizes 1`` started from those rates)."""
     sizes = tuple(sorted(set(spec.ngram_sizes), reverse=True))
     mark_sizes = "" if sizes == DEFAULT_NGRAM_SIZES else f" n={','.join(map(str, sizes))}"
-    if spec.method == "eagle":
+    if spec.method in ("eagle", "tree"):  # the head alone (eagle) looks up no n-grams
         mark = _fingerprint_mark(Path(spec.draft or DEFAULT_EAGLE_HEAD) / "model.safetensors")
-        return f"eagle:{spec.draft or 'default'}{mark}" + (f" width {spec.tree_width}" if spec.tree_width > 1 else "")
-    if spec.method == "tree":
-        mark = _fingerprint_mark(Path(spec.draft or DEFAULT_EAGLE_HEAD) / "model.safetensors")
-        return (f"tree:{spec.draft or 'default'}{mark}" + (f" width {spec.tree_width}" if spec.tree_width > 1 else "")
-                + mark_sizes)
+        return (f"{spec.method}:{spec.draft or 'default'}{mark}"
+                + (f" width {spec.tree_width}" if spec.tree_width > 1 else "")
+                + (mark_sizes if spec.method == "tree" else ""))
     if spec.method == "suffix":
         mark = _fingerprint_mark(Path(spec.draft or DEFAULT_TOKEN_STORE) / "tokens.safetensors")
         return f"suffix:{spec.draft or 'default'}{mark}{mark_sizes}"
