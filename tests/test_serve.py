@@ -460,3 +460,41 @@ def test_router_learns_only_from_requests_decoded_alone():
     record = router.records["code/ngram"]
     # plain steps priced at the middle of the output (3 + 50 tokens); not 100 * 5 ms / 4.8 s
     assert record.speedup == pytest.approx(100 * 5.053 / 1e3 / 0.3)
+
+
+def test_per_task_metrics_follow_vllms_definitions():
+    """Found in review against vLLM's metrics: the mean accepted length counted plain
+    passes (1 + accepted / drafts is over steps that drafted); the drift window held every
+    drafted token while its prior is the first draft's rate (it read about 0.8 where
+    nothing had changed); inter-token latency was observed once per token, each a share of
+    the step's gap (vLLM observes the gap once per step); the seconds saved counted a
+    request's wait for a row as decode time."""
+    from types import SimpleNamespace
+
+    from specdecode.metrics import GenerationStats
+    from specdecode.serve.app import SpeculationChoices
+    from specdecode.serve.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+
+    def value(name, **labels):
+        return metrics.registry.get_sample_value("specdecode:" + name, {"model_name": "m", **labels})
+
+    for _ in range(10):
+        metrics.step(3, 1, "code")  # every step's first draft accepted, the second never
+        metrics.step(0, 0, "code")  # a plain pass beside them
+    assert value("task_mean_accepted_length", task_type="code") == pytest.approx(2.0)
+    assert value("task_acceptance_rate", task_type="code") == pytest.approx(1 / 3)
+    assert metrics.drift_ratio("code", 1.0) == pytest.approx(1.0)
+    metrics.step(0, 0, "plain-only")  # a task that never drafted reports no acceptance
+    assert value("task_acceptance_rate", task_type="plain-only") is None
+    metrics.token_gap(0.03)  # one step that brought 4 tokens
+    assert value("inter_token_latency_seconds_count") == 1
+    assert value("inter_token_latency_seconds_sum") == pytest.approx(0.03)
+
+    choices = SpeculationChoices.__new__(SpeculationChoices)
+    choices.profile = SimpleNamespace(time_ms=lambda tokens, context: 10.0)
+    stats = GenerationStats(new_tokens=20, wall_seconds=5.0, prefill_seconds=0.05, draft_seconds=0.01,
+                            verify_seconds=0.12)  # 4.8 s of it waiting for a row
+    sequence = SimpleNamespace(proposer=object(), stats=stats, prompt_ids=[1] * 10)
+    assert choices.seconds_saved(sequence) == pytest.approx(20 * 0.010 - 0.13)

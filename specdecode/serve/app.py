@@ -207,7 +207,9 @@ class ServerState:
             except Exception:  # never let the thread die: fail the batch, keep serving
                 logger.exception("engine step failed; aborting the running requests")
                 finished = self._fail_all()
-            self.metrics.queue(engine.num_running, engine.num_waiting)
+            # the audit's plain re-runs are not user traffic
+            self.metrics.queue(sum(getattr(s, "audit_of", None) is None for s in engine.running),
+                               sum(getattr(s, "audit_of", None) is None for s in engine.waiting))
             if engine.decode_threads is not None:
                 self.metrics.kernel_threads(engine.decode_threads.preferred)
             for sequence in finished:
@@ -271,7 +273,7 @@ class ServerState:
             if output.finish_reason != "abort":
                 self.metrics.step(output.drafted, output.accepted, sequence.task_type)
             if sequence.last_emit is not None and output.token_ids:
-                self.metrics.token_gap(now - sequence.last_emit, len(output.token_ids))
+                self.metrics.token_gap(now - sequence.last_emit)
             sequence.last_emit = now
             loop.call_soon_threadsafe(queue.put_nowait, (index, output))
 
@@ -352,7 +354,7 @@ class SpeculationChoices:
         stats = sequence.stats
         context = len(sequence.prompt_ids) + stats.new_tokens // 2
         plain = stats.new_tokens * self.profile.time_ms(1, context) / 1000
-        return plain - (stats.wall_seconds - stats.prefill_seconds)
+        return plain - (stats.draft_seconds + stats.verify_seconds)  # not its wait for a row
 
     def observe(self, sequence: Sequence, metrics: ServerMetrics) -> None:
         if sequence.proposer is None:
