@@ -498,3 +498,36 @@ def test_per_task_metrics_follow_vllms_definitions():
                             verify_seconds=0.12)  # 4.8 s of it waiting for a row
     sequence = SimpleNamespace(proposer=object(), stats=stats, prompt_ids=[1] * 10)
     assert choices.seconds_saved(sequence) == pytest.approx(20 * 0.010 - 0.13)
+
+
+def test_stream_chunks_and_refusals_follow_vllm(served):
+    """Found in review: the chat role went out in a chunk of its own before any token, so
+    `vllm bench serve` (TTFT at the first chunk with choices) timed it as the first token,
+    and the finish reason came in a chunk after the last text (one more, near-zero ITL);
+    `logprobs: 0` (the chosen tokens' logprobs) and `stream_options.continuous_usage_stats`
+    were accepted and ignored; `echo` on chat put the user's text in the reply, unstreamed
+    only; a message's text parts were joined without vLLM's newline."""
+    client, state, target = served
+    body = {"messages": [{"role": "user", "content": "xyzxyz"}], "max_tokens": 5, "temperature": 0, "stream": True}
+    events = [json.loads(line[6:]) for line in client.post("/v1/chat/completions", json=body).text.splitlines()
+              if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert deltas[0]["role"] == "assistant" and deltas[0]["content"]  # the role with the first text
+    assert all("role" not in d for d in deltas[1:]) and all(d.get("content") for d in deltas[:-1])
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    whole = client.post("/v1/chat/completions", json={**body, "stream": False}).json()
+    assert "".join(d.get("content", "") for d in deltas) == whole["choices"][0]["message"]["content"]
+    for extra, param in (({"logprobs": 0}, "logprobs"), ({"prompt_logprobs": 0}, "prompt_logprobs"),
+                         ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+                         ({"stream": True, "stream_options": {"unknown_option": 1}}, None)):
+        response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **extra})
+        assert response.status_code == 400, extra
+        assert param is None or response.json()["error"]["param"] == param
+    assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": None}).status_code == 200
+    response = client.post("/v1/chat/completions", json={**body, "stream": False, "echo": True})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "echo"
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "text", "text": "cd"}]}],
+             "max_tokens": 1}
+    joined = {"messages": [{"role": "user", "content": "ab\ncd"}], "max_tokens": 1}
+    assert (client.post("/v1/chat/completions", json=parts).json()["usage"]["prompt_tokens"]
+            == client.post("/v1/chat/completions", json=joined).json()["usage"]["prompt_tokens"])

@@ -78,11 +78,11 @@ class SpeculativeOptions(BaseModel):
 # runs, any other value is refused by name (accepted and ignored, it would give a silently
 # different answer)
 UNSUPPORTED_DEFAULTS = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+    "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
     "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "repetition_penalty": (None, 1),
     "min_p": (None, 0), "min_tokens": (None, 0), "best_of": (None, 1), "response_format": (None, {"type": "text"}),
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
-    "function_call": (None, "none", "auto"), "prediction": (None,), "prompt_logprobs": (None, 0),
+    "function_call": (None, "none", "auto"), "prediction": (None,), "prompt_logprobs": (None,),
     # vLLM's own sampling and output parameters
     "stop_token_ids": (None, []), "include_stop_str_in_output": (None, False), "allowed_token_ids": (None, []),
     "bad_words": (None, []), "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
@@ -94,8 +94,16 @@ UNSUPPORTED_DEFAULTS = {
 }
 
 
+def _is_default(value, defaults: tuple) -> bool:
+    """``value`` is one of ``defaults``, a bool only where a bool is: ``logprobs: 0`` asks
+    for the chosen tokens' logprobs in OpenAI's completions, yet ``0 == False``."""
+    return any(value is d or (isinstance(value, bool) == isinstance(d, bool) and value == d) for d in defaults)
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an option not known here is refused, not ignored
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; refused when true (sampling())
 
 
 class _Common(BaseModel):
@@ -116,10 +124,13 @@ class _Common(BaseModel):
     def sampling(self, max_tokens: int) -> SamplingParams:
         extra = self.model_extra or {}  # the keys this model does not declare
         for name, defaults in UNSUPPORTED_DEFAULTS.items():
-            if extra.get(name) not in defaults:
+            if not _is_default(extra.get(name), defaults):
                 raise APIError(400, f"{name} is not supported by this server (only its default)", param=name)
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise APIError(400, "stream_options.continuous_usage_stats is not supported by this server",
+                           param="stream_options")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stop):
             raise APIError(400, "stop strings must be non-empty", param="stop")
@@ -151,7 +162,7 @@ class ChatMessage(BaseModel):
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise APIError(400, "only text content parts are supported", param="messages")
             parts.append(part["text"])
-        return "".join(parts)
+        return "\n".join(parts)  # as vLLM joins a message's text parts
 
 
 class ChatRequest(_Common):
@@ -508,6 +519,8 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
                                 f"were requested ({len(prompt_ids)} in the prompt, {max_tokens} to generate); "
                                 "reduce the prompt or max_tokens", param="max_tokens", code="context_length_exceeded")
         echo = ""
+        if chat and getattr(body, "echo", False):  # OpenAI refuses it; vLLM's differs (the last assistant message)
+            raise APIError(400, "echo is only supported for completions", param="echo")
         if getattr(body, "echo", False):
             echo = prompt_text or (tokenizer.decode(prompt_ids) if tokenizer is not None else "")
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -586,9 +599,14 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(index: int, text: str | None, finish: str | None, first: bool = False) -> dict:
+        announced: set[int] = set()  # chat choices whose first chunk (with the role) went out
+
+        def chunk(index: int, text: str | None, finish: str | None) -> dict:
             if chat:
-                delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+                delta = {} if text is None else {"content": text}
+                if index not in announced:  # the role rides with the choice's first output, as in vLLM:
+                    announced.add(index)    # a client timing its first token reads that chunk
+                    delta = {"role": "assistant", "content": text or ""}
                 choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
             else:
                 choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
@@ -598,10 +616,8 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
             return body
 
         try:
-            for index in range(len(sequences)):
-                if chat:
-                    yield _sse(chunk(index, None, None, first=True))
-                elif echo:
+            if echo:  # completions only
+                for index in range(len(sequences)):
                     yield _sse(chunk(index, echo, None))
             done = 0
             while done < len(sequences):
@@ -615,9 +631,7 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
                     yield _sse({"error": {"message": sequence.error, "type": "server_error", "param": None,
                                           "code": None}})
                     break
-                if output.text:
-                    yield _sse(chunk(index, output.text, None))
-                final = chunk(index, None, output.finish_reason)
+                final = chunk(index, output.text or None, output.finish_reason)  # the last text with the reason
                 final["speculative"] = speculation_summary([sequence])
                 yield _sse(final)
                 done += 1
