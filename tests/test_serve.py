@@ -531,3 +531,26 @@ def test_stream_chunks_and_refusals_follow_vllm(served):
     joined = {"messages": [{"role": "user", "content": "ab\ncd"}], "max_tokens": 1}
     assert (client.post("/v1/chat/completions", json=parts).json()["usage"]["prompt_tokens"]
             == client.post("/v1/chat/completions", json=joined).json()["usage"]["prompt_tokens"])
+
+
+def test_bench_serve_reports_what_vllm_bench_serve_does():
+    """bench-serve scraped the number of drafts but reported neither the mean acceptance
+    length (1 + accepted / drafts) nor the acceptance per position, which `vllm bench
+    serve` prints (found in review); and a finish reason's series appeared only once used."""
+    from specdecode.bench.serve import acceptance_figures, scrape
+    from specdecode.serve.metrics import ServerMetrics
+    from prometheus_client import generate_latest
+
+    metrics = ServerMetrics("m")
+    before = scrape(generate_latest(metrics.registry).decode())
+    assert metrics.registry.get_sample_value("specdecode:request_success_total",
+                                             {"model_name": "m", "finished_reason": "length"}) == 0
+    for drafted, accepted in ((3, 3), (3, 1), (3, 0), (0, 0)):
+        metrics.step(drafted, accepted, "code")
+    after = scrape(generate_latest(metrics.registry).decode())
+    figures = acceptance_figures(before, after)
+    assert figures["drafts"] == 3 and figures["draft_tokens"] == 9 and figures["accepted_tokens"] == 4
+    assert figures["acceptance_rate"] == pytest.approx(4 / 9)
+    assert figures["mean_acceptance_length"] == pytest.approx(1 + 4 / 3)
+    assert figures["acceptance_per_position"] == pytest.approx([2 / 3, 1 / 3, 1 / 3])
+    assert acceptance_figures(before, before)["mean_acceptance_length"] is None

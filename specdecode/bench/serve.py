@@ -48,8 +48,12 @@ def summarize(values: list[float]) -> dict:
             "p99": percentile(values, 99)}
 
 
+PER_POSITION = "spec_decode_num_accepted_tokens_per_pos_total"
+
+
 def scrape(text: str) -> dict[str, float]:
-    """The speculative counters of a Prometheus exposition (summed over labels)."""
+    """The speculative counters of a Prometheus exposition (summed over labels), and the
+    accepted tokens per draft position as ``per_pos/<position>``."""
     wanted = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
               "spec_decode_num_accepted_tokens_total", "generation_tokens_total", "audit_requests_total",
               "audit_mismatches_total", "num_requests_running")
@@ -60,7 +64,26 @@ def scrape(text: str) -> dict[str, float]:
         name = line.split("{", 1)[0].split(" ", 1)[0].split(":", 1)[-1]
         if name in totals:
             totals[name] += float(line.rsplit(" ", 1)[1])
+        elif name == PER_POSITION and 'position="' in line:
+            key = "per_pos/" + line.split('position="', 1)[1].split('"', 1)[0]
+            totals[key] = totals.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return totals
+
+
+def acceptance_figures(before: dict[str, float], after: dict[str, float]) -> dict:
+    """What `vllm bench serve` reports of speculation between two scrapes: the acceptance
+    rate (accepted / draft tokens), the mean acceptance length (1 + accepted / drafts) and
+    the acceptance rate per draft position (accepted there / drafts)."""
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    drafts, drafted = delta("spec_decode_num_drafts_total"), delta("spec_decode_num_draft_tokens_total")
+    accepted = delta("spec_decode_num_accepted_tokens_total")
+    positions = sorted(int(k.split("/", 1)[1]) for k in after if k.startswith("per_pos/"))
+    return {"drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "acceptance_per_position": [delta(f"per_pos/{p}") / drafts for p in positions] if drafts else []}
 
 
 async def one_request(client, url: str, model: str, prompt: str, max_tokens: int, mode: str, results: list) -> None:
@@ -122,8 +145,6 @@ async def run_level(url: str, model: str, prompts: list[str], max_tokens: int, m
         wall = time.perf_counter() - started
         after = scrape((await client.get(f"{url}/metrics")).text)
     done = [r for r in results if r["error"] is None]
-    drafted = after["spec_decode_num_draft_tokens_total"] - before["spec_decode_num_draft_tokens_total"]
-    accepted = after["spec_decode_num_accepted_tokens_total"] - before["spec_decode_num_accepted_tokens_total"]
     output_tokens = sum(r["tokens"] for r in done)
     return {
         "mode": mode, "concurrency": concurrency, "request_rate": rate, "requests": len(results),
@@ -134,8 +155,7 @@ async def run_level(url: str, model: str, prompts: list[str], max_tokens: int, m
         "tpot": summarize([r["tpot"] for r in done if r["tpot"] is not None]),
         "itl": summarize([g for r in done for g in r["itl"]]),
         "e2e": summarize([r["e2e"] for r in done]),
-        "draft_tokens": drafted, "accepted_tokens": accepted,
-        "acceptance_rate": accepted / drafted if drafted else None,
+        **acceptance_figures(before, after),
     }
 
 
@@ -236,15 +256,16 @@ def print_summary(summary: list[dict], rounds: int) -> None:
 def print_table(rows: list[dict]) -> None:
     header = (f"{'round':>5} {'mode':<6} {'conc':>5} {'rate':>5} {'req':>4} {'fail':>4} {'req/s':>6} {'tok/s':>7} "
               f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'ITL p50':>8} {'ITL p99':>8} {'E2E p50':>8} "
-              f"{'alpha':>6}")
+              f"{'alpha':>6} {'MAL':>5}")
     print(header)
     for r in rows:
         alpha = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
+        length = "-" if r.get("mean_acceptance_length") is None else f"{r['mean_acceptance_length']:.2f}"
         print(f"{r.get('round', 0):>5} {r['mode']:<6} {r['concurrency'] or '-':>5} {r['request_rate'] or '-':>5} {r['requests']:>4} "
               f"{r['failed']:>4} {r['request_throughput']:>6.2f} {r['output_throughput']:>7.1f} "
               f"{r['ttft']['p50'] * 1000:>7.0f}ms {r['ttft']['p99'] * 1000:>7.0f}ms "
               f"{r['tpot']['p50'] * 1000:>7.1f}ms {r['itl']['p50'] * 1000:>6.1f}ms {r['itl']['p99'] * 1000:>6.1f}ms "
-              f"{r['e2e']['p50']:>7.2f}s {alpha:>6}")
+              f"{r['e2e']['p50']:>7.2f}s {alpha:>6} {length:>5}")
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -86,6 +86,8 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self._task_totals: dict[str, list[float]] = {}  # task -> [drafted, accepted, passes, tokens]
         self._windows: dict[str, deque] = {}
+        for reason in ("stop", "length", "abort"):  # every reason's series from the start, at 0, as vLLM
+            self.labels(self.success, finished_reason=reason)
 
     def labels(self, metric, **labels):
         return metric.labels(model_name=self.model_name, **labels)
