@@ -541,8 +541,10 @@ def test_bench_serve_reports_what_vllm_bench_serve_does():
     from specdecode.serve.metrics import ServerMetrics
     from prometheus_client import generate_latest
 
-    metrics = ServerMetrics("m")
+    metrics = ServerMetrics("m", positions=4)
     before = scrape(generate_latest(metrics.registry).decode())
+    assert metrics.registry.get_sample_value("specdecode:spec_decode_num_accepted_tokens_per_pos_total",
+                                             {"model_name": "m", "position": "3"}) == 0
     assert metrics.registry.get_sample_value("specdecode:request_success_total",
                                              {"model_name": "m", "finished_reason": "length"}) == 0
     for drafted, accepted in ((3, 3), (3, 1), (3, 0), (0, 0)):
@@ -552,5 +554,5 @@ def test_bench_serve_reports_what_vllm_bench_serve_does():
     assert figures["drafts"] == 3 and figures["draft_tokens"] == 9 and figures["accepted_tokens"] == 4
     assert figures["acceptance_rate"] == pytest.approx(4 / 9)
     assert figures["mean_acceptance_length"] == pytest.approx(1 + 4 / 3)
-    assert figures["acceptance_per_position"] == pytest.approx([2 / 3, 1 / 3, 1 / 3])
+    assert figures["acceptance_per_position"] == pytest.approx([2 / 3, 1 / 3, 1 / 3, 0])
     assert acceptance_figures(before, before)["mean_acceptance_length"] is None

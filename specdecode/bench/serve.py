@@ -138,9 +138,10 @@ async def run_level(url: str, model: str, prompts: list[str], max_tokens: int, m
             await asyncio.gather(*(worker() for _ in range(concurrency)))
         else:
             rng, tasks = random.Random(seed), []
-            for prompt in prompts:
+            for i, prompt in enumerate(prompts):
                 tasks.append(asyncio.create_task(one_request(client, url, model, prompt, max_tokens, mode, results)))
-                await asyncio.sleep(rng.expovariate(rate))
+                if i < len(prompts) - 1:  # gaps between arrivals only: none after the last (it stretched the wall time)
+                    await asyncio.sleep(rng.expovariate(rate))
             await asyncio.gather(*tasks)
         wall = time.perf_counter() - started
         after = scrape((await client.get(f"{url}/metrics")).text)

@@ -38,7 +38,9 @@ DRIFT_WINDOW = 512  # drafted steps per task in the drift window
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, positions: int = 0):
+        """``positions``: the most draft tokens a step may score; their per-position series
+        exist from the start, at 0, as vLLM creates them."""
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         r, m = self.registry, ["model_name"]
@@ -88,6 +90,8 @@ class ServerMetrics:
         self._windows: dict[str, deque] = {}
         for reason in ("stop", "length", "abort"):  # every reason's series from the start, at 0, as vLLM
             self.labels(self.success, finished_reason=reason)
+        for position in range(positions):
+            self.labels(self.accepted_per_pos, position=str(position))
 
     def labels(self, metric, **labels):
         return metric.labels(model_name=self.model_name, **labels)
