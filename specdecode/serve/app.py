@@ -218,9 +218,7 @@ class ServerState:
             except Exception:  # never let the thread die: fail the batch, keep serving
                 logger.exception("engine step failed; aborting the running requests")
                 finished = self._fail_all()
-            # the audit's plain re-runs are not user traffic
-            self.metrics.queue(sum(getattr(s, "audit_of", None) is None for s in engine.running),
-                               sum(getattr(s, "audit_of", None) is None for s in engine.waiting))
+            self._report_queue()
             if engine.decode_threads is not None:
                 self.metrics.kernel_threads(engine.decode_threads.preferred)
             for sequence in finished:
@@ -228,6 +226,13 @@ class ServerState:
                     self._finished(sequence)
                 except Exception:
                     logger.exception("reporting finished request %s failed", sequence.request_id)
+
+    def _report_queue(self) -> None:
+        """The running and waiting gauges: user requests only (the audit's plain re-runs
+        are not traffic), from the engine thread and from each submission (which reads a copy
+        of the engine's lists: the engine thread may change them meanwhile)."""
+        user = lambda sequences: sum(getattr(s, "audit_of", None) is None for s in list(sequences))  # noqa: E731
+        self.metrics.queue(user(self.engine.running), user(self.engine.waiting))
 
     def _fail_all(self) -> list[Sequence]:
         engine, failed = self.engine, []
@@ -291,7 +296,7 @@ class ServerState:
         sequence = self.engine.add(prompt_ids, params, request_id, speculate=plan.speculate, proposer=plan.proposer,
                                    policy=plan.policy, listener=listener, prior_alpha=plan.prior,
                                    task_type=plan.task, method=plan.method)
-        self.metrics.queue(self.engine.num_running, self.engine.num_waiting)
+        self._report_queue()
         self.wakeup.set()
         return sequence
 

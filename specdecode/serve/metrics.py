@@ -86,7 +86,7 @@ class ServerMetrics:
         self.audit_checked = counter("audit_requests", "Greedy requests re-run with plain decoding and compared")
         self.audit_mismatch = counter("audit_mismatches", "Audited requests whose output differed from plain decoding")
         self._lock = threading.Lock()
-        self._task_totals: dict[str, list[float]] = {}  # task -> [drafted, accepted, passes, tokens]
+        self._task_totals: dict[str, list[float]] = {}  # task -> [drafted, accepted, drafted steps]
         self._windows: dict[str, deque] = {}
         for reason in ("stop", "length", "abort"):  # every reason's series from the start, at 0, as vLLM
             self.labels(self.success, finished_reason=reason)
@@ -108,17 +108,16 @@ class ServerMetrics:
             return
         task = task or "unknown"
         with self._lock:
-            totals = self._task_totals.setdefault(task, [0.0, 0.0, 0.0, 0.0])
+            totals = self._task_totals.setdefault(task, [0.0, 0.0, 0.0])
             totals[0] += drafted
             totals[1] += accepted
             totals[2] += 1
-            totals[3] += accepted + 1
             # the drift window holds whether each step's first draft was accepted: the
             # calibrated prior it is compared with is the first draft's rate (a window of
             # every drafted token read about 0.8 where nothing had changed, found in review)
             self._windows.setdefault(task, deque(maxlen=DRIFT_WINDOW)).append(1 if accepted else 0)
             acceptance = totals[1] / totals[0]
-            tau = totals[3] / totals[2]
+            tau = 1 + totals[1] / totals[2]
         self.labels(self.task_drafted, task_type=task).inc(drafted)
         self.labels(self.task_accepted, task_type=task).inc(accepted)
         self.labels(self.task_acceptance, task_type=task).set(acceptance)
