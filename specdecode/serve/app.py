@@ -219,6 +219,7 @@ class ServerState:
                 logger.exception("engine step failed; aborting the running requests")
                 finished = self._fail_all()
             self._report_queue()
+            self._count_tokens(list(engine.running) + finished)
             if engine.decode_threads is not None:
                 self.metrics.kernel_threads(engine.decode_threads.preferred)
             for sequence in finished:
@@ -234,6 +235,19 @@ class ServerState:
         user = lambda sequences: sum(getattr(s, "audit_of", None) is None for s in list(sequences))  # noqa: E731
         self.metrics.queue(user(self.engine.running), user(self.engine.waiting))
 
+    def _count_tokens(self, sequences: list[Sequence]) -> None:
+        """Per step, as vLLM counts them: a request's prompt tokens and time to first token
+        once its first token is out, and the tokens each step added. The audit's re-runs are
+        not traffic."""
+        for sequence in sequences:
+            if getattr(sequence, "audit_of", None) is not None or sequence.first_token_time is None:
+                continue
+            if not sequence.counted_prompt:
+                sequence.counted_prompt = True
+                self.metrics.first_token(len(sequence.prompt_ids), sequence.first_token_time - sequence.arrival)
+            self.metrics.generated(len(sequence.generated) - sequence.counted_generated)
+            sequence.counted_generated = len(sequence.generated)
+
     def _fail_all(self) -> list[Sequence]:
         engine, failed = self.engine, []
         for sequence in list(engine.running):
@@ -248,11 +262,9 @@ class ServerState:
         if getattr(sequence, "audit_of", None) is not None:
             self.auditor.offer(sequence)
             return
-        stats = sequence.stats
-        ttft = None if sequence.first_token_time is None else sequence.first_token_time - sequence.arrival
         saved = self.speculation.seconds_saved(sequence)
-        self.metrics.finished(sequence.finish_reason, len(sequence.prompt_ids), stats.new_tokens, stats.wall_seconds,
-                              ttft, sequence.task_type, saved, sequence.cached_tokens, sequence.looked_up)
+        self.metrics.finished(sequence.finish_reason, sequence.stats.wall_seconds, sequence.task_type, saved,
+                              sequence.cached_tokens, sequence.looked_up)
         self.speculation.observe(sequence, self.metrics)
         if self.auditor is not None and sequence.finish_reason != "abort":
             self.auditor.offer(sequence)

@@ -101,6 +101,8 @@ class Sequence:
     method: str = "none"  # the drafter's method name (reports)
     error: str | None = None  # set when the engine failed the sequence
     last_emit: float | None = None  # when the server last streamed from it
+    counted_prompt: bool = False  # the server's metrics have its prompt tokens and time to first token
+    counted_generated: int = 0  # and this many of its generated tokens
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     looked_up: int = 0  # prompt tokens looked up in it (0 until the sequence gets a row)
     reuse_prefix: bool = True  # False: prefill the whole prompt (the audit's independent re-run)

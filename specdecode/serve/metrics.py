@@ -131,17 +131,24 @@ class ServerMetrics:
         self.labels(self.drift, task_type=task or "unknown").set(ratio)
         return ratio
 
-    def finished(self, reason: str, prompt_tokens: int, generated: int, e2e: float, ttft: float | None,
-                 task: str | None, saved_seconds: float | None, cached_tokens: int = 0,
-                 looked_up: int = 0) -> None:
-        self.labels(self.success, finished_reason=reason).inc()
+    def first_token(self, prompt_tokens: int, ttft: float) -> None:
+        """A request's prefill is done and its first token out: its prompt tokens and its
+        time to first token are counted then, as vLLM counts them (a request aborted while it
+        waited for a row adds neither)."""
         self.labels(self.prompt_tokens).inc(prompt_tokens)
+        self.labels(self.ttft).observe(ttft)
+
+    def generated(self, tokens: int) -> None:
+        """Tokens a step added to a request, counted at that step, as vLLM counts them."""
+        if tokens:
+            self.labels(self.generation_tokens).inc(tokens)
+
+    def finished(self, reason: str, e2e: float, task: str | None, saved_seconds: float | None,
+                 cached_tokens: int = 0, looked_up: int = 0) -> None:
+        self.labels(self.success, finished_reason=reason).inc()
         self.labels(self.prefix_queries).inc(looked_up)  # requests that never got a row looked nothing up
         self.labels(self.prefix_hits).inc(cached_tokens)
-        self.labels(self.generation_tokens).inc(generated)
         self.labels(self.e2e).observe(e2e)
-        if ttft is not None:
-            self.labels(self.ttft).observe(ttft)
         if saved_seconds is not None:
             self.labels(self.task_saved, task_type=task or "unknown").inc(saved_seconds)
 
