@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import save_tiny_model
-from specdecode.config import ConfigError, SamplingParams, SpeculativeConfig
+from specdecode.config import ConfigError, SamplingParams, SpecDecodeError, SpeculativeConfig
 from specdecode.engine import SpeculativeEngine
 from specdecode.factory import build_proposer, load_model
 from specdecode.proposers.eagle import EagleProposer
@@ -180,7 +180,7 @@ def test_head_files_round_trip_and_bad_heads_are_refused(targets, tmp_path):
         if parameter.is_floating_point():
             torch.testing.assert_close(loaded.state_dict()[name], parameter.to(torch.bfloat16).float())
     proposer = build_proposer(SpeculativeConfig(method="eagle", draft=str(tmp_path / "head")), target, None)
-    assert proposer.capture == (2, 1, 0)
+    assert proposer.capture == (0, 1, 2)  # under 7 layers: distinct and ascending, as vLLM reads them
     with pytest.raises(ConfigError, match="not a directory"):
         build_proposer(SpeculativeConfig(method="eagle", draft=str(tmp_path / "missing")), target, None)
     other = load_model(save_tiny_model(tmp_path / "wide", seed=2, num_layers=3, vocab_size=120), torch.float32)
@@ -214,7 +214,7 @@ def test_heads_export_to_vllm_layouts_and_import_back(targets, tmp_path, fmt):
                                                               2 * head.config.hidden_size)
     assert torch.equal(tensors["d2t"] + torch.arange(60), head.d2t)  # offsets: target = draft + d2t[draft]
     assert tensors["t2d"].dtype == torch.bool and int(tensors["t2d"].sum()) == 60 and bool(tensors["t2d"][head.d2t].all())
-    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 1, 0] and config["norm_before_residual"] is False
+    assert config["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2] and config["norm_before_residual"] is False
     if fmt == "eagle3":
         assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 60
         assert "embed_tokens.weight" not in tensors
@@ -230,11 +230,51 @@ def test_heads_export_to_vllm_layouts_and_import_back(targets, tmp_path, fmt):
     prompt = [5, 9, 14, 3, 7, 22, 9, 14]
     committed = prompt + [3]
     assert fresh_proposal(target, back, committed, 4) == fresh_proposal(target, ours, committed, 4)
+    # RoPE in transformers 5's layout (theta inside rope_parameters) is read, scaled RoPE refused
+    # (found in review: the top-level rope_theta alone was read, so 500000 loaded as 10000)
+    llama = config if fmt == "eagle3" else config["transformer_layer_config"]
+    llama.pop("rope_theta")
+    llama["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    (tmp_path / fmt / "config.json").write_text(json.dumps(config))
+    assert EagleHead.load(tmp_path / fmt).config.rope_theta == 500000.0
+    llama["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
+    (tmp_path / fmt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecDecodeError, match="RoPE scaling"):
+        EagleHead.load(tmp_path / fmt)
+    llama["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    # the layers it reads may sit in eagle_config, where vLLM looks for them too
+    layers = config.pop("eagle_aux_hidden_state_layer_ids")
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, 2, 1]}
+    (tmp_path / fmt / "config.json").write_text(json.dumps(config))
+    assert EagleHead.load(tmp_path / fmt, target_layers=3).config.capture_layers == (0, 2, 1)
+    config["eagle_aux_hidden_state_layer_ids"] = layers
+    # a head trained with its own embedding drafts from another model than ours would
+    config["embed_requires_grad"] = True
+    (tmp_path / fmt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecDecodeError, match="embed_requires_grad"):
+        EagleHead.load(tmp_path / fmt)
+    config["embed_requires_grad"] = False
     # a variant this head does not compute is refused by name
     config["norm_before_residual"] = True
     (tmp_path / fmt / "config.json").write_text(json.dumps(config))
     with pytest.raises(Exception, match="norm_before_residual = true"):
         EagleHead.load(tmp_path / fmt)
+
+
+def test_heads_whose_layers_vllm_would_read_in_another_order_are_not_exported(targets, tmp_path):
+    """vLLM gathers each captured layer once, in ascending order: a head that reads them in
+    another order, or one twice, would be fed other features there (found in review: small
+    targets got (2, 1, 0) and (2, 2, 1))."""
+    from specdecode.models.llama import LlamaConfig
+    from specdecode.proposers.eagle_formats import export_head
+
+    cfg = targets[0].runtime.cfg
+    assert [EagleConfig.for_target(LlamaConfig(**{**cfg.__dict__, "num_layers": n}), 8).capture_layers
+            for n in (2, 3, 4, 6, 7, 30)] == [(0, 1, 1), (0, 1, 2), (0, 2, 3), (0, 3, 5), (2, 3, 4), (2, 15, 27)]
+    head = random_head(targets[0], 2)
+    head.config.capture_layers = (2, 1, 0)
+    with pytest.raises(SpecDecodeError, match="ascending"):
+        export_head(head, tmp_path / "out", "eagle3")
 
 
 def _damaged(source, target, how: str):
@@ -326,7 +366,7 @@ def test_check_understands_heads(targets, tmp_path):
     assert check_static(target_dir, f"eagle:{tmp_path / 'head'}").compatible
     other = save_tiny_model(tmp_path / "two-layers", seed=2, num_layers=2)
     bad = check_static(str(other), str(tmp_path / "head"))
-    assert not bad.compatible and "reads the inputs of layers [2, 1, 0] of 2" in str(bad.lines)
+    assert not bad.compatible and "reads the inputs of layers [0, 1, 2] of 2" in str(bad.lines)
     assert not check_static(target_dir, f"eagle:{tmp_path / 'nothing'}").compatible
     # a head in vLLM's layouts is read as a head too (found in review: as a draft model)
     from specdecode.proposers.eagle_formats import export_head

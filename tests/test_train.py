@@ -106,6 +106,9 @@ def test_build_data_resumes_after_an_interruption(tiny_runtime, tmp_path):
 
     with pytest.raises(ConfigError, match="another --out"):
         build_data(target, cut, **{**settings, "samples": 2})
+    # the corpus in chunks of another size is not appended to the first (found in review: mixed)
+    with pytest.raises(ConfigError, match='a corpus made with {"chunk_tokens": 64'):
+        build_data(target, cut, **{**settings, "chunk_tokens": 128, "corpus_tokens": 600})
     # another target's answers are not resumed into (found in review: they were reused as they were)
     other = SimpleNamespace(runtime=tiny_runtime, tokenizer=CharTokenizer(), eos_token_ids=(),
                             source=SimpleNamespace(path=tmp_path, config={"model_type": "another"}, gguf=None))
@@ -273,7 +276,7 @@ def test_train_eagle_end_to_end_writes_a_loadable_head_and_resumes(tiny_runtime,
     again = train_eagle(target, tiny_answers, out, draft_vocab=48, ttt_steps=2, minutes=0.05, batch_tokens=256,
                         log=lambda message: None)
     assert again["steps"] == report["steps"] and again["first_token_agreement"] == report["first_token_agreement"]
-    with pytest.raises(Exception, match="other settings"):
+    with pytest.raises(Exception, match=r"another shape \(draft_vocab_size 48 -> 40\)"):
         train_eagle(target, tiny_answers, out, draft_vocab=40, ttt_steps=2, minutes=0.05, log=lambda m: None)
     with pytest.raises(Exception, match=r"other settings \(bf16 False -> True\)"):  # the recipe, not only the sizes
         train_eagle(target, tiny_answers, out, draft_vocab=48, ttt_steps=2, minutes=0.05, batch_tokens=256,
@@ -284,7 +287,17 @@ def test_train_eagle_end_to_end_writes_a_loadable_head_and_resumes(tiny_runtime,
     assert more["held_out_chains"] == report["held_out_chains"]
     continued = EagleHead.load(tmp_path / "more")
     assert torch.equal(continued.d2t, head.d2t)
-    assert json.loads((tmp_path / "more" / "config.json").read_text())["recipe"]["init"] == str(out)
+    recipe = json.loads((tmp_path / "more" / "config.json").read_text())["recipe"]
+    assert recipe["init"] == str(out) and recipe["draft_vocab"] == 48  # what it trained, not the flag it ignored
+    # other data under the same --init and --out: the saved batch offset would point into
+    # other batches (found in review: it resumed)
+    grown = tmp_path / "grown"
+    grown.mkdir()
+    lines = (tiny_answers / "answers.jsonl").read_text().splitlines()
+    (grown / "answers.jsonl").write_text("\n".join(lines[:-4]) + "\n")
+    with pytest.raises(Exception, match=r"other settings \(data '[0-9a-f]{16}' -> '[0-9a-f]{16}'\)"):
+        train_eagle(target, grown, tmp_path / "more", draft_vocab=40, ttt_steps=2, minutes=0.02, batch_tokens=256,
+                    init=out, log=lambda message: None)
 
 
 def test_train_eagle_refuses_what_it_cannot_train_on(tiny_runtime, tiny_answers, tmp_path):

@@ -88,6 +88,10 @@ def export_head(head, out: Path, fmt: str, verifier: str | None = None, max_posi
     t2d[d2t] = True
     tensors["t2d"] = t2d
     layers = list(c.capture_layers)
+    if layers != sorted(set(layers)):  # vLLM gathers each layer once, in ascending order
+        raise SpecDecodeError(f"this head reads the target's layers {layers}; vLLM and speculators read each layer "
+                              "once, in ascending order, so they would feed it other features (a target of "
+                              "fewer than 7 layers: train the head for one of 7 or more, or keep our layout)")
     llama = _llama_config(c) | ({"max_position_embeddings": max_positions} if max_positions else {})
     if fmt == "eagle3":
         config = {"architectures": ["LlamaForCausalLMEagle3"], **llama, "draft_vocab_size": c.draft_vocab_size,
@@ -132,10 +136,17 @@ def import_head(directory: Path, raw: dict, fmt: str, target_layers: int | None 
             raise SpecDecodeError(f"{directory}: {flag} = true is a variant this head does not compute")
     if llama.get("num_hidden_layers", 1) != 1:
         raise SpecDecodeError(f"{directory}: {llama['num_hidden_layers']} decoder layers; heads with one are supported")
-    rope = llama.get("rope_scaling") or {}
-    if rope and rope.get("rope_type", rope.get("type", "default")) != "default":
+    # RoPE as the target loader reads it: transformers 5 writes rope_parameters (theta inside)
+    rope = dict(llama.get("rope_parameters") or llama.get("rope_scaling") or {})
+    rope_theta = rope.get("rope_theta", llama.get("rope_theta", 10000.0))
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise SpecDecodeError(f"{directory}: RoPE scaling {rope!r} is not supported by EAGLE heads here")
-    layers = raw.get("eagle_aux_hidden_state_layer_ids") or llama.get("eagle_aux_hidden_state_layer_ids")
+    if raw.get("embed_requires_grad"):  # its own trained embedding; this head drafts with the target's
+        raise SpecDecodeError(f"{directory}: embed_requires_grad = true (a head trained with its own token "
+                              "embedding) is a variant this head does not compute: it shares the target's")
+    # vLLM reads the layers from the top level, then from eagle_config (as some checkpoints keep them)
+    layers = (raw.get("eagle_aux_hidden_state_layer_ids") or llama.get("eagle_aux_hidden_state_layer_ids")
+              or (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))
     if layers is None:
         if target_layers is None:
             raise SpecDecodeError(f"{directory} does not name the target layers it reads; load it for a target")
@@ -144,7 +155,7 @@ def import_head(directory: Path, raw: dict, fmt: str, target_layers: int | None 
         hidden, heads = llama["hidden_size"], llama["num_attention_heads"]
         config = EagleConfig(hidden, llama["intermediate_size"], heads, llama.get("num_key_value_heads", heads),
                              llama.get("head_dim") or hidden // heads, llama.get("rms_norm_eps", 1e-6),
-                             llama.get("rope_theta", 10000.0), llama["vocab_size"],
+                             float(rope_theta), llama["vocab_size"],
                              raw.get("draft_vocab_size") or llama["vocab_size"], tuple(int(i) for i in layers))
     except KeyError as missing:
         raise SpecDecodeError(f"{directory}/config.json lacks {missing}") from None
@@ -159,8 +170,8 @@ def import_head(directory: Path, raw: dict, fmt: str, target_layers: int | None 
     missing = [theirs for theirs in names.values() if theirs not in tensors]
     if missing:
         raise SpecDecodeError(f"{directory}/model.safetensors lacks {missing}")
-    # the vocabulary maps and the target's own embedding (shared, not the head's) are read or
-    # checked below; any other tensor is a part of a variant this head does not compute
+    # the vocabulary maps are read below; an embedding is the target's (frozen: refused
+    # above otherwise) and the target's own is used; any other tensor is a part of a variant this head does not compute
     unknown = sorted(set(tensors) - set(names.values()) - {"d2t", "t2d", "embed_tokens.weight"})
     if unknown:
         raise SpecDecodeError(f"{directory}/model.safetensors holds {unknown[:3]}{' ...' if len(unknown) > 3 else ''}, "

@@ -47,6 +47,8 @@ class EagleConfig:
         """Sizes from the target's LlamaConfig; the capture layers EAGLE-3 uses."""
         layers = cfg.num_layers
         capture = (min(2, layers - 1), layers // 2, max(layers - 3, 0))
+        if not capture[0] < capture[1] < capture[2]:  # under 7 layers: low, middle and last, distinct where they can be
+            capture = (0, layers // 2, layers - 1) if layers >= 3 else tuple(sorted(capture))
         if cfg.rope.get("rope_type", "default") != "default":
             raise SpecDecodeError(f"EAGLE heads support default RoPE only, the target uses {cfg.rope['rope_type']!r}")
         return cls(cfg.hidden_size, intermediate_size or cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,

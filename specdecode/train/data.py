@@ -150,22 +150,28 @@ def target_identity(target) -> str:
     return f"{source.config.get('model_type', 'model')} {digest.hexdigest()[:12]}|{how}"
 
 
+def keep_settings(path: Path, settings: dict, what: str, optional: tuple[str, ...] = ()) -> None:
+    """Record the recipe of ``what`` in ``path``, or refuse to add to data that another
+    recipe made (``optional``: fields that files written before them may lack, unchecked)."""
+    if path.is_file():
+        try:
+            saved = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            saved = None
+        if isinstance(saved, dict):
+            for name in optional:
+                saved.setdefault(name, settings[name])
+        if saved != settings:
+            raise ConfigError(f"{path.parent} holds {what} made with {path.read_text().strip()}; "
+                              f"use another --out to build with {json.dumps(settings)}")
+    path.write_text(json.dumps(settings) + "\n")
+
+
 def build_answers(target, out: Path, prompt_count: int | None, samples: int, temperature: float, max_new_tokens: int,
                   seed: int, summary: DataSummary, encode, batch: int = 1) -> None:
     settings = {"samples": samples, "temperature": temperature, "max_new_tokens": max_new_tokens, "seed": seed,
                 "target": target_identity(target)}
-    settings_path = out / "answers.settings.json"
-    if settings_path.is_file():
-        try:
-            saved = json.loads(settings_path.read_text())
-        except json.JSONDecodeError:
-            saved = None
-        if isinstance(saved, dict):
-            saved.setdefault("target", settings["target"])  # answers made before the field: unchecked
-        if saved != settings:
-            raise ConfigError(f"{out} holds answers made with {settings_path.read_text().strip()}; "
-                              f"use another --out to build with {json.dumps(settings)}")
-    settings_path.write_text(json.dumps(settings) + "\n")
+    keep_settings(out / "answers.settings.json", settings, "answers", optional=("target",))
     path = out / "answers.jsonl"
     records = _read_jsonl(path)
     rows_of: dict[str, int] = {}
@@ -270,6 +276,10 @@ def stdlib_sources() -> list[Path]:
 
 def build_corpus(tokenizer, out: Path, max_tokens: int, chunk_tokens: int, summary: DataSummary) -> None:
     path = out / "corpus.jsonl"
+    # chunks of another size or another tokenizer's ids would mix two recipes in one file
+    keep_settings(out / "corpus.settings.json", {"chunk_tokens": chunk_tokens,
+                                                         "vocab_size": getattr(tokenizer, "vocab_size", None)},
+                  "a corpus")
     records = _read_jsonl(path)
     if records:  # the last file may have been cut short: it is read again
         records = [r for r in records if r["source"] != records[-1]["source"]]

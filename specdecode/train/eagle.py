@@ -263,12 +263,15 @@ def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_
                               "`specdecode train data`")
     identity = target_identity(target)
     if init is not None:  # go on from a trained head: its sizes, vocabulary and weights
-        head = EagleHead.load(Path(init))
+        head = EagleHead.load(Path(init), target_layers=runtime.num_layers)
         config = head.config
-        fresh = EagleConfig.for_target(cfg, config.draft_vocab_size)
-        if (config.hidden_size, config.target_vocab_size, tuple(config.capture_layers)) != (
-                fresh.hidden_size, fresh.target_vocab_size, tuple(fresh.capture_layers)):
-            raise SpecDecodeError(f"--init {init}: that head was trained for another target")
+        if (config.hidden_size, config.target_vocab_size) != (cfg.hidden_size, cfg.vocab_size):
+            raise SpecDecodeError(f"--init {init}: that head was trained for a target with hidden size "
+                                  f"{config.hidden_size} and {config.target_vocab_size} tokens; this one has "
+                                  f"{cfg.hidden_size} and {cfg.vocab_size}")
+        if max(config.capture_layers) >= runtime.num_layers:
+            raise SpecDecodeError(f"--init {init}: that head reads layer {max(config.capture_layers)}; the target "
+                                  f"has {runtime.num_layers}")
         log(f"starting from the head in {init} (draft vocabulary {config.draft_vocab_size})")
     else:
         config = EagleConfig.for_target(cfg, draft_vocab)
@@ -297,13 +300,22 @@ def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_
     checkpoint = out / "checkpoint.pt"
     state = {"epoch": 0, "batch": 0, "seconds": 0.0, "steps": 0}
     # the recipe; a resumed run must share it with the one it continues (--minutes may grow)
+    # the training sequences themselves: a resumed run continues the batch order of the
+    # same data (data grown or rebuilt since would shift every batch under the saved offset)
+    data = hashlib.sha1("|".join(sorted(sequence_key(s.ids) for s, _ in train_items)).encode()).hexdigest()[:16]
     settings = {"ttt_steps": ttt_steps, "lr": lr, "batch_tokens": batch_tokens, "corpus_tokens": corpus_tokens,
                 "max_length": max_length, "seed": seed, "bf16": bf16, "init": None if init is None else str(init),
-                "target": identity}
+                "target": identity, "data": data}
     if checkpoint.is_file():
         saved = torch.load(checkpoint, weights_only=False)
-        if saved["config"] != config.__dict__ or not torch.equal(saved["d2t"], head.d2t):
-            raise SpecDecodeError(f"{checkpoint} was trained with other settings; remove it or use another --out")
+        if saved["config"] != config.__dict__:
+            named = ", ".join(f"{k} {v!r} -> {config.__dict__[k]!r}" for k, v in saved["config"].items()
+                              if config.__dict__.get(k) != v)
+            raise SpecDecodeError(f"{checkpoint} trains a head of another shape ({named}); resume with the same "
+                                  "--draft-vocab and --init, or use another --out")
+        if not torch.equal(saved["d2t"], head.d2t):
+            raise SpecDecodeError(f"{checkpoint} trains another draft vocabulary (chosen from other data, or "
+                                  "another --init); resume with the same data and --init, or use another --out")
         before = saved.get("settings", settings)  # checkpoints older than a field: that field unchecked
         differ = {k: (before[k], v) for k, v in settings.items() if k in before and before[k] != v}
         if differ:
@@ -353,7 +365,7 @@ def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_
                    "train_tokens": sum(len(s.ids) for s, _ in train_items),
                    "parameters": sum(p.numel() for p in head.parameters())})
     head.save(out, {"target": getattr(getattr(target, "source", None), "name", None), "report": report,
-                    "recipe": {"draft_vocab": draft_vocab, **settings}})
+                    "recipe": {"draft_vocab": config.draft_vocab_size, **settings}})
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
