@@ -54,8 +54,9 @@ class SamplingParams:
     means greedy (argmax): dividing logits by a smaller one overflows float32 to
     inf - inf = nan, and a tiny temperature's distribution is the argmax's anyway.
 
-    The same transformation (temperature, then top-k, then top-p) is applied to target
-    and draft logits, which is what keeps speculative sampling lossless.
+    The target's logits go through temperature, then top-k, then top-p; speculative
+    sampling draws exactly from that distribution whatever the drafter's (drafters that
+    process their logits alike are accepted more often).
     """
 
     temperature: float = 0.0

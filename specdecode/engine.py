@@ -26,7 +26,7 @@ from .proposers.base import Proposal, Proposer
 from .text import TextTracker
 from .verify.chain import coupled_verify, greedy_tokens, greedy_verify_rows, rejection_sample
 from .verify.tree import coupled_tree_verify, greedy_tree_verify, tree_rejection_sample
-from .verify.sampling import PositionUniforms, argmax_ids, logits_to_probs
+from .verify.sampling import PositionUniforms, argmax_ids, logits_to_probs, seeded_generator
 
 
 class PromptError(SpecDecodeError, ValueError):
@@ -206,7 +206,7 @@ class SpeculativeEngine:
         max_positions = self.target.max_positions
         capacity = min(len(prompt_ids) + params.max_new_tokens + self.k + 1, max_positions)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        generator = torch.Generator(device=self.device).manual_seed(seed)
+        generator = seeded_generator(seed, self.device)
         draws = PositionUniforms(seed)  # the target's draws, one per position of the sequence
         tracker = TextTracker(self.tokenizer, params.stop, prompt_ids)
         tokens, generated, finish = list(prompt_ids), [], None

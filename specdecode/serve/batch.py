@@ -58,7 +58,7 @@ from ..metrics import GenerationStats
 from ..models import synchronize
 from ..proposers.base import Proposal
 from ..text import TextTracker
-from ..verify.sampling import PositionUniforms
+from ..verify.sampling import PositionUniforms, seeded_generator
 
 FINISH_REASONS = ("stop", "length", "abort")
 logger = logging.getLogger("specdecode.serve")
@@ -114,7 +114,7 @@ class Sequence:
         self.tokens = list(self.prompt_ids)
         self.stats.prompt_tokens = len(self.prompt_ids)
         self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
-        self.generator = torch.Generator(device=self.device).manual_seed(self.seed)
+        self.generator = seeded_generator(self.seed, self.device)
         self.draws = PositionUniforms(self.seed)  # the target's draws, one per position (engine.verify_chain)
         self.tracker: TextTracker | None = None
 

@@ -1,8 +1,10 @@
 """Turning logits into the distribution a token is drawn from, and drawing it.
 
-``logits_to_probs`` is applied identically to target and draft logits: speculative
-sampling is lossless with respect to the *processed* target distribution (temperature,
-then top-k, then top-p), so the drafter must be judged against that same distribution.
+Speculative sampling is lossless with respect to the *processed* target distribution
+(``logits_to_probs``: temperature, then top-k, then top-p) for any drafter, provided the
+draft probabilities handed to verification are the distribution each draft was actually
+drawn from. Processing the draft logits the same way only raises acceptance; an EAGLE head
+applies top-k and top-p over its own draft vocabulary, and that is what it hands over.
 
 Two ways to draw: ``sample`` takes its randomness from a ``torch.Generator`` in call order
 (drafters, and the rejection sampler's corrections); ``inverse_cdf`` takes one uniform per
@@ -101,6 +103,15 @@ class PositionUniforms:
         """``[count]`` float64: u(start), ..., u(start + count - 1)."""
         return torch.tensor([(_splitmix64(self.key + (t + 1) * 0x9E3779B97F4A7C15) >> 11) * 2.0**-53
                              for t in range(start, start + count)], dtype=torch.float64)
+
+
+def seeded_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's ``torch.Generator`` (drafters that sample, rejection sampling's
+    corrections). torch's CPU generator keeps only the low 32 bits of a seed (mt19937), so
+    seeds 2**32 apart drew alike: every bit of the seed is mixed in first (SplitMix64,
+    folded to 32 bits), on every device alike."""
+    mixed = _splitmix64((seed ^ 0x6E5EED5EED5EED5E) & 0xFFFFFFFFFFFFFFFF)
+    return torch.Generator(device=device).manual_seed((mixed ^ (mixed >> 32)) & 0xFFFFFFFF)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
