@@ -14,6 +14,7 @@ from specdecode.factory import VocabularyMismatchError, build_proposer, load_mod
 from specdecode.models.loading import ModelNotFoundError
 from specdecode.proposers.draft_model import DraftModelProposer
 from specdecode.proposers.ngram import NgramProposer
+from specdecode.verify.sampling import logits_to_probs
 
 
 @pytest.fixture(scope="module")
@@ -121,10 +122,11 @@ def eagle_over_three_of_four_tokens(target, tree_width: int = 1):
                          tree_width=tree_width)
 
 
-@pytest.mark.parametrize("drafter", ["draft", "eagle", "eagle-tree"])
+@pytest.mark.parametrize("drafter", ["draft", "draft-top-k-top-p", "eagle", "eagle-tree"])
 def test_engine_sampling_matches_target_distribution(tmp_path, drafter):
     """End to end through the engine: draft model (or an EAGLE head whose draft vocabulary
-    lacks a token), k=2, temperature 1.0, vocabulary 4.
+    lacks a token), k=2, temperature 1.0, vocabulary 4; and the draft model at temperature
+    0.8 with top-k 3 and top-p 0.9, against the target's distribution processed alike.
 
     Three new tokens: the first step drafts two (draft positions 1 and 2), so a run that
     accepts both ends the step with the bonus token drawn after full acceptance. The joint
@@ -136,12 +138,14 @@ def test_engine_sampling_matches_target_distribution(tmp_path, drafter):
     target = load_model(save_tiny_model(tmp_path / "t", seed=30, vocab_size=vocab, init_std=0.3), torch.float32)
     draft = load_model(save_tiny_model(tmp_path / "d", seed=31, vocab_size=vocab, init_std=0.3), torch.float32)
     params = SamplingParams(temperature=1.0, max_new_tokens=3, ignore_eos=True)
-    if drafter == "draft":
+    if drafter == "draft-top-k-top-p":
+        params = SamplingParams(temperature=0.8, top_k=3, top_p=0.9, max_new_tokens=3, ignore_eos=True)
+    if drafter.startswith("draft"):
         proposer = DraftModelProposer(draft.runtime)
     else:
         proposer = eagle_over_three_of_four_tokens(target, 2 if drafter == "eagle-tree" else 1)
     engine = SpeculativeEngine(target.runtime, proposer=proposer, k=2)
-    prompt, runs = [3, 2], 6000 if drafter == "draft" else 4000
+    prompt, runs = [3, 2], {"draft": 6000, "draft-top-k-top-p": 2500}.get(drafter, 4000)
     counts = torch.zeros(vocab**3, dtype=torch.float64)
     first_step_accepted = []
     for seed in range(runs):
@@ -156,7 +160,7 @@ def test_engine_sampling_matches_target_distribution(tmp_path, drafter):
 
     def next_probs(tokens):
         runtime.reset(8)
-        return runtime(torch.tensor([tokens]))[0, -1].softmax(-1).double()
+        return logits_to_probs(runtime(torch.tensor([tokens]))[0, -1], params).double()
 
     expected = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
     first = next_probs(prompt)
@@ -169,9 +173,11 @@ def test_engine_sampling_matches_target_distribution(tmp_path, drafter):
     # acceptance), and not in all (rejections and corrections happen too)
     full = sum(first_step_accepted)
     assert 0.05 * runs < full < 0.95 * runs, full
+    assert counts[expected == 0].sum() == 0  # nothing outside top-k / top-p
+    counts, expected = counts[expected > 0], expected[expected > 0]
     small = expected < 5
-    observed = torch.cat([counts[~small], counts[small].sum()[None]])
-    pooled = torch.cat([expected[~small], expected[small].sum()[None]])
+    observed = torch.cat([counts[~small], counts[small].sum()[None]]) if small.any() else counts
+    pooled = torch.cat([expected[~small], expected[small].sum()[None]]) if small.any() else expected
     _, p_value = chisquare(observed.numpy(), pooled.numpy())
     assert p_value > 1e-3, p_value
 
