@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from .config import (DEFAULT_SELF_DRAFT, EngineConfig, SamplingParams, SpecDecodeError, SpeculativeConfig,
                      parse_int_list, parse_k)
@@ -201,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--target", default="default", help="model name, HF directory, config.json, or a named size (135M, 360M, 1B, 3B, 7B, 8B, 13B, 70B)")
     mem.add_argument("--draft", default=None, help="same forms, or self:L, or ngram")
     mem.add_argument("--batch", type=int, default=1)
-    mem.add_argument("--context", type=int, default=2048)
+    mem.add_argument("--context", type=int, default=None, help="tokens per sequence (default 2048, or the model's limit if less)")
     mem.add_argument("--k", type=int, default=5)
     mem.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16", "int8", "int4"], help="KV cache dtype (int8/int4: those weights, bf16 cache)")
     mem.add_argument("--weights", default=None, choices=["fp32", "bf16", "int8", "int4"], help="weight storage format (default: --dtype)")
@@ -278,6 +279,40 @@ def _check_drafter_flags(args, methods: list[str]) -> None:
                                   f"{', '.join(names)} would ignore it")
 
 
+def check_writable(path: str | None, flag: str) -> None:
+    """Fail at the start, not after a run of many minutes, when the report cannot be
+    written where ``flag`` says (the folder is made now, as the run would)."""
+    if not path:
+        return
+    import tempfile
+
+    parent = Path(path).parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=parent):
+            pass
+    except OSError as error:
+        raise SpecDecodeError(f"{flag} {path}: cannot write there ({error.strerror or error})") from None
+
+
+def _check_k_flags(args, methods: list[str]) -> None:
+    """Refuse k flags the run would ignore: --k-policy and --k-max choose k under --k auto,
+    so beside a fixed --k they did nothing; and no method drafts with --method none (or
+    only peers) but it printed k=0 as if it had been taken."""
+    from .bench.runner import PEERS, parse_method
+
+    if args.k != "auto":
+        ignored = [flag for flag, value, default in (("--k-policy", args.k_policy, "cost"), ("--k-max", args.k_max, 10))
+                   if value != default]
+        if ignored:
+            raise SpecDecodeError(f"{' and '.join(ignored)} choose k under --k auto; --k {args.k} fixes it, so "
+                                  "they would be ignored")
+        names = [parse_method(method) for method in methods]
+        if all(name in ("none", *PEERS) or k is not None for name, k in names):
+            raise SpecDecodeError(f"--k {args.k} would be ignored: {', '.join(methods)} "
+                                  f"{'drafts' if len(methods) == 1 else 'draft'} nothing with it")
+
+
 def _engine_config(args) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, chat_template=not getattr(args, "no_chat_template", False),
                         num_threads=args.threads, weights=args.weights, backend=args.backend, exact=args.exact,
@@ -300,6 +335,7 @@ def cmd_generate(args) -> int:
     from .factory import drafter_key
 
     _check_drafter_flags(args, [args.method])
+    _check_k_flags(args, [args.method])
     configured = _spec_config(args, args.method)
     state_path = router_state_path(args.model)
     router = Router().load(state_path, warn=log)
@@ -372,6 +408,8 @@ def cmd_bench(args) -> int:
     if not methods:  # it benched plain decoding alone, for minutes, against nothing
         raise SpecDecodeError(f"--methods takes a comma list of methods, got {args.methods!r}")
     _check_drafter_flags(args, methods)
+    _check_k_flags(args, methods)
+    check_writable(args.out, "--out")
     return run_bench(args, methods, _engine_config(args), _spec_config, _sampling(args))
 
 
@@ -461,14 +499,18 @@ def _float_list(text: str, flag: str) -> list[float]:
 
 
 def cmd_analyze(args) -> int:
-    from pathlib import Path
-
     from .analysis.analyzer import analyze
     from .factory import log
 
     temperatures = _float_list(args.temperatures, "--temperatures")
+    if args.batch < 1:  # the memory and throughput checks come after every generation: found wrong before
+        raise SpecDecodeError(f"--batch must be at least 1, got {args.batch}")
+    if args.budget is not None and not args.budget > 0:
+        raise SpecDecodeError(f"--budget must be > 0 GiB, got {args.budget}")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     _check_drafter_flags(args, methods)
+    _check_k_flags(args, methods)
+    check_writable(str(Path(args.out) / "summary.md"), "--out")
     analyze(args, _engine_config(args), _spec_config, _sampling(args), temperatures, methods, Path(args.out))
     print((Path(args.out) / "summary.md").read_text())
     log(f"wrote {args.out}: summary.md, analysis.json, report.html and PNG plots")
@@ -496,7 +538,6 @@ def cmd_memory(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from pathlib import Path
 
     from .engine import SpeculativeEngine
     from .factory import load_target
@@ -533,7 +574,6 @@ DEFAULT_VERIFIER = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the default model's 
 
 
 def cmd_train_export(args) -> int:
-    from pathlib import Path
 
     from .factory import load_head, load_target, log
     from .proposers.eagle_formats import export_head
@@ -561,7 +601,6 @@ def cmd_train_export(args) -> int:
 
 def cmd_train_eagle(args) -> int:
     import json
-    from pathlib import Path
 
     from .factory import load_target, log
     from .train.eagle import check_train_settings, train_eagle
@@ -631,7 +670,6 @@ def cmd_serve(args) -> int:
 
 def cmd_bench_serve(args) -> int:
     import shlex
-    from pathlib import Path
 
     from .bench.serve import MODES, bench_serve
     from .prompts import load_prompts
@@ -646,9 +684,16 @@ def cmd_bench_serve(args) -> int:
         raise SpecDecodeError("--request-rate must be > 0")
     if args.rounds < 1:
         raise SpecDecodeError(f"--rounds must be at least 1, got {args.rounds}")
+    if args.max_tokens < 1 or args.num_prompts < 1:
+        raise SpecDecodeError(f"--max-tokens and --num-prompts must be at least 1, got {args.max_tokens} and "
+                              f"{args.num_prompts}")
+    try:
+        serve_args = shlex.split(args.serve_args)
+    except ValueError as error:
+        raise SpecDecodeError(f"--serve-args {args.serve_args!r}: {error}") from None
+    check_writable(args.out, "--out")
     bench_serve(load_prompts(args.prompts, args.limit), levels, args.request_rate, args.num_prompts, args.max_tokens,
-                modes, args.url, shlex.split(args.serve_args), Path(args.out) if args.out else None, args.seed,
-                rounds=args.rounds)
+                modes, args.url, serve_args, Path(args.out) if args.out else None, args.seed, rounds=args.rounds)
     return 0
 
 

@@ -87,6 +87,7 @@ class SamplingParams:
 
 
 DEFAULT_TREE_WIDTH = 3  # measured: docs/training.md, "Tree shape"
+MAX_TREE_WIDTH = 64
 DEFAULT_SELF_DRAFT = "self:4"  # --method draft without --draft: the target's first 4 layers
 
 
@@ -129,8 +130,10 @@ class SpeculativeConfig:
             raise ConfigError(f"k_policy must be one of {K_POLICIES}, got {self.k_policy!r}")
         if self.tree_width is None:
             object.__setattr__(self, "tree_width", DEFAULT_TREE_WIDTH if self.method in ("eagle", "tree") else 1)
-        if not isinstance(self.tree_width, int) or self.tree_width < 1:
-            raise ConfigError(f"tree width must be an integer >= 1, got {self.tree_width!r}")
+        if not isinstance(self.tree_width, int) or not 1 <= self.tree_width <= MAX_TREE_WIDTH:
+            # a head pass scores the expanded nodes in one masked pass of at most 256 rows
+            raise ConfigError(f"tree width (--tree-width, children per expanded node) must be an integer in "
+                              f"1..{MAX_TREE_WIDTH}, got {self.tree_width!r}")
         if self.k_max < 1:
             raise ConfigError(f"k_max must be >= 1, got {self.k_max}")
         if self.method == "draft" and not self.draft:

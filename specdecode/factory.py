@@ -186,6 +186,9 @@ def eagle_proposer(path: str | None, target: LoadedModel, tree_width: int = 1):
     """An EAGLE drafter with the head ``load_head`` finds for ``target``."""
     from .proposers.eagle import EagleProposer
 
+    if not hasattr(target.runtime, "weights"):
+        raise ConfigError("--method eagle and tree need the native runtime (the head reads the target's hidden "
+                          "states); the transformers runtime (--runtime hf) has none")
     weights = target.runtime.weights
     head = load_head(path, target).to(weights.device)  # beside the target: its features stay there
     return EagleProposer(head, lambda ids: weights.embed_rows(ids).float(), tree_width=tree_width)
@@ -204,9 +207,9 @@ def load_head(path: str | None, target: LoadedModel):
     if not Path(path).is_dir():
         raise ConfigError(f"EAGLE head not found: {path} is not a directory")
     runtime = target.runtime
-    head = EagleHead.load(Path(path), target_layers=getattr(runtime, "num_layers", None))
     if not hasattr(runtime, "weights"):
         raise ConfigError("an EAGLE head needs the native runtime (it reads the target's hidden states)")
+    head = EagleHead.load(Path(path), target_layers=getattr(runtime, "num_layers", None))
     cfg, c = runtime.cfg, head.config
     if c.target_vocab_size != cfg.vocab_size or c.hidden_size != cfg.hidden_size:
         raise VocabularyMismatchError(

@@ -14,6 +14,8 @@ from .config import SpecDecodeError
 
 def load_prompts(path: str | None, limit: int | None = None) -> list[dict]:
     """Read Spec-Bench ``{question_id, category, turns}`` or ``{prompt, category}`` lines."""
+    if limit is not None and limit < 1:
+        raise SpecDecodeError(f"--limit must be at least 1, got {limit}")
     if path is None:
         text = resources.files("specdecode.data").joinpath("prompts.jsonl").read_text()
         origin = "the built-in suite"
@@ -28,8 +30,11 @@ def load_prompts(path: str | None, limit: int | None = None) -> list[dict]:
             continue
         try:
             row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise SpecDecodeError(f"{origin} line {number} is not JSON ({error.msg} at column {error.colno})") from None
+        try:
             prompt = row["turns"] if "turns" in row else row["prompt"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (KeyError, TypeError):
             raise SpecDecodeError(
                 f"{origin} line {number}: expected {{'question_id', 'category', 'turns'}} or {{'prompt', 'category'}}"
             ) from None

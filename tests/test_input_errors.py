@@ -198,3 +198,34 @@ def test_a_transformers_draft_model_does_not_take_the_targets_flags(tmp_path, ti
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     plain = SpeculativeEngine(load_model(str(tiny_llama_dir), torch.float32, backend="torch").runtime)
     assert engine.generate([5, 6, 7], params).token_ids == plain.generate([5, 6, 7], params).token_ids
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["generate", "hi", "--k", "5", "--k-max", "3"], "--k-max choose k under --k auto; --k 5 fixes it"),
+    (["generate", "hi", "--k", "5", "--k-policy", "threshold"], "--k-policy choose k under --k auto"),
+    (["generate", "hi", "--method", "none", "--k", "4"], "--k 4 would be ignored: none drafts nothing with it"),
+    (["bench", "--methods", "none,hf", "--k", "3"], "--k 3 would be ignored: none, hf draft nothing with it"),
+    (["bench", "--methods", "none,ngram@x"], "'ngram@x': k is an integer, auto or threshold"),
+    (["bench", "--methods", "none", "--limit", "0"], "--limit must be at least 1, got 0"),
+    (["bench", "--methods", "none,ngram", "--out", "/proc/nowhere/b.json"], "--out /proc/nowhere/b.json: cannot write there"),
+    (["analyze", "--out", "/proc/nowhere"], "--out /proc/nowhere/summary.md: cannot write there"),
+    (["analyze", "--batch", "0"], "--batch must be at least 1, got 0"),
+    (["analyze", "--budget", "-2"], "--budget must be > 0 GiB, got -2.0"),
+    (["bench-serve", "--max-tokens", "0"], "--max-tokens and --num-prompts must be at least 1"),
+    (["bench-serve", "--serve-args", '"unterminated'], "--serve-args '\"unterminated': No closing quotation"),
+    (["generate", "hi", "--method", "eagle", "--tree-width", "300"], "must be an integer in 1..64, got 300"),
+])
+def test_flags_a_run_would_ignore_or_fail_on_late_are_refused_first(capsys, argv, problem):
+    """Found in review: flags ignored without a word (a fixed --k beside --k-max, --k with
+    nothing that drafts), a bad --out found after the whole run, --max-tokens 0 giving a table
+    of zeros, and tracebacks from a bad --serve-args or --tree-width."""
+    code, err = run(capsys, *argv, "--model", "/nowhere/model") if argv[0] != "bench-serve" else run(capsys, *argv)
+    assert code == 2 and problem in err, err
+
+
+def test_memory_refuses_a_budget_or_context_it_cannot_mean(capsys):
+    memory = ("memory", "--target", "135M", "--no-process")
+    code, err = run(capsys, *memory, "--budget", "-1")
+    assert code == 2 and "--budget must be > 0 GiB, got -1.0" in err, err
+    code, err = run(capsys, *memory, "--context", "100000")
+    assert code == 2 and "--context 100000 is beyond the model's 8192 positions" in err, err

@@ -193,6 +193,8 @@ def test_concurrent_greedy_requests_equal_their_outputs_alone(served):
     ({"prompt": "hi", "model": "gpt-4", "max_tokens": 2}, 404, "does not exist"),
     ({"prompt": "", "model": "gpt-4"}, 404, "does not exist"),  # the model before the prompt
     ({"prompt": ["a", "b"]}, 400, "batch of prompts"),
+    ({"prompt": [[1, 2], [3]]}, 400, "batch of prompts"),  # OpenAI's batch of token lists (found in review)
+    ({"prompt": "hi", "stop": 5}, 400, "stop: must be one of str, list[str]"),  # param was "stop.str"
     ({"prompt": [-1], "echo": True}, 400, "vocabulary"),  # found by schemathesis: echo decoded the ids first
     # vLLM's and OpenAI's parameters that change the answer: refused, never ignored (found in review)
     ({"prompt": "hi", "stop_token_ids": [51]}, 400, "stop_token_ids"),
@@ -215,7 +217,10 @@ def test_errors_are_openai_json(served, body, status, fragment):
 def test_malformed_json_unknown_route_and_models(served):
     client, _, _ = served
     response = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
-    assert response.status_code == 400 and "error" in response.json()
+    assert response.status_code == 400 and response.json()["error"]["param"] is None
+    assert response.json()["error"]["message"].startswith("the body is not valid JSON")  # was "10: JSON decode error"
+    single = client.post("/v1/completions", json={"prompt": [[5, 6, 7]], "max_tokens": 2, "temperature": 0})
+    assert single.status_code == 200 and single.json()["usage"]["prompt_tokens"] == 3
     assert client.get("/v1/nothing").status_code == 404
     models = openai_client(client).models.list()
     assert [m.id for m in models.data] == ["tiny"]

@@ -274,3 +274,19 @@ def test_ratio_summary_takes_each_rounds_own_ratio():
     assert high["plain_over_lowest"]["median"] == 2.5 and high["plain_over_lowest"]["min"] == 2.5
     assert high["spec_over_plain"]["median"] == 1.0
     assert high["spec_over_plain"]["min"] == pytest.approx(240 / 260)
+
+
+def test_bench_serve_names_an_unreachable_server_and_sends_the_key(model_dir, monkeypatch):
+    """Found in review: `bench-serve --url` to a server that was not running, or that wanted
+    a key, ended in httpx's traceback or KeyError: 'data'."""
+    from specdecode.bench.serve import served_model
+    from specdecode.config import SpecDecodeError
+
+    with pytest.raises(SpecDecodeError, match="cannot reach a server at http://127.0.0.1:9"):
+        served_model("http://127.0.0.1:9")
+    with ServerThread(model_dir, api_key="sekrit") as server:
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+        with pytest.raises(SpecDecodeError, match="set OPENAI_API_KEY"):
+            served_model(server.url)
+        monkeypatch.setenv("OPENAI_API_KEY", "sekrit")
+        assert served_model(server.url) == "tiny"

@@ -192,7 +192,7 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
         # the drafter whose memory counts: a draft model's (self:L or a path); prompt
         # lookup's; none beside the target for the rest (a token store, a head: small)
         draft = "ngram" if name == "ngram" else draft_model(args, [label], spec_config)
-        report = deployment_memory(args.model, draft, engine_config.dtype, args.batch, 2048, 10, args.budget,
+        report = deployment_memory(args.model, draft, engine_config.dtype, args.batch, None, 10, args.budget,
                                    prefill_chunk=engine_config.prefill_chunk)
         memory[label] = {"total_gib": report["total"] / 2**30, "budget_gib": report["budget"] / 2**30, "fits": report["fits"]}
     sweeps = {}

@@ -149,20 +149,28 @@ def model_memory(shape: Shape, weights: str, kv_dtype: str, batch: int, context:
 
 
 def deployment_memory(target: str, draft: str | None, dtype: str = "bf16", batch: int = 1,
-                      context: int = 2048, k: int = 5, budget_gib: float | None = None, weights: str | None = None,
+                      context: int | None = None, k: int = 5, budget_gib: float | None = None, weights: str | None = None,
                       prefill_chunk: int = 256, process: bool = False) -> dict:
     """Both models' memory, the total and whether it fits ``budget_gib`` (default: RAM).
 
     ``dtype``: the KV cache's (int8/int4 here mean those weights with a bf16 cache, as
     before ``weights`` existed). ``weights``: their storage format (default: ``dtype``).
-    ``process``: add the measured memory of the Python process itself."""
-    if batch < 1 or context < 1 or k < 0:
-        raise ConfigError(f"batch and context must be >= 1 and k >= 0, got {batch}, {context}, {k}")
+    ``process``: add the measured memory of the Python process itself. ``context``: tokens
+    per sequence (default 2,048, or the model's limit if that is less)."""
+    for flag, value, least in (("--batch", batch, 1), ("--context", context, 1), ("--k", k, 0)):
+        if value is not None and value < least:
+            raise ConfigError(f"{flag} must be at least {least}, got {value}")
+    if budget_gib is not None and not budget_gib > 0:
+        raise ConfigError(f"--budget must be > 0 GiB, got {budget_gib}")
     EngineConfig(prefill_chunk=prefill_chunk)  # the runtime's bounds on a chunk, checked where they are defined
     if dtype in ("int8", "int4"):
         weights, dtype = weights or dtype, "bf16"
     weights = weights or dtype
     target_shape = resolve_shape(target)
+    if context is None:
+        context = min(2048, target_shape.max_positions)
+    elif context > target_shape.max_positions:  # as serve --max-model-len (and vLLM) refuse it
+        raise ConfigError(f"--context {context} is beyond the model's {target_shape.max_positions} positions")
     rows = {"target": model_memory(target_shape, weights, dtype, batch, context, k, prefill_chunk=prefill_chunk)}
     draft_note = None
     if draft in (None, "", "none", "ngram"):

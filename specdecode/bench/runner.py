@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import platform
+import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -37,6 +38,9 @@ def parse_method(spec: str) -> tuple[str, str | None]:
         raise SpecDecodeError(f"unknown bench method {name!r} in {spec!r}; choose from {KNOWN_METHODS}")
     if k and name in ("none", *PEERS):
         raise SpecDecodeError(f"{spec!r}: {name} takes no k")
+    if k and not (k in ("auto", "threshold") or re.fullmatch(r"[1-9][0-9]*(x[1-9][0-9]*)?", k)):
+        raise SpecDecodeError(f"{spec!r}: k is an integer, auto or threshold (and eagle@6x3 a tree of 6 nodes, "
+                              "3 children each)")
     if "x" in k and name not in ("eagle", "tree"):
         raise SpecDecodeError(f"{spec!r}: a tree width is for eagle and tree; {name} drafts chains (give k alone)")
     return name, (k or None)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import socket
 import statistics
@@ -125,7 +126,7 @@ async def run_level(url: str, model: str, prompts: list[str], max_tokens: int, m
     import httpx
 
     results: list[dict] = []
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with httpx.AsyncClient(timeout=600, headers=auth_headers()) as client:
         before = scrape((await client.get(f"{url}/metrics")).text)
         started = time.perf_counter()
         if rate is None:
@@ -301,6 +302,30 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
+def auth_headers() -> dict[str, str]:
+    """The key for a server started with --api-key: OPENAI_API_KEY, as `vllm bench serve`
+    and the openai client read it."""
+    key = os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def served_model(url: str) -> str:
+    """The model id the server at ``url`` serves, or an error that says why there is none."""
+    import httpx
+
+    try:
+        response = httpx.get(f"{url}/v1/models", timeout=10, headers=auth_headers())
+    except httpx.HTTPError as error:
+        raise SpecDecodeError(f"cannot reach a server at {url}: {error}") from None
+    if response.status_code == 401:
+        raise SpecDecodeError(f"{url} wants an API key: set OPENAI_API_KEY to the server's --api-key")
+    try:
+        return response.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise SpecDecodeError(f"{url}/v1/models answered {response.status_code} without a model: "
+                              f"{response.text[:200]!r}") from None
+
+
 def bench_serve(prompts: list[dict], concurrency: list[int], rate: float | None, num_prompts: int, max_tokens: int,
                 modes: list[str], url: str | None, serve_args: list[str], out: Path | None, seed: int = 0,
                 model: str | None = None, rounds: int = 1) -> list[dict]:
@@ -314,10 +339,15 @@ def bench_serve(prompts: list[dict], concurrency: list[int], rate: float | None,
               file=sys.stderr)
         process = start_server(serve_args, port, log_path)
         url = f"http://127.0.0.1:{port}"
+        for i, arg in enumerate(serve_args):  # the server this command started wants its own key
+            key = serve_args[i + 1] if arg == "--api-key" and i + 1 < len(serve_args) else (
+                arg.partition("=")[2] if arg.startswith("--api-key=") else None)
+            if key:
+                os.environ["OPENAI_API_KEY"] = key
     try:
         import httpx
 
-        model = model or httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        model = model or served_model(url)
         texts = [p["prompt"] for p in prompts]
         rows = []
         levels = [None] if rate is not None else concurrency
@@ -341,7 +371,11 @@ def bench_serve(prompts: list[dict], concurrency: list[int], rate: float | None,
                       f"prompts the last one sent, if the server caches prefixes", file=sys.stderr)
             count = max(num_prompts, level or 1)
             chosen = [texts[i % len(texts)] for i in range(count)]
-            rows.append({"round": i, **asyncio.run(run_level(url, model, chosen, max_tokens, mode, level, rate, seed))})
+            row = asyncio.run(run_level(url, model, chosen, max_tokens, mode, level, rate, seed))
+            rows.append({"round": i, **row})
+            for error in dict.fromkeys(row["errors"]):  # a table of failed requests alone does not say why
+                tqdm.write(f"specdecode: {row['failed']} of {row['requests']} {mode} requests failed, e.g. {error}",
+                           file=sys.stderr)
         audit = wait_for_audits(url)
     finally:
         if process is not None:

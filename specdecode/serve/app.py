@@ -143,7 +143,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool = False  # the prompt's text before the completion
     suffix: str | None = None
@@ -415,6 +415,35 @@ class SpeculationChoices:
 
 
 # -- responses ---------------------------------------------------------------------------
+def _field_path(location) -> list[str]:
+    """A pydantic error location as the client's field path: the body's fields and list
+    indices, without the union member tags pydantic adds (``str``, ``list[int]``)."""
+    return [str(part) for part in location if part != "body" and not (
+        isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list", "none")
+                                   or "[" in part or "-" in part))]
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """OpenAI's 400 message and param for a request that fails validation: the field that
+    failed, and where it takes one of several forms (a union), what those forms are."""
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON ({first.get('ctx', {}).get('error', first.get('msg'))})", None
+    path = _field_path(first.get("loc", ()))
+    field = ".".join(path) or "body"
+    # the union members pydantic tried for this field, in the order it tried them
+    members = list(dict.fromkeys(
+        str(part) for e in errors if _field_path(e.get("loc", ()))[:len(path)] == path
+        for part in e.get("loc", ()) if part != "body" and str(part) not in path
+        and str(part) not in _field_path(e.get("loc", ()))))
+    if len(members) > 1:  # not the first member's complaint alone
+        return f"{field}: must be one of {', '.join(members)}", field
+    return f"{field}: {first.get('msg', 'invalid value')}", field if path else None
+
+
+
 def usage(sequences: list[Sequence]) -> dict:
     """OpenAI's usage for one request: the prompt once, every choice's completion; cached
     tokens as the first choice's (the others usually reuse its prompt)."""
@@ -462,10 +491,7 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
             authorize(request)
         except APIError as refused:
             return refused.response()
-        first = error.errors()[0] if error.errors() else {}
-        location = [str(p) for p in first.get("loc", ()) if p != "body"]
-        message = first.get("msg", "invalid request")
-        return error_response(400, f"{'.'.join(location) or 'body'}: {message}", param=".".join(location) or None)
+        return error_response(400, *validation_message(error.errors()))
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError):
@@ -497,7 +523,7 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
 
     def encode_completion(body: CompletionRequest) -> tuple[list[int], str]:
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):  # OpenAI's batch forms
             if len(prompt) != 1:
                 raise APIError(400, "a batch of prompts is not supported; send one prompt per request", param="prompt")
             prompt = prompt[0]
