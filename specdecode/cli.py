@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--k", type=int, default=5, help="k for the calibration")
     check.add_argument("--no-calibration", action="store_true", help="tokenizer and architecture checks only")
 
-    train = verbs.add_parser("train", help="build training data for drafters of a target (train data)")
+    train = verbs.add_parser("train", help="train drafters for a target: data (the target's answers), eagle (a head), store (suffix lookup's), export (a head for vLLM)")
     train_verbs = train.add_subparsers(dest="train_verb", required=True)
     data = train_verbs.add_parser("data", help="the target's own answers to our training prompts, and local code for teacher forcing (resumable)")
     data.add_argument("--target", "--model", dest="model", default="default", help="'default' (SmolLM2-135M-Instruct), a HF directory or a .gguf file")
@@ -331,6 +331,12 @@ def cmd_generate(args) -> int:
 
     engine_config = _engine_config(args)
     params = _sampling(args, args.stop)
+    if args.compare and not params.greedy and params.seed is None:  # both runs must draw alike to compare
+        import dataclasses
+        import secrets
+
+        params = dataclasses.replace(params, seed=secrets.randbits(31))
+        print(f"[plain] sampling: both runs use seed {params.seed} (--seed to choose one)", file=sys.stderr)
     from .control.router import Router, router_state_path
     from .factory import drafter_key
 
@@ -394,6 +400,10 @@ def cmd_generate(args) -> int:
             f"speedup {record['speedup']:.2f}x | identical to plain: {record['identical_to_plain']}",
             file=sys.stderr,
         )
+        if not record["identical_to_plain"] and not params.greedy:
+            print("[plain] sampled: a drafter whose drafts are sampled (a draft model, EAGLE chains) keeps the "
+                  "target's distribution but not plain sampling's tokens; the others give those tokens",
+                  file=sys.stderr)
         divergence = record.get("first_divergence")
         if divergence:
             print(f"[plain] first differs at new token {divergence['position']}, where the target's top-2 logit "
@@ -639,6 +649,8 @@ def cmd_serve(args) -> int:
         raise SpecDecodeError(f"--port must be in 1..65535, got {args.port}")
     if args.max_model_len is not None and args.max_model_len < 1:
         raise SpecDecodeError(f"--max-model-len must be >= 1, got {args.max_model_len}")
+    if not args.shutdown_timeout >= 0:
+        raise SpecDecodeError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     decode_threads = None
     if args.threads is None and args.replicas is None:
         args.threads = serving_threads()

@@ -851,3 +851,12 @@ def test_logits_on_demand_never_price_a_step_below_a_plain_one():
                         drafters={"ngram": 0.0}, head_ms=0.1, head_next_ms=0.1, head_sizes=[1, 2, 4],
                         head_full_ms=[0.1, 9.0, 12.0])
     assert CostModel(cheap, "ngram", lazy_head=True).step_cost(1, 1.0, 100) == (1.0, True)
+
+
+def test_the_router_does_not_blame_a_task_type_for_the_callers_method_none():
+    """Found in review: `generate --route --method none` said 'speculation disabled for this
+    task type', as if the router had chosen it."""
+    from specdecode.control.router import Router
+
+    route = Router().route("Write a Python function that adds two numbers.", method="none", drafter="none")
+    assert route.method == "none" and "method none was asked for" in route.reason

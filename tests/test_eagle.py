@@ -368,6 +368,10 @@ def test_check_understands_heads(targets, tmp_path):
     bad = check_static(str(other), str(tmp_path / "head"))
     assert not bad.compatible and "reads the inputs of layers [0, 1, 2] of 2" in str(bad.lines)
     assert not check_static(target_dir, f"eagle:{tmp_path / 'nothing'}").compatible
+    # a head trained for another model of the same sizes is said to be (it printed OK and that name)
+    random_head(target, 1).save(tmp_path / "foreign", {"target": "some-other-model"})
+    foreign = check_static(target_dir, str(tmp_path / "foreign"))
+    assert ("trained for", "WARN") in [(name, status) for name, status, _ in foreign.lines], foreign.lines
     # a head in vLLM's layouts is read as a head too (found in review: as a draft model)
     from specdecode.proposers.eagle_formats import export_head
 

@@ -161,6 +161,8 @@ class Router:
         """Method and prior for ``prompt``. ``method``/``drafter``: the configured
         speculative method and its drafter's name; ``methods`` may override per task."""
         task = classify(prompt)
+        if method == "none" and task not in self.methods:  # the caller's choice, not this task type's
+            return Route(task, "none", None, f"{task}: method none was asked for; nothing to route")
         method = self.methods.get(task, method)
         if method == "none":
             return Route(task, "none", None, f"{task}: speculation disabled for this task type")

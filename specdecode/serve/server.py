@@ -80,14 +80,14 @@ def parse_speculative_config(text: str | dict | None) -> tuple[SpeculativeConfig
     router = data.get("router", True)
     if not isinstance(router, bool):  # bool("false") is True: take JSON true/false only
         raise ConfigError(f"--speculative-config router must be true or false, got {router!r}")
+    if method in ("draft", "tree"):  # before the config, whose own complaint names CLI flags serve lacks
+        raise ConfigError(f"method {data.get('method')!r} is not served by the batched engine yet (a draft model keeps "
+                          "one sequence's cache; trees need per-row masks); serve 'suffix', 'ngram' or 'eagle' "
+                          "(chains)")
     spec = SpeculativeConfig(method=method, k=k, draft=model, ngram_sizes=ngram,
                              k_policy=data.get("k_policy", "cost"), k_max=_spec_int(data, "k_max", 10),
                              tree_width=1 if method in ("eagle", "tree") else None)
-    if method in ("draft", "tree"):
-        raise ConfigError(f"method {method!r} is not served by the batched engine yet (a draft model keeps one "
-                          "sequence's cache; trees need per-row masks); serve 'suffix', 'ngram' or 'eagle' (chains)")
     return spec, router
-
 
 
 def drafter_entry(spec: SpeculativeConfig, target, engine_config: EngineConfig):
