@@ -200,7 +200,7 @@ def load_head(path: str | None, target: LoadedModel):
     from .proposers.eagle_head import EagleHead
 
     if path is None:
-        if target.source.name != "default":
+        if not target.source.is_default:
             raise ConfigError("an EAGLE head needs --head HEAD_DIR (a head trained for this target with "
                               "`specdecode train eagle`); a head is shipped only for the default model")
         path = str(DEFAULT_EAGLE_HEAD)
@@ -225,7 +225,7 @@ def load_store(path: str | None, target: LoadedModel):
     checked against the target's vocabulary; loaded once per directory. None for another
     model without ``path``: suffix lookup then drafts from the request alone."""
     if path is None:
-        if target.source.name != "default":
+        if not target.source.is_default:
             _note_no_store(target.source.name)
             return None
         path = str(DEFAULT_TOKEN_STORE)

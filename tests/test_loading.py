@@ -122,6 +122,21 @@ def test_default_model_converts_once_and_loads(monkeypatch, tmp_path):
     assert resolve_model("default").config["num_hidden_layers"] == 30
 
 
+def test_the_default_model_is_known_by_every_name_and_by_its_gguf(tmp_path):
+    """Found in review: `--model smollm2` or the default GGUF's own path lost the drafters
+    shipped for it (the check compared the name with "default")."""
+    from specdecode.models.loading import ModelSource
+
+    gguf = loading.default_gguf_path()
+    for name in ("default", "smollm2", "SmolLM2-135M-Instruct"):
+        assert ModelSource(name, tmp_path, {}).is_default
+    assert ModelSource(str(gguf), tmp_path, {}, gguf=gguf).is_default
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF")
+    assert not ModelSource(str(other), tmp_path, {}, gguf=other).is_default
+    assert not ModelSource(str(tmp_path), tmp_path, {}).is_default
+
+
 def test_weights_auto_times_a_short_context_model_within_its_context(tiny_llama_dir):
     """--weights auto times each format at 256 tokens of context, or at what a shorter
     model holds (a 256-position model was refused before it decoded anything)."""

@@ -56,6 +56,17 @@ class ModelSource:
         return self.config.get("model_type", "?")
 
     @property
+    def is_default(self) -> bool:
+        """The default model, by any of its names or by its GGUF's own path (the drafters
+        shipped for it apply)."""
+        if self.name in DEFAULT_MODEL_NAMES:
+            return True
+        try:
+            return self.gguf is not None and Path(self.gguf).resolve() == Path(default_gguf_path()).resolve()
+        except Exception:  # noqa: BLE001 - the package that holds it is missing: then it is not this one
+            return False
+
+    @property
     def native(self) -> bool:
         return self.model_type in NATIVE_ARCHITECTURES
 
