@@ -371,8 +371,12 @@ def cmd_generate(args) -> int:
     if args.route and engine.policy is not None and hasattr(engine.policy, "costs") and result.stats.draft_tokens:
         from .control.router import speedup_from_stats
 
-        measured = speedup_from_stats(result.stats, engine.policy.costs.profile, len(prompt_ids))
-        router.observe(route.task, engine.drafter, result.stats.first_alpha, measured)
+        # the drafting and verification time, as the server measures it (the wall time after
+        # the prefill also held the first passes' one-off costs: no warm-up precedes this run)
+        stats = result.stats
+        measured = speedup_from_stats(stats, engine.policy.costs.profile, len(prompt_ids),
+                                      decode_seconds=stats.draft_seconds + stats.verify_seconds)
+        router.observe(route.task, engine.drafter, stats.first_alpha, measured, stats.new_tokens)
         router.save(state_path)
     record = {"text": result.text, "finish_reason": result.finish_reason, "method": engine.method, "k": engine.k_label, "stats": result.stats.to_dict()}
     if engine.policy is not None and hasattr(engine.policy, "chosen"):

@@ -228,12 +228,14 @@ class SpeculativeEngine:
 
         labelled = hasattr(self.policy, "use_label") and hasattr(self.proposer, "draft_label")
         while finish is None:
+            before = (stats.draft_seconds, stats.verify_seconds, stats.draft_passes)
             if labelled:  # the policy prices the draft by its kind's acceptance
+                looked_up = time.perf_counter()  # the lookup is the drafting (propose reuses it): charged as such
                 self.policy.use_label(self.proposer.draft_label(tokens))
+                stats.draft_seconds += time.perf_counter() - looked_up
             # never draft past the token budget or the context
             wanted = self.policy.choose(len(tokens)) if self.policy is not None else 0
             k = max(min(wanted, params.max_new_tokens - len(generated) - 1, capacity - len(tokens)), 0)
-            before = (stats.draft_seconds, stats.verify_seconds, stats.draft_passes)
             if k > 0 and self.tree_drafter:
                 new_tokens = self._tree_step(tokens, k, params, generator, draws, stats)
             else:

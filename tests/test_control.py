@@ -860,3 +860,51 @@ def test_the_router_does_not_blame_a_task_type_for_the_callers_method_none():
 
     route = Router().route("Write a Python function that adds two numbers.", method="none", drafter="none")
     assert route.method == "none" and "method none was asked for" in route.reason
+
+
+def test_one_outlying_request_cannot_turn_a_task_off(tmp_path):
+    """Found in review: a routed run on a contended machine measured 0.003x and, as its
+    task's first observation, sent the task to plain decoding; a 3-token request counted as
+    much as a long one; NaN in the state file failed later requests."""
+    import json as json_module
+
+    from specdecode.control.router import Router, classify
+
+    prompt = "Write a Python function that reverses a string."
+    task = classify(prompt)
+    router = Router()
+    router.observe(task, "ngram", 0.5, 1.3, tokens=3)  # too short to say anything
+    assert f"{task}/ngram" not in router.records
+    router.observe(task, "ngram", 0.5, 0.003, tokens=128)
+    router.observe(task, "ngram", 0.5, float("nan"), tokens=128)  # not a measurement
+    assert router.records[f"{task}/ngram"].speedup == 0.25
+    for _ in range(4):
+        router.observe(task, "ngram", 0.5, 1.3, tokens=128)
+    assert router.route(prompt).method == "ngram"
+    path = tmp_path / "state.json"
+    for bad in ({"alpha": float("nan"), "speedup": 1.2, "weight": 4}, {"alpha": 0.5, "speedup": 1.2, "weight": 4,
+                                                                       "extra": 1}):
+        path.write_text(json_module.dumps({"records": {f"{task}/ngram": bad}}))
+        warned = []
+        assert Router().load(path, warn=warned.append).records == {} and warned
+        assert not path.exists() and path.with_name("state.json.unreadable").exists()
+    path.write_text(json_module.dumps({"records": {}, "requests": {task: 1e400}}))
+    assert Router().load(path, warn=lambda message: None).requests == {}
+
+
+def test_one_stalled_drafting_pass_does_not_price_drafting_out():
+    """Found in review: the drafting cost took each pass's time as measured, so one pass
+    stalled for 200 ms (the OS, a page fault) moved c from 0.05 to 1.39 and the policy
+    decoded plain for 128 steps. A cost that really grew is still followed."""
+    from specdecode.control.policies import DraftCost
+
+    cost = DraftCost(0.05)
+    cost.update(0.2, 1, 0.010, 1.0)  # 200 ms of drafting against a 10 ms step
+    assert cost.value < 0.15
+    for _ in range(3):
+        cost.update(0.0005, 1, 0.010, 1.0)  # back to 0.05 of a step
+    assert cost.value < 0.1
+    grown = DraftCost(0.05)
+    for _ in range(10):
+        grown.update(0.004, 1, 0.010, 1.0)  # the drafter now costs 0.4 of a step
+    assert 0.3 < grown.value <= 0.4

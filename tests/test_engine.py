@@ -294,3 +294,32 @@ def test_a_draft_model_with_a_shorter_context_drafts_what_fits(tmp_path):
     plain = SpeculativeEngine(target.runtime).generate(prompt, params)
     result = SpeculativeEngine(target.runtime, proposer=DraftModelProposer(draft.runtime), k=3).generate(prompt, params)
     assert result.token_ids == plain.token_ids and 0 < result.stats.draft_tokens
+
+
+def test_the_drafters_lookup_is_charged_as_drafting(text_model):
+    """Found in review: prompt and suffix lookup find their match in ``draft_label`` (which
+    ``propose`` then reuses), called before the step's drafting clock started, so lookup
+    drafting was learnt as free and its time counted nowhere."""
+    import time as time_module
+
+    from specdecode.control.policies import FixedK
+
+    class SlowLookup(NgramProposer):
+        def draft_label(self, tokens):
+            time_module.sleep(0.005)
+            return super().draft_label(tokens)
+
+    class Labelled(FixedK):
+        def use_label(self, label):
+            pass
+
+    seen = []
+
+    class Noting(Labelled):
+        def observe_cost(self, draft_seconds, passes, *rest):
+            seen.append(draft_seconds)
+
+    engine = SpeculativeEngine(text_model.runtime, text_model.tokenizer, SlowLookup(), k=Noting(2))
+    result = engine.generate([5, 6, 5, 6, 5, 6], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    steps = result.stats.target_forwards
+    assert result.stats.draft_seconds >= 0.005 * steps and all(seconds >= 0.005 for seconds in seen), seen

@@ -212,3 +212,14 @@ def test_prompt_lookup_finds_the_latest_earlier_match_of_the_longest_size_first(
         k = rng.randint(1, 6)
         found, expected = lookup(sequence, sizes, k), by_windows(sequence, sizes, k)
         assert (found is None) == (expected is None) and (found is None or np.array_equal(found, expected))
+
+
+def test_a_store_match_that_ends_every_document_gives_way_to_a_shorter_one():
+    """Found in review: the longest match was taken even where every occurrence ended a
+    document, so the store drafted nothing (the step fell back to 1-grams under the store's
+    label) while a shorter match continued."""
+    store = TokenStore([[1, 2, 3, 4], [5, 2, 3, 4, 7, 8]], vocab_size=16)
+    assert store.longest([0, 1, 2, 3, 4]) == 3 and store.continuation([0, 1, 2, 3, 4], 2) == [7, 8]
+    proposer = SuffixProposer(store)
+    assert proposer.plan([0, 1, 2, 3, 4])[0] == ("store", 3)
+    assert proposer.propose([0, 1, 2, 3, 4], 2, GREEDY, None).draft_ids.tolist() == [7, 8]

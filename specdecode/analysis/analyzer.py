@@ -248,7 +248,7 @@ def learn(records: list[dict], drafter_names: dict[str, str], model: str = "defa
     router = Router().load(path, warn=log)
     for r in records:
         if r["method"] != "none" and r.get("draft_tokens"):
-            router.observe(r["task"], drafter_names[r["method"]], r["first_alpha"], r["speedup"])
+            router.observe(r["task"], drafter_names[r["method"]], r["first_alpha"], r["speedup"], r["new_tokens"])
     router.save(path)
 
 

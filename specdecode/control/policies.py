@@ -78,11 +78,16 @@ class DraftCost:
     step's drafting time per pass over the plain-step time its own verification implies
     (its verify time / v(n), n the tokens it scored beyond the first), so the estimate
     follows a machine whose speed drifts as well as drafts that run slower inside a
-    generation than alone. Seeded with the cost profile's c; kept across requests."""
+    generation than alone. Seeded with the cost profile's c; kept across requests. A pass
+    measured above 2.5 times the estimate (or 0.02 steps above it, from near 0) counts as
+    that much unless the pass before it was high too: one drafting pass stalled by the OS
+    must not stop speculation for hundreds of steps (found in review: a 200 ms stall took c
+    from 0.05 to 1.39), while a cost that really grew shows on the next pass as well."""
 
     def __init__(self, prior: float, strength: float = 2.0, decay: float = 0.9):
         self.decay = decay
         self.counts = [prior * strength, strength]
+        self.high = False  # the last pass measured above the bound
 
     @property
     def value(self) -> float:
@@ -91,6 +96,12 @@ class DraftCost:
     def update(self, draft_seconds: float, passes: int, verify_seconds: float, v: float) -> float:
         if passes > 0 and verify_seconds > 0 and v > 0:
             measured = draft_seconds / passes / (verify_seconds / v)
+            bound = max(2.5 * self.value, self.value + 0.02)
+            if measured <= bound:
+                self.high = False
+            elif not self.high:  # high once: held to the bound until the next pass says it again
+                self.high = True
+                measured = bound
             self.counts = [self.counts[0] * self.decay + measured, self.counts[1] * self.decay + 1]
         return self.value
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from dataclasses import asdict, dataclass, field
@@ -109,6 +110,10 @@ def keyword_classify(prompt: str) -> str:
     return "general"
 
 
+MIN_OBSERVED_TOKENS = 16  # a request shorter than this teaches the router nothing
+SPEEDUP_RANGE = (0.25, 4.0)  # one request's measured speedup, clipped to this
+
+
 @dataclass
 class TaskRecord:
     """Decayed averages of what speculation achieved on one task with one method."""
@@ -176,19 +181,32 @@ class Router:
             return Route(task, "none", None, f"{task}: {drafter} measured {record.speedup:.2f}x (< 1), plain decoding")
         return Route(task, method, prior, f"{task}: {drafter} measured {record.speedup:.2f}x, alpha {record.alpha:.2f}")
 
-    def observe(self, task: str, drafter: str | None, alpha: float, speedup: float) -> None:
-        """Record one request: acceptance at draft position 1 and speedup of ``drafter`` on ``task``."""
-        if drafter is None:
+    def observe(self, task: str, drafter: str | None, alpha: float, speedup: float, tokens: int | None = None) -> None:
+        """Record one request: acceptance at draft position 1 and speedup of ``drafter`` on
+        ``task``. A request of fewer than ``MIN_OBSERVED_TOKENS`` new tokens says too little
+        (its few steps carry a process's one-off costs), and a speedup is clipped to
+        [``SPEEDUP_RANGE``]: one run on a contended machine measured 0.003 and, as the
+        first observation of its task, sent that task to plain decoding (found in review)."""
+        if drafter is None or (tokens is not None and tokens < MIN_OBSERVED_TOKENS):
             return
-        self.records.setdefault(f"{task}/{drafter}", TaskRecord()).update(alpha, speedup, self.decay)
+        if not (math.isfinite(alpha) and math.isfinite(speedup)):
+            return
+        low, high = SPEEDUP_RANGE
+        self.records.setdefault(f"{task}/{drafter}", TaskRecord()).update(
+            min(max(alpha, 0.0), 1.0), min(max(speedup, low), high), self.decay)
 
     def save(self, path: Path) -> None:
         """Written whole or not at all (a temporary file renamed over it): two processes,
         or one stopped mid-write, never leave a torn file."""
+        import logging
+
         from ..models.loading import write_atomic
 
-        write_atomic(path, json.dumps({"records": {k: asdict(v) for k, v in self.records.items()},
-                                       "requests": self.requests}, indent=1))
+        try:
+            write_atomic(path, json.dumps({"records": {k: asdict(v) for k, v in self.records.items()},
+                                           "requests": self.requests}, indent=1))
+        except OSError as error:  # a cache we cannot write: the request is done, its lesson is lost
+            logging.getLogger("specdecode").warning("router state not saved to %s: %s", path, error)
 
     def load(self, path: Path, warn=None) -> "Router":
         """The measurements saved at ``path``; a file that cannot be read is set aside (with a
@@ -200,11 +218,19 @@ class Router:
             records = {str(k): TaskRecord(**v) for k, v in data.get("records", {}).items()}
             requests = {str(k): int(v) for k, v in data.get("requests", {}).items()}
             for record in records.values():
-                if not all(isinstance(getattr(record, f), (int, float)) for f in ("alpha", "speedup", "weight")):
-                    raise TypeError(f"a record that is not numbers: {record}")
-        except (ValueError, TypeError, AttributeError) as error:
+                values = [getattr(record, f) for f in ("alpha", "speedup", "weight")]
+                if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
+                    raise TypeError(f"a record that is not finite numbers: {record}")
+                if not (0.0 <= record.alpha <= 1.0 and record.speedup > 0 and record.weight >= 0):
+                    raise ValueError(f"a record out of range: {record}")  # NaN or 3.0 as an acceptance failed requests
+        except FileNotFoundError:  # another process set it aside meanwhile
+            return self
+        except (ValueError, TypeError, AttributeError, OverflowError, OSError) as error:
             aside = path.with_name(path.name + ".unreadable")
-            os.replace(path, aside)  # kept for a look, out of the way of the next save
+            try:
+                os.replace(path, aside)  # kept for a look, out of the way of the next save
+            except OSError:  # gone already, or a cache we cannot write: start afresh all the same
+                pass
             if warn is not None:
                 warn(f"router state {path} is unreadable ({type(error).__name__}: {error}); moved to {aside.name}, "
                      "starting afresh")

@@ -99,13 +99,18 @@ class TokenStore:
 
     def _longest(self, context: list[int], min_n: int) -> tuple[int, int, int]:
         """(n, low, high): the longest suffix of ``context`` (max_n down to min_n tokens)
-        the store holds, and its slice of ``order``; n = 0: none."""
+        the store holds with a token after it, and its slice of ``order``; n = 0: none. A
+        suffix whose every occurrence ends a document continues nothing: a shorter one is
+        tried (it was taken, and the step drafted from 1-grams under the store's label)."""
         for n in range(min(self.max_n, len(context)), min_n - 1, -1):
             pattern = context[-n:]
             if all(0 <= t < self.vocab_size for t in pattern):
                 low, high = self._range(pattern)
                 if high > low:
-                    return n, low, high
+                    after = self._follow(low, high, n, MAX_SAMPLE)
+                    after = after[after < self.tokens.size]
+                    if after.size and (self.tokens[after] != self.separator).any():
+                        return n, low, high
         return 0, 0, 0
 
     def longest(self, context: list[int], min_n: int = 2) -> int:

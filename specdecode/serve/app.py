@@ -405,7 +405,7 @@ class SpeculationChoices:
             speedup = speedup_from_stats(stats, self.profile, len(sequence.prompt_ids),
                                          decode_seconds=stats.draft_seconds + stats.verify_seconds)
             with self.lock:
-                self.router.observe(sequence.task_type, drafter, stats.first_alpha, speedup)
+                self.router.observe(sequence.task_type, drafter, stats.first_alpha, speedup, stats.new_tokens)
 
     def calibrated_prior(self, method: str) -> float | None:
         if self.profile is None:
