@@ -576,3 +576,58 @@ def test_timed_passes_wait_for_the_device_first(model_dir, monkeypatch):
     # two prefill chunks of 2 (the prompt's last token is the first pass's input), then one
     # wait per decode pass
     assert calls[:2] == [("batch", "cpu")] * 2 and len(calls) == 2 + sequence.stats.target_forwards
+
+
+def test_a_failing_step_leaks_no_row_and_loses_no_finished_sequence(model_dir):
+    """Found in review: a prefix copy that failed kept its row out of the free rows for
+    good; a step that failed part way lost the sequences it had already reaped (aborted
+    ones: never reported); and the audit counted a re-run that an engine error aborted as
+    a losslessness mismatch."""
+    from specdecode.serve.audit import Auditor
+    from specdecode.serve.metrics import ServerMetrics
+
+    runtime = runtime_for(model_dir, "torch")
+    engine = BatchEngine(runtime, max_num_seqs=2, max_model_len=64)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    prompt = list(range(5, 30))
+    engine.add(prompt, params)
+    engine.run()
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("device error")
+
+    real_copy, runtime.copy_prefix = runtime.copy_prefix, boom
+    failed = engine.add(prompt[:20] + [3, 4], params)
+    engine.run()
+    runtime.copy_prefix = real_copy
+    assert failed.finish_reason == "abort" and sorted(engine.free_rows) == [0, 1]
+
+    # a step that fails after reaping an aborted row: the reaped row is still handed on
+    engine = BatchEngine(runtime_for(model_dir, "torch"), max_num_seqs=1, max_model_len=64)
+    long = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    left = engine.add([5, 6, 7], long)
+    engine.step()
+    engine.step()
+    engine.abort(left)
+    real_forward, engine.runtime.forward_rows = engine.runtime.forward_rows, boom
+    engine.add([11, 12, 13], long)
+    with pytest.raises(RuntimeError):
+        engine.step()
+    engine.runtime.forward_rows = real_forward
+    assert left in engine.reaped  # ServerState._fail_all reports these with the rows it fails
+
+    # an audit re-run aborted by an engine error is not a mismatch
+    engine = BatchEngine(runtime_for(model_dir, "torch"), max_num_seqs=2, max_model_len=64)
+    metrics = ServerMetrics("tiny")
+    auditor = Auditor(engine, 1.0, metrics)
+    original = engine.add([5, 6, 7, 5, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True),
+                          proposer=NgramProposer(), policy=2)
+    engine.run()
+    auditor.offer(original)
+    assert auditor.run_one()
+    audit = engine.waiting[-1]
+    audit.error = "internal error while decoding"
+    engine._finish(audit, "abort")
+    auditor.compare(audit)
+    assert auditor.mismatches == []
+    assert metrics.registry.get_sample_value("specdecode:audit_mismatches_total", {"model_name": "tiny"}) == 0

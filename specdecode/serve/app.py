@@ -249,7 +249,9 @@ class ServerState:
             sequence.counted_generated = len(sequence.generated)
 
     def _fail_all(self) -> list[Sequence]:
-        engine, failed = self.engine, []
+        engine = self.engine
+        failed = list(getattr(engine, "reaped", []))  # reaped by the failed step before it failed
+        engine.reaped = []
         for sequence in list(engine.running):
             if sequence.finished:  # finished in the failed step: reaped with the others, reported once
                 continue

@@ -53,17 +53,28 @@ class Auditor:
     @torch.inference_mode()
     def compare(self, audit) -> None:
         original = audit.audit_of
+        if audit.finish_reason == "abort" or audit.error is not None:
+            # the re-run failed (an engine error aborted it): nothing was compared, and an empty
+            # output is no evidence of a mismatch (it was counted as one)
+            logger.warning("audit of request %s did not run to its end (%s); not compared", original.request_id,
+                           audit.error or "aborted")
+            return
         self.metrics.labels(self.metrics.audit_checked).inc()
         if audit.generated == original.generated and audit.finish_reason == original.finish_reason:
             return
         position = next((i for i, (a, b) in enumerate(zip(original.generated, audit.generated)) if a != b),
                         min(len(original.generated), len(audit.generated)))
-        margin = self.margin(original.prompt_ids + original.generated[:position])
-        record = {"request_id": original.request_id, "position": position, "top2_margin": margin,
+        record = {"request_id": original.request_id, "position": position, "top2_margin": None,
                   "speculative_token": original.generated[position] if position < len(original.generated) else None,
                   "plain_token": audit.generated[position] if position < len(audit.generated) else None}
-        self.mismatches.append(record)
+        self.mismatches.append(record)  # counted first: the margin's pass may fail
         self.metrics.labels(self.metrics.audit_mismatch).inc()
+        try:
+            margin = record["top2_margin"] = self.margin(original.prompt_ids + original.generated[:position])
+        except Exception:  # noqa: BLE001 - the mismatch stands without its margin
+            logger.exception("the top-2 margin of the audit mismatch of request %s could not be computed",
+                             original.request_id)
+            margin = None
         logger.warning("audit mismatch: request %s differs from plain decoding at token %d (top-2 margin %.4g)",
                        original.request_id, position, margin if margin is not None else float("nan"))
 

@@ -175,6 +175,7 @@ class BatchEngine:
         runtime.reset(self.max_model_len, batch=max_num_seqs)
         runtime.cache_owner = self  # another engine's reset, or a plain forward, would take it
         self.free_rows = deque(range(max_num_seqs))  # least recently freed first
+        self.reaped: list[Sequence] = []  # the sequences the current step has finished so far
         self.prefix_caching = True
         self.row_tokens: list[list[int]] = [[] for _ in range(max_num_seqs)]  # a free row's valid entries
         self._forget_prefixes = False
@@ -277,7 +278,9 @@ class BatchEngine:
     def step(self) -> list[Sequence]:
         """Admit, prefill one chunk, decode every prefilled row once. Returns the
         sequences that finished in this step."""
-        finished: list[Sequence] = []
+        # kept on the engine until the step ends: a step that fails part way still reports
+        # the sequences it had reaped (ServerState._fail_all takes them)
+        finished = self.reaped = []
         if self._forget_prefixes:  # the free rows' histories, and those of the rows running now
             self._forget_prefixes = False
             self._forget_rows()
@@ -416,6 +419,7 @@ class BatchEngine:
             if row is None:  # the only free row is the source: losing its other entries is unavoidable
                 row = source
             self.free_rows.remove(row)
+            sequence.cache_row = row  # before the copy: a copy that fails gives the row back (it leaked)
             if source is not None and source != row:
                 self.runtime.copy_prefix(source, row, best)
         self.row_tokens[row] = []

@@ -92,6 +92,8 @@ class ServerMetrics:
             self.labels(self.success, finished_reason=reason)
         for position in range(positions):
             self.labels(self.accepted_per_pos, position=str(position))
+        for counter in (self.audit_checked, self.audit_mismatch, self.prompt_tokens, self.generation_tokens):
+            self.labels(counter)  # at 0 from the start, so a rate over them reads 0 rather than nothing
 
     def labels(self, metric, **labels):
         return metric.labels(model_name=self.model_name, **labels)
