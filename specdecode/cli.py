@@ -228,6 +228,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise SpecDecodeError(f"preset {args.preset!r} sets {unknown}, which {args.verb} does not take")
         verb_parser.set_defaults(**{key: str(v) if key == "k" else v for key, v in values.items()})
         args = parser.parse_args(argv)
+    verb_parser = getattr(parser, "verb_parsers", {}).get(args.verb)
+    # what each flag is when not given (a preset's value included): a flag that differs was given
+    args.flag_defaults = {} if verb_parser is None else {
+        name: verb_parser.get_default(name) for name in ("k", "k_policy", "k_max")}
     return args
 
 
@@ -302,7 +306,9 @@ def _check_k_flags(args, methods: list[str]) -> None:
     from .bench.runner import PEERS, parse_method
 
     if args.k != "auto":
-        ignored = [flag for flag, value, default in (("--k-policy", args.k_policy, "cost"), ("--k-max", args.k_max, 10))
+        defaults = getattr(args, "flag_defaults", {})  # a preset's values are its defaults, not flags given
+        ignored = [flag for flag, value, default in (("--k-policy", args.k_policy, defaults.get("k_policy", "cost")),
+                                                     ("--k-max", args.k_max, defaults.get("k_max", 10)))
                    if value != default]
         if ignored:
             raise SpecDecodeError(f"{' and '.join(ignored)} choose k under --k auto; --k {args.k} fixes it, so "

@@ -738,12 +738,15 @@ def test_the_transformers_runtime_names_its_device_in_the_profile_key(tiny_llama
     assert model.runtime.describe() != on_cpu and " on meta" in model.runtime.describe()
 
 
-def test_cli_route_learns_nothing_from_a_request_that_drafted_nothing(tiny_text_model_dir, capsys):
+def test_cli_route_learns_nothing_from_a_request_that_drafted_nothing(tiny_text_model_dir, capsys, monkeypatch):
     """Found in review: a routed request that ran plain taught its task an acceptance of 0."""
     import json as json_module
 
     from specdecode import cli
+    from specdecode.control import router as router_module
     from specdecode.control.router import Router, router_state_path
+
+    monkeypatch.setattr(router_module, "MIN_OBSERVED_TOKENS", 0)  # the guard on drafts alone, not on length
 
     code = cli.main(["generate", "What is the capital of France?", "--route", "--method", "ngram", "--model",
                      str(tiny_text_model_dir), "--dtype", "fp32", "--no-chat-template", "--max-new-tokens", "1",
@@ -908,3 +911,16 @@ def test_one_stalled_drafting_pass_does_not_price_drafting_out():
     for _ in range(10):
         grown.update(0.004, 1, 0.010, 1.0)  # the drafter now costs 0.4 of a step
     assert 0.3 < grown.value <= 0.4
+
+
+def test_a_presets_k_max_is_no_flag_beside_an_explicit_k(tiny_text_model_dir, capsys):
+    """Found in review: a preset that sets k_max made `--preset creative-writing --k 3` refuse
+    a --k-max the user never gave; a --k-max given beside a fixed --k is still refused."""
+    from specdecode import cli
+
+    base = ["generate", "Write a short poem.", "--model", str(tiny_text_model_dir), "--dtype", "fp32",
+            "--no-chat-template", "--max-new-tokens", "2"]
+    assert cli.main([*base, "--preset", "creative-writing", "--k", "3"]) == 0
+    capsys.readouterr()
+    assert cli.main([*base, "--preset", "creative-writing", "--k", "3", "--k-max", "6"]) == 2
+    assert "--k-max choose k under --k auto" in capsys.readouterr().err

@@ -230,3 +230,13 @@ def test_memory_refuses_a_budget_or_context_it_cannot_mean(capsys):
     assert code == 2 and "--budget must be > 0 GiB, got -1.0" in err, err
     code, err = run(capsys, *memory, "--context", "100000")
     assert code == 2 and "--context 100000 is beyond the model's 8192 positions" in err, err
+
+
+def test_bench_specs_with_auto_or_threshold_and_a_tree_width_still_parse():
+    """The k check of bench specs (review) first refused eagle@autox1, which a recorded run
+    of docs/bench/suite-trees.json used."""
+    from specdecode.bench.runner import parse_method
+
+    assert parse_method("eagle@autox1") == ("eagle", "autox1")
+    assert parse_method("tree@thresholdx3") == ("tree", "thresholdx3")
+    assert parse_method("eagle@6x3") == ("eagle", "6x3") and parse_method("ngram@auto") == ("ngram", "auto")

@@ -38,7 +38,7 @@ def parse_method(spec: str) -> tuple[str, str | None]:
         raise SpecDecodeError(f"unknown bench method {name!r} in {spec!r}; choose from {KNOWN_METHODS}")
     if k and name in ("none", *PEERS):
         raise SpecDecodeError(f"{spec!r}: {name} takes no k")
-    if k and not (k in ("auto", "threshold") or re.fullmatch(r"[1-9][0-9]*(x[1-9][0-9]*)?", k)):
+    if k and not re.fullmatch(r"(auto|threshold|[1-9][0-9]*)(x[1-9][0-9]*)?", k):
         raise SpecDecodeError(f"{spec!r}: k is an integer, auto or threshold (and eagle@6x3 a tree of 6 nodes, "
                               "3 children each)")
     if "x" in k and name not in ("eagle", "tree"):

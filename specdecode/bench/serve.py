@@ -364,7 +364,7 @@ def bench_serve(prompts: list[dict], concurrency: list[int], rate: float | None,
         for i, level, mode in tqdm(plan, desc="bench-serve", unit="level", file=sys.stderr):
             # every level starts from an empty prefix cache, so it reuses only what its own
             # requests share (a system prompt), not the prompts the last level sent
-            reset = httpx.post(f"{url}/reset_prefix_cache", timeout=10)
+            reset = httpx.post(f"{url}/reset_prefix_cache", timeout=10, headers=auth_headers())
             if reset.status_code != 200 and not warned:
                 warned = True
                 print(f"specdecode: {url}/reset_prefix_cache answered {reset.status_code}: a level may reuse "

@@ -128,7 +128,7 @@ def import_head(directory: Path, raw: dict, fmt: str, target_layers: int | None 
     """An EagleHead from a directory in layout ``fmt`` ("eagle3" or "speculators").
     ``target_layers``: the target's layer count, for checkpoints that do not name the
     layers they read (the EAGLE-3 default 2, L/2, L-3 is taken then)."""
-    from .eagle_head import EagleConfig, EagleHead
+    from .eagle_head import EagleConfig, EagleHead, capture_layers
 
     llama = raw.get("transformer_layer_config", {}) if fmt == "speculators" else raw
     for flag in UNSUPPORTED_FLAGS:
@@ -150,7 +150,7 @@ def import_head(directory: Path, raw: dict, fmt: str, target_layers: int | None 
     if layers is None:
         if target_layers is None:
             raise SpecDecodeError(f"{directory} does not name the target layers it reads; load it for a target")
-        layers = (min(2, target_layers - 1), target_layers // 2, max(target_layers - 3, 0))
+        layers = capture_layers(target_layers)  # as this head was made for such a target
     try:
         hidden, heads = llama["hidden_size"], llama["num_attention_heads"]
         config = EagleConfig(hidden, llama["intermediate_size"], heads, llama.get("num_key_value_heads", heads),

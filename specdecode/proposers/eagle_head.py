@@ -45,15 +45,22 @@ class EagleConfig:
     @classmethod
     def for_target(cls, cfg, draft_vocab_size: int, intermediate_size: int | None = None) -> "EagleConfig":
         """Sizes from the target's LlamaConfig; the capture layers EAGLE-3 uses."""
-        layers = cfg.num_layers
-        capture = (min(2, layers - 1), layers // 2, max(layers - 3, 0))
-        if not capture[0] < capture[1] < capture[2]:  # under 7 layers: low, middle and last, distinct where they can be
-            capture = (0, layers // 2, layers - 1) if layers >= 3 else tuple(sorted(capture))
+        capture = capture_layers(cfg.num_layers)
         if cfg.rope.get("rope_type", "default") != "default":
             raise SpecDecodeError(f"EAGLE heads support default RoPE only, the target uses {cfg.rope['rope_type']!r}")
         return cls(cfg.hidden_size, intermediate_size or cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                    cfg.head_dim, cfg.rms_norm_eps, float(cfg.rope["rope_theta"]), cfg.vocab_size,
                    min(draft_vocab_size, cfg.vocab_size), capture)
+
+
+def capture_layers(layers: int) -> tuple[int, ...]:
+    """The target layers whose input a head reads: EAGLE-3's 2, L/2 and L-3; under 7 layers,
+    where those collide or fall out of order, the first, middle and last (distinct and
+    ascending, as vLLM gathers them, where the target has 3 layers or more)."""
+    capture = (min(2, layers - 1), layers // 2, max(layers - 3, 0))
+    if not capture[0] < capture[1] < capture[2]:
+        capture = (0, layers // 2, layers - 1) if layers >= 3 else tuple(sorted(capture))
+    return capture
 
 
 class RMSNorm(nn.Module):
