@@ -246,8 +246,12 @@ class SpeculativeEngine:
                     note_cost(stats.draft_seconds - before[0], stats.draft_passes - before[2],
                               stats.verify_seconds - before[1], stats.last_drafted, len(new_tokens), self.last_lazy)
                 self.policy.observe(stats.last_drafted, len(new_tokens) - 1)
-            _, finish = commit_tokens(new_tokens, tokens, generated, tracker, params, self.eos_token_ids,
-                                      max_positions)
+            added, finish = commit_tokens(new_tokens, tokens, generated, tracker, params, self.eos_token_ids,
+                                          max_positions)
+            if finish is not None and len(added) < len(new_tokens):  # the output ended inside this step
+                produced = len(added) + (new_tokens[len(added)] in self.eos_token_ids and not params.ignore_eos)
+                # what came after its end is not output: τ counts the tokens a pass produced (EOS one of them)
+                stats.drop_accepted(len(new_tokens) - produced)
             if on_text is not None and (piece := tracker.delta()):
                 on_text(piece)
 

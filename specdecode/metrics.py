@@ -10,7 +10,11 @@ Definitions, stated once:
   bonus token* = (accepted + passes) / passes. Plain decoding has tau = 1.
 - acceptance at draft position i = share of the steps that drafted position i in which
   the i-th draft token was accepted; acceptance is a prefix, so that needs every earlier
-  position accepted too (vLLM's definition).
+  position accepted too. vLLM divides by every step that drafted instead (its
+  num_accepted_tokens_per_pos / num_drafts, as bench-serve reports it): the two agree where
+  every step drafts the same number of tokens; with k auto, or a lookup that finds a
+  shorter match, ours is the acceptance of the drafts that were made, and only vLLM's sums
+  to tau - 1.
 - tokens_per_s = new tokens / wall time of the whole request, prefill included;
   decode_tokens_per_s excludes the prefill.
 """
@@ -39,6 +43,7 @@ class GenerationStats:
     verify_seconds: float = 0.0
     wall_seconds: float = 0.0
     last_drafted: int = field(default=0, repr=False)
+    last_accepted: int = field(default=0, repr=False)
 
     def observe_step(self, num_drafted: int, num_accepted: int, depth: int | None = None,
                      rejected: bool | None = None) -> None:
@@ -47,7 +52,7 @@ class GenerationStats:
         ``rejected``: whether the walk stopped at a node that had children (a path that
         ends at a leaf rejected nothing; default: it stopped short of ``depth``)."""
         self.target_forwards += 1
-        self.last_drafted = num_drafted
+        self.last_drafted, self.last_accepted = num_drafted, num_accepted
         self.steps_by_drafted[num_drafted] = self.steps_by_drafted.get(num_drafted, 0) + 1
         self.draft_tokens += num_drafted
         self.accepted_tokens += num_accepted
@@ -60,6 +65,20 @@ class GenerationStats:
         for position in range(depth):
             self.drafted_per_position[position] += 1
             self.accepted_per_position[position] += position < num_accepted
+
+    def drop_accepted(self, count: int) -> None:
+        """The step just observed produced ``count`` tokens fewer than its accepted drafts and
+        bonus: the output ended inside it (EOS, a stop string), and what came after is not
+        output. Its last ``count`` accepted drafts count neither as accepted nor toward τ,
+        which stays the tokens a pass produced (a lookup drafter that copies the chat template's end-of-turn
+        and the next turn's start reported τ 3.33 for 2.67 tokens a pass; found in review)."""
+        count = min(count, self.last_accepted)
+        if count <= 0:
+            return
+        for position in range(self.last_accepted - count, self.last_accepted):
+            self.accepted_per_position[position] -= 1
+        self.accepted_tokens -= count
+        self.last_accepted -= count
 
     @property
     def alpha(self) -> float:
@@ -102,7 +121,7 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         record = asdict(self)
-        del record["last_drafted"]
+        del record["last_drafted"], record["last_accepted"]
         for name in ("alpha", "trial_alpha", "first_alpha", "later_alpha", "tau", "acceptance_per_position", "tokens_per_s", "decode_tokens_per_s"):
             record[name] = getattr(self, name)
         return record

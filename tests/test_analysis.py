@@ -204,3 +204,24 @@ def test_k_sweep_compares_adaptive_with_the_best_fixed_k():
     assert entry["ngram@threshold"]["vs_best_fixed"] == pytest.approx(0.9 / 1.2 - 1)
     assert entry["best_fixed_identical"] == 0.5 and entry["ngram@auto"]["identical_to_plain"] == 0.7
     assert k_sweep(summary, ["none", "ngram@2", "ngram@5"]) == {}  # nothing adaptive to compare
+
+
+def test_check_calibration_tau_is_the_mean_accepted_length(tmp_path, monkeypatch):
+    """Found in review: calibration summed the acceptance of the steps that drafted each
+    position, which overstates tau where a lookup drafts fewer than k tokens (1.865 for
+    1.833 on the real model). Five one-token drafts rejected and one of five accepted whole:
+    1 + 5 / 6 tokens a drafting pass, not 1 + 1/6 + 4."""
+    from specdecode import factory
+    from specdecode.analysis.compat import calibrate
+    from specdecode.metrics import GenerationStats
+
+    stats = GenerationStats()
+    for _ in range(5):
+        stats.observe_step(1, 0)
+    stats.observe_step(5, 5)
+    monkeypatch.setattr(factory, "calibration_runs", lambda *args, **kwargs: [stats])
+    target = save_tiny_model(tmp_path / "t", seed=1, num_layers=2)
+    save_char_tokenizer(target)
+    result = calibrate(str(target), "ngram", dtype="fp32", k=5)
+    assert result["tau"] == pytest.approx(1 + 5 / 6) == pytest.approx(stats.tau)
+    assert result["acceptance_per_position"] == pytest.approx([1 / 6] * 5)

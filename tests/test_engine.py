@@ -323,3 +323,33 @@ def test_the_drafters_lookup_is_charged_as_drafting(text_model):
     result = engine.generate([5, 6, 5, 6, 5, 6], SamplingParams(max_new_tokens=6, ignore_eos=True))
     steps = result.stats.target_forwards
     assert result.stats.draft_seconds >= 0.005 * steps and all(seconds >= 0.005 for seconds in seen), seen
+
+
+def test_drafts_accepted_after_the_end_of_the_output_are_not_counted(text_model):
+    """Found in review: a lookup drafter copies the chat template's end of turn and the next
+    turn's start; the target accepts them, the output stops at EOS, and the stats counted
+    the drafts past it (τ 3.33 for 2.67 tokens a pass). τ is the tokens a pass produced."""
+    from specdecode.proposers.base import Proposal
+
+    prompt = [5, 6, 7, 8]
+    free = SpeculativeEngine(text_model.runtime, text_model.tokenizer).generate(
+        prompt, SamplingParams(max_new_tokens=12, ignore_eos=True)).token_ids
+    eos = free[5]
+    assert eos not in free[:5]
+
+    class Oracle:  # drafts the target's own greedy continuation: every draft is accepted
+        def start(self, tokens, capacity):
+            pass
+
+        def propose(self, tokens, k, params, generator):
+            done = len(tokens) - len(prompt)
+            return Proposal(torch.tensor(free[done:done + k], dtype=torch.int64))
+
+    engine = SpeculativeEngine(text_model.runtime, text_model.tokenizer, Oracle(), k=8, eos_token_ids=(eos,))
+    result = engine.generate(prompt, SamplingParams(max_new_tokens=12))
+    stats = result.stats
+    assert result.token_ids == free[:5] and result.finish_reason == "stop"
+    produced = len(result.token_ids) + 1  # EOS is a token the passes produced
+    assert stats.accepted_tokens + stats.target_forwards == produced, stats
+    assert stats.tau == produced / stats.target_forwards
+    assert sum(stats.accepted_per_position) == stats.accepted_tokens
