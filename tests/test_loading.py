@@ -147,3 +147,88 @@ def test_weights_auto_times_a_short_context_model_within_its_context(tiny_llama_
     model = load_model(str(tiny_llama_dir), torch.bfloat16)  # the CLI's default dtype: formats compete
     model.runtime.reset(8)
     assert model.runtime.max_positions <= 256 and model.runtime(torch.tensor([[1, 2, 3]])).shape[-2] == 3
+
+
+def _tiny_gguf(arch: str, root):
+    """A 2-layer ``arch`` model written as llama.cpp writes it (q/k rows reordered for its
+    llama architecture only), Q8_0 linears; returns (path, transformers model)."""
+    import gguf
+    import numpy as np
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(arch, vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                  initializer_range=0.2, tie_word_embeddings=False)
+    state = {k: v.numpy() for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    root.mkdir(parents=True)
+    path = root / f"tiny-{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(256)
+    writer.add_block_count(2)
+    writer.add_feed_forward_length(128)
+    writer.add_embedding_length(64)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(97)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+
+    def linear(name, array):
+        writer.add_tensor(name, gguf.quants.quantize(array.astype(np.float32), q8), raw_dtype=q8)
+
+    def reorder(array, heads):  # llama.cpp's q/k row order for its llama architecture
+        return array.reshape(heads, 2, array.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(array.shape)
+
+    linear("token_embd.weight", state["model.embed_tokens.weight"])
+    linear("output.weight", state["lm_head.weight"])
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    for i in range(2):
+        ours, theirs = f"model.layers.{i}.", f"blk.{i}."
+        q, k = state[ours + "self_attn.q_proj.weight"], state[ours + "self_attn.k_proj.weight"]
+        if arch == "llama":
+            q, k = reorder(q, 4), reorder(k, 2)
+        linear(theirs + "attn_q.weight", q)
+        linear(theirs + "attn_k.weight", k)
+        for gguf_name, name in (("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
+                                ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"),
+                                ("ffn_down", "mlp.down_proj")):
+            linear(theirs + gguf_name + ".weight", state[ours + name + ".weight"])
+        if arch == "qwen2":
+            for part in "qkv":
+                writer.add_tensor(theirs + f"attn_{part}.bias", state[ours + f"self_attn.{part}_proj.bias"])
+        writer.add_tensor(theirs + "attn_norm.weight", state[ours + "input_layernorm.weight"])
+        writer.add_tensor(theirs + "ffn_norm.weight", state[ours + "post_attention_layernorm.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reference = AutoModelForCausalLM.from_pretrained(str(root), gguf_file=path.name, dtype=torch.float32)
+    return path, reference
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_linears_carried_from_a_gguf_keep_the_checkpoints_row_order(tmp_path, arch):
+    """Found in review: the q/k rows read straight from a GGUF (int8/int4) were put back
+    from llama.cpp's order for every architecture; it reorders them for llama only, so a
+    Qwen2 GGUF's q/k were scrambled (logits off by 9.8, argmax agreeing on 10%)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from specdecode.models.llama import load_native
+
+    path, reference = _tiny_gguf(arch, tmp_path / "gguf")
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(converted / "model.safetensors"))
+    config = reference.config.to_dict()
+    config.pop("quantization_config", None)
+    (converted / "config.json").write_text(json.dumps(config, default=str))
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(ids).logits
+    runtime = load_native(converted, torch.float32, "q8_0", "torch", path)
+    runtime.reset(40)
+    assert (runtime(ids) - expected).abs().max() < 1e-3

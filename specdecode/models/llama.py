@@ -363,7 +363,10 @@ class _GGUFTensors:
         layer, how = from_gguf(self.tensors[gguf_name], self.path, fmt)
         self.carried[gguf_name] = f"{how} ({layer.fmt})"
         heads = {"attn_q": self.cfg.num_heads, "attn_k": self.cfg.num_kv_heads}.get(gguf_name.split(".")[-2])
-        if heads is not None:
+        # llama.cpp reorders q/k rows for its llama architecture only (Mistral is written as
+        # llama); a Qwen2 GGUF holds them in the checkpoint's order (found in review: undone
+        # there too, its q/k were scrambled on the int8/int4 path)
+        if heads is not None and self.cfg.model_type in ("llama", "mistral"):
             layer = layer.rows_selected(_unpermute_rows(layer.rows, heads))
         return layer
 
