@@ -391,3 +391,15 @@ def test_a_damaged_kernel_library_is_built_again(tmp_path, monkeypatch):
             kernels.load_build("test-march")
     finally:
         kernels.load_build.cache_clear()
+
+
+def test_a_cache_that_cannot_be_written_means_no_kernels_not_a_crash(tmp_path, monkeypatch):
+    """Found in review: a read-only cache, or a file where its folder should be, raised an
+    OSError out of the backend choice instead of falling back to the torch backend."""
+    from specdecode import kernels
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("SPECDECODE_CACHE", str(blocker / "cache"))
+    with pytest.raises(kernels.KernelsUnavailable, match="cannot be built in specdecode's cache"):
+        kernels.build(force=True)

@@ -211,3 +211,58 @@ def test_bf16_weights_are_packed_for_the_cpu_at_load(tiny_llama_dir, monkeypatch
     load_native(tiny_llama_dir, torch.float32)
     load_native(tiny_llama_dir, torch.bfloat16, "q8_0")
     assert packed == ["cpu"]  # once: bf16 dense only
+
+
+def test_the_transformers_runtime_rolls_back_past_a_sliding_window():
+    """Found in review: the native runtime sends sliding-window models to --runtime hf, whose
+    cache then refused the first rollback past the window (a rejected draft) once the
+    sequence was longer than it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdecode.models.hf import HFRuntime
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("mistral", vocab_size=97, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=256, sliding_window=16)
+    runtime = HFRuntime(AutoModelForCausalLM.from_config(config).eval())
+    ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(3))
+    runtime.reset(64)
+    straight = runtime(ids)[0, -1]
+    runtime.reset(64)
+    runtime(ids[:, :20])
+    runtime(torch.tensor([[5, 6, 7]]))  # drafts, rejected
+    runtime.rollback(20)
+    assert torch.allclose(runtime(ids[:, 20:])[0, -1], straight, atol=1e-5)
+
+
+def test_a_longrope_model_past_its_original_context_and_a_stored_head_unlike_a_tied_one_are_refused(tmp_path):
+    """Found in review: longrope's factors switch past the original context and the native
+    runtime's single table did not (logits off by 8.8 at 200 tokens); a checkpoint whose
+    config ties the head to the embedding but stores another lm_head computed with the
+    embedding, where transformers uses the stored head (logits off by 34)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from specdecode.config import SpecDecodeError
+    from specdecode.models.llama import load_native
+
+    path = save_tiny_model(tmp_path / "longrope", seed=1)
+    config = json.loads((path / "config.json").read_text())
+    config.pop("rope_theta", None)
+    config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+                                 "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecDecodeError, match="'longrope' changes its factors past 64 positions"):
+        load_native(path, torch.float32)
+
+    tied = save_tiny_model(tmp_path / "tied", seed=2)
+    tensors = load_file(str(tied / "model.safetensors"))
+    tensors["lm_head.weight"] = torch.randn_like(tensors["model.embed_tokens.weight"])
+    save_file(tensors, str(tied / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(SpecDecodeError, match="stores an lm_head.weight that differs"):
+        load_native(tied, torch.float32)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()  # stored, and equal: fine
+    save_file(tensors, str(tied / "model.safetensors"), metadata={"format": "pt"})
+    load_native(tied, torch.float32)

@@ -116,20 +116,23 @@ def build(force: bool = False, march: str | None = None) -> Path:
     compiler = _compiler()
     if compiler is None:
         raise KernelsUnavailable("no C++ compiler found (set $CXX or install g++); specdecode's CPU kernels are built on first use")
-    target = cache_dir() / "kernels" / _build_key(compiler, march) / LIBRARY
-    if target.is_file() and not force:
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    print(f"specdecode: building the CPU kernels for this machine with {Path(compiler).name} (once; a few seconds)",
-          file=sys.stderr, flush=True)
-    handle, staging = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(handle)
-    result = subprocess.run([compiler, *FLAGS, f"-march={march}", str(SOURCE), "-o", staging], capture_output=True,
-                            text=True)
-    if result.returncode != 0:
-        os.unlink(staging)
-        raise KernelsUnavailable(f"building the CPU kernels failed:\n{result.stderr.strip()[-2000:]}")
-    os.replace(staging, target)
+    try:  # a cache that cannot be written (read-only, a file where a folder should be): no kernels, not a crash
+        target = cache_dir() / "kernels" / _build_key(compiler, march) / LIBRARY
+        if target.is_file() and not force:
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        print(f"specdecode: building the CPU kernels for this machine with {Path(compiler).name} (once; a few "
+              "seconds)", file=sys.stderr, flush=True)
+        handle, staging = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(handle)
+        result = subprocess.run([compiler, *FLAGS, f"-march={march}", str(SOURCE), "-o", staging],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            os.unlink(staging)
+            raise KernelsUnavailable(f"building the CPU kernels failed:\n{result.stderr.strip()[-2000:]}")
+        os.replace(staging, target)
+    except OSError as error:
+        raise KernelsUnavailable(f"the CPU kernels cannot be built in specdecode's cache ({error})") from None
     return target
 
 

@@ -30,6 +30,10 @@ class HFRuntime:
         from transformers import DynamicCache
 
         self.cache = DynamicCache(config=self.model.config)
+        # a sliding-window layer keeps only its window, and refused to crop back past it (a
+        # rejected draft) once the sequence was longer: keep the past so rollback can cut it
+        if hasattr(self.cache, "activate_past_recording"):
+            self.cache.activate_past_recording()
         self.capacity = min(capacity, self.max_positions)
         self.length = 0
 

@@ -107,6 +107,13 @@ def rope_inverse_frequencies(cfg: LlamaConfig, model_dir: Path | None) -> tuple[
     if cfg.rope["rope_type"] not in ROPE_INIT_FUNCTIONS:
         raise SpecDecodeError(f"unsupported RoPE type {cfg.rope['rope_type']!r}")
     hf_config = AutoConfig.from_pretrained(model_dir)
+    original = cfg.rope.get("original_max_position_embeddings") or getattr(
+        hf_config, "original_max_position_embeddings", None)
+    if cfg.rope["rope_type"] == "longrope" and original and cfg.max_positions > original:
+        # its factors switch from short to long past the original context; one table cannot
+        # (found in review: logits off by 8.8 at 200 tokens of a 64-token original)
+        raise SpecDecodeError(f"RoPE type 'longrope' changes its factors past {original} positions, which the "
+                              "native runtime's single table does not; use --runtime hf")
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[cfg.rope["rope_type"]](hf_config, "cpu")
     return inv_freq.float(), float(scaling)
 
@@ -189,6 +196,12 @@ class LlamaWeights(nn.Module):
         layers = [loader.layer(i) for i in range(cfg.num_layers)]
         norm = loader.tensor("model.norm.weight").to(dtype)
         if cfg.tie_word_embeddings:
+            if loader.has("lm_head.weight") and not torch.equal(loader.tensor("lm_head.weight"),
+                                                                loader.tensor("model.embed_tokens.weight")):
+                # transformers then keeps the stored head: the two runtimes would differ (found in review)
+                raise SpecDecodeError("config.json ties the output head to the token embedding "
+                                      "(tie_word_embeddings), but the checkpoint stores an lm_head.weight that "
+                                      "differs from it; set tie_word_embeddings to false to use the stored head")
             loader.consumed.add("lm_head.weight")  # a tied head stored anyway is the embedding
             lm_head = embed
         else:
