@@ -924,3 +924,23 @@ def test_a_presets_k_max_is_no_flag_beside_an_explicit_k(tiny_text_model_dir, ca
     capsys.readouterr()
     assert cli.main([*base, "--preset", "creative-writing", "--k", "3", "--k-max", "6"]) == 2
     assert "--k-max choose k under --k auto" in capsys.readouterr().err
+
+
+def test_weights_auto_leaves_out_a_format_the_file_cannot_take(tmp_path, monkeypatch):
+    """Found in review: a GGUF that mixes block types in one fused projection (Q8_0 v beside
+    Q4_1 q and k) cannot load as int4, and --weights auto failed with it instead of timing
+    the formats that load."""
+    from specdecode.config import ConfigError
+    from specdecode.cost import formats
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+
+    def load(fmt):
+        if fmt == "q4_1":
+            raise ConfigError("only layers of one format can be fused")
+        return fmt
+
+    monkeypatch.setattr(formats, "step_ms", lambda runtimes: {name: 2.0 + len(name) for name in runtimes})
+    assert formats.fastest_weights("mixed", torch.float32, ["q4_1", "q8_0", "bf16"], load) == "q8_0"
+    with pytest.raises(Exception, match="none of the weight formats"):
+        formats.fastest_weights("mixed-2", torch.float32, ["q4_1"], load)

@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from ..config import SpecDecodeError
 from ..kernels import build_digest
 from ..models.loading import cache_dir, write_atomic
 from .profile import extend_context, machine_id, timed_forward_ms
@@ -67,7 +68,15 @@ def fastest_weights(model_key: str, dtype: torch.dtype, candidates: list[str], l
             pass  # a corrupt record is measured again
     print(f"specdecode: measuring which weight format decodes fastest here ({', '.join(candidates)}; once, cached)",
           file=sys.stderr, flush=True)
-    timings = step_ms({fmt: load(fmt) for fmt in candidates})
+    models = {}
+    for fmt in candidates:  # a format this file cannot take is left out, not the end of the run
+        try:
+            models[fmt] = load(fmt)
+        except SpecDecodeError as error:  # e.g. a GGUF mixing block types in one fused projection
+            print(f"specdecode: {fmt} left out: {error}", file=sys.stderr, flush=True)
+    if not models:
+        raise SpecDecodeError(f"none of the weight formats {candidates} loads this model")
+    timings = step_ms(models)
     best = min(timings, key=timings.get)
     summary = ", ".join(f"{fmt} {ms:.1f} ms" for fmt, ms in timings.items())
     print(f"specdecode: single-token step {summary} -> {best}", file=sys.stderr, flush=True)
