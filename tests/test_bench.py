@@ -119,3 +119,26 @@ def test_greedy_repeats_may_differ_only_where_the_runtime_is_not_batch_invariant
         by_method = {r["method"]: r for r in records}
         assert by_method["ngram"]["repeats_identical"] is False
         assert "repeats_identical" not in by_method["none"]
+
+
+def test_fixed_tree_budgets_are_fixed_k_and_a_category_without_timings_is_no_sweep():
+    """Found in review: 'eagle@6x3' was classed as adaptive (no sweep over fixed trees), and a
+    category whose best fixed speedup was 0 (plain made no token) divided by it."""
+    from specdecode.bench.runner import is_fixed_k, k_sweep
+
+    assert is_fixed_k("eagle@6x3") and is_fixed_k("ngram@3") and not is_fixed_k("eagle@autox3")
+    assert not is_fixed_k("ngram")
+    row = {"speedup": 0.0, "identical_to_plain": 1.0}
+    assert k_sweep({"code": {"eagle@2x3": row, "eagle@auto": row}}, ["eagle@2x3", "eagle@auto"]) == {}
+    good = {"code": {"eagle@2x3": {"speedup": 1.2, "identical_to_plain": 1.0},
+                     "eagle@auto": {"speedup": 1.1, "identical_to_plain": 1.0}}}
+    assert k_sweep(good, ["eagle@2x3", "eagle@auto"])["eagle"]["code"]["best_fixed"] == "eagle@2x3"
+
+
+def test_bench_refuses_greedy_peers_beside_sampled_decoding(capsys):
+    """Found in review: hf and llamacpp always decode greedily, and were compared with
+    sampled plain decoding under --temperature 1.0."""
+    from specdecode.cli import main
+
+    assert main(["bench", "--methods", "none,hf", "--temperature", "1.0", "--model", "/nowhere/model"]) == 2
+    assert "hf decode greedily here; compare them at --temperature 0" in capsys.readouterr().err

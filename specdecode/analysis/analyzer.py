@@ -86,7 +86,8 @@ def summarize_group(rows: list[dict], profile, c: float, serving: str, batch: in
     for i in range(depth):
         rates = [r["acceptance_per_position"][i] for r in rows if len(r["acceptance_per_position"]) > i]
         per_position.append(_mean(rates))
-    measured = statistics.median(r["speedup"] for r in rows)
+    timed = [r["speedup"] for r in rows if r["speedup"] is not None]
+    measured = statistics.median(timed) if timed else 1.0  # no prompt to compare on: level
     predicted = statistics.median(r["predicted_speedup"] for r in rows)
     new_tokens = statistics.median(r["new_tokens"] for r in rows)
     context = int(statistics.median(_context(r) for r in rows))
@@ -130,7 +131,9 @@ def annotate(records: list[dict], profile, costs: dict[str, float]) -> None:
     plain = {(r["temperature"], r["question_id"]): r for r in records if r["method"] == "none"}
     for r in records:
         base = plain[(r["temperature"], r["question_id"])]
-        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else 0.0
+        # None where plain decoding made no token (EOS first): no ratio, not a loss (a 0.0
+        # pulled the median down and read as "loses"; found in review)
+        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
         if r["method"] == "none":
             continue
         c = costs[r["method"]]
@@ -247,7 +250,7 @@ def learn(records: list[dict], drafter_names: dict[str, str], model: str = "defa
     path = router_state_path(model)
     router = Router().load(path, warn=log)
     for r in records:
-        if r["method"] != "none" and r.get("draft_tokens"):
+        if r["method"] != "none" and r.get("draft_tokens") and r["speedup"] is not None:
             router.observe(r["task"], drafter_names[r["method"]], r["first_alpha"], r["speedup"], r["new_tokens"])
     router.save(path)
 

@@ -201,6 +201,9 @@ def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config
 
     for spec in methods:
         parse_method(spec)  # fail on a typo before loading anything
+    peers = [spec for spec in methods if parse_method(spec)[0] in PEERS]
+    if peers and not params.greedy:  # they were run greedily beside sampled decoding, and compared with it
+        raise SpecDecodeError(f"{', '.join(peers)} decode greedily here; compare them at --temperature 0")
     check_repeats(args.repeats, params)
     methods = ["none", *[m for m in dict.fromkeys(methods) if m != "none"]]  # the baseline first
     prompts = load_prompts(args.prompts, args.limit)
@@ -326,8 +329,9 @@ def print_summary(summary: dict, methods: list[str]) -> None:
 
 
 def is_fixed_k(spec: str) -> bool:
-    """'ngram@3' runs a fixed k; 'ngram', 'ngram@auto', 'ngram@threshold' choose it."""
-    return (parse_method(spec)[1] or "").isdigit()
+    """'ngram@3' and 'eagle@6x3' (a tree of 6 nodes) run a fixed k; 'ngram', 'ngram@auto',
+    'ngram@threshold' and 'eagle@autox3' choose it."""
+    return (parse_method(spec)[1] or "").partition("x")[0].isdigit()
 
 
 def k_sweep(summary: dict, methods: list[str]) -> dict:
@@ -341,7 +345,7 @@ def k_sweep(summary: dict, methods: list[str]) -> dict:
             continue
         for category, rows in summary.items():
             speedups = {m: rows[m]["speedup"] for m in fixed if m in rows}
-            if not speedups:
+            if not speedups or max(speedups.values()) <= 0:  # no prompt of this category was timed
                 continue
             best = max(speedups, key=speedups.get)
             # share of prompts decoded token-identical to plain: below 1 (bf16) the two
