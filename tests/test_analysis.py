@@ -225,3 +225,30 @@ def test_check_calibration_tau_is_the_mean_accepted_length(tmp_path, monkeypatch
     result = calibrate(str(target), "ngram", dtype="fp32", k=5)
     assert result["tau"] == pytest.approx(1 + 5 / 6) == pytest.approx(stats.tau)
     assert result["acceptance_per_position"] == pytest.approx([1 / 6] * 5)
+
+
+def test_a_prompt_plain_decoding_answered_with_no_token_is_no_speedup_of_zero():
+    """Found in review: where plain decoding made no token (EOS first), the speedup was 0.0
+    and counted in the median: two prompts, one at 1.5x, read as 0.75x, "loses"."""
+    from specdecode.analysis.analyzer import annotate, summarize_group
+
+    class Profile:
+        def time_ms(self, tokens, context):
+            return 10.0 * (1 + 0.1 * (tokens - 1))
+
+        def v(self, k, context):
+            return 1 + 0.1 * k
+
+    def record(method, question, tok_s, new_tokens):
+        return {"method": method, "question_id": question, "temperature": 0.0, "tokens_per_s": tok_s,
+                "new_tokens": new_tokens, "prompt_tokens": 20, "prefill_seconds": 0.01, "draft_tokens": 4 * (
+                    method != "none"), "accepted_tokens": 2 * (method != "none"), "target_forwards": 2,
+                "steps_by_drafted": {"2": 2} if method != "none" else {"0": 2}, "alpha": 0.5,
+                "acceptance_per_position": [0.5, 0.5], "identical_to_plain": True, "plain_steps_share": None}
+
+    records = [record("none", "a", 100.0, 10), record("ngram", "a", 150.0, 10),
+               record("none", "b", 0.0, 0), record("ngram", "b", 0.0, 0)]
+    annotate(records, Profile(), {"ngram": 0.0})
+    assert records[3]["speedup"] is None
+    group = summarize_group([r for r in records if r["method"] == "ngram"], Profile(), 0.0, "latency", 1)
+    assert group["measured_speedup"] == 1.5 and group["cost_verdict"].startswith("wins")
