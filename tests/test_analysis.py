@@ -248,7 +248,12 @@ def test_a_prompt_plain_decoding_answered_with_no_token_is_no_speedup_of_zero():
 
     records = [record("none", "a", 100.0, 10), record("ngram", "a", 150.0, 10),
                record("none", "b", 0.0, 0), record("ngram", "b", 0.0, 0)]
+    for r in records:
+        r["seconds"] = r["new_tokens"] / r["tokens_per_s"] if r["tokens_per_s"] else 0.05
     annotate(records, Profile(), {"ngram": 0.0})
-    assert records[3]["speedup"] is None
+    assert records[3]["speedup"] is None and records[3]["decode_speedup"] is None
     group = summarize_group([r for r in records if r["method"] == "ngram"], Profile(), 0.0, "latency", 1)
     assert group["measured_speedup"] == 1.5 and group["cost_verdict"].startswith("wins")
+    # the router learns the decode speedup (prefill out), as from the server and generate --route:
+    # plain 0.09 s of decode for 10 tokens, ngram 0.0567 s: 1.59x, where the wall clock says 1.5x
+    assert records[1]["decode_speedup"] == pytest.approx((0.1 - 0.01) / (10 / 150 - 0.01))

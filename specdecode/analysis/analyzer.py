@@ -134,6 +134,11 @@ def annotate(records: list[dict], profile, costs: dict[str, float]) -> None:
         # None where plain decoding made no token (EOS first): no ratio, not a loss (a 0.0
         # pulled the median down and read as "loses"; found in review)
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
+        # decode alone (prefill out), per token: what the router learns from the server and
+        # `generate --route` too (one state held both kinds of figure; found in review)
+        spec = (r["seconds"] - r.get("prefill_seconds", 0.0)) / r["new_tokens"] if r["new_tokens"] else 0.0
+        plain_decode = (base["seconds"] - base.get("prefill_seconds", 0.0)) / base["new_tokens"] if base["new_tokens"] else 0.0
+        r["decode_speedup"] = plain_decode / spec if spec > 0 and plain_decode > 0 else None
         if r["method"] == "none":
             continue
         c = costs[r["method"]]
@@ -250,8 +255,9 @@ def learn(records: list[dict], drafter_names: dict[str, str], model: str = "defa
     path = router_state_path(model)
     router = Router().load(path, warn=log)
     for r in records:
-        if r["method"] != "none" and r.get("draft_tokens") and r["speedup"] is not None:
-            router.observe(r["task"], drafter_names[r["method"]], r["first_alpha"], r["speedup"], r["new_tokens"])
+        if r["method"] != "none" and r.get("draft_tokens") and r.get("decode_speedup") is not None:
+            router.observe(r["task"], drafter_names[r["method"]], r["first_alpha"], r["decode_speedup"],
+                           r["new_tokens"])
     router.save(path)
 
 
