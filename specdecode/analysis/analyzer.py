@@ -136,8 +136,8 @@ def annotate(records: list[dict], profile, costs: dict[str, float]) -> None:
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
         # decode alone (prefill out), per token: what the router learns from the server and
         # `generate --route` too (one state held both kinds of figure; found in review)
-        spec = (r["seconds"] - r.get("prefill_seconds", 0.0)) / r["new_tokens"] if r["new_tokens"] else 0.0
-        plain_decode = (base["seconds"] - base.get("prefill_seconds", 0.0)) / base["new_tokens"] if base["new_tokens"] else 0.0
+        spec, plain_decode = (((x["seconds"] - x.get("prefill_seconds", 0.0)) / x["new_tokens"] if x["new_tokens"]
+                               else 0.0) for x in (r, base))
         r["decode_speedup"] = plain_decode / spec if spec > 0 and plain_decode > 0 else None
         if r["method"] == "none":
             continue

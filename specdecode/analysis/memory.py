@@ -149,8 +149,8 @@ def model_memory(shape: Shape, weights: str, kv_dtype: str, batch: int, context:
 
 
 def deployment_memory(target: str, draft: str | None, dtype: str = "bf16", batch: int = 1,
-                      context: int | None = None, k: int = 5, budget_gib: float | None = None, weights: str | None = None,
-                      prefill_chunk: int = 256, process: bool = False) -> dict:
+                      context: int | None = None, k: int = 5, budget_gib: float | None = None,
+                      weights: str | None = None, prefill_chunk: int = 256, process: bool = False) -> dict:
     """Both models' memory, the total and whether it fits ``budget_gib`` (default: RAM).
 
     ``dtype``: the KV cache's (int8/int4 here mean those weights with a bf16 cache, as

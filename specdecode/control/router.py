@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -198,8 +199,6 @@ class Router:
     def save(self, path: Path) -> None:
         """Written whole or not at all (a temporary file renamed over it): two processes,
         or one stopped mid-write, never leave a torn file."""
-        import logging
-
         from ..models.loading import write_atomic
 
         try:

@@ -171,7 +171,8 @@ def import_head(directory: Path, raw: dict, fmt: str, target_layers: int | None 
     if missing:
         raise SpecDecodeError(f"{directory}/model.safetensors lacks {missing}")
     # the vocabulary maps are read below; an embedding is the target's (frozen: refused
-    # above otherwise) and the target's own is used; any other tensor is a part of a variant this head does not compute
+    # above otherwise) and the target's own is used; any other tensor is a part of a
+    # variant this head does not compute
     unknown = sorted(set(tensors) - set(names.values()) - {"d2t", "t2d", "embed_tokens.weight"})
     if unknown:
         raise SpecDecodeError(f"{directory}/model.safetensors holds {unknown[:3]}{' ...' if len(unknown) > 3 else ''}, "

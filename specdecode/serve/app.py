@@ -250,7 +250,7 @@ class ServerState:
 
     def _fail_all(self) -> list[Sequence]:
         engine = self.engine
-        failed = list(getattr(engine, "reaped", []))  # reaped by the failed step before it failed
+        failed = list(engine.reaped)  # reaped by the failed step before it failed
         engine.reaped = []
         for sequence in list(engine.running):
             if sequence.finished:  # finished in the failed step: reaped with the others, reported once
@@ -443,7 +443,6 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     if len(members) > 1:  # not the first member's complaint alone
         return f"{field}: must be one of {', '.join(members)}", field
     return f"{field}: {first.get('msg', 'invalid value')}", field if path else None
-
 
 
 def usage(sequences: list[Sequence]) -> dict:
