@@ -98,6 +98,18 @@ def commit_tokens(new_tokens: list[int], tokens: list[int], generated: list[int]
     return added, None
 
 
+def past_the_end(new_tokens: list[int], added: list[int], finish: str | None, eos_token_ids: frozenset,
+                 params: SamplingParams) -> int:
+    """How many of a step's tokens (accepted drafts and bonus) came after the end of the
+    output, given what ``commit_tokens`` added: they are not output, so the step's stats
+    drop them (``GenerationStats.drop_accepted``; τ stays the tokens a pass produced, EOS
+    one of them)."""
+    if finish is None or len(added) >= len(new_tokens):
+        return 0
+    produced = len(added) + (new_tokens[len(added)] in eos_token_ids and not params.ignore_eos)
+    return len(new_tokens) - produced
+
+
 @dataclass
 class Generation:
     token_ids: list[int]  # new tokens only, EOS and anything past a stop excluded
@@ -248,10 +260,7 @@ class SpeculativeEngine:
                 self.policy.observe(stats.last_drafted, len(new_tokens) - 1)
             added, finish = commit_tokens(new_tokens, tokens, generated, tracker, params, self.eos_token_ids,
                                           max_positions)
-            if finish is not None and len(added) < len(new_tokens):  # the output ended inside this step
-                produced = len(added) + (new_tokens[len(added)] in self.eos_token_ids and not params.ignore_eos)
-                # what came after its end is not output: τ counts the tokens a pass produced (EOS one of them)
-                stats.drop_accepted(len(new_tokens) - produced)
+            stats.drop_accepted(past_the_end(new_tokens, added, finish, self.eos_token_ids, params))
             if on_text is not None and (piece := tracker.delta()):
                 on_text(piece)
 

@@ -631,3 +631,32 @@ def test_a_failing_step_leaks_no_row_and_loses_no_finished_sequence(model_dir):
     auditor.compare(audit)
     assert auditor.mismatches == []
     assert metrics.registry.get_sample_value("specdecode:audit_mismatches_total", {"model_name": "tiny"}) == 0
+
+
+def test_drafts_past_the_end_count_alike_in_both_engines(model_dir):
+    """The batched engine's per-request figures drop the drafts accepted after the end of the
+    output, as the single-sequence engine's do (its /metrics counts stay vLLM's)."""
+    from specdecode.proposers.base import Proposal
+
+    runtime = runtime_for(model_dir, "torch")
+    prompt = [5, 6, 7, 8]
+    free = SpeculativeEngine(runtime).generate(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True)).token_ids
+    eos = free[5]
+    assert eos not in free[:5]
+
+    class Oracle:  # the target's own greedy continuation: every draft is accepted
+        def start(self, tokens, capacity):
+            pass
+
+        def propose(self, tokens, k, params, generator):
+            done = len(tokens) - len(prompt)
+            return Proposal(torch.tensor(free[done:done + k], dtype=torch.int64))
+
+    alone = SpeculativeEngine(runtime, proposer=Oracle(), k=8, eos_token_ids=(eos,)).generate(
+        prompt, SamplingParams(max_new_tokens=12)).stats
+    engine = BatchEngine(runtime_for(model_dir, "torch"), eos_token_ids=(eos,), max_num_seqs=1, max_model_len=64)
+    batched = engine.add(prompt, SamplingParams(max_new_tokens=12), proposer=Oracle(), policy=8)
+    engine.run()
+    assert batched.generated == free[:5]
+    assert batched.stats.accepted_tokens + batched.stats.target_forwards == len(free[:5]) + 1
+    assert batched.stats.accepted_per_position == alone.accepted_per_position

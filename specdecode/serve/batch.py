@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from ..config import SamplingParams, SpecDecodeError
-from ..engine import check_prompt, commit_tokens, verify_chain
+from ..engine import check_prompt, commit_tokens, past_the_end, verify_chain
 from ..metrics import GenerationStats
 from ..models import synchronize
 from ..proposers.base import Proposal
@@ -580,6 +580,9 @@ class BatchEngine:
     def _commit(self, sequence: Sequence, new_tokens: list[int], drafted: int, accepted: int) -> None:
         added, finish = commit_tokens(new_tokens, sequence.tokens, sequence.generated, sequence.tracker,
                                       sequence.params, self.eos_token_ids, self.max_model_len)
+        # the request's own figures as the single-sequence engine's; the step's output keeps
+        # vLLM's counts (every accepted draft) for /metrics
+        sequence.stats.drop_accepted(past_the_end(new_tokens, added, finish, self.eos_token_ids, sequence.params))
         if sequence.first_token_time is None:
             sequence.first_token_time = time.perf_counter()
         if finish:
