@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
 
     bench = verbs.add_parser("bench", help="plain vs speculative on the same prompts")
-    bench.add_argument("--prompts", default=None, help="JSONL: Spec-Bench question.jsonl or {prompt, category}; default: our suite")
+    bench.add_argument("--prompts", default=None, help="JSONL: Spec-Bench question.jsonl (every turn, each after the "
+                       "model's own reply to the one before) or {prompt, category}; default: our suite")
     bench.add_argument("--methods", default="none,ngram", help="comma list of none, ngram, suffix, draft, eagle, tree, hf (transformers generate), llamacpp")
     bench.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
     bench.add_argument("--out", default=None, help="write per-prompt records and the summary as JSON")
@@ -189,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--serve-args", default="", help="flags for the server this command starts, e.g. \"--max-num-seqs 8\"")
     bs.add_argument("--concurrency", default="1,2,4,8", help="comma list of concurrent clients (closed loop)")
     bs.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second instead of --concurrency")
-    bs.add_argument("--prompts", default=None, help="JSONL as for bench (default: our suite)")
+    bs.add_argument("--prompts", default=None, help="JSONL as for bench, first turns only (default: our suite)")
     bs.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
     bs.add_argument("--num-prompts", type=int, default=16, help="requests per level (at least the concurrency)")
     bs.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (EOS ignored)")

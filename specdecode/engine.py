@@ -165,19 +165,21 @@ class SpeculativeEngine:
     def method(self) -> str:
         return self.proposer.name if self.proposer is not None else "none"
 
-    def encode(self, prompt: str, chat_template: bool = True) -> list[int]:
-        """Prompt text -> token ids, through the chat template when asked and available."""
-        if not prompt or not prompt.strip():
+    def encode(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
+        """Prompt text, or a conversation (``[{"role", "content"}, ...]``, ending with the
+        user's turn) -> token ids, through the chat template when asked and available.
+        Without a template a conversation's turns are joined by blank lines."""
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if not messages or not messages[-1]["content"] or not messages[-1]["content"].strip():
             raise PromptError("prompt is empty")
         if self.tokenizer is None:
             raise SpecDecodeError("this model has no tokenizer; pass token ids instead of text")
         if chat_template and self.tokenizer.chat_template:
-            messages = [{"role": "user", "content": prompt}]
             encoded = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True, return_dict=True
             )
             return list(encoded["input_ids"])
-        return list(self.tokenizer(prompt)["input_ids"])
+        return list(self.tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"])
 
     @torch.inference_mode()
     def next_token_logits(self, token_ids: list[int]) -> torch.Tensor:

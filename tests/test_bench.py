@@ -142,3 +142,56 @@ def test_bench_refuses_greedy_peers_beside_sampled_decoding(capsys):
 
     assert main(["bench", "--methods", "none,hf", "--temperature", "1.0", "--model", "/nowhere/model"]) == 2
     assert "hf decode greedily here; compare them at --temperature 0" in capsys.readouterr().err
+
+
+def test_a_conversation_decodes_each_turn_after_its_own_replies(tiny_text_model_dir):
+    """Spec-Bench's MT-bench questions have two turns: turn 2 is decoded after turn 1 and
+    the model's own answer to it. Each engine continues its own conversation; a reply that
+    differed from plain decoding's leaves its later turns on another context, reported as
+    such (not as a divergence with a margin). Before, every turn after the first was dropped."""
+    from specdecode.bench.runner import needed_context, turn_encoder
+    from specdecode.config import EngineConfig
+
+    model = load_model(tiny_text_model_dir, torch.float32)
+    follow_up = turn_encoder(model, EngineConfig(model=str(tiny_text_model_dir), dtype="fp32", chat_template=False))
+    plain = SpeculativeEngine(model.runtime, model.tokenizer)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    turns = ["abcabcabc", "xyzxyz"]
+    prompts = [{"question_id": 7, "category": "chat", "prompt": turns[0], "turns": turns},
+               {"question_id": 8, "category": "chat", "prompt": "qwerty", "turns": ["qwerty"]}]
+    encoded = [plain.encode(p["prompt"], False) for p in prompts]
+    reply = plain.generate(encoded[0], params).token_ids
+    second = follow_up(turns, [reply])
+    text = model.tokenizer.decode(reply, skip_special_tokens=True)
+    assert second == plain.encode(f"abcabcabc\n\n{text}\n\nxyzxyz", False)
+    peer = CountingPeer([5, 6, 7, 8, 9, 10])
+    engines = {"none": plain, "ngram": SpeculativeEngine(model.runtime, proposer=NgramProposer(), k=3), "hf": peer}
+    records = run_records(engines, prompts, encoded, params, (), follow_up=follow_up)
+    assert [(r["question_id"], r["turn"], r["method"]) for r in records] == [
+        (q, t, m) for q, t in ((7, 1), (7, 2), (8, 1)) for m in ("none", "ngram", "hf")]
+    by_key = {(r["question_id"], r["turn"], r["method"]): r for r in records}
+    assert by_key[(7, 2, "none")]["prompt_tokens"] == len(second)
+    assert by_key[(7, 2, "ngram")]["identical_to_plain"] and "context_differs" not in by_key[(7, 2, "ngram")]
+    assert peer.calls[1][0] == follow_up(turns, [[5, 6, 7, 8, 9, 10]])  # its own reply, not plain's
+    assert "first_divergence" in by_key[(7, 1, "hf")]
+    late = by_key[(7, 2, "hf")]
+    assert late["context_differs"] and not late["identical_to_plain"] and "first_divergence" not in late
+    summary = summarize(records)
+    assert summary["chat"]["ngram"]["prompts"] == 3 and summary["chat"]["ngram"]["identical_to_plain"] == 1.0
+    assert summary["chat"]["ngram"]["speedup"] > 0  # each turn paired with plain's same turn
+    assert needed_context(encoded, params, model, prompts, follow_up) >= len(second) + params.max_new_tokens
+    with pytest.raises(SpecDecodeError, match="several turns"):
+        run_records(engines, prompts, encoded, params, ())
+
+
+def test_bench_runs_every_turn_of_a_prompt_file(tiny_text_model_dir, tmp_path):
+    from specdecode.cli import main
+
+    prompts = tmp_path / "mt.jsonl"
+    prompts.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["abab abab", "cdcd"]}) + "\n")
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", str(tiny_text_model_dir), "--dtype", "fp32", "--prompts", str(prompts),
+                 "--methods", "ngram", "--max-new-tokens", "5", "--no-chat-template", "--out", str(out)]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert sorted((r["turn"], r["method"]) for r in records) == [(1, "ngram"), (1, "none"), (2, "ngram"), (2, "none")]
+    assert all(r["identical_to_plain"] for r in records)

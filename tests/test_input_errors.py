@@ -22,6 +22,7 @@ def run(capsys, *argv: str) -> tuple[int, str]:
     ({"prompt": "  "}, "the prompt is empty"),
     ({"turns": [1, "b"]}, "'turns' must be a string or a non-empty list of strings"),
     ({"turns": []}, "'turns' must be a string or a non-empty list of strings, got []"),
+    ({"turns": ["fine", " "]}, "turn 2 is empty"),
     ({"prompt": "hi", "category": ["a"]}, "'category' must be a string, got ['a']"),
     ({"prompt": "hi", "question_id": {"a": 1}}, "'question_id' must be a string or an integer"),
     ({"prompt": "again", "category": "c", "question_id": "c-1"}, "question_id 'c-1' is also the id of line 1"),
@@ -38,8 +39,9 @@ def test_spec_bench_records_load_and_a_string_turn_is_the_whole_prompt(tmp_path)
     path = tmp_path / "question.jsonl"
     path.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["Write.", "Again."]}) + "\n"
                     + json.dumps({"turns": "hello world"}) + "\n")
-    assert load_prompts(str(path)) == [{"question_id": 81, "category": "writing", "prompt": "Write."},
-                                       {"question_id": "general-1", "category": "general", "prompt": "hello world"}]
+    assert load_prompts(str(path)) == [
+        {"question_id": 81, "category": "writing", "prompt": "Write.", "turns": ["Write.", "Again."]},
+        {"question_id": "general-1", "category": "general", "prompt": "hello world", "turns": ["hello world"]}]
 
 
 @pytest.mark.parametrize("flags", [["--k", "3"], ["--k-policy", "threshold"], ["--k-max", "4"]])

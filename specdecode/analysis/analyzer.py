@@ -22,8 +22,9 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from ..bench.runner import (build_engines, check_repeats, draft_model, encode_prompts, is_fixed_k, k_sweep,
-                            needed_context, parse_method, run_records, summarize, sweep_policies, warm_up)
+from ..bench.runner import (build_engines, check_repeats, describe_prompts, draft_model, encode_prompts, is_fixed_k,
+                            k_sweep, needed_context, parse_method, record_key, run_records, summarize, sweep_policies,
+                            turn_encoder, warm_up)
 from ..prompts import load_prompts
 
 SHORT_OUTPUT = 20  # tokens
@@ -128,9 +129,9 @@ def summarize_group(rows: list[dict], profile, c: float, serving: str, batch: in
 
 def annotate(records: list[dict], profile, costs: dict[str, float]) -> None:
     """Add per record: speedup over plain, predicted speedup, mean step cost."""
-    plain = {(r["temperature"], r["question_id"]): r for r in records if r["method"] == "none"}
+    plain = {(r["temperature"], *record_key(r)): r for r in records if r["method"] == "none"}
     for r in records:
-        base = plain[(r["temperature"], r["question_id"])]
+        base = plain[(r["temperature"], *record_key(r))]
         # None where plain decoding made no token (EOS first): no ratio, not a loss (a 0.0
         # pulled the median down and read as "loses"; found in review)
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
@@ -160,11 +161,13 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
     check_repeats(args.repeats, params)
     methods = ["none", *[m for m in dict.fromkeys(methods) if m != "none"]]
     prompts = load_prompts(args.prompts, args.limit)
-    log(f"loading {args.model} ({args.dtype}); {len(prompts)} prompts x {len(methods)} methods x {len(temperatures)} temperatures")
+    log(f"loading {args.model} ({args.dtype}); {describe_prompts(prompts)} x {len(methods)} methods x "
+        f"{len(temperatures)} temperatures")
     target = load_target(engine_config, args.runtime)
     encoded = encode_prompts(target, prompts, engine_config)
+    follow_up = turn_encoder(target, engine_config)
     engines = build_engines(args, methods, engine_config, spec_config, target,
-                            needed_context(encoded, params, target))
+                            needed_context(encoded, params, target, prompts, follow_up))
     drafters, drafter_names = {}, {}
     for label in methods[1:]:
         name, k = parse_method(label)
@@ -178,7 +181,7 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
     for temperature in temperatures:
         run_params = dataclasses.replace(params, temperature=temperature)
         batch = run_records(engines, prompts, encoded, run_params, target.eos_token_ids, desc=f"analyze T={temperature:g}",
-                            repeats=args.repeats)
+                            repeats=args.repeats, follow_up=follow_up)
         for record in batch:
             record["temperature"] = temperature
         records += batch

@@ -64,15 +64,58 @@ def build_engines(args, methods: list[str], engine_config: EngineConfig, spec_co
 
 
 def encode_prompts(target, prompts: list[dict], engine_config: EngineConfig) -> list[list[int]]:
+    """Each prompt's first turn as token ids."""
     from ..engine import SpeculativeEngine
 
     encoder = SpeculativeEngine(target.runtime, target.tokenizer)
     return [encoder.encode(p["prompt"], engine_config.chat_template) for p in prompts]
 
 
-def needed_context(encoded: list[list[int]], params, target) -> int:
-    """The longest prompt plus the output budget and a margin for drafts."""
-    return min(max(len(ids) for ids in encoded) + params.max_new_tokens + 16, target.runtime.max_positions)
+def describe_prompts(prompts: list[dict]) -> str:
+    """'90 prompts', or '80 prompts (160 turns)' where some are conversations."""
+    turns = sum(len(p.get("turns") or [p["prompt"]]) for p in prompts)
+    return f"{len(prompts)} prompts" + (f" ({turns} turns)" if turns > len(prompts) else "")
+
+
+def conversation(turns: list[str], replies: list[str]) -> list[dict]:
+    """Chat messages: each user turn, followed by the model's reply where there is one."""
+    messages = []
+    for number, turn in enumerate(turns):
+        messages.append({"role": "user", "content": turn})
+        if number < len(replies):
+            messages.append({"role": "assistant", "content": replies[number]})
+    return messages
+
+
+def turn_encoder(target, engine_config: EngineConfig):
+    """``encode(turns, replies)``: the prompt ids of a conversation's latest turn, after the
+    earlier turns and the model's own replies to them (token ids, decoded as a chat client
+    would show them), as Spec-Bench decodes MT-bench's second turns."""
+    from ..engine import SpeculativeEngine
+
+    encoder = SpeculativeEngine(target.runtime, target.tokenizer)
+
+    def encode(turns: list[str], replies: list[list[int]]) -> list[int]:
+        texts = [target.tokenizer.decode(ids, skip_special_tokens=True) for ids in replies]
+        return encoder.encode(conversation(turns, texts), engine_config.chat_template)
+
+    return encode
+
+
+TURN_MARGIN = 16  # tokens a reply may gain when its text is encoded again, per turn
+
+
+def needed_context(encoded: list[list[int]], params, target, prompts: list[dict] | None = None,
+                   follow_up=None) -> int:
+    """The longest prompt plus the output budget and a margin for drafts; for a prompt of
+    several turns, its whole conversation with replies as long as the budget allows."""
+    lengths = [len(ids) for ids in encoded]
+    for number, prompt in enumerate(prompts or []):
+        turns = prompt.get("turns") or [prompt["prompt"]]
+        if len(turns) > 1 and follow_up is not None:
+            empty = [[] for _ in turns[1:]]
+            lengths[number] = len(follow_up(turns, empty)) + len(empty) * (params.max_new_tokens + TURN_MARGIN)
+    return min(max(lengths) + params.max_new_tokens + 16, target.runtime.max_positions)
 
 
 def warm_up(engines: dict, prompt_ids: list[int], params) -> None:
@@ -102,13 +145,19 @@ def _repeats_must_agree(engine) -> bool:
 
 
 def run_records(engines: dict, prompts: list[dict], encoded: list[list[int]], params, eos_ids,
-                desc: str = "bench", repeats: int = 1) -> list[dict]:
+                desc: str = "bench", repeats: int = 1, follow_up=None) -> list[dict]:
     """Every prompt through every engine; the first engine ('none') is the baseline that
     'identical_to_plain' compares with. Adaptive k starts each request from the built-in
     prior for the prompt's task type (router.DEFAULT_PRIORS), never from a router's state
     left by earlier runs; what an engine learns as it runs (step and draft costs, the
     acceptance per kind of draft) carries from prompt to prompt, as in a server.
     Records come prompt by prompt, engines in order within each.
+
+    A prompt of several ``turns`` is a conversation: one record per turn (``turn`` 1, 2,
+    ...), each engine decoding turn n + 1 after its own replies to turns 1..n, prompts built
+    by ``follow_up(turns, replies)`` (``turn_encoder``). Where an engine's earlier reply
+    differed from plain decoding's, its later turns start from another context: they are
+    not identical to plain (``context_differs``), and no divergence margin is computed.
 
     ``repeats`` > 1 runs each prompt's round of engines that many times and keeps, per
     engine, the fastest run (as timeit does: a stall of the machine only ever adds time).
@@ -120,39 +169,60 @@ def run_records(engines: dict, prompts: list[dict], encoded: list[list[int]], pa
     torch backend, a GPU) scoring a different number of rows can flip a near-tie. The
     record then says ``repeats_identical: false``."""
     check_repeats(repeats, params)
-    records, plain_tokens = [], {}
-    baseline = next(engine for label, engine in engines.items() if parse_method(label)[0] == "none")
-    progress = tqdm(total=len(prompts) * len(engines) * repeats, desc=desc, unit="gen")
+    conversations = [prompt.get("turns") or [prompt["prompt"]] for prompt in prompts]
+    if follow_up is None and any(len(turns) > 1 for turns in conversations):
+        raise SpecDecodeError("prompts of several turns need an encoder for the later turns (follow_up)")
+    records = []
+    baseline_label = next(label for label in engines if parse_method(label)[0] == "none")
+    baseline = engines[baseline_label]
+    turn_count = sum(len(turns) for turns in conversations)
+    progress = tqdm(total=turn_count * len(engines) * repeats, desc=desc, unit="gen")
     # prompt-major: every engine runs a prompt within seconds of the baseline, so a drift
     # of the machine's speed over a long run does not bias one method against another
-    for prompt, prompt_ids in zip(prompts, encoded):
-        runs: dict[str, list[dict]] = defaultdict(list)
-        for _ in range(repeats):
-            for label, engine in engines.items():
-                runs[label].append(_run_one(label, engine, prompt, prompt_ids, params, eos_ids))
-                progress.update()
-        for label, attempts in runs.items():
-            record = min(attempts, key=lambda r: r["seconds"])
-            token_ids = record.pop("token_ids")
-            if any(r["token_ids"] != token_ids for r in attempts if r is not record):
-                if params.greedy and _repeats_must_agree(engines[label]):
-                    raise SpecDecodeError(f"{label} decoded different tokens on repeats of {prompt['question_id']}")
-                record["repeats_identical"] = False
-            if repeats > 1:
-                record["repeat_seconds"] = [r["seconds"] for r in attempts]
-            if parse_method(label)[0] == "none":
-                plain_tokens[prompt["question_id"]] = token_ids
-            reference = plain_tokens.get(prompt["question_id"])
-            record["identical_to_plain"] = token_ids == reference
-            if reference is not None and not record["identical_to_plain"] and params.greedy:
-                record["first_divergence"] = baseline.first_divergence(prompt_ids, reference, token_ids)
-            records.append(record)
+    for prompt, first_ids, turns in zip(prompts, encoded, conversations):
+        replies: dict[str, list[list[int]]] = {label: [] for label in engines}
+        for turn in range(1, len(turns) + 1):
+            contexts = {label: first_ids if turn == 1 else follow_up(turns[:turn], replies[label]) for label in engines}
+            runs: dict[str, list[dict]] = defaultdict(list)
+            for _ in range(repeats):
+                for label, engine in engines.items():
+                    runs[label].append(_run_one(label, engine, prompt, turns[turn - 1], contexts[label], params,
+                                                eos_ids))
+                    progress.update()
+            reference = None
+            for label, attempts in runs.items():
+                record = min(attempts, key=lambda r: r["seconds"])
+                token_ids = record.pop("token_ids")
+                if any(r["token_ids"] != token_ids for r in attempts if r is not record):
+                    if params.greedy and _repeats_must_agree(engines[label]):
+                        where = prompt["question_id"] if len(turns) == 1 else f"{prompt['question_id']} (turn {turn})"
+                        raise SpecDecodeError(f"{label} decoded different tokens on repeats of {where}")
+                    record["repeats_identical"] = False
+                if repeats > 1:
+                    record["repeat_seconds"] = [r["seconds"] for r in attempts]
+                if label == baseline_label:
+                    reference = token_ids
+                record["turn"] = turn
+                same_context = contexts[label] == contexts[baseline_label]
+                record["identical_to_plain"] = same_context and token_ids == reference
+                if not same_context:
+                    record["context_differs"] = True
+                elif reference is not None and not record["identical_to_plain"] and params.greedy:
+                    record["first_divergence"] = baseline.first_divergence(contexts[label], reference, token_ids)
+                replies[label].append(token_ids)
+                records.append(record)
     progress.close()
     return records
 
 
-def _run_one(label: str, engine, prompt: dict, prompt_ids: list[int], params, eos_ids) -> dict:
-    """One generation -> its record (with the token ids, which the caller removes)."""
+def record_key(record: dict) -> tuple:
+    """What pairs a record with plain decoding's record of the same request."""
+    return record["question_id"], record.get("turn", 1)
+
+
+def _run_one(label: str, engine, prompt: dict, text: str, prompt_ids: list[int], params, eos_ids) -> dict:
+    """One generation -> its record (with the token ids, which the caller removes).
+    ``text``: the turn's user text (the router's task type is read from it)."""
     from ..control.router import Router, classify
 
     name, _ = parse_method(label)
@@ -161,7 +231,7 @@ def _run_one(label: str, engine, prompt: dict, prompt_ids: list[int], params, eo
         token_ids, seconds = engine.generate(prompt_ids, params.max_new_tokens)
         record.update(alpha=None, tau=1.0, k=0)
     else:
-        task = classify(prompt["prompt"])
+        task = classify(text)
         # a fresh router: the built-in prior for the task type, never state left by earlier runs
         prior = Router().prior(task, engine.drafter) if engine.drafter else None
         result = engine.generate(prompt_ids, params, prior_alpha=prior)
@@ -207,17 +277,20 @@ def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config
     check_repeats(args.repeats, params)
     methods = ["none", *[m for m in dict.fromkeys(methods) if m != "none"]]  # the baseline first
     prompts = load_prompts(args.prompts, args.limit)
-    log(f"loading {args.model} ({args.dtype}); {len(prompts)} prompts x {len(methods)} methods")
+    log(f"loading {args.model} ({args.dtype}); {describe_prompts(prompts)} x {len(methods)} methods")
     target = load_target(engine_config, args.runtime)
     encoded = encode_prompts(target, prompts, engine_config)
-    engines = build_engines(args, methods, engine_config, spec_config, target, needed_context(encoded, params, target))
+    follow_up = turn_encoder(target, engine_config)
+    engines = build_engines(args, methods, engine_config, spec_config, target,
+                            needed_context(encoded, params, target, prompts, follow_up))
     warm_up(engines, encoded[0], params)
     profile = profile_in_use(target, args.dtype)
     if profile is not None:
         v = ", ".join(f"v({size}) {value:.2f}" for size, value in profile["v"].items())
         log(f"cost profile for --k auto and tree budgets (measured {profile['measured_at'] or 'at an unrecorded time'}): "
             f"{v} at {profile['context']} tokens; specdecode profile --remeasure measures it again")
-    records = run_records(engines, prompts, encoded, params, target.eos_token_ids, repeats=args.repeats)
+    records = run_records(engines, prompts, encoded, params, target.eos_token_ids, repeats=args.repeats,
+                          follow_up=follow_up)
 
     summary = summarize(records)
     print_summary(summary, methods)
@@ -257,7 +330,7 @@ def profile_in_use(target, dtype: str) -> dict | None:
 def summarize(records: list[dict]) -> dict:
     """Per category (and 'overall') and method: medians of tokens/s and of the per-prompt
     speedup against plain; pooled alpha and tau; share identical to plain."""
-    plain = {r["question_id"]: r["tokens_per_s"] for r in records if r["method"] == "none"}
+    plain = {record_key(r): r["tokens_per_s"] for r in records if r["method"] == "none"}
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for r in records:
         groups[(r["category"], r["method"])].append(r)
@@ -272,7 +345,7 @@ def summarize(records: list[dict]) -> dict:
             "prompts": len(rows),
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows),
             "aggregate_tokens_per_s": sum(r["new_tokens"] for r in rows) / sum(r["seconds"] for r in rows),
-            "speedup": _median([r["tokens_per_s"] / plain[r["question_id"]] for r in rows if plain.get(r["question_id"])]),
+            "speedup": _median([r["tokens_per_s"] / plain[record_key(r)] for r in rows if plain.get(record_key(r))]),
             "alpha": accepted / drafted if drafted else None,
             "tau": (accepted + passes) / passes if passes else 1.0,
             "identical_to_plain": sum(r["identical_to_plain"] for r in rows) / len(rows),
