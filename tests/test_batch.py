@@ -15,6 +15,7 @@ from specdecode.control.policies import FixedK
 from specdecode.engine import PromptError, SpeculativeEngine
 from specdecode.models.llama import load_native
 from specdecode.proposers.ngram import NgramProposer
+from specdecode.serve.app import usage
 from specdecode.serve.batch import BatchEngine
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="CPU kernels unavailable")
@@ -169,6 +170,10 @@ def test_stop_eos_abort_and_bad_prompts(tmp_path, model_dir):
     assert stopped.finish_reason == "stop" and stopped.text == reference.text[: reference.text.find(stop)]
     assert eos.finish_reason == "stop"
     assert eos.generated == reference.token_ids[: reference.token_ids.index(eos_token)]
+    # completion tokens count the EOS that ended a request (vLLM's and OpenAI's usage), not a stop string's end
+    assert eos.ended_at_eos and eos.output_tokens == len(eos.generated) + 1
+    assert not stopped.ended_at_eos and stopped.output_tokens == len(stopped.generated)
+    assert usage([eos, stopped])["completion_tokens"] == len(eos.generated) + 1 + len(stopped.generated)
     assert aborted.finish_reason == "abort" and aborted.generated == []
     with pytest.raises(PromptError, match="context is 64 tokens"):
         engine.add(list(range(3, 70)), SamplingParams())

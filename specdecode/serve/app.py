@@ -245,8 +245,8 @@ class ServerState:
             if not sequence.counted_prompt:
                 sequence.counted_prompt = True
                 self.metrics.first_token(len(sequence.prompt_ids), sequence.first_token_time - sequence.arrival)
-            self.metrics.generated(len(sequence.generated) - sequence.counted_generated)
-            sequence.counted_generated = len(sequence.generated)
+            self.metrics.generated(sequence.output_tokens - sequence.counted_generated)
+            sequence.counted_generated = sequence.output_tokens
 
     def _fail_all(self) -> list[Sequence]:
         engine = self.engine
@@ -446,9 +446,10 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
 
 
 def usage(sequences: list[Sequence]) -> dict:
-    """OpenAI's usage for one request: the prompt once, every choice's completion; cached
-    tokens as the first choice's (the others usually reuse its prompt)."""
-    prompt, completion = len(sequences[0].prompt_ids), sum(len(s.generated) for s in sequences)
+    """OpenAI's usage for one request: the prompt once, every choice's completion (an EOS
+    that ended it included, as vLLM counts); cached tokens as the first choice's (the others
+    usually reuse its prompt)."""
+    prompt, completion = len(sequences[0].prompt_ids), sum(s.output_tokens for s in sequences)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sequences[0].cached_tokens}}
 

@@ -102,7 +102,8 @@ class Sequence:
     error: str | None = None  # set when the engine failed the sequence
     last_emit: float | None = None  # when the server last streamed from it
     counted_prompt: bool = False  # the server's metrics have its prompt tokens and time to first token
-    counted_generated: int = 0  # and this many of its generated tokens
+    counted_generated: int = 0  # and this many of its output tokens
+    ended_at_eos: bool = False  # its last token was EOS (in the count of output tokens, not in ``generated``)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     looked_up: int = 0  # prompt tokens looked up in it (0 until the sequence gets a row)
     reuse_prefix: bool = True  # False: prefill the whole prompt (the audit's independent re-run)
@@ -121,6 +122,12 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def output_tokens(self) -> int:
+        """Tokens the model produced for it: the visible ones and the EOS that ended it, as
+        vLLM and OpenAI count completion tokens."""
+        return len(self.generated) + self.ended_at_eos
 
     @property
     def prefill_done(self) -> bool:
@@ -583,6 +590,8 @@ class BatchEngine:
         # the request's own figures as the single-sequence engine's; the step's output keeps
         # vLLM's counts (every accepted draft) for /metrics
         sequence.stats.drop_accepted(past_the_end(new_tokens, added, finish, self.eos_token_ids, sequence.params))
+        # "stop" from commit_tokens is EOS or a stop string, and the tracker knows the latter
+        sequence.ended_at_eos = finish == "stop" and not (sequence.tracker is not None and sequence.tracker.stopped)
         if sequence.first_token_time is None:
             sequence.first_token_time = time.perf_counter()
         if finish:
