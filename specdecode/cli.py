@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--backend", default="auto", choices=["auto", "kernels", "torch"])
     srv.add_argument("--threads", type=int, default=None, help="kernel threads (default: decode passes on every core or on every core but one, whichever they measure faster while serving; the cost profile at every core but one; docs/serving.md)")
     srv.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill chunk; chunks interleave with decode steps")
-    srv.set_defaults(exact=None, device="cpu")
+    srv.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs (cuda: the torch backend, as for generate)")
+    srv.set_defaults(exact=None)
 
     bs = verbs.add_parser("bench-serve", help="load a server with concurrent streamed requests: TTFT, TPOT, ITL, latency, throughput, with and without speculation")
     bs.add_argument("--url", default=None, help="a running server (default: start `specdecode serve` with --serve-args on a free port)")
@@ -670,7 +671,7 @@ def cmd_serve(args) -> int:
         if args.prefill_threads is None:  # prefill chunks may take the front end's core too
             args.prefill_threads = torch.get_num_threads()
     config = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads, weights=args.weights,
-                          backend=args.backend, prefill_chunk=args.prefill_chunk)
+                          backend=args.backend, device=args.device, prefill_chunk=args.prefill_chunk)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.replicas is not None:

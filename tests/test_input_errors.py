@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from specdecode.cli import main
 from specdecode.prompts import load_prompts
@@ -242,3 +243,10 @@ def test_bench_specs_with_auto_or_threshold_and_a_tree_width_still_parse():
     assert parse_method("eagle@autox1") == ("eagle", "autox1")
     assert parse_method("tree@thresholdx3") == ("tree", "thresholdx3")
     assert parse_method("eagle@6x3") == ("eagle", "6x3") and parse_method("ngram@auto") == ("ngram", "auto")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the server would start")
+def test_serve_takes_a_device_and_names_a_missing_gpu(capsys, tiny_llama_dir):
+    """serve had no --device (generate and bench had): a GPU could not serve."""
+    code, err = run(capsys, "serve", "--model", str(tiny_llama_dir), "--device", "cuda")
+    assert code == 2 and "device 'cuda' asked for, but torch sees no CUDA GPU here" in err and "Traceback" not in err
