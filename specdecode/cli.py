@@ -80,8 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
 
     bench = verbs.add_parser("bench", help="plain vs speculative on the same prompts")
-    bench.add_argument("--prompts", default=None, help="JSONL: Spec-Bench question.jsonl (every turn, each after the "
-                       "model's own reply to the one before) or {prompt, category}; default: our suite")
+    bench.add_argument("--prompts", default=None, help="JSONL or a JSON array: Spec-Bench question.jsonl (every turn, "
+                       "each after the model's own reply to the one before), {prompt, category}, GSM8K, Alpaca, "
+                       "ShareGPT or chat messages; default: our suite")
     bench.add_argument("--methods", default="none,ngram", help="comma list of none, ngram, suffix, draft, eagle, tree, hf (transformers generate), llamacpp")
     bench.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
     bench.add_argument("--out", default=None, help="write per-prompt records and the summary as JSON")
@@ -99,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
             action.help = argparse.SUPPRESS
 
     ana = verbs.add_parser("analyze", help="per prompt and category: acceptance, predicted and measured speedup, recommendations")
-    ana.add_argument("--prompts", default=None, help="JSONL (Spec-Bench or {prompt, category}); default: our suite")
+    ana.add_argument("--prompts", default=None, help="a prompt file as for bench; default: our suite")
     ana.add_argument("--methods", default="ngram", help="comma list of method specs: ngram, draft, ngram@3, draft@auto ...")
     ana.add_argument("--temperatures", default="0,0.7,1.0", help="comma list; each runs plain and every method")
     ana.add_argument("--limit", type=int, default=None, help="at most N prompts per category")

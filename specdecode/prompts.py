@@ -2,6 +2,10 @@
 this project) and JSONL in Spec-Bench's ``{question_id, category, turns}`` or our
 ``{prompt, category}`` form.
 
+Other public layouts load too (``ACCEPTED``): a GSM8K ``question``, an Alpaca
+``instruction`` with its ``input``, the user turns of ShareGPT ``conversations`` or chat
+``messages``, in JSONL or in one JSON array.
+
 A record with several turns (MT-bench's two-turn questions in Spec-Bench) is a
 conversation: ``bench`` and ``analyze`` decode turn 1, then turn 2 after the chat holding
 turn 1 and the model's own answer to it, as Spec-Bench does. Each prompt dict keeps
@@ -17,8 +21,15 @@ from pathlib import Path
 from .config import SpecDecodeError
 
 
+ID_KEYS = ("question_id", "id", "task_id")  # Spec-Bench, ShareGPT, HumanEval
+ACCEPTED = ("{question_id, category, turns} (Spec-Bench, MT-bench), {prompt, category} (ours, HumanEval), "
+            "{question} (GSM8K), {instruction, input} (Alpaca), or {conversations | messages} (ShareGPT, chat: "
+            "the user's turns)")
+
+
 def load_prompts(path: str | None, limit: int | None = None) -> list[dict]:
-    """Read Spec-Bench ``{question_id, category, turns}`` or ``{prompt, category}`` lines."""
+    """Read a prompt file: JSONL, or one JSON array of records (ShareGPT's files), in any of
+    the layouts of ``ACCEPTED``. ``limit``: at most that many prompts per category."""
     if limit is not None and limit < 1:
         raise SpecDecodeError(f"--limit must be at least 1, got {limit}")
     if path is None:
@@ -30,6 +41,34 @@ def load_prompts(path: str | None, limit: int | None = None) -> list[dict]:
             raise SpecDecodeError(f"prompts file {path!r} not found")
         text, origin = file.read_text(), path
     prompts, per_category, lines_of = [], defaultdict(int), {}
+    for where, row in _records(text, origin):
+        key, prompt = _user_turns(row, where)
+        turns = _check_row(row, key, prompt, where)
+        category = row.get("category", "general")
+        if limit is not None and per_category[category] >= limit:
+            continue
+        per_category[category] += 1
+        question_id = next((row[k] for k in ID_KEYS if k in row), f"{category}-{per_category[category]}")
+        if question_id in lines_of:  # every method's run of a prompt is matched to plain's by it
+            raise SpecDecodeError(f"{where}: question_id {question_id!r} is also the id of {lines_of[question_id]}; "
+                                  "each prompt needs its own")
+        lines_of[question_id] = where.removeprefix(f"{origin} ")
+        prompts.append({"question_id": question_id, "category": category, "prompt": turns[0], "turns": turns})
+    if not prompts:
+        raise SpecDecodeError(f"{origin} holds no prompts")
+    return prompts
+
+
+def _records(text: str, origin: str):
+    """(where, record) for each record of a JSONL text or of one JSON array."""
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise SpecDecodeError(f"{origin} is not JSON ({error.msg} at line {error.lineno} column {error.colno})") from None
+        for number, row in enumerate(rows, 1):
+            yield f"{origin} record {number}", row
+        return
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -37,33 +76,38 @@ def load_prompts(path: str | None, limit: int | None = None) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError as error:
             raise SpecDecodeError(f"{origin} line {number} is not JSON ({error.msg} at column {error.colno})") from None
-        try:
-            prompt = row["turns"] if "turns" in row else row["prompt"]
-        except (KeyError, TypeError):
-            raise SpecDecodeError(
-                f"{origin} line {number}: expected {{'question_id', 'category', 'turns'}} or {{'prompt', 'category'}}"
-            ) from None
-        turns = _check_row(row, prompt, f"{origin} line {number}")
-        category = row.get("category", "general")
-        if limit is not None and per_category[category] >= limit:
-            continue
-        per_category[category] += 1
-        question_id = row.get("question_id", f"{category}-{per_category[category]}")
-        if question_id in lines_of:  # every method's run of a prompt is matched to plain's by it
-            raise SpecDecodeError(f"{origin} line {number}: question_id {question_id!r} is also the id of line "
-                                  f"{lines_of[question_id]}; each prompt needs its own")
-        lines_of[question_id] = number
-        prompts.append({"question_id": question_id, "category": category, "prompt": turns[0], "turns": turns})
-    if not prompts:
-        raise SpecDecodeError(f"{origin} holds no prompts")
-    return prompts
+        yield f"{origin} line {number}", row
 
 
-def _check_row(row: dict, prompt, where: str) -> list[str]:
+def _user_turns(row, where: str) -> tuple[str, object]:
+    """The key a record's prompt comes from, and its value (checked by ``_check_row``)."""
+    if not isinstance(row, dict):
+        raise SpecDecodeError(f"{where}: expected a JSON object: {ACCEPTED}")
+    for key in ("turns", "prompt", "question"):
+        if key in row:
+            return key, row[key]
+    for key in ("conversations", "conversation", "messages"):
+        if key in row:
+            messages = row[key]
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                raise SpecDecodeError(f"{where}: {key!r} must be a list of messages ({{from, value}} or "
+                                      f"{{role, content}}), got {messages!r:.80}")
+            turns = [m.get("value", m.get("content")) for m in messages if m.get("from", m.get("role")) in ("human", "user")]
+            if not turns:
+                raise SpecDecodeError(f"{where}: {key!r} holds no user turn (a message from 'human' or with role 'user')")
+            return key, turns
+    if "instruction" in row:
+        instruction, extra = row["instruction"], row.get("input")
+        if isinstance(instruction, str) and isinstance(extra, str) and extra.strip():
+            return "instruction", f"{instruction}\n\n{extra}"
+        return "instruction", instruction
+    raise SpecDecodeError(f"{where}: expected {ACCEPTED}")
+
+
+def _check_row(row: dict, key: str, prompt, where: str) -> list[str]:
     """The record's user turns (one for a ``prompt``); a wrong type or an empty turn is
     refused here, before any model loads, rather than failing (or benching a wrong prompt)
     later."""
-    key = "turns" if "turns" in row else "prompt"
     turns = prompt if isinstance(prompt, list) else [prompt]
     if not turns or not all(isinstance(turn, str) for turn in turns):
         raise SpecDecodeError(f"{where}: {key!r} must be a string or a non-empty list of strings, got {prompt!r}")
@@ -72,7 +116,8 @@ def _check_row(row: dict, prompt, where: str) -> list[str]:
             raise SpecDecodeError(f"{where}: the prompt is empty" if len(turns) == 1 else f"{where}: turn {number} is empty")
     if not isinstance(row.get("category", ""), str):
         raise SpecDecodeError(f"{where}: 'category' must be a string, got {row['category']!r}")
-    question_id = row.get("question_id", "")
-    if not isinstance(question_id, (str, int)) or isinstance(question_id, bool):  # Spec-Bench numbers its questions
-        raise SpecDecodeError(f"{where}: 'question_id' must be a string or an integer, got {question_id!r}")
+    for id_key in ID_KEYS:
+        question_id = row.get(id_key, "")
+        if not isinstance(question_id, (str, int)) or isinstance(question_id, bool):  # Spec-Bench numbers its questions
+            raise SpecDecodeError(f"{where}: {id_key!r} must be a string or an integer, got {question_id!r}")
     return turns

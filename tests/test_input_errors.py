@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specdecode.cli import main
+from specdecode.config import SpecDecodeError
 from specdecode.prompts import load_prompts
 
 
@@ -250,3 +251,39 @@ def test_serve_takes_a_device_and_names_a_missing_gpu(capsys, tiny_llama_dir):
     """serve had no --device (generate and bench had): a GPU could not serve."""
     code, err = run(capsys, "serve", "--model", str(tiny_llama_dir), "--device", "cuda")
     assert code == 2 and "device 'cuda' asked for, but torch sees no CUDA GPU here" in err and "Traceback" not in err
+
+
+def test_public_prompt_layouts_load(tmp_path):
+    """Public sets come in other layouts than Spec-Bench's: GSM8K's question, Alpaca's
+    instruction and input, ShareGPT's conversations (one JSON array) and chat messages.
+    Each loads with its user turns; before, every one of them was refused."""
+    jsonl = tmp_path / "mixed.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in [
+        {"question": "What is 2 + 3?", "answer": "5"},
+        {"instruction": "Translate to French.", "input": "Good morning", "output": "Bonjour"},
+        {"instruction": "Name a colour.", "input": ""},
+        {"task_id": "HumanEval/0", "prompt": "def add(a, b):\n"},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]},
+    ]) + "\n")
+    loaded = load_prompts(str(jsonl))
+    assert [p["turns"] for p in loaded] == [["What is 2 + 3?"], ["Translate to French.\n\nGood morning"],
+                                            ["Name a colour."], ["def add(a, b):\n"], ["Hi", "Bye"]]
+    assert loaded[3]["question_id"] == "HumanEval/0"
+    sharegpt = tmp_path / "sharegpt.json"
+    sharegpt.write_text(json.dumps([
+        {"id": "a1", "conversations": [{"from": "human", "value": "Tell me a joke."}, {"from": "gpt", "value": "..."},
+                                       {"from": "human", "value": "Another."}]},
+        {"id": "a2", "conversations": [{"from": "human", "value": "Why is the sky blue?"}]},
+    ]))
+    assert [(p["question_id"], p["turns"]) for p in load_prompts(str(sharegpt))] == [
+        ("a1", ["Tell me a joke.", "Another."]), ("a2", ["Why is the sky blue?"])]
+    sharegpt.write_text(json.dumps([{"id": "a1", "conversations": [{"from": "gpt", "value": "no question"}]}]))
+    with pytest.raises(SpecDecodeError, match="record 1: 'conversations' holds no user turn"):
+        load_prompts(str(sharegpt))
+    sharegpt.write_text("[{\"id\": 1,")
+    with pytest.raises(SpecDecodeError, match="is not JSON"):
+        load_prompts(str(sharegpt))
+    jsonl.write_text(json.dumps({"text": "unknown layout"}) + "\n")
+    with pytest.raises(SpecDecodeError, match=r"line 1: expected .*\{question\} \(GSM8K\)"):
+        load_prompts(str(jsonl))
