@@ -253,3 +253,52 @@ def test_a_gguf_that_scales_rope_is_refused_by_name(tmp_path, monkeypatch):
     writer.close()
     with pytest.raises(ModelNotFoundError, match="scales RoPE .*llama.rope.scaling.factor = 4.0.*rope_freqs"):
         resolve_model(str(path))
+
+
+def test_file_digests_are_remembered_by_stat_and_read_again_after_a_change(tmp_path, monkeypatch):
+    """Every load hashed the default GGUF and its 0.5 GB conversion (0.7 s here). Digests
+    are now remembered with the file's stat; a changed or replaced file gets its new
+    digest, and a file changed in the last seconds is not remembered (a same-size rewrite
+    within one clock tick keeps its times)."""
+    import hashlib
+    import os
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    memo_file = tmp_path / "cache" / loading.DIGESTS
+    file = tmp_path / "weights.bin"
+    file.write_bytes(b"a" * 100)
+    assert loading.sha256_file(file) == hashlib.sha256(b"a" * 100).hexdigest()
+    assert not memo_file.exists()  # just written: not remembered
+    monkeypatch.setattr(loading, "MEMO_SETTLED_NS", -1)  # every file settled, for the rest of the test
+    assert loading.sha256_file(file) == hashlib.sha256(b"a" * 100).hexdigest()
+    assert json.loads(memo_file.read_text())[str(file.resolve())]["sha256"] == hashlib.sha256(b"a" * 100).hexdigest()
+    memo_file.write_text(memo_file.read_text().replace(hashlib.sha256(b"a" * 100).hexdigest(), "remembered"))
+    assert loading.sha256_file(file) == "remembered"  # read from the memo, not from the file
+    file.write_bytes(b"a" * 99)  # truncated
+    assert loading.sha256_file(file) == hashlib.sha256(b"a" * 99).hexdigest()
+    replacement = tmp_path / "new.bin"
+    replacement.write_bytes(b"b" * 99)
+    os.utime(replacement, ns=(file.stat().st_atime_ns, file.stat().st_mtime_ns))  # the same size and mtime
+    os.replace(replacement, file)  # but another inode
+    assert loading.sha256_file(file) == hashlib.sha256(b"b" * 99).hexdigest()
+    memo_file.write_text("not json")
+    assert loading.sha256_file(file) == hashlib.sha256(b"b" * 99).hexdigest()  # a damaged memo is rebuilt
+
+
+@pytest.mark.slow
+def test_a_gguf_conversions_tokenizer_loads_as_autotokenizer_would_without_its_imports():
+    """The default model's tokenizer is read as the TokenizersBackend its conversion saved,
+    skipping AutoTokenizer's import of the model type's configuration (2 s a start): the
+    same class, the same ids, the same chat template."""
+    from transformers import AutoTokenizer
+
+    source = resolve_model("default")
+    fast, auto = loading.load_tokenizer(source), AutoTokenizer.from_pretrained(source.path)
+    assert type(fast) is type(auto)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo, wörld!\n\tdef f(): pass"}]
+    assert fast.apply_chat_template(messages, add_generation_prompt=True) == \
+        auto.apply_chat_template(messages, add_generation_prompt=True)
+    text = "Ünïcode, emoji 🙂, code `x = [i ** 2 for i in range(10)]` and <|im_end|> a special token"
+    assert fast(text)["input_ids"] == auto(text)["input_ids"]
+    assert fast.decode(auto(text)["input_ids"]) == auto.decode(auto(text)["input_ids"])
+    assert fast.eos_token_id == auto.eos_token_id and fast.all_special_ids == auto.all_special_ids

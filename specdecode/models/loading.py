@@ -23,6 +23,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,12 +151,61 @@ def resolve_model(name: str | os.PathLike | None) -> ModelSource:
     )
 
 
+DIGESTS = "digests.json"  # in cache_dir(): sha256 of files read before, by their stat
+MEMO_SETTLED_NS = 2_000_000_000  # a file modified more recently than this is hashed, not remembered
+
+
+def _file_stamp(path: Path) -> list[int]:
+    """What changes when a file is replaced or rewritten: device, inode, size, mtime and
+    ctime (which a write or ``touch`` moves, and nothing can set back)."""
+    stat = path.stat()
+    return [stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
+
+
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    """The file's sha256. Remembered per machine with the file's stamp (``_file_stamp``, as
+    git's index and ccache trust a file's stat), so the default model's GGUF and its 0.5 GB
+    conversion are not read again on every load (0.7 s a process here); a file that was
+    rewritten, truncated or replaced has another stamp and is read again."""
+    path = Path(path)
+    key, stamp = str(path.resolve()), _file_stamp(path)
+    memo_file = cache_dir() / DIGESTS
+    try:
+        memo = json.loads(memo_file.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    known = memo.get(key) if isinstance(memo, dict) else None
+    if isinstance(known, dict) and known.get("stamp") == stamp and isinstance(known.get("sha256"), str):
+        return known["sha256"]
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while block := handle.read(chunk):
             digest.update(block)
+    # not written to while it was read, and not within the last seconds: a same-size rewrite
+    # within one tick of the clock keeps the mtime (git's "racily clean" files)
+    if stamp == _file_stamp(path) and time.time_ns() - max(stamp[3:]) > MEMO_SETTLED_NS:
+        memo = memo if isinstance(memo, dict) else {}
+        memo[key] = {"stamp": stamp, "sha256": digest.hexdigest()}
+        _write_memo(memo_file, memo)
     return digest.hexdigest()
+
+
+def _write_memo(memo_file: Path, memo: dict) -> None:
+    """Replace the memo in one step (another process may read it meanwhile); a memo that
+    cannot be written only costs the next load a read of the file."""
+    memo = {key: value for key, value in memo.items() if os.path.exists(key)}  # files gone: forgotten
+    staging = None
+    try:
+        memo_file.parent.mkdir(parents=True, exist_ok=True)
+        handle, staging = tempfile.mkstemp(dir=memo_file.parent, prefix=f".{memo_file.name}-")
+        with os.fdopen(handle, "w") as out:
+            json.dump(memo, out)
+        os.replace(staging, memo_file)
+    except OSError as error:
+        log.debug("could not remember file digests in %s: %s", memo_file, error)
+        if staging is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(staging)
 
 
 def _refuse_scaled_rope(gguf_path: Path) -> None:
@@ -324,9 +374,26 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def load_tokenizer(source: ModelSource):
-    """The checkpoint's tokenizer, or None when it ships none (bare test checkpoints)."""
-    from transformers import AutoTokenizer
+    """The checkpoint's tokenizer, or None when it ships none (bare test checkpoints).
 
+    A GGUF's conversion holds the tokenizer transformers built from the GGUF and saved as
+    its generic ``TokenizersBackend`` (all of it in tokenizer.json): that class loads it
+    directly. ``AutoTokenizer`` would come to the same class after importing the model
+    type's configuration, 2 s of imports here (torch._dynamo among them) on every start."""
     if not any((source.path / name).is_file() for name in TOKENIZER_FILES):
         return None
+    if source.gguf is not None and _saved_tokenizer_class(source.path) == "TokenizersBackend":
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(source.path)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(source.path)
+
+
+def _saved_tokenizer_class(directory: Path) -> str | None:
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("tokenizer_class") if isinstance(config, dict) and "auto_map" not in config else None
