@@ -534,6 +534,9 @@ def test_an_unreadable_router_state_never_stops_a_request(tiny_text_model_dir, c
     # one state per model, whatever the name it is reached by
     assert router_state_path(str(tiny_text_model_dir)) != router_state_path("default")
     assert router_state_path("smollm2") == router_state_path("default") == router_state_path("SmolLM2-135M-Instruct")
+    from specdecode.models.loading import default_gguf_path  # and by its GGUF's own path (found in review)
+
+    assert router_state_path(str(default_gguf_path())) == router_state_path("default")
 
 
 # -- kernel threads for a server's decode passes (control.threads) --------------------------

@@ -23,6 +23,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..config import SpecDecodeError
+
 TASKS = ("code", "structured", "summarization", "creative", "general")
 
 # weighted evidence per task: (pattern, weight); patterns are case-insensitive
@@ -242,9 +244,14 @@ def router_state_path(model: str = "default") -> Path:
     """Where the CLI keeps per-task measurements between requests, one file per model (a
     drafter's acceptance and speedup on one target say nothing about another's), keyed by
     the checkpoint the name resolves to (its aliases and relative paths share one file)."""
-    from ..models.loading import DEFAULT_MODEL_NAMES, cache_dir
+    from ..models.loading import DEFAULT_MODEL_NAMES, cache_dir, default_gguf_path
 
     identity = "default" if model in DEFAULT_MODEL_NAMES else str(Path(model).expanduser().resolve())
+    try:
+        if identity == str(default_gguf_path().resolve()):  # the default model by its GGUF's own path
+            identity = "default"
+    except SpecDecodeError:  # the package that holds it is missing: then it is not this one
+        pass
     return cache_dir() / f"router-state-{hashlib.sha1(identity.encode()).hexdigest()[:12]}.json"
 
 
