@@ -11,7 +11,7 @@ import torch
 
 from conftest import save_tiny_model
 from specdecode import kernels
-from specdecode.config import ConfigError, SamplingParams
+from specdecode.config import ConfigError, SamplingParams, SpecDecodeError
 from specdecode.engine import SpeculativeEngine
 from specdecode.models.cpu_runtime import linear_entry
 from specdecode.models.llama import load_native
@@ -403,3 +403,21 @@ def test_a_cache_that_cannot_be_written_means_no_kernels_not_a_crash(tmp_path, m
     monkeypatch.setenv("SPECDECODE_CACHE", str(blocker / "cache"))
     with pytest.raises(kernels.KernelsUnavailable, match="cannot be built in specdecode's cache"):
         kernels.build(force=True)
+
+
+def test_the_kernels_refuse_what_they_would_read_or_write_out_of_bounds(tmp_path):
+    """Found in review, through the Python API (the command line checks both earlier): a
+    prefill chunk over 512 rows overflowed the attention's key lists (a segfault with 600),
+    and a token id outside the vocabulary read past the embedding (garbage logits, or a
+    segfault)."""
+    with pytest.raises(SpecDecodeError, match="prefill_chunk must be in 1..512 on the kernels backend, got 600"):
+        kernel_model(tmp_path, prefill_chunk=600)
+    runtime = kernel_model(tmp_path)
+    runtime.reset(8)
+    with pytest.raises(SpecDecodeError, match=r"token ids must lie in 0..96, got 5..200"):
+        runtime(torch.tensor([[5, 200]]))
+    runtime.reset(8)
+    with pytest.raises(SpecDecodeError, match=r"token ids must lie in 0..96, got -1..5"):
+        runtime(torch.tensor([[-1, 5]]))
+    runtime.reset(8)
+    assert runtime(torch.tensor([[5, 96]])).shape[-1] == 97

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .. import kernels
-from ..config import SpecDecodeError
+from ..config import MAX_PREFILL_CHUNK, SpecDecodeError
 from .llama import _outputs
 from .quant import PackedLinear
 
@@ -255,6 +255,9 @@ class KernelStack:
         self.head_rows = 0  # rows through the output head via head_logits (lazy logits)
         cfg = runtime.cfg
         check_attention_shape(cfg)
+        if not 1 <= runtime.prefill_chunk <= MAX_PREFILL_CHUNK:  # the kernels' per-call key lists hold that many
+            raise SpecDecodeError(f"prefill_chunk must be in 1..{MAX_PREFILL_CHUNK} on the kernels backend, "
+                                  f"got {runtime.prefill_chunk}")
         self._keep: list[torch.Tensor] = []  # every tensor a pointer below refers to
         self.layers = (kernels.Layer * runtime.num_layers)()
         for index, layer in enumerate(runtime.layers):
@@ -335,6 +338,10 @@ class KernelStack:
         # the small per-call arrays are numpy's: each torch op costs ~10-20 µs of dispatch
         # on these cores, and a decode step made ~25 of them (0.6 ms of a 6.5 ms step)
         ids = input_ids.to(torch.int64).contiguous()
+        ids_np = ids.numpy()
+        if ids_np.size and (ids_np.min() < 0 or ids_np.max() >= cfg.vocab_size):  # the kernels read the row unchecked
+            raise SpecDecodeError(f"token ids must lie in 0..{cfg.vocab_size - 1}, got {int(ids_np.min())}.."
+                                  f"{int(ids_np.max())}")
         starts_np = np.asarray(starts, dtype=np.int32)
         rows_np = np.asarray(cache_rows, dtype=np.int32)
         if positions is None:
