@@ -4,7 +4,8 @@ this project) and JSONL in Spec-Bench's ``{question_id, category, turns}`` or ou
 
 Other public layouts load too (``ACCEPTED``): a GSM8K ``question``, an Alpaca
 ``instruction`` with its ``input``, the user turns of ShareGPT ``conversations`` or chat
-``messages``, in JSONL or in one JSON array.
+``messages`` (with its system prompt), in JSONL or in one JSON array. A conversation record
+with no usable user turn (public dumps hold some) is left out and counted on stderr.
 
 A record with several turns (MT-bench's two-turn questions in Spec-Bench) is a
 conversation: ``bench`` and ``analyze`` decode turn 1, then turn 2 after the chat holding
@@ -14,6 +15,7 @@ turn 1 and the model's own answer to it, as Spec-Bench does. Each prompt dict ke
 from __future__ import annotations
 
 import json
+import sys
 from collections import defaultdict
 from importlib import resources
 from pathlib import Path
@@ -40,23 +42,38 @@ def load_prompts(path: str | None, limit: int | None = None) -> list[dict]:
         if not file.is_file():
             raise SpecDecodeError(f"prompts file {path!r} not found")
         text, origin = file.read_text(), path
-    prompts, per_category, lines_of = [], defaultdict(int), {}
+    prompts, per_category, lines_of, skipped = [], defaultdict(int), {}, []
     for where, row in _records(text, origin):
-        key, prompt = _user_turns(row, where)
+        try:
+            key, prompt, system = _user_turns(row, where)
+        except _Unusable as reason:  # a dump's broken conversation: left out, as vLLM's benchmarks do
+            skipped.append(str(reason))
+            continue
         turns = _check_row(row, key, prompt, where)
         category = row.get("category", "general")
         if limit is not None and per_category[category] >= limit:
             continue
         per_category[category] += 1
-        question_id = next((row[k] for k in ID_KEYS if k in row), f"{category}-{per_category[category]}")
+        id_key = next((k for k in ID_KEYS if k in row), None)
+        question_id = row[id_key] if id_key else f"{category}-{per_category[category]}"
         if question_id in lines_of:  # every method's run of a prompt is matched to plain's by it
             raise SpecDecodeError(f"{where}: question_id {question_id!r} is also the id of {lines_of[question_id]}; "
                                   "each prompt needs its own")
         lines_of[question_id] = where.removeprefix(f"{origin} ")
-        prompts.append({"question_id": question_id, "category": category, "prompt": turns[0], "turns": turns})
+        prompt = {"question_id": question_id, "category": category, "prompt": turns[0], "turns": turns}
+        if system:
+            prompt["system"] = system
+        prompts.append(prompt)
+    if skipped:
+        print(f"specdecode: left out {len(skipped)} record(s) of {origin} that hold no usable conversation "
+              f"(the first: {skipped[0]})", file=sys.stderr)
     if not prompts:
         raise SpecDecodeError(f"{origin} holds no prompts")
     return prompts
+
+
+class _Unusable(Exception):
+    """A conversation record with nothing to ask (no user turn, an empty or non-text one)."""
 
 
 def _records(text: str, origin: str):
@@ -79,28 +96,33 @@ def _records(text: str, origin: str):
         yield f"{origin} line {number}", row
 
 
-def _user_turns(row, where: str) -> tuple[str, object]:
-    """The key a record's prompt comes from, and its value (checked by ``_check_row``)."""
+def _user_turns(row, where: str) -> tuple[str, object, str | None]:
+    """The key a record's prompt comes from, its value (checked by ``_check_row``) and the
+    conversation's system prompt, if it has one."""
     if not isinstance(row, dict):
         raise SpecDecodeError(f"{where}: expected a JSON object: {ACCEPTED}")
     for key in ("turns", "prompt", "question"):
         if key in row:
-            return key, row[key]
+            return key, row[key], None
     for key in ("conversations", "conversation", "messages"):
         if key in row:
             messages = row[key]
             if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
                 raise SpecDecodeError(f"{where}: {key!r} must be a list of messages ({{from, value}} or "
                                       f"{{role, content}}), got {messages!r:.80}")
-            turns = [m.get("value", m.get("content")) for m in messages if m.get("from", m.get("role")) in ("human", "user")]
+            speakers = [(m.get("from", m.get("role")), m.get("value", m.get("content"))) for m in messages]
+            turns = [text for speaker, text in speakers if speaker in ("human", "user")]
             if not turns:
-                raise SpecDecodeError(f"{where}: {key!r} holds no user turn (a message from 'human' or with role 'user')")
-            return key, turns
+                raise _Unusable(f"{where}: {key!r} holds no user turn (a message from 'human' or with role 'user')")
+            if not all(isinstance(turn, str) and turn.strip() for turn in turns):
+                raise _Unusable(f"{where}: {key!r} holds an empty or non-text user turn")
+            system = next((text for speaker, text in speakers if speaker == "system"), None)
+            return key, turns, system if isinstance(system, str) and system.strip() else None
     if "instruction" in row:
         instruction, extra = row["instruction"], row.get("input")
         if isinstance(instruction, str) and isinstance(extra, str) and extra.strip():
-            return "instruction", f"{instruction}\n\n{extra}"
-        return "instruction", instruction
+            return "instruction", f"{instruction}\n\n{extra}", None
+        return "instruction", instruction, None
     raise SpecDecodeError(f"{where}: expected {ACCEPTED}")
 
 
@@ -116,8 +138,8 @@ def _check_row(row: dict, key: str, prompt, where: str) -> list[str]:
             raise SpecDecodeError(f"{where}: the prompt is empty" if len(turns) == 1 else f"{where}: turn {number} is empty")
     if not isinstance(row.get("category", ""), str):
         raise SpecDecodeError(f"{where}: 'category' must be a string, got {row['category']!r}")
-    for id_key in ID_KEYS:
-        question_id = row.get(id_key, "")
-        if not isinstance(question_id, (str, int)) or isinstance(question_id, bool):  # Spec-Bench numbers its questions
-            raise SpecDecodeError(f"{where}: {id_key!r} must be a string or an integer, got {question_id!r}")
+    id_key = next((k for k in ID_KEYS if k in row), None)  # the one used
+    question_id = row.get(id_key, "")
+    if not isinstance(question_id, (str, int)) or isinstance(question_id, bool):  # Spec-Bench numbers its questions
+        raise SpecDecodeError(f"{where}: {id_key!r} must be a string or an integer, got {question_id!r}")
     return turns

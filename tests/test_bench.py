@@ -144,7 +144,7 @@ def test_bench_refuses_greedy_peers_beside_sampled_decoding(capsys):
     assert "hf decode greedily here; compare them at --temperature 0" in capsys.readouterr().err
 
 
-def test_a_conversation_decodes_each_turn_after_its_own_replies(tiny_text_model_dir):
+def test_a_conversation_decodes_each_turn_after_its_own_replies(tiny_text_model_dir, capsys):
     """Spec-Bench's MT-bench questions have two turns: turn 2 is decoded after turn 1 and
     the model's own answer to it. Each engine continues its own conversation; a reply that
     differed from plain decoding's leaves its later turns on another context, reported as
@@ -182,6 +182,14 @@ def test_a_conversation_decodes_each_turn_after_its_own_replies(tiny_text_model_
     assert needed_context(encoded, params, model, prompts, follow_up) >= len(second) + params.max_new_tokens
     with pytest.raises(SpecDecodeError, match="several turns"):
         run_records(engines, prompts, encoded, params, ())
+    # a system prompt comes first, in every turn (found in review: it was dropped)
+    assert follow_up(turns, [reply], "Be brief.") == plain.encode(f"Be brief.\n\nabcabcabc\n\n{text}\n\nxyzxyz", False)
+    # a conversation whose next turn would not fit the model's context ends there, counted
+    # (found in review: the run died mid-way and every record was lost)
+    engines = {"none": plain, "ngram": SpeculativeEngine(model.runtime, proposer=NgramProposer(), k=3)}
+    short = run_records(engines, prompts, encoded, params, (), follow_up=follow_up, max_context=len(second))
+    assert [(r["question_id"], r["turn"]) for r in short] == [(7, 1), (7, 1), (8, 1), (8, 1)]
+    assert "1 conversation(s) ended where the next turn would not fit the model's context" in capsys.readouterr().err
 
 
 def test_bench_runs_every_turn_of_a_prompt_file(tiny_text_model_dir, tmp_path):

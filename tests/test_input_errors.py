@@ -253,7 +253,7 @@ def test_serve_takes_a_device_and_names_a_missing_gpu(capsys, tiny_llama_dir):
     assert code == 2 and "device 'cuda' asked for, but torch sees no CUDA GPU here" in err and "Traceback" not in err
 
 
-def test_public_prompt_layouts_load(tmp_path):
+def test_public_prompt_layouts_load(tmp_path, capsys):
     """Public sets come in other layouts than Spec-Bench's: GSM8K's question, Alpaca's
     instruction and input, ShareGPT's conversations (one JSON array) and chat messages.
     Each loads with its user turns; before, every one of them was refused."""
@@ -270,6 +270,9 @@ def test_public_prompt_layouts_load(tmp_path):
     assert [p["turns"] for p in loaded] == [["What is 2 + 3?"], ["Translate to French.\n\nGood morning"],
                                             ["Name a colour."], ["def add(a, b):\n"], ["Hi", "Bye"]]
     assert loaded[3]["question_id"] == "HumanEval/0"
+    assert loaded[4]["system"] == "Be brief." and all("system" not in p for p in loaded[:4])  # kept (found in review)
+    jsonl.write_text(json.dumps({"question_id": 5, "id": None, "prompt": "x"}) + "\n")  # only the id used is checked
+    assert load_prompts(str(jsonl))[0]["question_id"] == 5
     sharegpt = tmp_path / "sharegpt.json"
     sharegpt.write_text(json.dumps([
         {"id": "a1", "conversations": [{"from": "human", "value": "Tell me a joke."}, {"from": "gpt", "value": "..."},
@@ -278,9 +281,17 @@ def test_public_prompt_layouts_load(tmp_path):
     ]))
     assert [(p["question_id"], p["turns"]) for p in load_prompts(str(sharegpt))] == [
         ("a1", ["Tell me a joke.", "Another."]), ("a2", ["Why is the sky blue?"])]
+    # public dumps hold broken conversations: left out and counted (found in review), as vLLM's benchmarks do
+    sharegpt.write_text(json.dumps([{"id": "a1", "conversations": [{"from": "gpt", "value": "no question"}]},
+                                    {"id": "a2", "conversations": []},
+                                    {"id": "a3", "conversations": [{"from": "human", "value": ""}]},
+                                    {"id": "a4", "conversations": [{"from": "human", "value": "Fine."}]}]))
+    assert [p["question_id"] for p in load_prompts(str(sharegpt))] == ["a4"]
+    assert "left out 3 record(s)" in capsys.readouterr().err
     sharegpt.write_text(json.dumps([{"id": "a1", "conversations": [{"from": "gpt", "value": "no question"}]}]))
-    with pytest.raises(SpecDecodeError, match="record 1: 'conversations' holds no user turn"):
+    with pytest.raises(SpecDecodeError, match="holds no prompts"):
         load_prompts(str(sharegpt))
+    assert "record 1: 'conversations' holds no user turn" in capsys.readouterr().err
     sharegpt.write_text("[{\"id\": 1,")
     with pytest.raises(SpecDecodeError, match="is not JSON"):
         load_prompts(str(sharegpt))

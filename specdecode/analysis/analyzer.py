@@ -181,7 +181,7 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
     for temperature in temperatures:
         run_params = dataclasses.replace(params, temperature=temperature)
         batch = run_records(engines, prompts, encoded, run_params, target.eos_token_ids, desc=f"analyze T={temperature:g}",
-                            repeats=args.repeats, follow_up=follow_up)
+                            repeats=args.repeats, follow_up=follow_up, max_context=target.runtime.max_positions)
         for record in batch:
             record["temperature"] = temperature
         records += batch
@@ -258,7 +258,9 @@ def learn(records: list[dict], drafter_names: dict[str, str], model: str = "defa
     path = router_state_path(model)
     router = Router().load(path, warn=log)
     for r in records:
-        if r["method"] != "none" and r.get("draft_tokens") and r.get("decode_speedup") is not None:
+        # a turn decoded after a reply other than plain's is not compared on the same request
+        if (r["method"] != "none" and r.get("draft_tokens") and r.get("decode_speedup") is not None
+                and not r.get("context_differs")):
             router.observe(r["task"], drafter_names[r["method"]], r["first_alpha"], r["decode_speedup"],
                            r["new_tokens"])
     router.save(path)

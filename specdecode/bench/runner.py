@@ -16,6 +16,7 @@ import json
 import platform
 import re
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -68,7 +69,8 @@ def encode_prompts(target, prompts: list[dict], engine_config: EngineConfig) -> 
     from ..engine import SpeculativeEngine
 
     encoder = SpeculativeEngine(target.runtime, target.tokenizer)
-    return [encoder.encode(p["prompt"], engine_config.chat_template) for p in prompts]
+    return [encoder.encode(conversation(p.get("turns", [p["prompt"]])[:1], [], p.get("system")), engine_config.chat_template)
+            for p in prompts]
 
 
 def describe_prompts(prompts: list[dict]) -> str:
@@ -77,9 +79,10 @@ def describe_prompts(prompts: list[dict]) -> str:
     return f"{len(prompts)} prompts" + (f" ({turns} turns)" if turns > len(prompts) else "")
 
 
-def conversation(turns: list[str], replies: list[str]) -> list[dict]:
-    """Chat messages: each user turn, followed by the model's reply where there is one."""
-    messages = []
+def conversation(turns: list[str], replies: list[str], system: str | None = None) -> list[dict]:
+    """Chat messages: the system prompt if any, each user turn, followed by the model's
+    reply where there is one."""
+    messages = [{"role": "system", "content": system}] if system else []
     for number, turn in enumerate(turns):
         messages.append({"role": "user", "content": turn})
         if number < len(replies):
@@ -95,9 +98,9 @@ def turn_encoder(target, engine_config: EngineConfig):
 
     encoder = SpeculativeEngine(target.runtime, target.tokenizer)
 
-    def encode(turns: list[str], replies: list[list[int]]) -> list[int]:
+    def encode(turns: list[str], replies: list[list[int]], system: str | None = None) -> list[int]:
         texts = [target.tokenizer.decode(ids, skip_special_tokens=True) for ids in replies]
-        return encoder.encode(conversation(turns, texts), engine_config.chat_template)
+        return encoder.encode(conversation(turns, texts, system), engine_config.chat_template)
 
     return encode
 
@@ -114,7 +117,8 @@ def needed_context(encoded: list[list[int]], params, target, prompts: list[dict]
         turns = prompt.get("turns") or [prompt["prompt"]]
         if len(turns) > 1 and follow_up is not None:
             empty = [[] for _ in turns[1:]]
-            lengths[number] = len(follow_up(turns, empty)) + len(empty) * (params.max_new_tokens + TURN_MARGIN)
+            lengths[number] = (len(follow_up(turns, empty, prompt.get("system")))
+                               + len(empty) * (params.max_new_tokens + TURN_MARGIN))
     return min(max(lengths) + params.max_new_tokens + 16, target.runtime.max_positions)
 
 
@@ -145,7 +149,7 @@ def _repeats_must_agree(engine) -> bool:
 
 
 def run_records(engines: dict, prompts: list[dict], encoded: list[list[int]], params, eos_ids,
-                desc: str = "bench", repeats: int = 1, follow_up=None) -> list[dict]:
+                desc: str = "bench", repeats: int = 1, follow_up=None, max_context: int | None = None) -> list[dict]:
     """Every prompt through every engine; the first engine ('none') is the baseline that
     'identical_to_plain' compares with. Adaptive k starts each request from the built-in
     prior for the prompt's task type (router.DEFAULT_PRIORS), never from a router's state
@@ -158,6 +162,8 @@ def run_records(engines: dict, prompts: list[dict], encoded: list[list[int]], pa
     by ``follow_up(turns, replies)`` (``turn_encoder``). Where an engine's earlier reply
     differed from plain decoding's, its later turns start from another context: they are
     not identical to plain (``context_differs``), and no divergence margin is computed.
+    A conversation whose next turn would not fit ``max_context`` tokens (the model's) ends
+    there, for every engine, and is counted on stderr.
 
     ``repeats`` > 1 runs each prompt's round of engines that many times and keeps, per
     engine, the fastest run (as timeit does: a stall of the machine only ever adds time).
@@ -179,10 +185,16 @@ def run_records(engines: dict, prompts: list[dict], encoded: list[list[int]], pa
     progress = tqdm(total=turn_count * len(engines) * repeats, desc=desc, unit="gen")
     # prompt-major: every engine runs a prompt within seconds of the baseline, so a drift
     # of the machine's speed over a long run does not bias one method against another
+    cut = []
     for prompt, first_ids, turns in zip(prompts, encoded, conversations):
         replies: dict[str, list[list[int]]] = {label: [] for label in engines}
         for turn in range(1, len(turns) + 1):
-            contexts = {label: first_ids if turn == 1 else follow_up(turns[:turn], replies[label]) for label in engines}
+            contexts = {label: first_ids if turn == 1 else follow_up(turns[:turn], replies[label], prompt.get("system"))
+                        for label in engines}
+            if turn > 1 and max_context is not None and max(map(len, contexts.values())) >= max_context:
+                cut.append(f"{prompt['question_id']} at turn {turn}")
+                progress.update((len(turns) - turn + 1) * len(engines) * repeats)
+                break
             runs: dict[str, list[dict]] = defaultdict(list)
             for _ in range(repeats):
                 for label, engine in engines.items():
@@ -212,6 +224,9 @@ def run_records(engines: dict, prompts: list[dict], encoded: list[list[int]], pa
                 replies[label].append(token_ids)
                 records.append(record)
     progress.close()
+    if cut:
+        print(f"specdecode: {len(cut)} conversation(s) ended where the next turn would not fit the model's context "
+              f"of {max_context} tokens ({', '.join(cut[:5])}{', ...' if len(cut) > 5 else ''})", file=sys.stderr)
     return records
 
 
@@ -290,7 +305,7 @@ def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config
         log(f"cost profile for --k auto and tree budgets (measured {profile['measured_at'] or 'at an unrecorded time'}): "
             f"{v} at {profile['context']} tokens; specdecode profile --remeasure measures it again")
     records = run_records(engines, prompts, encoded, params, target.eos_token_ids, repeats=args.repeats,
-                          follow_up=follow_up)
+                          follow_up=follow_up, max_context=target.runtime.max_positions)
 
     summary = summarize(records)
     print_summary(summary, methods)
