@@ -98,16 +98,21 @@ def commit_tokens(new_tokens: list[int], tokens: list[int], generated: list[int]
     return added, None
 
 
-def past_the_end(new_tokens: list[int], added: list[int], finish: str | None, eos_token_ids: frozenset,
-                 params: SamplingParams) -> int:
+def ended_at_eos(new_tokens: list[int], added: list[int], finish: str | None, tracker: "TextTracker | None") -> bool:
+    """Whether an EOS token ended the output at this step (it is not in ``added``):
+    ``commit_tokens``'s "stop" is an EOS or a stop string, and the tracker knows the latter."""
+    return finish == "stop" and len(added) < len(new_tokens) and not (tracker is not None and tracker.stopped)
+
+
+def past_the_end(new_tokens: list[int], added: list[int], finish: str | None, tracker: "TextTracker | None") -> int:
     """How many of a step's tokens (accepted drafts and bonus) came after the end of the
     output, given what ``commit_tokens`` added: they are not output, so the step's stats
-    drop them (``GenerationStats.drop_accepted``; τ stays the tokens a pass produced, EOS
-    one of them)."""
+    drop them (``GenerationStats.drop_accepted``; τ stays the tokens a pass produced, the
+    EOS that ended the output one of them, but not an EOS after a stop string or after the
+    token budget: found in review)."""
     if finish is None or len(added) >= len(new_tokens):
         return 0
-    produced = len(added) + (new_tokens[len(added)] in eos_token_ids and not params.ignore_eos)
-    return len(new_tokens) - produced
+    return len(new_tokens) - len(added) - ended_at_eos(new_tokens, added, finish, tracker)
 
 
 @dataclass
@@ -262,7 +267,7 @@ class SpeculativeEngine:
                 self.policy.observe(stats.last_drafted, len(new_tokens) - 1)
             added, finish = commit_tokens(new_tokens, tokens, generated, tracker, params, self.eos_token_ids,
                                           max_positions)
-            stats.drop_accepted(past_the_end(new_tokens, added, finish, self.eos_token_ids, params))
+            stats.drop_accepted(past_the_end(new_tokens, added, finish, tracker))
             if on_text is not None and (piece := tracker.delta()):
                 on_text(piece)
 

@@ -665,3 +665,22 @@ def test_drafts_past_the_end_count_alike_in_both_engines(model_dir):
     assert batched.generated == free[:5]
     assert batched.stats.accepted_tokens + batched.stats.target_forwards == len(free[:5]) + 1
     assert batched.stats.accepted_per_position == alone.accepted_per_position
+
+
+def test_an_eos_after_a_stop_string_or_the_budget_is_past_the_end():
+    """Found in review: a step whose accepted drafts ran on past a stop string (or the token
+    budget) into an EOS counted that EOS as produced, so accepted tokens, the acceptance per
+    position and τ came out one too high. Only an EOS that ended the output counts."""
+    from types import SimpleNamespace
+
+    from specdecode.engine import ended_at_eos, past_the_end
+
+    A, B, C, EOS = 10, 11, 12, 2
+    stopped, running = SimpleNamespace(stopped=True), SimpleNamespace(stopped=False)
+    assert past_the_end([A, B, EOS, C], [A, B], "stop", stopped) == 2  # the stop string ended it at B
+    assert past_the_end([A, B, EOS, C], [A, B], "stop", running) == 1  # the EOS ended it
+    assert past_the_end([A, B, EOS, C], [A, B], "stop", None) == 1  # no tracker: no stop strings
+    assert past_the_end([A, EOS, C], [A], "length", running) == 2  # the budget ended it at A
+    assert past_the_end([A, B], [A, B], "length", running) == 0 and past_the_end([A, B], [A, B], None, running) == 0
+    assert ended_at_eos([A, EOS], [A], "stop", running) and not ended_at_eos([A, EOS], [A], "stop", stopped)
+    assert not ended_at_eos([A, EOS], [A], "length", running)

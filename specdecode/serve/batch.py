@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from ..config import SamplingParams, SpecDecodeError
-from ..engine import check_prompt, commit_tokens, past_the_end, verify_chain
+from ..engine import check_prompt, commit_tokens, ended_at_eos, past_the_end, verify_chain
 from ..metrics import GenerationStats
 from ..models import synchronize
 from ..proposers.base import Proposal
@@ -589,9 +589,8 @@ class BatchEngine:
                                       sequence.params, self.eos_token_ids, self.max_model_len)
         # the request's own figures as the single-sequence engine's; the step's output keeps
         # vLLM's counts (every accepted draft) for /metrics
-        sequence.stats.drop_accepted(past_the_end(new_tokens, added, finish, self.eos_token_ids, sequence.params))
-        # "stop" from commit_tokens is EOS or a stop string, and the tracker knows the latter
-        sequence.ended_at_eos = finish == "stop" and not (sequence.tracker is not None and sequence.tracker.stopped)
+        sequence.stats.drop_accepted(past_the_end(new_tokens, added, finish, sequence.tracker))
+        sequence.ended_at_eos = ended_at_eos(new_tokens, added, finish, sequence.tracker)
         if sequence.first_token_time is None:
             sequence.first_token_time = time.perf_counter()
         if finish:
