@@ -664,6 +664,8 @@ def cmd_serve(args) -> int:
         raise SpecDecodeError(f"--max-model-len must be >= 1, got {args.max_model_len}")
     if not args.shutdown_timeout >= 0:
         raise SpecDecodeError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    if args.replicas is not None and args.device != "cpu":  # its replicas ask Ray for CPUs only
+        raise SpecDecodeError("--replicas runs CPU replicas; serve one engine on the GPU without it (--device cuda)")
     decode_threads = None
     if args.threads is None and args.replicas is None:
         args.threads = serving_threads()
