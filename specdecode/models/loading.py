@@ -155,11 +155,22 @@ DIGESTS = "digests.json"  # in cache_dir(): sha256 of files read before, by thei
 MEMO_SETTLED_NS = 2_000_000_000  # a file modified more recently than this is hashed, not remembered
 
 
-def _file_stamp(path: Path) -> list[int]:
+STAMP_SAMPLE = 1 << 20  # bytes read from each end of a file for its stamp
+
+
+def _file_stamp(path: Path) -> list:
     """What changes when a file is replaced or rewritten: device, inode, size, mtime and
-    ctime (which a write or ``touch`` moves, and nothing can set back)."""
+    ctime (which a write or ``touch`` moves, and nothing can set back), and a hash of its
+    first and last MiB, for file systems that keep no ctime (vfat, some network mounts),
+    where a same-size copy with its mtime restored (``cp -p``) would keep the rest."""
     stat = path.stat()
-    return [stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
+    sample = hashlib.sha256()
+    with open(path, "rb") as handle:
+        sample.update(handle.read(STAMP_SAMPLE))
+        if stat.st_size > STAMP_SAMPLE:
+            handle.seek(max(STAMP_SAMPLE, stat.st_size - STAMP_SAMPLE))
+            sample.update(handle.read(STAMP_SAMPLE))
+    return [stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, sample.hexdigest()[:16]]
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
@@ -183,7 +194,7 @@ def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
             digest.update(block)
     # not written to while it was read, and not within the last seconds: a same-size rewrite
     # within one tick of the clock keeps the mtime (git's "racily clean" files)
-    if stamp == _file_stamp(path) and time.time_ns() - max(stamp[3:]) > MEMO_SETTLED_NS:
+    if stamp == _file_stamp(path) and time.time_ns() - max(stamp[3:5]) > MEMO_SETTLED_NS:
         memo = memo if isinstance(memo, dict) else {}
         memo[key] = {"stamp": stamp, "sha256": digest.hexdigest()}
         _write_memo(memo_file, memo)
@@ -378,11 +389,13 @@ def load_tokenizer(source: ModelSource):
 
     A GGUF's conversion holds the tokenizer transformers built from the GGUF and saved as
     its generic ``TokenizersBackend`` (all of it in tokenizer.json): that class loads it
-    directly. ``AutoTokenizer`` would come to the same class after importing the model
-    type's configuration, 2 s of imports here (torch._dynamo among them) on every start."""
+    directly. ``AutoTokenizer`` would come to the same class for a Llama (it overrides the
+    saved class only for model types it lists as saved wrongly), after importing the model
+    type's configuration: 2 s of imports here (torch._dynamo among them) on every start."""
     if not any((source.path / name).is_file() for name in TOKENIZER_FILES):
         return None
-    if source.gguf is not None and _saved_tokenizer_class(source.path) == "TokenizersBackend":
+    if source.gguf is not None and source.model_type == "llama" and \
+            _saved_tokenizer_class(source.path) == "TokenizersBackend":
         from transformers import TokenizersBackend
 
         return TokenizersBackend.from_pretrained(source.path)
