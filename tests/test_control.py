@@ -947,3 +947,25 @@ def test_weights_auto_leaves_out_a_format_the_file_cannot_take(tmp_path, monkeyp
     assert formats.fastest_weights("mixed", torch.float32, ["q4_1", "q8_0", "bf16"], load) == "q8_0"
     with pytest.raises(Exception, match="none of the weight formats"):
         formats.fastest_weights("mixed-2", torch.float32, ["q4_1"], load)
+
+
+def test_cost_caches_that_cannot_be_written_leave_the_run_going(tmp_path, monkeypatch, capsys):
+    """Found in review: on a read-only cache (a pre-built image) the cost profile and the
+    weight-format choice were measured for minutes, then saving them raised OSError."""
+    from specdecode.cost import formats
+    from specdecode.models import loading
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+
+    def read_only(path, text):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(loading, "write_atomic", read_only)
+    monkeypatch.setattr(formats, "step_ms", lambda runtimes: {"q8_0": 2.0, "bf16": 3.0})
+    assert formats.fastest_weights("m", torch.float32, ["q8_0", "bf16"], lambda fmt: None) == "q8_0"
+    profile = CostProfile(model="m", machine="m", threads=1, dtype="fp32", contexts=[100], sizes=[1, 2],
+                          step_ms=[[1.0, 1.5]])
+    profile_module.save_profile(profile, "m")
+    err = capsys.readouterr().err
+    assert "the weight format choice not saved" in err and "the cost profile not saved" in err
+    assert "Read-only file system" in err and load_profile("m", "fp32") is None

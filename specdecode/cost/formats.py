@@ -19,7 +19,7 @@ import torch
 
 from ..config import SpecDecodeError
 from ..kernels import build_digest
-from ..models.loading import cache_dir, write_atomic
+from ..models.loading import cache_dir, save_cache
 from .profile import extend_context, machine_id, timed_forward_ms
 
 CONTEXT = 256
@@ -80,6 +80,6 @@ def fastest_weights(model_key: str, dtype: torch.dtype, candidates: list[str], l
     best = min(timings, key=timings.get)
     summary = ", ".join(f"{fmt} {ms:.1f} ms" for fmt, ms in timings.items())
     print(f"specdecode: single-token step {summary} -> {best}", file=sys.stderr, flush=True)
-    write_atomic(path, json.dumps({"machine": machine_id(), "threads": torch.get_num_threads(), "context": CONTEXT,
-                                   "step_ms": timings, "chosen": best}, indent=1))
+    save_cache(path, json.dumps({"machine": machine_id(), "threads": torch.get_num_threads(), "context": CONTEXT,
+                                 "step_ms": timings, "chosen": best}, indent=1), "the weight format choice")
     return best

@@ -36,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from ..kernels import build_digest
-from ..models.loading import cache_dir, write_atomic
+from ..models.loading import cache_dir, save_cache
 
 PROFILE_VERSION = 9  # 9: each timed step follows a single-token step
 # k + 1 for the k the policies choose (1..11) and the tree sizes to come (up to 64)
@@ -208,13 +208,13 @@ def load_profile(model_key: str, dtype: str) -> CostProfile | None:
         if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION:
             return None
         return CostProfile.from_dict(data)
-    except (ValueError, TypeError, AttributeError):  # not JSON, not UTF-8, or the wrong fields
+    except (OSError, ValueError, TypeError, AttributeError):  # unreadable, not JSON, not UTF-8, or the wrong fields
         return None  # a corrupt profile is re-measured
 
 
 def save_profile(profile: CostProfile, model_key: str) -> Path:
     path = profile_path(model_key, profile.dtype)
-    write_atomic(path, json.dumps(profile.to_dict(), indent=1))
+    save_cache(path, json.dumps(profile.to_dict(), indent=1), "the cost profile")
     return path
 
 

@@ -89,6 +89,17 @@ def write_atomic(path: Path, text: str) -> None:
         raise
 
 
+def save_cache(path: Path, text: str, what: str) -> None:
+    """``write_atomic`` for a cache file that can be measured again: where the cache cannot
+    be written (a read-only mount, a full disk) the run goes on with what it measured, and
+    says so once on stderr."""
+    try:
+        write_atomic(path, text)
+    except OSError as error:
+        print(f"specdecode: {what} not saved to {path} ({error}); it is measured again next time", file=sys.stderr,
+              flush=True)
+
+
 def cache_dir() -> Path:
     if os.environ.get("SPECDECODE_CACHE"):
         return Path(os.environ["SPECDECODE_CACHE"])
@@ -377,7 +388,7 @@ def gguf_tensor_index(gguf_path: Path, cache: Path | None = None) -> dict:
     tensors = {t.name: GGUFTensor(t.name, int(t.tensor_type), tuple(int(n) for n in t.shape), int(t.data_offset),
                                   int(t.n_bytes)) for t in gguf.GGUFReader(str(gguf_path)).tensors}
     if index_file is not None:
-        write_atomic(index_file, json.dumps([t.__dict__ for t in tensors.values()]))
+        save_cache(index_file, json.dumps([t.__dict__ for t in tensors.values()]), "the GGUF's tensor index")
     return tensors
 
 
