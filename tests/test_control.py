@@ -969,3 +969,33 @@ def test_cost_caches_that_cannot_be_written_leave_the_run_going(tmp_path, monkey
     err = capsys.readouterr().err
     assert "the weight format choice not saved" in err and "the cost profile not saved" in err
     assert "Read-only file system" in err and load_profile("m", "fp32") is None
+
+
+def test_processes_starting_together_measure_the_cost_profile_once(tmp_path, monkeypatch):
+    """Found in review: Ray replicas on one host started together each measured the same
+    profile at once on the same cores (each timing inflated by the others) and saved over
+    each other. One measures under a lock; the others wait and read what it saved."""
+    import threading
+    import time as time_module
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    calls = []
+
+    def measure_target(runtime, progress=True):
+        calls.append(1)
+        time_module.sleep(0.3)
+        return [100], [1, 2], [[1.0, 1.5]]
+
+    monkeypatch.setattr(profile_module, "measure_target", measure_target)
+    monkeypatch.setattr(profile_module, "step_bytes", lambda runtime: (0, 0))
+    monkeypatch.setattr(profile_module, "measure_bandwidth", lambda device="cpu": 10.0)
+    monkeypatch.setattr(profile_module, "measure_head", lambda runtime: {})
+    runtime = type("Runtime", (), {"max_positions": 256, "vocab_size": 97})()
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(get_profile("m", "fp32", runtime, progress=False)))
+               for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1 and len(results) == 3 and all(r.step_ms == [[1.0, 1.5]] for r in results)

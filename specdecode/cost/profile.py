@@ -36,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from ..kernels import build_digest
-from ..models.loading import cache_dir, save_cache
+from ..models.loading import cache_dir, cache_lock, save_cache
 
 PROFILE_VERSION = 9  # 9: each timed step follows a single-token step
 # k + 1 for the k the policies choose (1..11) and the tree sizes to come (up to 64)
@@ -367,10 +367,16 @@ def with_batches(profile: CostProfile, model_key: str, runtime, progress: bool =
     """The profile with its batch table, measured (once, then cached) if it lacks one."""
     if profile.batch_ms or not hasattr(runtime, "forward_rows"):
         return profile
-    context = max(min(BATCH_CONTEXT, runtime.max_positions - max(BATCH_WIDTHS) - 1), 0)
-    profile.batch_ms = measure_batches(runtime, context=context, progress=progress)
-    profile.batch_rows, profile.batch_widths, profile.batch_context = list(BATCH_ROWS), list(BATCH_WIDTHS), context
-    save_profile(profile, model_key)
+    with cache_lock(profile_path(model_key, profile.dtype)):
+        saved = load_profile(model_key, profile.dtype)  # another process may have measured it meanwhile
+        if saved is not None and saved.batch_ms and saved.step_ms == profile.step_ms:
+            profile.batch_ms, profile.batch_rows = saved.batch_ms, saved.batch_rows
+            profile.batch_widths, profile.batch_context = saved.batch_widths, saved.batch_context
+            return profile
+        context = max(min(BATCH_CONTEXT, runtime.max_positions - max(BATCH_WIDTHS) - 1), 0)
+        profile.batch_ms = measure_batches(runtime, context=context, progress=progress)
+        profile.batch_rows, profile.batch_widths, profile.batch_context = list(BATCH_ROWS), list(BATCH_WIDTHS), context
+        save_profile(_merged(profile, saved), model_key)
     return profile
 
 
@@ -426,16 +432,34 @@ def measure_drafter(proposer, context: int, vocab_size: int, repeats: int = 5, k
 
 
 def record_acceptance(model_key: str, dtype: str, drafter: str, rates: list[float]) -> None:
-    profile = load_profile(model_key, dtype)
-    if profile is not None:
-        profile.acceptance[drafter] = rates
-        save_profile(profile, model_key)
+    with cache_lock(profile_path(model_key, dtype)):  # read, change and save as one step
+        profile = load_profile(model_key, dtype)
+        if profile is not None:
+            profile.acceptance[drafter] = rates
+            save_profile(profile, model_key)
+
+
+def _merged(profile: CostProfile, saved: CostProfile | None) -> CostProfile:
+    """``profile`` with the drafter costs and acceptances another process saved for the
+    same measurement of the target meanwhile (its own figures win)."""
+    if saved is not None and saved.step_ms == profile.step_ms:
+        profile.drafters = {**saved.drafters, **profile.drafters}
+        profile.acceptance = {**saved.acceptance, **profile.acceptance}
+    return profile
 
 
 def get_profile(model_key: str, dtype: str, runtime, drafters: dict | None = None,
                 force: bool = False, progress: bool = True) -> CostProfile:
     """The cached profile for (model, dtype, machine, threads), measured if missing or
     ``force``; drafters it lacks are measured and added. ``drafters``: name -> proposer."""
+    # one process measures at a time (Ray replicas on one host start together): the others
+    # wait, then read what it saved instead of measuring beside it
+    with cache_lock(profile_path(model_key, dtype)):
+        return _get_profile(model_key, dtype, runtime, drafters, force, progress)
+
+
+def _get_profile(model_key: str, dtype: str, runtime, drafters: dict | None, force: bool,
+                 progress: bool) -> CostProfile:
     profile = None if force else load_profile(model_key, dtype)
     changed = False
     if profile is None:

@@ -270,35 +270,46 @@ def _from_gguf(gguf_path: Path, name: str) -> ModelSource:
 
 
 @contextlib.contextmanager
+def cache_lock(path: Path):
+    """Hold an exclusive lock on a cache entry (``.<name>.lock`` beside ``path``) while it is
+    checked, measured or rebuilt and saved; yields whether the lock was taken. Where it
+    cannot be (no fcntl, a read-only cache, a file system without flock), the work goes on
+    without it, as before locks existed."""
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # read-only and created if missing: a lock file left by another user of a shared
+        # cache can still be locked (opening it for writing was refused)
+        handle = os.open(path.parent / f".{path.name}.lock", os.O_RDONLY | os.O_CREAT, 0o666)
+    except (ImportError, OSError) as error:  # not POSIX, or a cache we cannot write
+        log.debug("no lock for %s: %s", path, error)
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError as error:
+            log.warning("cannot lock %s (%s); going on without the lock", path, error)
+            yield False
+            return
+        yield True
+    finally:
+        os.close(handle)  # releases the lock
+
+
+@contextlib.contextmanager
 def _conversion_lock(target: Path):
     """Hold an exclusive lock on ``target``'s conversion while it is checked and (re)built.
 
     Without it, processes converting the same GGUF at once (pytest-xdist workers, two
     servers) each removed the directory that another had just finished and was reading.
-    Staging directories of a converter that was killed are removed here, under the lock.
-    Where the lock cannot be taken (no fcntl, a file system without flock), the conversion
-    goes on without it and without that sweep, as before the lock existed."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # not POSIX
+    Staging directories of a converter that was killed are removed here, under the lock."""
+    with cache_lock(target) as locked:
+        if locked:
+            for leftover in target.parent.glob(f".convert-{glob.escape(target.name)}-*"):
+                shutil.rmtree(leftover, ignore_errors=True)
         yield
-        return
-    # read-only and created if missing: a lock file left by another user of a shared cache
-    # can still be locked (opening it for writing was refused)
-    handle = os.open(target.parent / f".{target.name}.lock", os.O_RDONLY | os.O_CREAT, 0o666)
-    try:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        except OSError as error:
-            log.warning("cannot lock %s (%s); converting without the lock", target, error)
-            yield
-            return
-        for leftover in target.parent.glob(f".convert-{glob.escape(target.name)}-*"):
-            shutil.rmtree(leftover, ignore_errors=True)
-        yield
-    finally:
-        os.close(handle)  # releases the lock
 
 
 def _conversion_valid(target: Path, source_sha: str) -> bool:
