@@ -421,3 +421,30 @@ def test_the_kernels_refuse_what_they_would_read_or_write_out_of_bounds(tmp_path
         runtime(torch.tensor([[-1, 5]]))
     runtime.reset(8)
     assert runtime(torch.tensor([[5, 96]])).shape[-1] == 97
+
+
+def test_a_failed_build_is_not_tried_again_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    """Found in review: a build that failed ran the compiler again (seconds) on every
+    load() of the process, and an interrupted build left its half-written library behind."""
+    calls = []
+
+    def failing(march):
+        calls.append(march)
+        raise kernels.KernelsUnavailable("building the CPU kernels failed: test")
+
+    monkeypatch.setattr(kernels, "load_build", failing)
+    monkeypatch.setattr(kernels, "_FAILED", {})
+    for _ in range(3):
+        with pytest.raises(kernels.KernelsUnavailable, match="failed: test"):
+            kernels.load()
+    assert len(calls) == 1
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kernels.subprocess, "run", interrupted)
+    monkeypatch.setattr(kernels, "_build_key", lambda compiler, march: "key")
+    with pytest.raises(KeyboardInterrupt):
+        kernels.build(force=True)
+    assert list((tmp_path / "kernels" / "key").iterdir()) == []

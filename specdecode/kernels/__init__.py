@@ -125,12 +125,15 @@ def build(force: bool = False, march: str | None = None) -> Path:
               "seconds)", file=sys.stderr, flush=True)
         handle, staging = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(handle)
-        result = subprocess.run([compiler, *FLAGS, f"-march={march}", str(SOURCE), "-o", staging],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            os.unlink(staging)
-            raise KernelsUnavailable(f"building the CPU kernels failed:\n{result.stderr.strip()[-2000:]}")
-        os.replace(staging, target)
+        try:
+            result = subprocess.run([compiler, *FLAGS, f"-march={march}", str(SOURCE), "-o", staging],
+                                    capture_output=True, text=True)
+            if result.returncode != 0:
+                raise KernelsUnavailable(f"building the CPU kernels failed:\n{result.stderr.strip()[-2000:]}")
+            os.replace(staging, target)
+        finally:  # a failed or interrupted build leaves no half-written library behind
+            if os.path.exists(staging):
+                os.unlink(staging)
     except OSError as error:
         raise KernelsUnavailable(f"the CPU kernels cannot be built in specdecode's cache ({error})") from None
     return target
@@ -141,7 +144,17 @@ def load() -> ctypes.CDLL:
     library shares torch's OpenMP runtime instead of starting a second thread pool."""
     if os.environ.get("SPECDECODE_NO_KERNELS"):
         raise KernelsUnavailable("SPECDECODE_NO_KERNELS is set")
-    return load_build(_march())
+    march = _march()
+    if march in _FAILED:  # a build that failed is not tried again in this process (seconds each time)
+        raise KernelsUnavailable(str(_FAILED[march]))
+    try:
+        return load_build(march)
+    except KernelsUnavailable as error:
+        _FAILED[march] = error
+        raise
+
+
+_FAILED: dict[str, KernelsUnavailable] = {}  # march -> why its build failed in this process
 
 
 @lru_cache(maxsize=4)
