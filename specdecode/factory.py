@@ -282,9 +282,14 @@ def drafter_key(spec: SpeculativeConfig) -> str:
 
 
 def model_key(model: LoadedModel) -> str:
-    """A model and how it runs (backend, weight format, dtype): each has its own costs."""
+    """A model and how it runs (backend, weight format, dtype, and a prefill chunk shorter
+    than the profile's largest size, which splits those passes): each has its own costs."""
+    from .cost.profile import SIZES
+
     describe = getattr(model.runtime, "describe", None)
-    return f"{model.source.path.resolve()}|{describe() if describe else type(model.runtime).__name__}"
+    key = f"{model.source.path.resolve()}|{describe() if describe else type(model.runtime).__name__}"
+    chunk = getattr(model.runtime, "prefill_chunk", None)
+    return key + (f"|chunk {chunk}" if isinstance(chunk, int) and chunk < max(SIZES) else "")
 
 
 def cost_profile(target: LoadedModel, dtype: str, drafters: dict | None = None, force: bool = False):

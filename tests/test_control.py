@@ -999,3 +999,13 @@ def test_processes_starting_together_measure_the_cost_profile_once(tmp_path, mon
     for thread in threads:
         thread.join()
     assert len(calls) == 1 and len(results) == 3 and all(r.step_ms == [[1.0, 1.5]] for r in results)
+
+
+def test_a_short_prefill_chunk_has_a_cost_profile_of_its_own(tiny_llama_dir):
+    """Found in review: a profile measured with 256-token chunks (v of 32 and 64 tokens in one
+    pass) served a run with --prefill-chunk 16, whose passes of 32 and 64 are split in 2 and 4."""
+    from specdecode.factory import model_key
+
+    default, short = load_model(tiny_llama_dir, torch.float32), load_model(tiny_llama_dir, torch.float32, prefill_chunk=16)
+    assert model_key(default) == model_key(load_model(tiny_llama_dir, torch.float32, prefill_chunk=64))
+    assert model_key(short) != model_key(default) and model_key(short).endswith("|chunk 16")
