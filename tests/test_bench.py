@@ -203,3 +203,22 @@ def test_bench_runs_every_turn_of_a_prompt_file(tiny_text_model_dir, tmp_path):
     records = json.loads(out.read_text())["records"]
     assert sorted((r["turn"], r["method"]) for r in records) == [(1, "ngram"), (1, "none"), (2, "ngram"), (2, "none")]
     assert all(r["identical_to_plain"] for r in records)
+
+
+def test_the_transformers_peer_decodes_greedily_whatever_the_generation_config_says(tiny_llama_dir, tmp_path):
+    """Found in review: generate() merged the checkpoint's generation_config.json into the
+    call, so a repetition penalty there (Qwen2.5-Instruct ships one) changed the peer's
+    "greedy" tokens and its timing."""
+    import shutil
+
+    from specdecode.bench.peers import HFPeer
+
+    prompt = [1, 5, 9, 13, 5, 9, 13, 5, 9]
+    clean = HFPeer(tiny_llama_dir, (2,)).generate(prompt, 24)[0]
+    penalised = tmp_path / "penalised"
+    shutil.copytree(tiny_llama_dir, penalised)
+    config = json.loads((penalised / "generation_config.json").read_text()) if (
+        penalised / "generation_config.json").exists() else {}
+    config.update(repetition_penalty=1.3, no_repeat_ngram_size=2, do_sample=True, temperature=0.7)
+    (penalised / "generation_config.json").write_text(json.dumps(config))
+    assert HFPeer(penalised, (2,)).generate(prompt, 24)[0] == clean

@@ -329,6 +329,10 @@ def test_speculative_config_takes_vllm_keys():
     spec, router = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4, '
                                             '"prompt_lookup_min": 2, "prompt_lookup_max": 5}')
     assert spec.method == "ngram" and spec.k == 4 and spec.ngram_sizes == (5, 4, 3, 2) and router
+    # one bound alone is the other too, as vLLM reads it (found in review: min 4 alone was refused
+    # against a default max of 3, and max 5 alone meant 5..1)
+    assert parse_speculative_config('{"method": "ngram", "prompt_lookup_min": 4}')[0].ngram_sizes == (4,)
+    assert parse_speculative_config('{"method": "ngram", "prompt_lookup_max": 5}')[0].ngram_sizes == (5,)
     spec, _ = parse_speculative_config(json.dumps({"method": "eagle3", "num_speculative_tokens": "auto"}))
     assert spec.method == "eagle" and spec.k == "auto" and spec.tree_width == 1
     for bad, fragment in (('{"method": "medusa"}', "unknown speculative method"), ("{oops", "not valid JSON"),
@@ -563,3 +567,34 @@ def test_bench_serve_reports_what_vllm_bench_serve_does():
     assert figures["mean_acceptance_length"] == pytest.approx(1 + 4 / 3)
     assert figures["acceptance_per_position"] == pytest.approx([2 / 3, 1 / 3, 1 / 3, 0])
     assert acceptance_figures(before, before)["mean_acceptance_length"] is None
+
+
+def test_bench_serve_counts_a_request_failed_mid_stream_as_failed():
+    """Found in review: a server that fails a request after its 200 sends an error chunk
+    and [DONE]; bench-serve counted it as a success of 0 tokens (throughput, latencies)."""
+    import asyncio
+
+    import httpx
+
+    from specdecode.bench.serve import one_request
+
+    def stream(chunks):
+        body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+
+    def run(chunks):
+        results = []
+
+        async def go():
+            async with httpx.AsyncClient(transport=stream(chunks)) as client:
+                await one_request(client, "http://server", "m", "hi", 8, "spec", results)
+
+        asyncio.run(go())
+        return results[0]
+
+    text = {"choices": [{"index": 0, "delta": {"content": "ab"}}]}
+    failed = run([text, {"error": {"message": "internal error while decoding", "type": "server_error"}}])
+    assert failed["error"] == "stream error: internal error while decoding"
+    assert run([text])["error"] == "the stream ended without a usage chunk or with no tokens"
+    good = run([text, text, {"choices": [], "usage": {"completion_tokens": 2}}])
+    assert good["error"] is None and good["tokens"] == 2

@@ -32,18 +32,31 @@ class HFPeer:
 
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device).eval()
+        # the checkpoint's generation_config.json (a repetition penalty, say) would be merged
+        # into every call's own config: the peer decodes from transformers' defaults alone
+        from transformers import GenerationConfig
+
+        self.model.generation_config = GenerationConfig()
         self.eos_ids = eos_ids
         if self.device.type != "cpu":
             self.label = f"transformers generate(), fp32, {self.device.type}"
+
+    def greedy(self, max_new_tokens: int):
+        """Plain greedy decoding, whatever the checkpoint's generation_config.json says (a
+        repetition penalty there applied even with do_sample=False; found in review): argmax
+        of the raw logits, stopping at our EOS ids alone, as our engine decodes."""
+        from transformers import GenerationConfig
+
+        eos = self.eos_ids
+        return GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=list(eos) or None,
+                                pad_token_id=eos[0] if eos else 0)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
         eos = self.eos_ids
         started = time.perf_counter()
         with torch.inference_mode():
-            output = self.model.generate(
-                torch.tensor([prompt_ids], device=self.device), max_new_tokens=max_new_tokens, do_sample=False,
-                eos_token_id=list(eos) or None, pad_token_id=eos[0] if eos else 0,
-            )
+            output = self.model.generate(torch.tensor([prompt_ids], device=self.device),
+                                         generation_config=self.greedy(max_new_tokens))
             new = output[0, len(prompt_ids):].tolist()  # waits for the device
         seconds = time.perf_counter() - started
         while new and new[-1] in eos:

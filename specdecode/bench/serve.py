@@ -103,6 +103,9 @@ async def one_request(client, url: str, model: str, prompt: str, max_tokens: int
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
+                    if chunk.get("error"):  # the server failed it mid-stream (HTTP 200 already sent)
+                        error = f"stream error: {str(chunk['error'].get('message', chunk['error']))[:200]}"
+                        break
                     if chunk.get("usage"):
                         tokens = chunk["usage"]["completion_tokens"]
                     choices = chunk.get("choices") or []
@@ -115,6 +118,8 @@ async def one_request(client, url: str, model: str, prompt: str, max_tokens: int
                         last = now
     except Exception as exc:  # a failed request is counted, not fatal
         error = repr(exc)
+    if error is None and tokens == 0:  # ignore_eos: every request that ran produced tokens and reported them
+        error = "the stream ended without a usage chunk or with no tokens"
     ended = time.perf_counter()
     results.append({"ttft": None if first is None else first - started, "e2e": ended - started, "itl": gaps,
                     "tokens": tokens, "error": error,
@@ -126,7 +131,9 @@ async def run_level(url: str, model: str, prompts: list[str], max_tokens: int, m
     import httpx
 
     results: list[dict] = []
-    async with httpx.AsyncClient(timeout=600, headers=auth_headers()) as client:
+    # no pool cap: httpx's default of 100 connections would hold a wider level's requests back
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=600, headers=auth_headers(), limits=limits) as client:
         before = scrape((await client.get(f"{url}/metrics")).text)
         started = time.perf_counter()
         if rate is None:
@@ -362,6 +369,9 @@ def bench_serve(prompts: list[dict], concurrency: list[int], rate: float | None,
                 for mode in (modes if i % 2 == 0 else modes[::-1])]
         warned = False
         for i, level, mode in tqdm(plan, desc="bench-serve", unit="level", file=sys.stderr):
+            # the server audits when idle: the last level's audits (plain re-runs in the
+            # batch) must not run inside this one's timing
+            wait_for_audits(url)
             # every level starts from an empty prefix cache, so it reuses only what its own
             # requests share (a system prompt), not the prompts the last level sent
             reset = httpx.post(f"{url}/reset_prefix_cache", timeout=10, headers=auth_headers())

@@ -64,7 +64,10 @@ def parse_speculative_config(text: str | dict | None) -> tuple[SpeculativeConfig
         raise ConfigError(f"unknown speculative method {method!r}; choose from {sorted(VLLM_METHODS)}")
     method = VLLM_METHODS[method]
     if "prompt_lookup_min" in data or "prompt_lookup_max" in data:
-        low, high = _spec_int(data, "prompt_lookup_min", 1), _spec_int(data, "prompt_lookup_max", 3)
+        # vLLM's reading: one bound given alone is the other bound too
+        low = _spec_int(data, "prompt_lookup_min", None) if "prompt_lookup_min" in data else None
+        high = _spec_int(data, "prompt_lookup_max", None) if "prompt_lookup_max" in data else None
+        low, high = (low if low is not None else high), (high if high is not None else low)
         if low > high:
             raise ConfigError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {low} and {high}")
         ngram = tuple(range(high, low - 1, -1))
