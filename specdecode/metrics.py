@@ -7,7 +7,11 @@ Definitions, stated once:
 - first_alpha = acceptance at draft position 1; later_alpha = acceptance at a position
   given the one before it was accepted (the two rates of theory.tau_two_rates).
 - tau (mean accepted length) = tokens produced per target forward pass *including the
-  bonus token* = (accepted + passes) / passes. Plain decoding has tau = 1.
+  bonus token* = (accepted + passes - ended_early) / passes. Plain decoding has tau = 1.
+  Where the output ended inside a step (EOS, a stop string, the budget, the context), the
+  tokens after its end are not output: the step's own token (the target's, always last)
+  is not counted (``ended_early``), nor are the drafts after the end, as drafted or
+  accepted (``drop_accepted``).
 - acceptance at draft position i = share of the steps that drafted position i in which
   the i-th draft token was accepted; acceptance is a prefix, so that needs every earlier
   position accepted too. vLLM divides by every step that drafted instead (its
@@ -34,6 +38,7 @@ class GenerationStats:
     # drafter calls, each costing the profile's c: one per chain draft token, a tree's passes
     draft_passes: int = 0
     target_forwards: int = 0  # decoding passes after the prefill; each yields accepted + 1
+    ended_early: int = 0  # passes whose own token came after the end of the output (0 or 1)
     # steps by the number of draft tokens scored: {d: steps that scored d drafts + 1}
     steps_by_drafted: dict[int, int] = field(default_factory=dict)
     drafted_per_position: list[int] = field(default_factory=list)
@@ -68,17 +73,25 @@ class GenerationStats:
 
     def drop_accepted(self, count: int) -> None:
         """The step just observed produced ``count`` tokens fewer than its accepted drafts and
-        bonus: the output ended inside it (EOS, a stop string), and what came after is not
-        output. Its last ``count`` accepted drafts count neither as accepted nor toward τ,
-        which stays the tokens a pass produced (a lookup drafter that copies the chat template's end-of-turn
-        and the next turn's start reported τ 3.33 for 2.67 tokens a pass; found in review)."""
-        count = min(count, self.last_accepted)
+        own token: the output ended inside it (EOS, a stop string, the token budget, the
+        context), and what came after is not output. Those are its last ``count`` tokens:
+        its own token (the target's, last) and then its last accepted drafts. The drafts count
+        neither as drafted nor as accepted, the own token not toward τ, which stays the tokens
+        a pass produced (a lookup drafter that copies the chat template's end-of-turn and the
+        next turn's start reported τ 3.33 for 2.67 tokens a pass; found in review). A draft
+        before the end, an EOS that ended the output among them, stays accepted (found in
+        review: an EOS drafted first lost its acceptance, and later acceptance went wrong)."""
         if count <= 0:
             return
-        for position in range(self.last_accepted - count, self.last_accepted):
+        self.ended_early += 1
+        drafts = min(count - 1, self.last_accepted)
+        for position in range(self.last_accepted - drafts, self.last_accepted):
             self.accepted_per_position[position] -= 1
-        self.accepted_tokens -= count
-        self.last_accepted -= count
+            self.drafted_per_position[position] -= 1
+        self.accepted_tokens -= drafts
+        self.draft_tokens -= drafts
+        self.last_accepted -= drafts
+        self.last_drafted -= drafts
 
     @property
     def alpha(self) -> float:
@@ -103,8 +116,7 @@ class GenerationStats:
 
     @property
     def tau(self) -> float:
-        passes = self.target_forwards
-        return (self.accepted_tokens + passes) / passes if passes else 0.0
+        return tau_of(self.accepted_tokens, self.target_forwards, self.ended_early)
 
     @property
     def acceptance_per_position(self) -> list[float]:
@@ -134,6 +146,11 @@ class GenerationStats:
             f"target passes {self.target_forwards} | draft {self.draft_seconds:.2f}s, "
             f"verify {self.verify_seconds:.2f}s, prefill {self.prefill_seconds:.2f}s"
         )
+
+
+def tau_of(accepted: int, passes: int, ended_early: int = 0) -> float:
+    """Tokens produced per target pass (module docstring); 0 without a pass."""
+    return (accepted + passes - ended_early) / passes if passes else 0.0
 
 
 def acceptance_rates(runs: list[GenerationStats]) -> tuple[float, float]:

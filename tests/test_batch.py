@@ -663,8 +663,13 @@ def test_drafts_past_the_end_count_alike_in_both_engines(model_dir):
     batched = engine.add(prompt, SamplingParams(max_new_tokens=12), proposer=Oracle(), policy=8)
     engine.run()
     assert batched.generated == free[:5]
-    assert batched.stats.accepted_tokens + batched.stats.target_forwards == len(free[:5]) + 1
+    # tau counts the 5 tokens and the EOS that ended them; the EOS drafted at position 6 stays
+    # accepted, the drafts after it are neither drafted nor accepted, the pass's own token is out
+    assert batched.stats.tau * batched.stats.target_forwards == len(free[:5]) + 1
     assert batched.stats.accepted_per_position == alone.accepted_per_position
+    assert batched.stats.drafted_per_position == alone.drafted_per_position
+    assert (batched.stats.accepted_tokens, batched.stats.draft_tokens, batched.stats.ended_early) == \
+        (alone.accepted_tokens, alone.draft_tokens, alone.ended_early) == (6, 6, 1)
 
 
 def test_an_eos_after_a_stop_string_or_the_budget_is_past_the_end():
@@ -684,3 +689,27 @@ def test_an_eos_after_a_stop_string_or_the_budget_is_past_the_end():
     assert past_the_end([A, B], [A, B], "length", running) == 0 and past_the_end([A, B], [A, B], None, running) == 0
     assert ended_at_eos([A, EOS], [A], "stop", running) and not ended_at_eos([A, EOS], [A], "stop", stopped)
     assert not ended_at_eos([A, EOS], [A], "length", running)
+
+
+def test_drafts_past_the_end_leave_the_acceptance_of_those_before_it():
+    """Found in review: dropping the tokens after the end of the output took back the last
+    accepted drafts, counting the step's own token (the target's) as one of them: at the
+    context limit a draft that was output lost its acceptance, and an EOS drafted first lost
+    its own, so the later acceptance read 1.0 where it was 0.5 (and -0.0 for one step)."""
+    from specdecode.metrics import GenerationStats
+
+    limit = GenerationStats()
+    limit.observe_step(1, 1)
+    limit.drop_accepted(1)  # [d1, own]: d1 output, then the context ended
+    assert (limit.alpha, limit.tau, limit.accepted_per_position) == (1.0, 1.0, [1])
+    runs = GenerationStats()
+    runs.observe_step(4, 0)
+    runs.observe_step(4, 2)
+    runs.observe_step(4, 4)
+    runs.drop_accepted(4)  # [EOS, d2, d3, d4, own]: the EOS ended the output
+    assert runs.first_alpha == pytest.approx(2 / 3) and runs.later_alpha == pytest.approx(0.5)
+    assert runs.tau == pytest.approx((0 + 1 + 2 + 1 + 1) / 3) and runs.draft_tokens == 9
+    one = GenerationStats()
+    one.observe_step(4, 4)
+    one.drop_accepted(4)
+    assert (one.first_alpha, one.later_alpha, one.tau) == (1.0, 1.0, 1.0)

@@ -25,6 +25,7 @@ from pathlib import Path
 from ..bench.runner import (build_engines, check_repeats, describe_prompts, draft_model, encode_prompts, is_fixed_k,
                             k_sweep, needed_context, parse_method, record_key, run_records, summarize, sweep_policies,
                             turn_encoder, warm_up)
+from ..metrics import tau_of
 from ..prompts import load_prompts
 
 SHORT_OUTPUT = 20  # tokens
@@ -81,7 +82,7 @@ def summarize_group(rows: list[dict], profile, c: float, serving: str, batch: in
     drafted = sum(r["draft_tokens"] for r in rows)
     accepted = sum(r["accepted_tokens"] for r in rows)
     passes = sum(r["target_forwards"] for r in rows)
-    tau = (accepted + passes) / passes if passes else 1.0
+    tau = tau_of(accepted, passes, sum(r.get("ended_early", 0) for r in rows)) if passes else 1.0
     depth = max((len(r["acceptance_per_position"]) for r in rows), default=0)
     per_position = []
     for i in range(depth):

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from ..config import ConfigError, EngineConfig, SpecDecodeError
 from ..control.policies import FixedK
+from ..metrics import tau_of
 from ..prompts import load_prompts
 from .peers import PEERS, build_peer
 from .plots import plot_bench
@@ -261,6 +262,7 @@ def _run_one(label: str, engine, prompt: dict, text: str, prompt_ids: list[int],
             prefill_seconds=stats.prefill_seconds, draft_tokens=stats.draft_tokens,
             draft_passes=stats.draft_passes,  # a tree's head passes (analyze prices the drafter by them)
             accepted_tokens=stats.accepted_tokens, target_forwards=stats.target_forwards,
+            ended_early=stats.ended_early,
             acceptance_per_position=stats.acceptance_per_position,
             steps_by_drafted=dict(sorted(stats.steps_by_drafted.items())),
             k_chosen_mean=sum(chosen) / len(chosen) if chosen else None,
@@ -355,6 +357,7 @@ def summarize(records: list[dict]) -> dict:
         drafted = sum(r.get("draft_tokens", 0) for r in rows)
         accepted = sum(r.get("accepted_tokens", 0) for r in rows)
         passes = sum(r.get("target_forwards", 0) for r in rows)
+        ended = sum(r.get("ended_early", 0) for r in rows)
         margins = [r["first_divergence"]["top2_margin"] for r in rows if r.get("first_divergence")]
         summary[category][method] = {
             "prompts": len(rows),
@@ -362,7 +365,7 @@ def summarize(records: list[dict]) -> dict:
             "aggregate_tokens_per_s": sum(r["new_tokens"] for r in rows) / sum(r["seconds"] for r in rows),
             "speedup": _median([r["tokens_per_s"] / plain[record_key(r)] for r in rows if plain.get(record_key(r))]),
             "alpha": accepted / drafted if drafted else None,
-            "tau": (accepted + passes) / passes if passes else 1.0,
+            "tau": tau_of(accepted, passes, ended) if passes else 1.0,
             "identical_to_plain": sum(r["identical_to_plain"] for r in rows) / len(rows),
             "new_tokens": statistics.median(r["new_tokens"] for r in rows),
             "k_chosen_mean": _mean(r.get("k_chosen_mean") for r in rows),

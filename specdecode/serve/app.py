@@ -458,7 +458,8 @@ def speculation_summary(sequences: list[Sequence]) -> dict:
     """The request's speculation figures, summed over its choices."""
     total = GenerationStats(draft_tokens=sum(s.stats.draft_tokens for s in sequences),
                             accepted_tokens=sum(s.stats.accepted_tokens for s in sequences),
-                            target_forwards=sum(s.stats.target_forwards for s in sequences))
+                            target_forwards=sum(s.stats.target_forwards for s in sequences),
+                            ended_early=sum(s.stats.ended_early for s in sequences))
     first = sequences[0]
     return {"method": getattr(first, "method", "none"), "drafted_tokens": total.draft_tokens,
             "accepted_tokens": total.accepted_tokens, "acceptance_rate": round(total.alpha, 4),
