@@ -373,7 +373,8 @@ def cmd_generate(args) -> int:
         # the first forward passes of a process pay one-off costs (a GPU's library handles and
         # kernel loads: about 0.2 s on an H200) that would be charged to whichever run went first
         plain = build_engine(engine_config, SpeculativeConfig(method="none"), args.runtime, target=target)
-        warm_up({"none": plain}, prompt_ids, params)
+        # both: a drafter's first call (a draft model's, a head's) pays one-off costs too
+        warm_up({"none": plain, args.method: engine}, prompt_ids, params)
     result = engine.generate(prompt_ids, params, on_text=stream, prior_alpha=route.prior_alpha)
     # learnt only from a request that drafted: one that ran plain would teach the task an
     # acceptance of 0 and talk its later requests out of speculating (as analyze and the server)
@@ -395,7 +396,9 @@ def cmd_generate(args) -> int:
     if args.compare:
         baseline = plain.generate(prompt_ids, params)
         record["plain"] = {"tokens_per_s": baseline.stats.tokens_per_s, "new_tokens": baseline.stats.new_tokens}
-        record["speedup"] = result.stats.tokens_per_s / baseline.stats.tokens_per_s
+        # None where plain decoding made no token (EOS first): no ratio (found in review: a traceback)
+        record["speedup"] = (result.stats.tokens_per_s / baseline.stats.tokens_per_s
+                             if baseline.stats.tokens_per_s else None)
         record["identical_to_plain"] = baseline.token_ids == result.token_ids
         if not record["identical_to_plain"] and params.greedy:
             record["first_divergence"] = plain.first_divergence(prompt_ids, baseline.token_ids, result.token_ids)
@@ -410,7 +413,8 @@ def cmd_generate(args) -> int:
     if args.compare:
         print(
             f"[plain] {record['plain']['new_tokens']} tokens at {record['plain']['tokens_per_s']:.1f} tok/s | "
-            f"speedup {record['speedup']:.2f}x | identical to plain: {record['identical_to_plain']}",
+            f"speedup {'-' if record['speedup'] is None else format(record['speedup'], '.2f') + 'x'} | "
+            f"identical to plain: {record['identical_to_plain']}",
             file=sys.stderr,
         )
         if not record["identical_to_plain"] and not params.greedy:

@@ -299,3 +299,14 @@ def test_public_prompt_layouts_load(tmp_path, capsys):
     jsonl.write_text(json.dumps({"text": "unknown layout"}) + "\n")
     with pytest.raises(SpecDecodeError, match=r"line 1: expected .*\{question\} \(GSM8K\)"):
         load_prompts(str(jsonl))
+
+
+def test_compare_where_plain_decoding_makes_no_token(capsys, tiny_text_model_dir):
+    """Found in review: a prompt whose first greedy token is EOS made `generate --compare`
+    divide by plain decoding's 0 tok/s (a traceback); the speedup is then null."""
+    code = main(["generate", "bs", "--model", str(tiny_text_model_dir), "--method", "ngram", "--k", "3", "--compare",
+                 "--no-chat-template", "--json", "--dtype", "fp32"])
+    captured = capsys.readouterr()
+    assert code == 0 and "Traceback" not in captured.err, captured.err
+    record = json.loads(captured.out)
+    assert record["plain"]["new_tokens"] == 0 and record["speedup"] is None
