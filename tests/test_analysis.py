@@ -103,6 +103,9 @@ def test_memory_of_target_and_draft(tiny_llama_dir):
     shared = deployment_memory(str(tiny_llama_dir), "self:1", "fp32", context=100)
     assert shared["models"]["draft"]["weights"] == 0 and shared["fits"]
     assert deployment_memory("135M", "ngram")["models"]["draft"]["kv_cache"] == 0
+    # a draft model's cache holds its own positions at most (found in review: 2.8 GiB for 0.18)
+    long = deployment_memory("3B", "135M", "bf16", context=131072)
+    assert long["models"]["draft"]["kv_cache"] == 2 * 30 * 3 * 64 * 8192 * 2
     with pytest.raises(ConfigError, match="named size: 135M"):
         resolve_shape("/no/such/model")
 

@@ -182,7 +182,9 @@ def deployment_memory(target: str, draft: str | None, dtype: str = "bf16", batch
                                      prefill_chunk=prefill_chunk)
         draft_note = f"the target's first {layers} layers: shares its weights, own KV cache"
     else:
-        rows["draft"] = model_memory(resolve_shape(draft), weights, dtype, batch, context, 0, prefill_chunk=prefill_chunk)
+        draft_shape = resolve_shape(draft)  # its cache holds no more than its own positions (found in review)
+        rows["draft"] = model_memory(draft_shape, weights, dtype, batch, min(context, draft_shape.max_positions), 0,
+                                     prefill_chunk=prefill_chunk)
     resident = sum(rows[m]["weights"] for m in rows)
     # loading peaks before the caches exist; running holds both caches and both scratches
     running = sum(rows[m]["kv_cache"] + rows[m]["activations"] for m in rows)
