@@ -146,13 +146,15 @@ def test_bench_writes_records(tmp_path, capsys):
 
     prompts = tmp_path / "q.jsonl"
     prompts.write_text(
-        json.dumps({"question_id": 1, "category": "qa", "turns": ["Name three colours.", "ignored"]}) + "\n"
+        json.dumps({"question_id": 1, "category": "qa", "turns": ["Name three colours.", "And three more."]}) + "\n"
         + json.dumps({"prompt": "Repeat exactly: alpha beta gamma alpha beta gamma", "category": "copy"}) + "\n"
     )
     out = tmp_path / "r.json"
     assert main(["bench", "--prompts", str(prompts), "--methods", "none,ngram", "--max-new-tokens", "16", "--out", str(out), "--dtype", "fp32"]) == 0
     payload = json.loads(out.read_text())
-    assert len(payload["records"]) == 4
+    assert len(payload["records"]) == 6  # both turns of the conversation, and the prompt
+    turns = {r.get("turn") for r in payload["records"] if r["question_id"] == 1}
+    assert turns == {1, 2}
     for record in payload["records"]:
         assert set(record) >= {"question_id", "category", "method", "new_tokens", "seconds", "tokens_per_s", "alpha", "tau", "identical_to_plain"}
         assert record["identical_to_plain"]

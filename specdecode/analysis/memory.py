@@ -204,10 +204,9 @@ BASELINE_SCRIPT = """
 import sys
 import specdecode.factory
 from specdecode.analysis.memory import peak_rss_bytes
-from specdecode.models.loading import ModelSource, load_tokenizer
-from pathlib import Path
-if len(sys.argv) > 1:
-    load_tokenizer(ModelSource("default", Path(sys.argv[1]), {}))
+from specdecode.models.loading import load_tokenizer, resolve_model
+if len(sys.argv) > 1:  # as a run loads it (the conversion is cached by then)
+    load_tokenizer(resolve_model("default"))
 print(peak_rss_bytes())
 """
 
@@ -219,7 +218,7 @@ def process_baseline() -> float:
     from ..cost.profile import machine_id
     from ..models.loading import cache_dir
 
-    key = f"{machine_id()}|{sys.version.split()[0]}|vmhwm"
+    key = f"{machine_id()}|{sys.version.split()[0]}|vmhwm|tokenizer as a run loads it"
     path = cache_dir() / "memory-baseline.json"
     try:
         cached = json.loads(path.read_text())
@@ -230,7 +229,7 @@ def process_baseline() -> float:
     from ..models.loading import ModelNotFoundError, resolve_model
 
     try:  # resolved here, so that a first conversion of the default model is not measured
-        tokenizer_dir = [str(resolve_model("default").path)]
+        tokenizer_dir = [str(resolve_model("default").path)]  # (the child resolves it again, from the cache)
     except ModelNotFoundError:
         tokenizer_dir = []
     result = subprocess.run([sys.executable, "-c", BASELINE_SCRIPT, *tokenizer_dir], capture_output=True, text=True,
