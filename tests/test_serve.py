@@ -333,6 +333,8 @@ def test_speculative_config_takes_vllm_keys():
     # against a default max of 3, and max 5 alone meant 5..1)
     assert parse_speculative_config('{"method": "ngram", "prompt_lookup_min": 4}')[0].ngram_sizes == (4,)
     assert parse_speculative_config('{"method": "ngram", "prompt_lookup_max": 5}')[0].ngram_sizes == (5,)
+    with pytest.raises(ConfigError, match="method 'none' decodes plainly"):  # taken and ignored before
+        parse_speculative_config('{"method": "none", "num_speculative_tokens": 3}')
     spec, _ = parse_speculative_config(json.dumps({"method": "eagle3", "num_speculative_tokens": "auto"}))
     assert spec.method == "eagle" and spec.k == "auto" and spec.tree_width == 1
     for bad, fragment in (('{"method": "medusa"}', "unknown speculative method"), ("{oops", "not valid JSON"),
@@ -598,3 +600,14 @@ def test_bench_serve_counts_a_request_failed_mid_stream_as_failed():
     assert run([text])["error"] == "the stream ended without a usage chunk or with no tokens"
     good = run([text, text, {"choices": [], "usage": {"completion_tokens": 2}}])
     assert good["error"] is None and good["tokens"] == 2
+
+
+def test_replicas_refuse_a_bad_speculative_config_before_ray_starts():
+    """Found in review: each replica parsed --speculative-config inside Ray, so a typo showed
+    only after Ray had started, as a failed deployment in the replicas' logs."""
+    from specdecode.config import EngineConfig
+    from specdecode.serve.server import ray_application
+
+    pytest.importorskip("ray")
+    with pytest.raises(ConfigError, match="unknown speculative method 'medusa'"):
+        ray_application(EngineConfig(model="default"), '{"method": "medusa"}', 2, 4, 8)

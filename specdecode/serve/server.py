@@ -45,7 +45,7 @@ def parse_speculative_config(text: str | dict | None) -> tuple[SpeculativeConfig
     unknown = sorted(set(data) - SPEC_KEYS)
     if unknown:
         raise ConfigError(f"--speculative-config has unknown keys {unknown}; known: {sorted(SPEC_KEYS)}")
-    ngram = (3, 2, 1)
+    ngram, given = (3, 2, 1), set(data)  # the keys the JSON itself sets (a preset's may not apply)
     if "preset" in data:
         from ..config import preset
 
@@ -80,6 +80,10 @@ def parse_speculative_config(text: str | dict | None) -> tuple[SpeculativeConfig
     if model is not None and method in ("none", "ngram"):  # it was taken and ignored
         raise ConfigError(f"--speculative-config model is the drafter's weights (eagle) or token store (suffix); "
                           f"method {data.get('method', 'suffix')!r} reads none")
+    if method == "none" and given & {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}:
+        # taken and ignored, as model above
+        raise ConfigError("--speculative-config method 'none' decodes plainly: num_speculative_tokens and "
+                          "prompt_lookup_min/max would be ignored")
     router = data.get("router", True)
     if not isinstance(router, bool):  # bool("false") is True: take JSON true/false only
         raise ConfigError(f"--speculative-config router must be true or false, got {router!r}")
@@ -224,6 +228,7 @@ def ray_application(engine_config: EngineConfig, speculative: str | None, replic
         raise ConfigError("--replicas needs Ray Serve: pip install 'specdecode[ray]'") from None
     if replicas < 1:
         raise ConfigError(f"--replicas must be >= 1, got {replicas}")
+    parse_speculative_config(speculative)  # a bad config named here, not in each replica's log after Ray started
 
     threads = engine_config.num_threads or max(1, (os.cpu_count() or 1) // replicas)  # replicas share the cores
 
