@@ -611,3 +611,30 @@ def test_replicas_refuse_a_bad_speculative_config_before_ray_starts():
     pytest.importorskip("ray")
     with pytest.raises(ConfigError, match="unknown speculative method 'medusa'"):
         ray_application(EngineConfig(model="default"), '{"method": "medusa"}', 2, 4, 8)
+
+
+def test_bench_serve_sends_a_prompts_system_message():
+    """Found in review: bench-serve sent the user's turn alone, though bench decodes a chat
+    record's system prompt before it."""
+    import asyncio
+
+    import httpx
+
+    from specdecode.bench.runner import conversation
+    from specdecode.bench.serve import one_request
+
+    sent = []
+
+    def handler(request):
+        sent.append(json.loads(request.content))
+        body = 'data: {"choices": [], "usage": {"completion_tokens": 1}}\n\ndata: [DONE]\n\n'
+        return httpx.Response(200, text=body)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            await one_request(client, "http://s", "m", conversation(["Hi"], [], "Be brief."), 4, "spec", [])
+            await one_request(client, "http://s", "m", "Hello", 4, "plain", [])
+
+    asyncio.run(go())
+    assert sent[0]["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert sent[1]["messages"] == [{"role": "user", "content": "Hello"}] and sent[1]["speculative"] == {"enabled": False}

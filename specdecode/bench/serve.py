@@ -87,8 +87,11 @@ def acceptance_figures(before: dict[str, float], after: dict[str, float]) -> dic
             "acceptance_per_position": [delta(f"per_pos/{p}") / drafts for p in positions] if drafts else []}
 
 
-async def one_request(client, url: str, model: str, prompt: str, max_tokens: int, mode: str, results: list) -> None:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+async def one_request(client, url: str, model: str, prompt: str | list[dict], max_tokens: int, mode: str,
+                      results: list) -> None:
+    """One streamed chat request; ``prompt``: the user's text, or the messages to send."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     if mode == "plain":
         body["speculative"] = {"enabled": False}
@@ -126,7 +129,7 @@ async def one_request(client, url: str, model: str, prompt: str, max_tokens: int
                     "tpot": (ended - first) / (tokens - 1) if first is not None and tokens > 1 else None})
 
 
-async def run_level(url: str, model: str, prompts: list[str], max_tokens: int, mode: str, concurrency: int | None,
+async def run_level(url: str, model: str, prompts: list, max_tokens: int, mode: str, concurrency: int | None,
                     rate: float | None, seed: int) -> dict:
     import httpx
 
@@ -355,7 +358,10 @@ def bench_serve(prompts: list[dict], concurrency: list[int], rate: float | None,
         import httpx
 
         model = model or served_model(url)
-        texts = [p["prompt"] for p in prompts]
+        from .runner import conversation
+
+        # each prompt's first turn, after its system prompt where the file gives one
+        texts = [conversation([p["prompt"]], [], p.get("system")) for p in prompts]
         rows = []
         levels = [None] if rate is not None else concurrency
         # untimed: one round at the widest level in every mode, so that no measured level
