@@ -222,3 +222,16 @@ def test_the_transformers_peer_decodes_greedily_whatever_the_generation_config_s
     config.update(repetition_penalty=1.3, no_repeat_ngram_size=2, do_sample=True, temperature=0.7)
     (penalised / "generation_config.json").write_text(json.dumps(config))
     assert HFPeer(penalised, (2,)).generate(prompt, 24)[0] == clean
+
+
+@pytest.mark.slow
+def test_the_llamacpp_peer_stops_at_the_end_of_its_context():
+    """Found in review: where prompt + max new tokens passed the context, our engine stopped
+    there ("length") and the llama.cpp peer failed inside llama_decode, ending the bench."""
+    pytest.importorskip("llama_cpp")
+    from specdecode.bench.peers import LlamaCppPeer
+    from specdecode.models.loading import default_gguf_path
+
+    peer = LlamaCppPeer(default_gguf_path(), 64, ())
+    tokens, _ = peer.generate([1000 + i for i in range(54)], 100)
+    assert len(tokens) == 10

@@ -78,12 +78,16 @@ class LlamaCppPeer:
         self.llm = Llama(model_path=str(gguf_path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
                          n_batch=512, verbose=False)
         self.eos_ids = set(eos_ids)
+        self.context = min(context, self.llm.n_ctx())  # its buffers hold the context asked for
         self.version = getattr(__import__("llama_cpp"), "__version__", "?")
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
         started = time.perf_counter()
         self.llm.reset()  # no prefix of an earlier request is reused
         new: list[int] = []
+        # at the end of the context it stops, as our engine does ("length"); llama_decode
+        # would fail there instead (found in review)
+        max_new_tokens = min(max_new_tokens, self.context - len(prompt_ids))
         if max_new_tokens > 0:
             for token in self.llm.generate(prompt_ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
                                            reset=True):
