@@ -1009,3 +1009,38 @@ def test_a_short_prefill_chunk_has_a_cost_profile_of_its_own(tiny_llama_dir):
     default, short = load_model(tiny_llama_dir, torch.float32), load_model(tiny_llama_dir, torch.float32, prefill_chunk=16)
     assert model_key(default) == model_key(load_model(tiny_llama_dir, torch.float32, prefill_chunk=64))
     assert model_key(short) != model_key(default) and model_key(short).endswith("|chunk 16")
+
+
+def test_weights_auto_times_a_large_model_one_format_at_a_time(tmp_path, monkeypatch):
+    """Found in review: --weights auto loaded every candidate format at once to time them,
+    so a model whose three formats do not fit in memory together (a 7B: 25 GB) ran out of
+    it. Where they would not fit, each is timed alone and let go before the next loads."""
+    import gc
+    import weakref
+
+    from specdecode.cost import formats
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    alive, most = weakref.WeakSet(), []
+
+    class Runtime:
+        def __init__(self, fmt):
+            self.fmt = fmt
+
+    def load(fmt):
+        gc.collect()
+        runtime = Runtime(fmt)
+        alive.add(runtime)
+        most.append(len(alive))
+        return runtime
+
+    monkeypatch.setattr(formats, "_weight_bytes", lambda runtime: 10**9)
+    monkeypatch.setattr(formats, "step_ms", lambda runtimes: {name: {"q4_1": 3.0, "q8_0": 2.0, "bf16": 4.0}[name]
+                                                              for name in runtimes})
+    monkeypatch.setattr(formats, "_available_bytes", lambda: 4e9)  # 1.7 + 3.2 GB more would not fit beside
+    assert formats.fastest_weights("big", torch.bfloat16, ["q4_1", "q8_0", "bf16"], load) == "q8_0"
+    assert max(most) == 1
+    monkeypatch.setattr(formats, "_available_bytes", lambda: 64e9)  # a small model: all at once, taking turns
+    most.clear()
+    assert formats.fastest_weights("small", torch.bfloat16, ["q4_1", "q8_0", "bf16"], load) == "q8_0"
+    assert max(most) == 3

@@ -57,6 +57,34 @@ def step_ms(runtimes: dict, context: int = CONTEXT, rounds: int = 6, steps: int 
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+FORMAT_BYTES = {"q4_1": 20 / 32, "q8_0": 34 / 32, "bf16": 2.0, "fp32": 4.0}  # per weight, block scales included
+
+
+def _weight_bytes(runtime) -> int:
+    weights = getattr(runtime, "weights", None)
+    if weights is None:
+        return 0
+    tensors = {id(t): t for t in list(weights.parameters()) + list(weights.buffers())} if hasattr(
+        weights, "parameters") else {}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _available_bytes() -> float:
+    from ..analysis.memory import _proc_kib
+
+    available = _proc_kib("/proc/meminfo", "MemAvailable")
+    return available if available is not None else float("inf")
+
+
+def _fits_beside(models: dict, candidates: list[str]) -> bool:
+    """Whether every candidate not loaded yet fits in memory beside those loaded (their
+    sizes scaled from a loaded one's by bytes per weight), with half the memory to spare."""
+    fmt, runtime = next(iter(models.items()))
+    per_weight = _weight_bytes(runtime) / FORMAT_BYTES.get(fmt, 2.0)
+    rest = sum(per_weight * FORMAT_BYTES.get(other, 2.0) for other in candidates if other not in models)
+    return rest <= 0.5 * _available_bytes()
+
+
 def fastest_weights(model_key: str, dtype: torch.dtype, candidates: list[str], load: Callable[[str], object]) -> str:
     """The candidate format with the fastest single-token step (measured once, cached)."""
     path = _path(model_key, dtype, candidates)
@@ -68,15 +96,27 @@ def fastest_weights(model_key: str, dtype: torch.dtype, candidates: list[str], l
             pass  # a corrupt record is measured again
     print(f"specdecode: measuring which weight format decodes fastest here ({', '.join(candidates)}; once, cached)",
           file=sys.stderr, flush=True)
-    models = {}
+    models, timings, together = {}, {}, True
     for fmt in candidates:  # a format this file cannot take is left out, not the end of the run
+        if models and together and not _fits_beside(models, candidates):
+            # a large model: every candidate at once would not fit in memory (a 7B in bf16,
+            # int8 and int4 is 25 GB): those loaded are timed now, the rest one at a time
+            together = False
+            timings.update(step_ms(models))
+            models.clear()
         try:
             models[fmt] = load(fmt)
         except SpecDecodeError as error:  # e.g. a GGUF mixing block types in one fused projection
             print(f"specdecode: {fmt} left out: {error}", file=sys.stderr, flush=True)
-    if not models:
+            continue
+        if not together:
+            timings.update(step_ms(models))
+            models.clear()
+    if models:
+        timings.update(step_ms(models))
+    models.clear()
+    if not timings:
         raise SpecDecodeError(f"none of the weight formats {candidates} loads this model")
-    timings = step_ms(models)
     best = min(timings, key=timings.get)
     summary = ", ".join(f"{fmt} {ms:.1f} ms" for fmt, ms in timings.items())
     print(f"specdecode: single-token step {summary} -> {best}", file=sys.stderr, flush=True)
