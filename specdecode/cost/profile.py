@@ -475,9 +475,9 @@ def _get_profile(model_key: str, dtype: str, runtime, drafters: dict | None, for
     for name, proposer in (drafters or {}).items():
         if name in profile.drafters and not force:
             continue
-        context = profile.contexts[len(profile.contexts) // 2]
-        per_token = measure_drafter(proposer, min(context, runtime.max_positions // 2), runtime.vocab_size)
-        profile.drafters[name] = per_token / profile.time_ms(1, context)
+        context = min(profile.contexts[len(profile.contexts) // 2], runtime.max_positions // 2)
+        per_token = measure_drafter(proposer, context, runtime.vocab_size)
+        profile.drafters[name] = per_token / profile.time_ms(1, context)  # a step at the context it drafted at
         changed = True
     if changed:
         save_profile(profile, model_key)
