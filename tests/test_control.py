@@ -1044,3 +1044,21 @@ def test_weights_auto_times_a_large_model_one_format_at_a_time(tmp_path, monkeyp
     most.clear()
     assert formats.fastest_weights("small", torch.bfloat16, ["q4_1", "q8_0", "bf16"], load) == "q8_0"
     assert max(most) == 3
+
+
+def test_a_drafters_cost_is_priced_against_a_step_where_it_was_measured(tmp_path, monkeypatch):
+    """Found in review: a model of short context had its drafter timed at half its positions
+    but divided by a step at the profile's middle context."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    monkeypatch.setattr(profile_module, "measure_target", lambda runtime, progress=True: (
+        [100, 600], [1, 2], [[1.0, 1.5], [3.0, 4.0]]))
+    monkeypatch.setattr(profile_module, "step_bytes", lambda runtime: (0, 0))
+    monkeypatch.setattr(profile_module, "measure_bandwidth", lambda device="cpu": 10.0)
+    monkeypatch.setattr(profile_module, "measure_head", lambda runtime: {})
+    contexts = []
+    monkeypatch.setattr(profile_module, "measure_drafter",
+                        lambda proposer, context, vocab_size: contexts.append(context) or 0.5)
+    runtime = type("Runtime", (), {"max_positions": 256, "vocab_size": 97})()
+    profile = get_profile("short", "fp32", runtime, {"ngram": object()}, progress=False)
+    assert contexts == [128] and profile.drafters["ngram"] == pytest.approx(0.5 / profile.time_ms(1, 128))
+    assert profile.time_ms(1, 128) != profile.time_ms(1, 600)
