@@ -70,8 +70,8 @@ def encode_prompts(target, prompts: list[dict], engine_config: EngineConfig) -> 
     from ..engine import SpeculativeEngine
 
     encoder = SpeculativeEngine(target.runtime, target.tokenizer)
-    return [encoder.encode(conversation(p.get("turns", [p["prompt"]])[:1], [], p.get("system")), engine_config.chat_template)
-            for p in prompts]
+    return [encoder.encode(conversation(p.get("turns", [p["prompt"]])[:1], [], p.get("system")),
+                           engine_config.chat_template) for p in prompts]
 
 
 def describe_prompts(prompts: list[dict]) -> str:
