@@ -373,11 +373,14 @@ def cmd_generate(args) -> int:
         # the first forward passes of a process pay one-off costs (a GPU's library handles and
         # kernel loads: about 0.2 s on an H200) that would be charged to whichever run went first
         plain = build_engine(engine_config, SpeculativeConfig(method="none"), args.runtime, target=target)
-        # a drafter's first call (a draft model's, a head's) pays one-off costs too: warmed up
-        # on an engine of its own, so that what its k policy learns there (a prompt's first
-        # 16 tokens) does not steer the measured run
-        spare = build_engine(engine_config, spec, args.runtime, target=target)
-        warm_up({"none": plain, args.method: spare}, prompt_ids, params)
+        # a drafter's first call (a head's, a layer-skip draft's) pays one-off costs too:
+        # warmed up on an engine of its own, so that what its k policy learns there (a
+        # prompt's first 16 tokens, first-call costs) does not steer the measured run; a draft
+        # model from a path is not loaded a second time for it
+        engines = {"none": plain}
+        if engine.method != "draft" or str(spec.draft or "").startswith("self:"):  # not a second draft model
+            engines[args.method] = build_engine(engine_config, spec, args.runtime, target=target)
+        warm_up(engines, prompt_ids, params)
     result = engine.generate(prompt_ids, params, on_text=stream, prior_alpha=route.prior_alpha)
     # learnt only from a request that drafted: one that ran plain would teach the task an
     # acceptance of 0 and talk its later requests out of speculating (as analyze and the server)
