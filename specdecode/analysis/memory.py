@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ConfigError, EngineConfig, self_draft_layers
+from ..cost.profile import proc_field_bytes
 
 GIB = 1024**3
 BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 34 / 32, "int4": 20 / 32}  # block formats: + fp16 scales
@@ -242,23 +243,12 @@ def process_baseline() -> float:
     return baseline
 
 
-def _proc_kib(path: str, field: str) -> float | None:
-    """A 'Field:  N kB' line of a Linux /proc file, in bytes; None where there is none."""
-    try:
-        for line in Path(path).read_text().splitlines():
-            if line.startswith(field + ":"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def peak_rss_bytes() -> float:
     """This process's peak resident memory so far. Linux's VmHWM, the high-water mark of this
     process's own address space: ``getrusage``'s ``ru_maxrss`` survives ``execve``, so a child
     started from a large parent would report the parent's size (seen in CI: 3.9 GB for a run
     estimated at 1.3 GB, started from a pytest process holding several models)."""
-    peak = _proc_kib("/proc/self/status", "VmHWM")
+    peak = proc_field_bytes("/proc/self/status", "VmHWM")
     if peak is not None:
         return peak
     import resource
@@ -267,7 +257,7 @@ def peak_rss_bytes() -> float:
 
 
 def total_ram() -> float:
-    total = _proc_kib("/proc/meminfo", "MemTotal")
+    total = proc_field_bytes("/proc/meminfo", "MemTotal")
     if total is not None:
         return total
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

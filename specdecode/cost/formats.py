@@ -10,6 +10,7 @@ on an AVX2-only CPU the 4-bit kernels read a quarter of the bytes and win.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import statistics
 import sys
@@ -20,7 +21,7 @@ import torch
 from ..config import SpecDecodeError
 from ..kernels import build_digest
 from ..models.loading import cache_dir, save_cache
-from .profile import extend_context, machine_id, timed_forward_ms
+from .profile import extend_context, machine_id, proc_field_bytes, timed_forward_ms
 
 CONTEXT = 256
 VERSION = 1
@@ -64,15 +65,13 @@ def _weight_bytes(runtime) -> int:
     weights = getattr(runtime, "weights", None)
     if weights is None:
         return 0
-    tensors = {id(t): t for t in list(weights.parameters()) + list(weights.buffers())} if hasattr(
-        weights, "parameters") else {}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    if not hasattr(weights, "parameters"):
+        return 0
+    return sum(t.numel() * t.element_size() for t in itertools.chain(weights.parameters(), weights.buffers()))
 
 
 def _available_bytes() -> float:
-    from ..analysis.memory import _proc_kib
-
-    available = _proc_kib("/proc/meminfo", "MemAvailable")
+    available = proc_field_bytes("/proc/meminfo", "MemAvailable")
     return available if available is not None else float("inf")
 
 

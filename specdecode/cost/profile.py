@@ -48,6 +48,17 @@ BATCH_WIDTHS = (1, 2, 4, 6)
 BATCH_CONTEXT = 256
 
 
+def proc_field_bytes(path: str, field: str) -> float | None:
+    """A 'Field:  N kB' line of a Linux /proc file, in bytes; None where there is none."""
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(field + ":"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def machine_id() -> str:
     """CPU model name and core count: costs measured on one machine do not carry over."""
     name = platform.processor() or platform.machine()

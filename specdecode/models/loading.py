@@ -216,18 +216,10 @@ def _write_memo(memo_file: Path, memo: dict) -> None:
     """Replace the memo in one step (another process may read it meanwhile); a memo that
     cannot be written only costs the next load a read of the file."""
     memo = {key: value for key, value in memo.items() if os.path.exists(key)}  # files gone: forgotten
-    staging = None
     try:
-        memo_file.parent.mkdir(parents=True, exist_ok=True)
-        handle, staging = tempfile.mkstemp(dir=memo_file.parent, prefix=f".{memo_file.name}-")
-        with os.fdopen(handle, "w") as out:
-            json.dump(memo, out)
-        os.replace(staging, memo_file)
+        write_atomic(memo_file, json.dumps(memo))
     except OSError as error:
         log.debug("could not remember file digests in %s: %s", memo_file, error)
-        if staging is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(staging)
 
 
 def _refuse_scaled_rope(gguf_path: Path) -> None:
