@@ -1,6 +1,6 @@
 """One entry point: ``specdecode <verb>``.
 
-    specdecode generate "PROMPT" [--method none|ngram|suffix|draft|eagle|tree] [--draft M|self:L] [--head DIR] [--k N] ...
+    specdecode generate "PROMPT" [--method none|ngram|suffix|draft|eagle|tree|medusa] [--draft M|self:L] [--head DIR] [--k N] ...
     specdecode bench [--prompts FILE.jsonl] [--methods none,ngram,ngram@3,...] [--out results.json]
     specdecode profile [--model M] [--draft D] [--dtype bf16|fp32] [--remeasure]
     specdecode train data [--target M] [--out DIR] [--prompts N] [--samples S]
@@ -36,7 +36,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k-max", type=int, default=10, help="with --k auto: the most draft tokens per step")
     parser.add_argument("--draft", default=None, help="draft model for --method draft: a path, or self:L (the target's first L layers; default self:4; untrained, it loses here: docs/performance.md)")
     parser.add_argument("--store", default=None, help="token store directory for --method suffix (default: the store shipped for the default model)")
-    parser.add_argument("--head", default=None, help="EAGLE head directory for --method eagle (default: the head shipped for the default model)")
+    parser.add_argument("--head", default=None, help="head directory for --method eagle, tree or medusa (default: the head shipped for the default model)")
     parser.add_argument("--tree-width", type=int, default=None, help="--method eagle/tree: children per expanded node of the head's dynamic tree of --k nodes (default 3; 1 drafts chains; bench spec eagle@6x3)")
     parser.add_argument("--ngram-sizes", default="3,2,1", help="n-gram sizes of the request's own text tried by --method ngram, suffix and tree, longest first")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = verbs.add_parser("generate", help="generate text, speculatively")
     gen.add_argument("prompt")
-    gen.add_argument("--method", default="suffix", choices=["none", "ngram", "suffix", "draft", "eagle", "tree"])
+    gen.add_argument("--method", default="suffix", choices=["none", "ngram", "suffix", "draft", "eagle", "tree", "medusa"])
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text and stats")
     gen.add_argument("--compare", action="store_true", help="also run plain decoding and report speedup and identity")
@@ -146,6 +146,18 @@ def build_parser() -> argparse.ArgumentParser:
     eagle.add_argument("--bf16", action="store_true", help="mixed precision: the head's products and the target's distribution over the draft vocabulary in bf16 autocast (weights, optimizer state and the loss stay fp32)")
     eagle.add_argument("--corpus-tokens", type=int, default=200_000, help="tokens of the local code corpus to train on beside the answers")
     eagle.add_argument("--max-length", type=int, default=768, help="tokens per training sequence at most")
+    medusa = train_verbs.add_parser("medusa", help="train Medusa heads for the target on `train data`'s output (resumable)")
+    medusa.add_argument("--target", "--model", dest="model", default="default", help="the target: 'default', a HF directory or a .gguf file")
+    medusa.add_argument("--data", default="data/train", help="directory written by `specdecode train data` (default data/train)")
+    medusa.add_argument("--out", default="data/medusa", help="heads directory to write (and resume: checkpoint.pt, features/) (default data/medusa)")
+    medusa.add_argument("--heads", type=int, default=3, help="heads, so drafts per step at most (default 3)")
+    medusa.add_argument("--draft-vocab", type=int, default=8192, help="tokens the heads can draft: the most frequent in the data (default 8192)")
+    medusa.add_argument("--minutes", type=float, default=20.0, help="training time budget, the target's pass over the data excluded (default 20)")
+    medusa.add_argument("--lr", type=float, default=1e-3)
+    medusa.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per optimizer step (default 4096)")
+    medusa.add_argument("--corpus-tokens", type=int, default=200_000, help="tokens of the local code corpus to train on beside the answers")
+    medusa.add_argument("--max-length", type=int, default=768, help="tokens per training sequence at most")
+    _target_flags(medusa)
     store = train_verbs.add_parser("store", help="the token store --method suffix drafts from: the target's answers from `train data`")
     store.add_argument("--target", "--model", dest="model", default="default", help="the target the answers came from (for its vocabulary)")
     store.add_argument("--data", default="data/train", help="directory written by `specdecode train data` (default data/train)")
@@ -262,14 +274,14 @@ def _spec_config(args, method: str, k: str | None = None) -> SpeculativeConfig:
     policy = "threshold" if k == "threshold" else args.k_policy
     return SpeculativeConfig(
         method=method, k=parse_k("auto" if k == "threshold" else k), tree_width=width,
-        draft=(getattr(args, "head", None) if method in ("eagle", "tree")
+        draft=(getattr(args, "head", None) if method in ("eagle", "tree", "medusa")
                else getattr(args, "store", None) if method == "suffix" else args.draft or DEFAULT_SELF_DRAFT),
         ngram_sizes=parse_int_list(args.ngram_sizes, "--ngram-sizes"), k_policy=policy, k_max=args.k_max,
     )
 
 
 # drafter flags, and the methods that read them (each is ignored by every other method)
-DRAFTER_FLAGS = {"store": ("--store", ("suffix",)), "head": ("--head", ("eagle", "tree")),
+DRAFTER_FLAGS = {"store": ("--store", ("suffix",)), "head": ("--head", ("eagle", "tree", "medusa")),
                  "tree_width": ("--tree-width", ("eagle", "tree")), "draft": ("--draft", ("draft",))}
 
 
@@ -578,6 +590,8 @@ def cmd_train(args) -> int:
 
     if args.train_verb == "eagle":
         return cmd_train_eagle(args)
+    if args.train_verb == "medusa":
+        return cmd_train_medusa(args)
     if args.train_verb == "export":
         return cmd_train_export(args)
     if args.train_verb == "store":
@@ -649,6 +663,25 @@ def cmd_train_eagle(args) -> int:
     taus = ", ".join(f"k={k}: {t:.2f}" for k, t in report["chain_tau"].items())
     print(f"held-out acceptance: first token {report['first_token_agreement']:.1%}; chain tau {taus}")
     print(f"head written to {args.out}/ (config.json, model.safetensors); use it with --method eagle --head {args.out}")
+    return 0
+
+
+def cmd_train_medusa(args) -> int:
+    import json
+
+    from .factory import load_target, log
+    from .train.medusa import check_medusa_settings, train_medusa
+
+    check_medusa_settings(args.heads, args.draft_vocab, args.minutes, args.lr, args.batch_tokens, args.max_length)
+    engine_config = _engine_config(args)
+    _set_threads(engine_config)
+    target = load_target(engine_config)
+    report = train_medusa(target, Path(args.data), Path(args.out), args.heads, args.draft_vocab, args.minutes, args.lr,
+                          args.batch_tokens, args.corpus_tokens, args.max_length, args.seed, log=log)
+    print(json.dumps(report, indent=2))
+    taus = ", ".join(f"k={k}: {t:.2f}" for k, t in report["chain_tau"].items())
+    print(f"held-out acceptance: first token {report['first_token_agreement']:.1%}; chain tau {taus}")
+    print(f"heads written to {args.out}/ (config.json, model.safetensors); use them with --method medusa --head {args.out}")
     return 0
 
 

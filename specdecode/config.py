@@ -21,10 +21,10 @@ class ConfigError(SpecDecodeError, ValueError):
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-METHODS = ("none", "ngram", "suffix", "draft", "eagle", "tree")
+METHODS = ("none", "ngram", "suffix", "draft", "eagle", "tree", "medusa")
 # vLLM's speculative method names (--speculative-config, per request) -> ours
 VLLM_METHODS = {"ngram": "ngram", "[ngram]": "ngram", "eagle": "eagle", "eagle3": "eagle", "draft_model": "draft",
-                "tree": "tree", "suffix": "suffix", "none": "none"}
+                "tree": "tree", "suffix": "suffix", "medusa": "medusa", "none": "none"}
 K_POLICIES = ("cost", "threshold")
 
 
@@ -104,7 +104,9 @@ class SpeculativeConfig:
     ``draft`` is a model path/name, or ``self:L`` for the target's first L layers) or
     "eagle" (a trained EAGLE head; ``draft`` is its directory, default: the head shipped
     for the default model) or "tree" (prompt lookup's chain and the head's tree merged
-    into one token tree per step; ``k`` is its node budget). The head drafts dynamic trees
+    into one token tree per step; ``k`` is its node budget) or "medusa" (trained Medusa
+    heads on the target's last hidden state; ``draft`` is their directory, default: the
+    heads shipped for the default model; k is at most the number of heads). The head drafts dynamic trees
     of ``k`` nodes (``tree_width`` children per expanded node), or chains at width 1.
     k: draft tokens per step, or "auto" (the default): chosen per step by ``k_policy`` —
     "cost" (expected speedup from measured acceptance and the cost profile, 0 included)

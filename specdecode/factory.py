@@ -26,6 +26,8 @@ from .proposers.ngram import NgramProposer
 RUNTIMES = ("auto", "native", "hf")
 # the EAGLE head trained for the default model (specdecode train eagle; see its MANIFEST)
 DEFAULT_EAGLE_HEAD = Path(__file__).parent / "data" / "heads" / "smollm2-135m-instruct-eagle3"
+# the Medusa heads trained for the default model (specdecode train medusa; see their MANIFEST)
+DEFAULT_MEDUSA_HEADS = Path(__file__).parent / "data" / "heads" / "smollm2-135m-instruct-medusa"
 # the token store of the default model's own answers (specdecode train store; see its MANIFEST)
 DEFAULT_TOKEN_STORE = Path(__file__).parent / "data" / "stores" / "smollm2-135m-instruct"
 
@@ -166,6 +168,8 @@ def build_proposer(spec: SpeculativeConfig, target: LoadedModel, engine: EngineC
         return SuffixProposer(load_store(spec.draft, target), spec.ngram_sizes)
     if spec.method == "eagle":
         return eagle_proposer(spec.draft, target, spec.tree_width)
+    if spec.method == "medusa":
+        return medusa_proposer(spec.draft, target)
     if spec.method == "tree":
         from .proposers.merged_tree import MergedTreeProposer
 
@@ -218,6 +222,33 @@ def load_head(path: str | None, target: LoadedModel):
     if max(c.capture_layers) >= runtime.num_layers:
         raise ConfigError(f"EAGLE head {path} reads layer {max(c.capture_layers)}; the target has {runtime.num_layers}")
     return head
+
+
+def medusa_proposer(path: str | None, target: LoadedModel):
+    """A Medusa drafter with the heads at ``path`` (default: those shipped for the default
+    model), checked against ``target`` and bound to its final norm and output rows."""
+    from .proposers.medusa import MedusaHeads, MedusaProposer
+
+    runtime = target.runtime
+    if not hasattr(runtime, "weights"):
+        raise ConfigError("--method medusa needs the native runtime (the heads read the target's hidden states); "
+                          "the transformers runtime (--runtime hf) has none")
+    if path is None:
+        if not target.source.is_default:
+            raise ConfigError("Medusa heads need --head HEADS_DIR (heads trained for this target with "
+                              "`specdecode train medusa`); heads are shipped only for the default model")
+        path = str(DEFAULT_MEDUSA_HEADS)
+    if not Path(path).is_dir():
+        raise ConfigError(f"Medusa heads not found: {path} is not a directory")
+    heads = MedusaHeads.load(Path(path))
+    cfg, c = runtime.cfg, heads.config
+    if c.target_vocab_size != cfg.vocab_size or c.hidden_size != cfg.hidden_size:
+        raise VocabularyMismatchError(
+            f"Medusa heads {path} were trained for a target with {c.target_vocab_size} tokens and hidden size "
+            f"{c.hidden_size}; {target.source.name!r} has {cfg.vocab_size} and {cfg.hidden_size}")
+    weights = runtime.weights
+    heads = heads.to(weights.device).bind(weights.norm, weights.lm_head.dequantize())
+    return MedusaProposer(heads, runtime.num_layers)
 
 
 def load_store(path: str | None, target: LoadedModel):
@@ -275,6 +306,9 @@ def drafter_key(spec: SpeculativeConfig) -> str:
         return (f"{spec.method}:{spec.draft or 'default'}{mark}"
                 + (f" width {spec.tree_width}" if spec.tree_width > 1 else "")
                 + (mark_sizes if spec.method == "tree" else ""))
+    if spec.method == "medusa":
+        mark = _fingerprint_mark(Path(spec.draft or DEFAULT_MEDUSA_HEADS) / "model.safetensors")
+        return f"medusa:{spec.draft or 'default'}{mark}"
     if spec.method == "suffix":
         mark = _fingerprint_mark(Path(spec.draft or DEFAULT_TOKEN_STORE) / "tokens.safetensors")
         return f"suffix:{spec.draft or 'default'}{mark}{mark_sizes}"

@@ -335,3 +335,59 @@ def test_train_eagle_refuses_what_it_cannot_train_on(tiny_runtime, tiny_answers,
     with pytest.raises(SpecDecodeError, match="other settings \\(target 'a [0-9a-f]{12}\\|kernels backend"):
         train_eagle(second, tiny_answers, tmp_path / "h3", **quick)
     assert str(tmp_path) not in (tmp_path / "h3" / "config.json").read_text()  # no path in what may be shipped
+
+
+def test_medusa_heads_learn_the_targets_answers_and_count_the_right_rows(tiny_runtime, tiny_answers, tmp_path):
+    """On a fixed batch the loss falls and head 1's agreement rises; head i at row p is
+    scored against the target's argmax at p+i, on answer rows whose p+i exists (checked
+    against a row-by-row count)."""
+    from specdecode.proposers.medusa import MedusaConfig, MedusaHeads
+    from specdecode.train.eagle import draft_vocabulary, extract_features, sequence_key, training_sequences
+    from specdecode.train.medusa import MedusaTrainer
+
+    torch.manual_seed(0)
+    sequences = training_sequences(tiny_answers, 0, 64)[:8]
+    cfg = tiny_runtime.cfg
+    heads = MedusaHeads(MedusaConfig(cfg.hidden_size, 3, cfg.vocab_size, 64, cfg.rms_norm_eps))
+    heads.set_draft_vocab(draft_vocabulary(sequences, 64, TINY_VOCAB, (2,)))
+    heads.bind(tiny_runtime.weights.norm, tiny_runtime.weights.lm_head.dequantize())
+    records = extract_features(tiny_runtime, sequences, (), tmp_path / "features")
+    assert "features" not in next(iter(records.values()))  # final states and argmax only
+    batch = [(s, records[sequence_key(s.ids)]) for s in sequences]
+    trainer = MedusaTrainer(heads, 1e-2)
+    with torch.no_grad():
+        _, agreement = trainer.batch_loss(batch)
+    d2t = set(heads.d2t.tolist())
+    for i, (correct, mask) in enumerate(agreement, 1):
+        expected = sum(1 for s, r in batch for p in range(max(s.trained_from, 0), len(s.ids) - i)
+                       if int(r["argmax"][p + i]) >= 0)
+        assert int(mask.sum()) == expected
+        in_vocab = sum(1 for s, r in batch for p in range(max(s.trained_from, 0), len(s.ids) - i)
+                       if int(r["argmax"][p + i]) in d2t)
+        assert int(correct.sum()) <= in_vocab
+    first_loss, first_top1 = trainer.step(batch, 1e-2)
+    for _ in range(60):
+        loss, top1 = trainer.step(batch, 1e-2)
+    assert loss < 0.85 * first_loss and top1 > first_top1 + 0.2, (first_loss, loss, first_top1, top1)
+
+
+def test_train_medusa_end_to_end_writes_loadable_heads_and_resumes(tiny_runtime, tiny_answers, tmp_path):
+    from specdecode.config import SpecDecodeError
+    from specdecode.proposers.medusa import MedusaHeads
+    from specdecode.train.medusa import train_medusa
+
+    target = SimpleNamespace(runtime=tiny_runtime, eos_token_ids=(2,))
+    out = tmp_path / "medusa"
+    quick = dict(draft_vocab=48, minutes=0.05, batch_tokens=256, log=lambda message: None)
+    report = train_medusa(target, tiny_answers, out, heads=3, **quick)
+    assert report["held_out_chains"] > 0 and set(report["chain_tau"]) == {1, 2, 3}
+    taus = [report["chain_tau"][k] for k in (1, 2, 3)]
+    assert taus == sorted(taus) and all(1.0 <= tau <= k + 1 for k, tau in enumerate(taus, 1))
+    heads = MedusaHeads.load(out)
+    assert heads.config.num_heads == 3 and 2 in heads.d2t.tolist()
+    again = train_medusa(target, tiny_answers, out, heads=3, **quick)  # resumed: nothing left to train
+    assert again["steps"] == report["steps"] and again["chain_tau"] == report["chain_tau"]
+    with pytest.raises(SpecDecodeError, match=r"another shape \(num_heads 3 -> 2\)"):
+        train_medusa(target, tiny_answers, out, heads=2, **quick)
+    with pytest.raises(ConfigError, match="--heads must be in 1..8"):
+        train_medusa(target, tiny_answers, tmp_path / "none", heads=0, **quick)

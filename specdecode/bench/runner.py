@@ -30,7 +30,7 @@ from ..prompts import load_prompts
 from .peers import PEERS, build_peer
 from .plots import plot_bench
 
-KNOWN_METHODS = ("none", "ngram", "suffix", "draft", "eagle", "tree", *PEERS)
+KNOWN_METHODS = ("none", "ngram", "suffix", "draft", "eagle", "tree", "medusa", *PEERS)
 
 
 def parse_method(spec: str) -> tuple[str, str | None]:

@@ -370,6 +370,8 @@ class KernelStack:
                 lib.sd_forward_layers(ctypes.byref(model), first, last, hidden.data_ptr(), batch, stop - begin,
                                       chunk_starts.ctypes.data, rows_np.ctypes.data, chunk_positions.ctypes.data,
                                       _ptr(mask))
+            if runtime.num_layers in capture:  # the last layer's output (a Medusa head reads it)
+                captured[runtime.num_layers] = hidden.view(batch, stop - begin, -1).clone()
             if capture:
                 features.append(torch.cat([captured[layer] for layer in capture], dim=-1))
             if shared:

@@ -554,7 +554,8 @@ class NativeRuntime:
 
         Returns logits ``[B, T, V]`` (``[B, 1, V]`` if ``last_only``), and the final
         normalised hidden states ``[B, T, H]`` too if ``return_hidden``. ``capture``: layer
-        indices whose inputs (the residual stream entering them, fp32) are returned last,
+        indices whose inputs (the residual stream entering them, fp32; index L, the number of
+        layers, is the last layer's output before the final norm) are returned last,
         concatenated as ``[B, T, len(capture) * H]`` for every new token even when
         ``last_only`` (what an EAGLE head reads). ``lazy_logits``: where ``self.lazy_logits``
         holds (the CPU kernels), a ``cpu_runtime.LazyLogits`` in place of the logits, whose
@@ -571,8 +572,8 @@ class NativeRuntime:
             )
         if tree_mask is not None and num_new > self.prefill_chunk:
             raise SpecDecodeError(f"a token tree of {num_new} nodes exceeds prefill_chunk = {self.prefill_chunk}")
-        if any(not 0 <= layer < self.num_layers for layer in capture):
-            raise SpecDecodeError(f"capture layers must lie in 0..{self.num_layers - 1}, got {capture}")
+        if any(not 0 <= layer <= self.num_layers for layer in capture):
+            raise SpecDecodeError(f"capture layers must lie in 0..{self.num_layers}, got {capture}")
         if self.kernels is not None:
             return self.kernels.forward(input_ids, positions, tree_mask, last_only, return_hidden, capture,
                                         lazy_logits=lazy_logits)
@@ -701,6 +702,8 @@ class NativeRuntime:
             normed = _rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
             gate, up = _torch_linear(normed, layer.gate_up).chunk(2, dim=-1)
             hidden = hidden + _torch_linear(F.silu(gate) * up, layer.down)
+        if len(self.layers) in capture:  # the last layer's output (a Medusa head reads it)
+            captured[len(self.layers)] = hidden.float()
         if last_only:
             hidden = hidden[:, -1:]
         hidden = _rms_norm(hidden, w.norm, cfg.rms_norm_eps)

@@ -78,7 +78,7 @@ def parse_speculative_config(text: str | dict | None) -> tuple[SpeculativeConfig
     if model is not None and not isinstance(model, str):
         raise ConfigError(f"--speculative-config model must be a path or name, got {model!r}")
     if model is not None and method in ("none", "ngram"):  # it was taken and ignored
-        raise ConfigError(f"--speculative-config model is the drafter's weights (eagle) or token store (suffix); "
+        raise ConfigError(f"--speculative-config model is the drafter's weights (eagle, medusa) or token store (suffix); "
                           f"method {data.get('method', 'suffix')!r} reads none")
     if method == "none" and given & {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}:
         # taken and ignored, as model above
@@ -89,8 +89,8 @@ def parse_speculative_config(text: str | dict | None) -> tuple[SpeculativeConfig
         raise ConfigError(f"--speculative-config router must be true or false, got {router!r}")
     if method in ("draft", "tree"):  # before the config, whose own complaint names CLI flags serve lacks
         raise ConfigError(f"method {data.get('method')!r} is not served by the batched engine yet (a draft model keeps "
-                          "one sequence's cache; trees need per-row masks); serve 'suffix', 'ngram' or 'eagle' "
-                          "(chains)")
+                          "one sequence's cache; trees need per-row masks); serve 'suffix', 'ngram', 'eagle' (chains) "
+                          "or 'medusa'")
     spec = SpeculativeConfig(method=method, k=k, draft=model, ngram_sizes=ngram,
                              k_policy=data.get("k_policy", "cost"), k_max=_spec_int(data, "k_max", 10),
                              tree_width=1 if method in ("eagle", "tree") else None)
@@ -108,6 +108,11 @@ def drafter_entry(spec: SpeculativeConfig, target, engine_config: EngineConfig):
 
         def make_proposer():  # each row its own cache and kernel layer; the head's packed weights are shared
             return EagleProposer(template.head, template.embed_rows)
+    elif spec.method == "medusa":
+        from ..proposers.medusa import MedusaProposer
+
+        def make_proposer():  # the heads (and their packed rows) are shared; each row keeps its last state
+            return MedusaProposer(template.heads, template.capture[0])
     elif spec.method == "suffix":
         from ..proposers.suffix import SuffixProposer
 

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import random
-import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +30,7 @@ import torch.nn.functional as F
 from ..config import ConfigError, SpecDecodeError
 from ..proposers.eagle_head import EagleConfig, EagleHead
 from .data import read_records
+from .loop import Checkpoint, learning_rate
 
 HELD_OUT_EVERY = 20  # prompts whose index % 20 == 19 are held out for evaluation
 SHARD_TOKENS = 65536
@@ -118,9 +117,11 @@ def extract_features(runtime, sequences: list[Sequence], capture: tuple[int, ...
     batch, size = [], 0
     for position, (key, sequence) in enumerate(todo):
         runtime.reset(len(sequence.ids))
-        logits, hidden, features = runtime(torch.tensor([sequence.ids]), return_hidden=True, capture=capture)
-        record = {"key": key, "features": features[0].to(torch.bfloat16),
-                  "final": hidden[0].float().to(torch.bfloat16), "argmax": logits[0].argmax(-1).to(torch.int32)}
+        outputs = runtime(torch.tensor([sequence.ids]), return_hidden=True, capture=capture)
+        logits, hidden = outputs[0], outputs[1]
+        record = {"key": key, "final": hidden[0].float().to(torch.bfloat16), "argmax": logits[0].argmax(-1).to(torch.int32)}
+        if capture:  # no capture layers: the final states and argmax alone (Medusa heads read no more)
+            record["features"] = outputs[2][0].to(torch.bfloat16)
         records[key] = record
         batch.append(record)
         size += len(sequence.ids)
@@ -244,6 +245,11 @@ def batches(items: list, batch_tokens: int, seed: int) -> list[list]:
     return groups
 
 
+def data_fingerprint(items: list) -> str:
+    """The training sequences a run trains on, as one short hash."""
+    return hashlib.sha1("|".join(sorted(sequence_key(s.ids) for s, _ in items)).encode()).hexdigest()[:16]
+
+
 def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_steps: int = 3, minutes: float = 60.0,
                 lr: float = 3e-4, batch_tokens: int = 2048, corpus_tokens: int = 200_000, max_length: int = 768,
                 seed: int = 0, init: Path | None = None, log=print, bf16: bool = False) -> dict:
@@ -297,68 +303,20 @@ def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_
         with torch.no_grad():
             head.lm_head.weight.copy_(target_rows)  # start from the target's rows
     trainer = Trainer(head, embed, target_rows.contiguous(), lr, ttt_steps, bf16=bf16)
-    checkpoint = out / "checkpoint.pt"
-    state = {"epoch": 0, "batch": 0, "seconds": 0.0, "steps": 0}
     # the recipe; a resumed run must share it with the one it continues (--minutes may grow)
     # the training sequences themselves: a resumed run continues the batch order of the
     # same data (data grown or rebuilt since would shift every batch under the saved offset)
-    data = hashlib.sha1("|".join(sorted(sequence_key(s.ids) for s, _ in train_items)).encode()).hexdigest()[:16]
     settings = {"ttt_steps": ttt_steps, "lr": lr, "batch_tokens": batch_tokens, "corpus_tokens": corpus_tokens,
                 "max_length": max_length, "seed": seed, "bf16": bf16, "init": None if init is None else str(init),
-                "target": identity, "data": data}
-    if checkpoint.is_file():
-        saved = torch.load(checkpoint, weights_only=False)
-        if saved["config"] != config.__dict__:
-            named = ", ".join(f"{k} {v!r} -> {config.__dict__[k]!r}" for k, v in saved["config"].items()
-                              if config.__dict__.get(k) != v)
-            raise SpecDecodeError(f"{checkpoint} trains a head of another shape ({named}); resume with the same "
-                                  "--draft-vocab and --init, or use another --out")
-        if not torch.equal(saved["d2t"], head.d2t):
-            raise SpecDecodeError(f"{checkpoint} trains another draft vocabulary (chosen from other data, or "
-                                  "another --init); resume with the same data and --init, or use another --out")
-        before = saved.get("settings", settings)  # checkpoints older than a field: that field unchecked
-        differ = {k: (before[k], v) for k, v in settings.items() if k in before and before[k] != v}
-        if differ:
-            named = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in differ.items())
-            raise SpecDecodeError(f"{checkpoint} was trained with other settings ({named}); "
-                                  "resume with the same ones, or use another --out")
-        head.load_state_dict(saved["head"])
-        trainer.optimizer.load_state_dict(saved["optimizer"])
-        state = saved["state"]
-        log(f"resumed from {checkpoint}: epoch {state['epoch']}, batch {state['batch']}, {state['seconds'] / 60:.1f} min")
+                "target": identity, "data": data_fingerprint(train_items)}
+    checkpoint = Checkpoint(out / "checkpoint.pt", head, trainer.optimizer, config.__dict__, head.d2t, settings)
+    checkpoint.resume(log, "--draft-vocab and --init")
 
-    def save() -> None:
-        torch.save({"config": config.__dict__, "settings": settings, "d2t": head.d2t, "head": head.state_dict(),
-                    "optimizer": trainer.optimizer.state_dict(), "state": state}, checkpoint.with_suffix(".tmp"))
-        checkpoint.with_suffix(".tmp").rename(checkpoint)
+    def step(batch, progress: float, steps: int) -> tuple[float, float]:
+        return trainer.step(batch, learning_rate(lr, steps, progress))
 
-    budget = minutes * 60.0
-    started, last_save = time.perf_counter() - state["seconds"], time.perf_counter()
-    bar = tqdm(total=round(budget), unit="s", desc="training", initial=round(state["seconds"]))
-    recent: list[float] = []
-    while state["seconds"] < budget:
-        groups = batches(train_items, batch_tokens, seed + state["epoch"])
-        for batch in groups[state["batch"]:]:
-            progress = min(state["seconds"] / budget, 1.0)
-            rate = lr * min(1.0, (state["steps"] + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-            loss, top1 = trainer.step(batch, rate)
-            state["batch"] += 1
-            state["steps"] += 1
-            recent = (recent + [top1])[-50:]
-            now = time.perf_counter()
-            bar.update(round(now - started) - bar.n)
-            bar.set_postfix(epoch=state["epoch"], loss=f"{loss:.3f}", top1=f"{sum(recent) / len(recent):.2f}")
-            state["seconds"] = now - started
-            if now - last_save > 300:
-                save()
-                last_save = now
-            if state["seconds"] >= budget:
-                break
-        else:
-            state["epoch"] += 1
-            state["batch"] = 0
-    bar.close()
-    save()
+    checkpoint.train(minutes, lambda epoch: batches(train_items, batch_tokens, seed + epoch), step)
+    state = checkpoint.state
 
     report = evaluate(trainer, eval_items, batch_tokens)
     report.update({"train_minutes": round(state["seconds"] / 60, 1), "epochs": state["epoch"], "steps": state["steps"],

@@ -1,0 +1,195 @@
+"""Train Medusa heads for a target on this CPU (``specdecode train medusa``).
+
+Same data as the EAGLE head (``specdecode train data``: the target's own answers to our
+training prompts, and local code), same draft vocabulary rule and held-out prompts. The
+target runs once over every sequence and we keep, per token, its final normalised hidden
+state and its argmax (``eagle.extract_features`` without capture layers). Head i at
+position p learns the target's distribution at position p+i (over the draft vocabulary,
+soft cross-entropy, weighted 0.8^(i-1)): the token the target would put at p+1+i after
+the tokens actually there. Only the K residual blocks train; the norm and the output
+rows are the target's, frozen. Checkpoints every few minutes, resumable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ConfigError, SpecDecodeError
+from ..proposers.medusa import MedusaConfig, MedusaHeads
+from .eagle import batches, data_fingerprint, draft_vocabulary, extract_features, sequence_key, training_sequences
+from .loop import Checkpoint, learning_rate
+
+HEAD_DECAY = 0.8
+
+
+def check_medusa_settings(heads: int, draft_vocab: int, minutes: float, lr: float, batch_tokens: int,
+                          max_length: int) -> None:
+    if not 1 <= heads <= 8:
+        raise ConfigError(f"--heads must be in 1..8, got {heads}")
+    if draft_vocab < 16:
+        raise ConfigError(f"--draft-vocab must be >= 16, got {draft_vocab}")
+    if minutes <= 0:
+        raise ConfigError(f"--minutes must be > 0, got {minutes}")
+    if not 0 < lr < 1:
+        raise ConfigError(f"--lr must be in (0, 1), got {lr}")
+    if batch_tokens < 16:
+        raise ConfigError(f"--batch-tokens must be >= 16, got {batch_tokens}")
+    if max_length < 3:
+        raise ConfigError(f"--max-length must be >= 3 (a prompt token and two to predict), got {max_length}")
+
+
+def padded(batch: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch of (sequence, record) as final states [B, T, H], the target's argmax [B, T],
+    rows that train [B, T] (answer positions, or every position of a corpus chunk) and rows
+    that exist [B, T]."""
+    length = max(len(s.ids) for s, _ in batch)
+    hidden_size = batch[0][1]["final"].shape[-1]
+    final = torch.zeros(len(batch), length, hidden_size)
+    argmax = torch.full((len(batch), length), -1, dtype=torch.int64)
+    trained = torch.zeros(len(batch), length, dtype=torch.bool)
+    present = torch.zeros(len(batch), length, dtype=torch.bool)
+    for b, (sequence, record) in enumerate(batch):
+        n = len(sequence.ids)
+        final[b, :n] = record["final"].float()
+        argmax[b, :n] = record["argmax"].long()
+        trained[b, max(sequence.trained_from, 0) : n] = True
+        present[b, :n] = True
+    return final, argmax, trained, present
+
+
+class MedusaTrainer:
+    def __init__(self, heads: MedusaHeads, lr: float):
+        self.heads = heads
+        self.t2d = torch.full((heads.config.target_vocab_size,), -1, dtype=torch.int64)
+        self.t2d[heads.d2t] = torch.arange(heads.d2t.numel())
+        self.optimizer = torch.optim.AdamW(heads.blocks.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+    def batch_loss(self, batch: list) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The weighted loss, and per head i (1..K) which rows p agree with the target's
+        argmax at p+i and which count ([B, T - i] bool each)."""
+        final, argmax, trained, present = padded(batch)
+        length = final.shape[1]
+        states = self.heads.states(final)  # [B, T, K, H]
+        rows = self.heads.rows
+        total = torch.zeros(())
+        agreement = []
+        for i in range(1, self.heads.config.num_heads + 1):
+            span = max(length - i, 0)
+            target_ids = argmax[:, i : i + span]
+            mask = trained[:, :span] & present[:, i : i + span]
+            in_vocab = mask & (self.t2d[target_ids.clamp(min=0)] >= 0)
+            logits = self.heads.logits(states[:, :span, i - 1][in_vocab])  # [n, N]
+            with torch.no_grad():
+                target_probs = (final[:, i : i + span][in_vocab] @ rows.T).softmax(-1)
+            per_row = F.cross_entropy(logits, target_probs, reduction="none")
+            total = total + HEAD_DECAY ** (i - 1) * per_row.sum() / max(per_row.numel(), 1)
+            correct = torch.zeros_like(mask)
+            correct[in_vocab] = self.heads.d2t[logits.detach().argmax(-1)] == target_ids[in_vocab]
+            agreement.append((correct, mask))
+        return total, agreement
+
+    def step(self, batch: list, lr: float) -> tuple[float, float]:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.heads.train()
+        loss, agreement = self.batch_loss(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.heads.blocks.parameters(), 1.0)
+        self.optimizer.step()
+        correct, mask = agreement[0]
+        return float(loss.detach()), float((correct & mask).sum()) / max(int(mask.sum()), 1)
+
+
+@torch.no_grad()
+def evaluate_medusa(trainer: MedusaTrainer, items: list, batch_tokens: int) -> dict:
+    """On held-out greedy answers (the tokens after p are the target's own greedy choices,
+    so head i's guess is accepted exactly when it equals the target's argmax at p+i): each
+    head's agreement, and τ of greedy chains of k = 1..K drafts (rows p with all K heads
+    inside the answer), the leading run of agreeing heads plus the target's own token."""
+    trainer.heads.eval()
+    heads = trainer.heads.config.num_heads
+    greedy = [item for item in items if item[0].greedy]
+    agree, counted = [0] * heads, [0] * heads
+    accepted_at = [0] * (heads + 1)
+    for batch in batches(greedy, batch_tokens, 0):
+        _, agreement = trainer.batch_loss(batch)
+        for j, (correct, mask) in enumerate(agreement):
+            agree[j] += int((correct & mask).sum())
+            counted[j] += int(mask.sum())
+        full = agreement[-1][1].shape[1]
+        if full == 0:
+            continue
+        rows_ok = torch.stack([m[:, :full] for _, m in agreement]).all(0)
+        run = torch.ones_like(rows_ok)
+        lengths = torch.zeros(rows_ok.shape, dtype=torch.int64)
+        for correct, _ in agreement:
+            run = run & correct[:, :full]
+            lengths += run.long()
+        for a in range(heads + 1):
+            accepted_at[a] += int(((lengths == a) & rows_ok).sum())
+    chains = sum(accepted_at)
+    taus = [1 + sum(min(a, k) * n for a, n in enumerate(accepted_at)) / max(chains, 1) for k in range(1, heads + 1)]
+    rates = [a / c if c else 0.0 for a, c in zip(agree, counted)]
+    return {"held_out_chains": chains, "agreement_per_head": [round(r, 4) for r in rates],
+            "first_token_agreement": round(rates[0], 4), "chain_tau": {k + 1: round(t, 3) for k, t in enumerate(taus)}}
+
+
+def train_medusa(target, data_dir: Path, out: Path, heads: int = 3, draft_vocab: int = 8192, minutes: float = 20.0,
+                 lr: float = 1e-3, batch_tokens: int = 4096, corpus_tokens: int = 200_000, max_length: int = 768,
+                 seed: int = 0, log=print) -> dict:
+    """The whole recipe; returns the evaluation report (also written to OUT/report.json)."""
+    from tqdm import tqdm
+
+    from .data import target_identity
+
+    check_medusa_settings(heads, draft_vocab, minutes, lr, batch_tokens, max_length)
+    runtime = target.runtime
+    if not hasattr(runtime, "weights"):
+        raise ConfigError("Medusa heads train on the native runtime (they read the target's hidden states)")
+    cfg = runtime.cfg
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    sequences = training_sequences(Path(data_dir), corpus_tokens, max_length, cfg.vocab_size)
+    if not any(not s.held_out for s in sequences):
+        raise SpecDecodeError(f"{data_dir} gives no training sequence of 3 tokens or more (with --max-length "
+                              f"{max_length} and --corpus-tokens {corpus_tokens}); build more with "
+                              "`specdecode train data`")
+    identity = target_identity(target)
+    config = MedusaConfig(cfg.hidden_size, heads, cfg.vocab_size, min(draft_vocab, cfg.vocab_size), cfg.rms_norm_eps)
+    medusa = MedusaHeads(config)
+    medusa.set_draft_vocab(draft_vocabulary(sequences, config.draft_vocab_size, cfg.vocab_size, target.eos_token_ids))
+    weights = runtime.weights
+    medusa.bind(weights.norm, weights.lm_head.dequantize())
+
+    with tqdm(total=sum(len(s.ids) for s in sequences), unit="tok", desc="target states") as bar:
+        features_dir = out / "features" / hashlib.sha1(f"{identity}|final".encode()).hexdigest()[:12]
+        records = extract_features(runtime, sequences, (), features_dir, bar.update)
+    train_items = [(s, records[sequence_key(s.ids)]) for s in sequences if not s.held_out]
+    eval_items = [(s, records[sequence_key(s.ids)]) for s in sequences if s.held_out]
+    log(f"sequences: {len(train_items)} training ({sum(len(s.ids) for s, _ in train_items)} tokens), "
+        f"{len(eval_items)} held out; {heads} heads, draft vocabulary {config.draft_vocab_size} of {cfg.vocab_size}")
+
+    trainer = MedusaTrainer(medusa, lr)
+    settings = {"lr": lr, "batch_tokens": batch_tokens, "corpus_tokens": corpus_tokens, "max_length": max_length,
+                "seed": seed, "target": identity, "data": data_fingerprint(train_items)}
+    checkpoint = Checkpoint(out / "checkpoint.pt", medusa, trainer.optimizer, config.__dict__, medusa.d2t, settings)
+    checkpoint.resume(log, "--heads and --draft-vocab")
+    checkpoint.train(minutes, lambda epoch: batches(train_items, batch_tokens, seed + epoch),
+                     lambda batch, progress, steps: trainer.step(batch, learning_rate(lr, steps, progress)))
+    state = checkpoint.state
+
+    report = evaluate_medusa(trainer, eval_items, batch_tokens)
+    report.update({"train_minutes": round(state["seconds"] / 60, 1), "epochs": state["epoch"], "steps": state["steps"],
+                   "train_tokens": sum(len(s.ids) for s, _ in train_items),
+                   "parameters": sum(p.numel() for p in medusa.blocks.parameters())})
+    medusa.save(out, {"target": getattr(getattr(target, "source", None), "name", None), "report": report,
+                      "recipe": {"heads": heads, "draft_vocab": config.draft_vocab_size, **settings}})
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+

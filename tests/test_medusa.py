@@ -1,0 +1,204 @@
+"""Medusa heads: the last layer's output as a capture, proposals that are the heads' own
+guesses at the right position, lossless decoding with random heads, files and errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import save_tiny_model
+from specdecode.config import ConfigError, SamplingParams, SpecDecodeError, SpeculativeConfig
+from specdecode.engine import SpeculativeEngine
+from specdecode.factory import VocabularyMismatchError, build_engine, build_proposer, load_model
+from specdecode.config import EngineConfig
+from specdecode.proposers.medusa import MedusaConfig, MedusaHeads, MedusaProposer
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("medusa")
+    return [load_model(save_tiny_model(root / f"t{s}", seed=s, num_layers=3), torch.float32, backend=backend)
+            for s, backend in ((40, "torch"), (41, "kernels"))]
+
+
+def random_heads(target, seed: int, heads: int = 3, draft_vocab: int = 60, std: float = 0.3) -> MedusaHeads:
+    cfg = target.runtime.cfg
+    torch.manual_seed(seed)
+    medusa = MedusaHeads(MedusaConfig(cfg.hidden_size, heads, cfg.vocab_size, draft_vocab, cfg.rms_norm_eps))
+    if std:
+        torch.nn.init.normal_(medusa.blocks.weight, std=std)
+        torch.nn.init.normal_(medusa.blocks.bias, std=std)
+    medusa.set_draft_vocab(torch.randperm(cfg.vocab_size)[:draft_vocab].sort().values)
+    weights = target.runtime.weights
+    return medusa.bind(weights.norm, weights.lm_head.dequantize())
+
+
+def last_layer_states(target, tokens: list[int]) -> torch.Tensor:
+    """The target's last-layer output at every position of ``tokens``, from one fresh pass."""
+    runtime = target.runtime
+    runtime.reset(len(tokens) + 1)
+    _, features = runtime(torch.tensor([tokens]), capture=(runtime.num_layers,))
+    return features[0]
+
+
+def test_the_last_layers_output_is_a_capture_that_gives_the_logits(targets):
+    """Capture index L (the layer count) is the last layer's output: the target's final norm
+    and output head on it give the target's logits, on the torch and the kernel backend."""
+    for target in targets:
+        runtime = target.runtime
+        tokens = [5, 17, 33, 8, 61, 12]
+        runtime.reset(len(tokens))
+        logits, features = runtime(torch.tensor([tokens]), capture=(0, runtime.num_layers))
+        final = features[0, :, runtime.cfg.hidden_size:]
+        heads = random_heads(target, 0, draft_vocab=runtime.vocab_size, std=0.0)
+        heads.set_draft_vocab(torch.arange(runtime.vocab_size))
+        heads.bind(runtime.weights.norm, runtime.weights.lm_head.dequantize())
+        rebuilt = heads.normalise(final) @ heads.rows.T
+        assert torch.allclose(rebuilt, logits[0].float(), atol=2e-3, rtol=1e-3), runtime.backend
+        assert not torch.equal(final, features[0, :, : runtime.cfg.hidden_size])
+        runtime.reset(4)
+        with pytest.raises(SpecDecodeError, match="capture layers must lie in 0..3"):
+            runtime(torch.tensor([[1, 2]]), capture=(runtime.num_layers + 1,))
+
+
+def test_untrained_heads_guess_the_targets_own_next_token(targets):
+    """A block starts at zero, so every head's guess from position n-2 is the target's own
+    argmax there: the proposal reads the state of the right position."""
+    target = targets[0]
+    heads = random_heads(target, 0, draft_vocab=target.runtime.vocab_size, std=0.0)
+    proposer = MedusaProposer(heads, target.runtime.num_layers, kernels=False)
+    committed = [7, 21, 40, 9, 13, 77]
+    states = last_layer_states(target, committed[:-1])
+    proposer.start(committed, 16)
+    proposer.observe(0, states, committed)
+    runtime = target.runtime
+    runtime.reset(len(committed))
+    expected = int(runtime(torch.tensor([committed[:-1]]))[0, -1].argmax())
+    assert proposer.propose(committed, 3, GREEDY, None).draft_ids.tolist() == [expected] * 3
+    # a committed sequence that moved on without the heads being told: no stale guesses
+    assert proposer.propose(committed + [5], 3, GREEDY, None).num_tokens == 0
+
+
+class Recording(MedusaProposer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen = []
+
+    def propose(self, tokens, k, params, generator):
+        proposal = super().propose(tokens, k, params, generator)
+        self.seen.append((list(tokens), k, proposal.draft_ids.tolist()))
+        return proposal
+
+
+def test_medusa_greedy_equals_plain_and_drafts_the_heads_own_guesses(targets):
+    """Lossless with random heads (both backends, k 1..4 with 3 heads), and every proposal
+    equals the heads applied to a fresh pass's state at position n-2 (a stale state would
+    keep the output lossless but ruin acceptance, so the drafts themselves are checked)."""
+    rng = random.Random(0)
+    checked = drafted = 0
+    for target in targets:
+        plain = SpeculativeEngine(target.runtime)
+        for seed in range(3):
+            heads = random_heads(target, seed)
+            proposer = Recording(heads, target.runtime.num_layers, kernels=False)
+            for k in (1, 2, 4):
+                engine = SpeculativeEngine(target.runtime, proposer=proposer, k=k)
+                prompt = [rng.randrange(3, 97) for _ in range(rng.randint(2, 12))]
+                proposer.seen.clear()
+                result = engine.generate(prompt, GREEDY)
+                assert result.token_ids == plain.generate(prompt, GREEDY).token_ids, (seed, k, prompt)
+                checked += 1
+                drafted += result.stats.draft_tokens
+                for tokens, asked, drafts in proposer.seen[:4]:
+                    state = last_layer_states(target, tokens[:-1])[-1]
+                    guesses = heads.logits(heads.states(heads.normalise(state), min(asked, 3))).argmax(-1)
+                    assert drafts == heads.d2t[guesses].tolist(), (seed, k)
+                assert all(len(drafts) == min(asked, 3) for _, asked, drafts in proposer.seen)
+    assert checked == 18 and drafted > 0
+
+
+def test_kernel_drafts_agree_with_torch_drafts(targets):
+    """Q8_0 blocks and rows on the kernels draft (nearly always) what fp32 torch drafts."""
+    target = targets[1]
+    same = total = 0
+    for seed in range(4):
+        heads = random_heads(target, seed)
+        fast = MedusaProposer(heads, target.runtime.num_layers)
+        assert heads.fast is not None
+        slow = MedusaProposer(random_heads(target, seed), target.runtime.num_layers, kernels=False)
+        for length in range(3, 12):
+            committed = [(seed * 7 + 3 * i) % 90 + 3 for i in range(length)]
+            states = last_layer_states(target, committed[:-1])
+            for proposer in (fast, slow):
+                proposer.start(committed, 40)
+                proposer.observe(0, states, committed)
+            a = fast.propose(committed, 3, GREEDY, None).draft_ids.tolist()
+            b = slow.propose(committed, 3, GREEDY, None).draft_ids.tolist()
+            same += sum(x == y for x, y in zip(a, b))
+            total += 3
+    assert same >= 0.9 * total, (same, total)
+
+
+def test_seeded_sampling_with_medusa_draws_plain_samplings_tokens(targets):
+    """Deterministic drafts are verified by the target's own draws: a seeded request's
+    tokens are exactly plain sampling's for that seed."""
+    for target in targets:
+        plain = SpeculativeEngine(target.runtime)
+        proposer = MedusaProposer(random_heads(target, 5), target.runtime.num_layers, kernels=False)
+        engine = SpeculativeEngine(target.runtime, proposer=proposer, k=3)
+        drafted = 0
+        for seed in range(4):
+            params = SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_new_tokens=24, ignore_eos=True)
+            result = engine.generate([4, 9, 16, 25], params)
+            assert result.token_ids == plain.generate([4, 9, 16, 25], params).token_ids, seed
+            drafted += result.stats.draft_tokens
+        assert drafted > 0
+
+
+def test_heads_files_round_trip_and_bad_heads_are_refused(targets, tmp_path):
+    target = targets[0]
+    heads = random_heads(target, 2)
+    heads.save(tmp_path / "heads", {"note": "test"})
+    loaded = MedusaHeads.load(tmp_path / "heads")
+    assert torch.equal(loaded.d2t, heads.d2t)
+    assert torch.equal(loaded.blocks.weight, heads.blocks.weight.to(torch.bfloat16).float())
+    # through the factory: bound to the target, drafting, lossless
+    spec = SpeculativeConfig(method="medusa", k=3, draft=str(tmp_path / "heads"))
+    proposer = build_proposer(spec, target, EngineConfig(dtype="fp32"))
+    assert isinstance(proposer, MedusaProposer) and proposer.capture == (target.runtime.num_layers,)
+    engine = SpeculativeEngine(target.runtime, proposer=proposer, k=3)
+    assert engine.generate([3, 4, 5], GREEDY).token_ids == SpeculativeEngine(target.runtime).generate([3, 4, 5], GREEDY).token_ids
+    with pytest.raises(ConfigError, match="Medusa heads not found: .*nowhere is not a directory"):
+        build_proposer(SpeculativeConfig(method="medusa", draft=str(tmp_path / "nowhere")), target, EngineConfig())
+    with pytest.raises(ConfigError, match="heads are shipped only for the default model"):
+        build_proposer(SpeculativeConfig(method="medusa"), target, EngineConfig())
+    # heads of another vocabulary
+    other = load_model(save_tiny_model(tmp_path / "other", seed=3, vocab_size=120), torch.float32)
+    with pytest.raises(VocabularyMismatchError, match="trained for a target with 97 tokens"):
+        build_proposer(spec, other, EngineConfig(dtype="fp32"))
+    # not Medusa heads: an EAGLE head's directory, or no files
+    (tmp_path / "eagle").mkdir()
+    (tmp_path / "eagle" / "config.json").write_text('{"architecture": "specdecode-eagle3"}')
+    (tmp_path / "eagle" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(SpecDecodeError, match="holds 'specdecode-eagle3', not Medusa heads"):
+        MedusaHeads.load(tmp_path / "eagle")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SpecDecodeError, match="is not a Medusa head directory"):
+        MedusaHeads.load(tmp_path / "empty")
+
+
+def test_medusa_through_build_engine_with_k_auto(targets, tmp_path):
+    """The whole path a user takes: the cost profile times the heads, acceptance is
+    calibrated, k is chosen per step, and the output is plain decoding's."""
+    target = targets[1]
+    random_heads(target, 7, std=0.05).save(tmp_path / "heads")
+    engine = build_engine(EngineConfig(dtype="fp32"), SpeculativeConfig(method="medusa", draft=str(tmp_path / "heads")),
+                          target=target)
+    plain = SpeculativeEngine(target.runtime)
+    for prompt in ([5, 6, 7, 8], [40, 41, 42, 40, 41, 42, 40]):
+        assert engine.generate(prompt, GREEDY).token_ids == plain.generate(prompt, GREEDY).token_ids
+    assert engine.drafter.startswith("medusa:")
