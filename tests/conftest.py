@@ -54,11 +54,15 @@ def tiny_draft_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny-draft"), "llama", seed=1, num_layers=1)
 
 
-@pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path_factory, monkeypatch):
-    """Unit tests never write to the user's cache; the slow tests share one conversion."""
-    if "SPECDECODE_CACHE" not in os.environ:
-        monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache(tmp_path_factory):
+    """Unit tests never write to the user's cache; the slow tests share one conversion.
+    Session-wide, so that module fixtures (a served app measuring its cost profile) see it
+    too: a function-scoped one was set only after them."""
+    with pytest.MonkeyPatch.context() as patch:
+        if "SPECDECODE_CACHE" not in os.environ:
+            patch.setenv("SPECDECODE_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+        yield
 
 
 def save_char_tokenizer(path):
