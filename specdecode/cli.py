@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = verbs.add_parser("check", help="is DRAFT a usable drafter for TARGET, and what speedup to expect")
     check.add_argument("target", help="model name, HF directory or .gguf")
-    check.add_argument("draft", help="model name, HF directory, .gguf, self:L, ngram, or an EAGLE head: eagle (the shipped one), eagle:DIR or DIR")
+    check.add_argument("draft", help="model name, HF directory, .gguf, self:L, ngram, or heads: eagle / medusa (the shipped ones), eagle:DIR, medusa:DIR or DIR")
     check.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     check.add_argument("--k", type=int, default=5, help="k for the calibration")
     check.add_argument("--no-calibration", action="store_true", help="tokenizer and architecture checks only")

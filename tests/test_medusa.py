@@ -202,3 +202,20 @@ def test_medusa_through_build_engine_with_k_auto(targets, tmp_path):
     for prompt in ([5, 6, 7, 8], [40, 41, 42, 40, 41, 42, 40]):
         assert engine.generate(prompt, GREEDY).token_ids == plain.generate(prompt, GREEDY).token_ids
     assert engine.drafter.startswith("medusa:")
+
+
+def test_check_understands_medusa_heads(targets, tmp_path):
+    from specdecode.analysis.compat import check_static, head_kind
+
+    target = targets[0]
+    random_heads(target, 1).save(tmp_path / "heads", {"target": "some-other-model"})
+    target_dir = str(target.source.path)
+    for draft in (str(tmp_path / "heads"), f"medusa:{tmp_path / 'heads'}"):
+        assert head_kind(draft) == "medusa"
+        result = check_static(target_dir, draft)
+        assert result.compatible and "3 Medusa heads" in str(result.lines), result.lines
+        assert ("trained for", "WARN") in [(name, status) for name, status, _ in result.lines]
+    other = load_model(save_tiny_model(tmp_path / "wide", seed=2, hidden_size=32), torch.float32)
+    bad = check_static(str(other.source.path), str(tmp_path / "heads"))
+    assert not bad.compatible and "head 64, target 32" in str(bad.lines)
+    assert not check_static(target_dir, f"medusa:{tmp_path / 'nothing'}").compatible

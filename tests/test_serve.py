@@ -325,6 +325,33 @@ def test_audit_reruns_greedy_and_sampled_requests_and_finds_no_mismatch(model_di
         assert state.auditor.mismatches == []
 
 
+def test_medusa_is_served_losslessly_with_its_own_figures(model_dir, tmp_path):
+    """vLLM's method name 'medusa' with trained heads' directory as the model: each row its
+    own proposer over shared heads, greedy output plain decoding's."""
+    from specdecode.proposers.medusa import MedusaConfig, MedusaHeads
+
+    target = load_model(str(model_dir), torch.float32, backend="torch")
+    cfg = target.runtime.cfg
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig(cfg.hidden_size, 3, cfg.vocab_size, 50, cfg.rms_norm_eps))
+    torch.nn.init.normal_(heads.blocks.weight, std=0.05)
+    heads.set_draft_vocab(torch.arange(50))
+    heads.save(tmp_path / "heads")
+    spec = json.dumps({"method": "medusa", "model": str(tmp_path / "heads"), "num_speculative_tokens": 3})
+    client, state = make_client(model_dir, spec, max_num_seqs=2)
+    with client:
+        api = openai_client(client)
+        drafted = 0
+        for prompt in ("abcabcabc", "hello there", "0123401234"):
+            completion = api.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
+            expected = reference(target, target.tokenizer(prompt)["input_ids"], 16)
+            assert completion.choices[0].text == expected.text, prompt
+            extension = completion.model_extra["speculative"]
+            assert extension["method"] == "medusa"
+            drafted += extension["drafted_tokens"]
+        assert drafted > 0
+
+
 def test_speculative_config_takes_vllm_keys():
     spec, router = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4, '
                                             '"prompt_lookup_min": 2, "prompt_lookup_max": 5}')
@@ -337,7 +364,9 @@ def test_speculative_config_takes_vllm_keys():
         parse_speculative_config('{"method": "none", "num_speculative_tokens": 3}')
     spec, _ = parse_speculative_config(json.dumps({"method": "eagle3", "num_speculative_tokens": "auto"}))
     assert spec.method == "eagle" and spec.k == "auto" and spec.tree_width == 1
-    for bad, fragment in (('{"method": "medusa"}', "unknown speculative method"), ("{oops", "not valid JSON"),
+    spec, _ = parse_speculative_config('{"method": "medusa", "model": "heads/m", "num_speculative_tokens": 2}')
+    assert spec.method == "medusa" and spec.k == 2 and spec.draft == "heads/m"
+    for bad, fragment in (('{"method": "hydra"}', "unknown speculative method"), ("{oops", "not valid JSON"),
                           ('{"methd": "ngram"}', "unknown keys"),
                           ('{"method": "ngram", "model": "heads/x"}', "method 'ngram' reads none"),
                           # it named --draft, which serve does not have (found in review)

@@ -51,7 +51,7 @@ def check_static(target: str, draft: str) -> CheckResult:
     result = CheckResult(target, draft)
     target_source = resolve_model(target)
     if is_head(draft):
-        return check_head(result, target_source, head_directory(draft))
+        return check_head(result, target_source, head_directory(draft), head_kind(draft))
     if draft.startswith("self:"):
         self_draft_layers(draft, target_source.config.get("num_hidden_layers", 0))
     if draft.startswith("self:") or draft == "ngram":
@@ -96,49 +96,66 @@ def check_static(target: str, draft: str) -> CheckResult:
     return result
 
 
-def is_head(draft: str) -> bool:
-    """'eagle' (the shipped head), 'eagle:DIR', or a directory holding an EAGLE head in any
-    layout it loads from (ours, vLLM/EAGLE's eagle3, speculators')."""
+def head_kind(draft: str) -> str | None:
+    """"eagle" for 'eagle' (the shipped head), 'eagle:DIR', or a directory holding an EAGLE
+    head in any layout it loads from (ours, vLLM/EAGLE's eagle3, speculators'); "medusa"
+    for 'medusa', 'medusa:DIR' or a directory of Medusa heads; else None."""
     from ..config import SpecDecodeError
     from ..proposers.eagle_formats import detect
+    from ..proposers.medusa import ARCHITECTURE
 
-    if draft == "eagle" or draft.startswith("eagle:"):
-        return True
+    for kind in ("eagle", "medusa"):
+        if draft == kind or draft.startswith(f"{kind}:"):
+            return kind
     config = Path(draft) / "config.json"
     if not config.is_file():
-        return False
+        return None
     try:
         raw = json.loads(config.read_text())
-        return isinstance(raw, dict) and bool(detect(raw))
+        if isinstance(raw, dict) and raw.get("architecture") == ARCHITECTURE:
+            return "medusa"
+        return "eagle" if isinstance(raw, dict) and detect(raw) else None
     except (ValueError, SpecDecodeError):  # not JSON, or a model's config rather than a head's
-        return False
+        return None
+
+
+def is_head(draft: str) -> bool:
+    return head_kind(draft) is not None
 
 
 def head_directory(draft: str) -> Path:
-    from ..factory import DEFAULT_EAGLE_HEAD
+    from ..factory import DEFAULT_EAGLE_HEAD, DEFAULT_MEDUSA_HEADS
 
-    if draft == "eagle":
-        return DEFAULT_EAGLE_HEAD
-    return Path(draft.removeprefix("eagle:"))
+    defaults = {"eagle": DEFAULT_EAGLE_HEAD, "medusa": DEFAULT_MEDUSA_HEADS}
+    if draft in defaults:
+        return defaults[draft]
+    return Path(draft.removeprefix("eagle:").removeprefix("medusa:"))
 
 
-def check_head(result: CheckResult, target_source, directory: Path) -> CheckResult:
-    """An EAGLE head against a target: sizes, the layers it reads, its draft vocabulary."""
+def check_head(result: CheckResult, target_source, directory: Path, kind: str = "eagle") -> CheckResult:
+    """An EAGLE head or Medusa heads against a target: sizes, the layers read, the draft
+    vocabulary, the target trained for."""
     from ..proposers.eagle_head import EagleHead
+    from ..proposers.medusa import MedusaHeads
 
     try:
-        head = EagleHead.load(directory)
+        head = MedusaHeads.load(directory) if kind == "medusa" else EagleHead.load(directory)
     except SpecDecodeError as error:
         result.add("head files", "FAIL", str(error))
         return result
     c, config = head.config, target_source.config
     vocab, hidden, layers = config.get("vocab_size"), config.get("hidden_size"), config.get("num_hidden_layers")
-    result.add("head files", "OK", f"{directory} ({sum(p.numel() for p in head.parameters()) / 1e6:.1f}M parameters)")
+    what = f"{c.num_heads} Medusa heads, " if kind == "medusa" else ""
+    result.add("head files", "OK", f"{directory} ({what}{sum(p.numel() for p in head.parameters()) / 1e6:.1f}M parameters)")
     result.add("vocabulary size", "OK" if c.target_vocab_size == vocab else "FAIL",
                f"head trained for {c.target_vocab_size} tokens, target has {vocab}")
     result.add("hidden size", "OK" if c.hidden_size == hidden else "FAIL", f"head {c.hidden_size}, target {hidden}")
-    fits = layers is not None and max(c.capture_layers) < layers
-    result.add("captured layers", "OK" if fits else "FAIL", f"reads the inputs of layers {list(c.capture_layers)} of {layers}")
+    if kind == "medusa":
+        result.add("captured layers", "OK", "reads the last layer's output")
+    else:
+        fits = layers is not None and max(c.capture_layers) < layers
+        result.add("captured layers", "OK" if fits else "FAIL",
+                   f"reads the inputs of layers {list(c.capture_layers)} of {layers}")
     highest = int(head.d2t.max()) if head.d2t.numel() else -1
     if highest < (vocab or 0):
         result.add("draft vocabulary", "OK",
@@ -166,7 +183,7 @@ def calibrate(target: str, draft: str, dtype: str = "bf16", k: int = 5) -> dict:
     from ..factory import build_proposer, calibration_runs, cost_profile, drafter_key, load_target
 
     if is_head(draft):
-        spec = SpeculativeConfig(method="eagle", k=k, draft=str(head_directory(draft)))
+        spec = SpeculativeConfig(method=head_kind(draft), k=k, draft=str(head_directory(draft)))
     else:
         method = "ngram" if draft == "ngram" else "draft"
         spec = SpeculativeConfig(method=method, k=k, draft=None if method == "ngram" else draft)
