@@ -339,27 +339,43 @@ def evaluate(trainer: Trainer, items: list, batch_tokens: int, steps: int | None
     is exactly the accepted length of a greedy chain of k <= ``steps`` drafts."""
     trainer.head.eval()
     steps = steps or max(EVAL_STEPS, trainer.ttt_steps)
-    greedy = [item for item in items if item[0].greedy]
-    agree, counted = [0] * steps, [0] * steps
-    accepted_at = [0] * (steps + 1)  # chains (rows with all S steps counted) accepting exactly a drafts
-    for batch in batches(greedy, batch_tokens, 0):
-        _, agreement = trainer.batch_loss(batch, steps)
+    tally = ChainTally(steps)
+    for batch in batches([item for item in items if item[0].greedy], batch_tokens, 0):
+        tally.add(trainer.batch_loss(batch, steps)[1])
+    return tally.report("agreement_per_step")
+
+
+class ChainTally:
+    """Agreement per draft position and the accepted lengths of greedy chains, summed over
+    batches of per-position (correct, counted) masks [B, rows - j]: a chain from row p is
+    accepted up to its first disagreeing position; only rows whose every position counts
+    are chains."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+        self.agree, self.counted = [0] * steps, [0] * steps
+        self.accepted_at = [0] * (steps + 1)  # chains accepting exactly a drafts
+
+    def add(self, agreement: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for j, (correct, mask) in enumerate(agreement):
-            agree[j] += int((correct & mask).sum())
-            counted[j] += int(mask.sum())
+            self.agree[j] += int((correct & mask).sum())
+            self.counted[j] += int(mask.sum())
         full = agreement[-1][1].shape[1]
         if full == 0:
-            continue
+            return
         rows_ok = torch.stack([m[:, :full] for _, m in agreement]).all(0)  # [B, full]
         run = torch.ones_like(rows_ok)
         lengths = torch.zeros(rows_ok.shape, dtype=torch.int64)
         for correct, _ in agreement:
             run = run & correct[:, :full]
             lengths += run.long()
-        for a in range(steps + 1):
-            accepted_at[a] += int(((lengths == a) & rows_ok).sum())
-    chains = sum(accepted_at)
-    taus = [1 + sum(min(a, k) * n for a, n in enumerate(accepted_at)) / max(chains, 1) for k in range(1, steps + 1)]
-    rates = [a / c if c else 0.0 for a, c in zip(agree, counted)]
-    return {"held_out_chains": chains, "agreement_per_step": [round(r, 4) for r in rates],
-            "first_token_agreement": round(rates[0], 4), "chain_tau": {k + 1: round(t, 3) for k, t in enumerate(taus)}}
+        for a in range(self.steps + 1):
+            self.accepted_at[a] += int(((lengths == a) & rows_ok).sum())
+
+    def report(self, per_position: str) -> dict:
+        chains = sum(self.accepted_at)
+        taus = [1 + sum(min(a, k) * n for a, n in enumerate(self.accepted_at)) / max(chains, 1)
+                for k in range(1, self.steps + 1)]
+        rates = [a / c if c else 0.0 for a, c in zip(self.agree, self.counted)]
+        return {"held_out_chains": chains, per_position: [round(r, 4) for r in rates],
+                "first_token_agreement": round(rates[0], 4), "chain_tau": {k + 1: round(t, 3) for k, t in enumerate(taus)}}

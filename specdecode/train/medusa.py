@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ..config import ConfigError, SpecDecodeError
 from ..proposers.medusa import MedusaConfig, MedusaHeads
-from .eagle import batches, data_fingerprint, draft_vocabulary, extract_features, sequence_key, training_sequences
+from .eagle import ChainTally, batches, data_fingerprint, draft_vocabulary, extract_features, sequence_key, training_sequences
 from .loop import Checkpoint, learning_rate
 
 HEAD_DECAY = 0.8
@@ -113,31 +113,10 @@ def evaluate_medusa(trainer: MedusaTrainer, items: list, batch_tokens: int) -> d
     head's agreement, and τ of greedy chains of k = 1..K drafts (rows p with all K heads
     inside the answer), the leading run of agreeing heads plus the target's own token."""
     trainer.heads.eval()
-    heads = trainer.heads.config.num_heads
-    greedy = [item for item in items if item[0].greedy]
-    agree, counted = [0] * heads, [0] * heads
-    accepted_at = [0] * (heads + 1)
-    for batch in batches(greedy, batch_tokens, 0):
-        _, agreement = trainer.batch_loss(batch)
-        for j, (correct, mask) in enumerate(agreement):
-            agree[j] += int((correct & mask).sum())
-            counted[j] += int(mask.sum())
-        full = agreement[-1][1].shape[1]
-        if full == 0:
-            continue
-        rows_ok = torch.stack([m[:, :full] for _, m in agreement]).all(0)
-        run = torch.ones_like(rows_ok)
-        lengths = torch.zeros(rows_ok.shape, dtype=torch.int64)
-        for correct, _ in agreement:
-            run = run & correct[:, :full]
-            lengths += run.long()
-        for a in range(heads + 1):
-            accepted_at[a] += int(((lengths == a) & rows_ok).sum())
-    chains = sum(accepted_at)
-    taus = [1 + sum(min(a, k) * n for a, n in enumerate(accepted_at)) / max(chains, 1) for k in range(1, heads + 1)]
-    rates = [a / c if c else 0.0 for a, c in zip(agree, counted)]
-    return {"held_out_chains": chains, "agreement_per_head": [round(r, 4) for r in rates],
-            "first_token_agreement": round(rates[0], 4), "chain_tau": {k + 1: round(t, 3) for k, t in enumerate(taus)}}
+    tally = ChainTally(trainer.heads.config.num_heads)
+    for batch in batches([item for item in items if item[0].greedy], batch_tokens, 0):
+        tally.add(trainer.batch_loss(batch)[1])
+    return tally.report("agreement_per_head")
 
 
 def train_medusa(target, data_dir: Path, out: Path, heads: int = 3, draft_vocab: int = 8192, minutes: float = 20.0,
