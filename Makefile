@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= Summarize in two sentences: The town of Westbrook opened its first public library in 1902 with a donation of 400 books from a local merchant. For decades the library occupied two rooms above the post office. In 1958 the town council approved a new building on Elm Street, which doubled the collection and added a children's reading room.
 
-.PHONY: install demo test bench peers eagle-head suffix-store
+.PHONY: install demo test bench peers eagle-head medusa-heads suffix-store
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,18 @@ eagle-head: install
 	$(BIN)/specdecode train eagle --data data/train --out data/eagle --minutes $(EAGLE_MINUTES) --corpus-tokens 60000 --bf16 && \
 	$(BIN)/python scripts/ship_head.py data/eagle --data data/train --command "make eagle-head" \
 		--wall-time "$$(( ($$(date +%s) - start) / 60 )) min for make eagle-head on $$(nproc) cores of $$(uname -m), $$(date -u +%F)"
+
+# The shipped Medusa heads: the target's answers to the first 1,000 training prompts (greedy
+# plus one sampled row each; training reads every answer in data/train, so after
+# `make eagle-head` all 1,984 prompts'), 100k tokens of the standard library, and 20 minutes
+# of training the heads' blocks. Resumable at every stage.
+MEDUSA_MINUTES ?= 20
+medusa-heads: install
+	start=$$(date +%s) && \
+	$(BIN)/specdecode train data --out data/train --prompts 1000 --batch 16 --corpus-tokens 300000 && \
+	$(BIN)/specdecode train medusa --data data/train --out data/medusa --minutes $(MEDUSA_MINUTES) --corpus-tokens 100000 && \
+	$(BIN)/python scripts/ship_head.py data/medusa --kind medusa --data data/train --command "make medusa-heads" \
+		--wall-time "$$(( ($$(date +%s) - start) / 60 )) min for make medusa-heads on $$(nproc) cores of $$(uname -m), $$(date -u +%F)"
 
 # The shipped token store for --method suffix: the target's answers to all 2,884 training
 # prompts (greedy plus one sampled row each; resumes the answers `make eagle-head` made),

@@ -1,9 +1,9 @@
-"""Copy a trained EAGLE head into the package as the default model's head, with a manifest.
+"""Copy a trained EAGLE head (or Medusa heads) into the package as the default model's, with a manifest.
 
-    python scripts/ship_head.py data/eagle [--data data/train] [--command "..."] [--wall-time "..."]
+    python scripts/ship_head.py data/eagle [--kind eagle|medusa] [--data data/train] [--command "..."] [--wall-time "..."]
 
-Writes specdecode/data/heads/smollm2-135m-instruct-eagle3/{config.json, model.safetensors,
-MANIFEST.json}: sha256 and size of each file, the command that reproduces the head, the
+Writes specdecode/data/heads/smollm2-135m-instruct-eagle3/ (--kind medusa:
+smollm2-135m-instruct-medusa/) {config.json, model.safetensors, MANIFEST.json}: sha256 and size of each file, the command that reproduces the head, the
 data recipe (from the data directory's summary and settings), the training report (from
 the head's config.json), the whole wall time as given (--wall-time), and those of the heads
 it was trained on from (--init).
@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from specdecode.factory import DEFAULT_EAGLE_HEAD  # noqa: E402
+from specdecode.factory import DEFAULT_EAGLE_HEAD, DEFAULT_MEDUSA_HEADS  # noqa: E402
 
 FILES = ("config.json", "model.safetensors")
 
@@ -53,28 +53,30 @@ def earlier_stages(config: dict) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("head", help="directory written by specdecode train eagle")
+    parser.add_argument("head", help="directory written by specdecode train eagle (or train medusa)")
+    parser.add_argument("--kind", default="eagle", choices=["eagle", "medusa"], help="which default it becomes")
     parser.add_argument("--data", default="data/train", help="the training data directory (for the recipe)")
     parser.add_argument("--command", default="make eagle-head", help="the command that reproduces the head")
     parser.add_argument("--wall-time", default=None,
                         help="how long making the head took, and on which machine (free text for the manifest)")
     args = parser.parse_args()
     source, data = Path(args.head), Path(args.data)
+    destination = DEFAULT_MEDUSA_HEADS if args.kind == "medusa" else DEFAULT_EAGLE_HEAD
     missing = [name for name in FILES if not (source / name).is_file()]
     if missing:
         print(f"ship_head: {source} lacks {', '.join(missing)}", file=sys.stderr)
         return 2
     config = json.loads((source / "config.json").read_text())
     earlier = earlier_stages(config)  # before copying: --init may be the shipped head itself
-    DEFAULT_EAGLE_HEAD.mkdir(parents=True, exist_ok=True)
+    destination.mkdir(parents=True, exist_ok=True)
     for name in FILES:
-        shutil.copyfile(source / name, DEFAULT_EAGLE_HEAD / name)
+        shutil.copyfile(source / name, destination / name)
     recipe = {}
     for name in ("summary.json", "answers.settings.json"):
         if (data / name).is_file():
             recipe[name.removesuffix(".json")] = json.loads((data / name).read_text())
     manifest = {
-        "files": {name: {"sha256": sha256(DEFAULT_EAGLE_HEAD / name), "bytes": (DEFAULT_EAGLE_HEAD / name).stat().st_size}
+        "files": {name: {"sha256": sha256(destination / name), "bytes": (destination / name).stat().st_size}
                   for name in FILES},
         "reproduce": args.command,
         "wall_time": args.wall_time,
@@ -83,9 +85,9 @@ def main() -> int:
         "report": config.get("report"),
         "earlier_stages": earlier,
     }
-    (DEFAULT_EAGLE_HEAD / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    (destination / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
     total = sum(f["bytes"] for f in manifest["files"].values())
-    print(f"shipped {source} -> {DEFAULT_EAGLE_HEAD.relative_to(ROOT)} ({total / 1e6:.1f} MB)")
+    print(f"shipped {source} -> {destination.relative_to(ROOT)} ({total / 1e6:.1f} MB)")
     return 0
 
 
