@@ -388,6 +388,11 @@ def build_policy(spec: SpeculativeConfig, target: LoadedModel, proposer, dtype: 
 
     if proposer is None:
         return spec.k if isinstance(spec.k, int) else 1
+    most = getattr(proposer, "max_drafts", None)  # Medusa: one draft per head
+    if most is not None:
+        if isinstance(spec.k, int) and spec.k > most:
+            raise ConfigError(f"{spec.method} drafts at most {most} tokens a step (one per head); got k = {spec.k}")
+        spec = replace(spec, k_max=min(spec.k_max, most))
     if spec.k != "auto":  # priced by the cached profile, if any, for logits on demand (FixedK)
         from .cost.profile import load_profile
 

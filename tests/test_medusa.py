@@ -219,3 +219,49 @@ def test_check_understands_medusa_heads(targets, tmp_path):
     bad = check_static(str(other.source.path), str(tmp_path / "heads"))
     assert not bad.compatible and "head 64, target 32" in str(bad.lines)
     assert not check_static(target_dir, f"medusa:{tmp_path / 'nothing'}").compatible
+
+
+def test_k_is_capped_at_the_number_of_heads(targets, tmp_path):
+    """Found in review: k above the head count drafted fewer tokens than the policy priced
+    (positions never observed kept their prior), and the profile divided one pass's time
+    by the k asked rather than the drafts made."""
+    from specdecode.cost.profile import measure_drafter
+
+    target = targets[1]
+    random_heads(target, 3, heads=2).save(tmp_path / "two")
+    draft = str(tmp_path / "two")
+    with pytest.raises(ConfigError, match="drafts at most 2 tokens a step"):
+        build_engine(EngineConfig(dtype="fp32"), SpeculativeConfig(method="medusa", k=3, draft=draft), target=target)
+    engine = build_engine(EngineConfig(dtype="fp32"), SpeculativeConfig(method="medusa", draft=draft), target=target)
+    assert engine.policy.k_max == 2
+    engine.generate([5, 6, 7, 5, 6, 7], GREEDY)
+    assert max(engine.policy.chosen) <= 2
+
+    class Counting(MedusaProposer):
+        asked = []
+
+        def propose(self, tokens, k, params, generator):
+            self.asked.append(k)
+            return super().propose(tokens, k, params, generator)
+
+    proposer = Counting(random_heads(target, 3, heads=2), target.runtime.num_layers)
+    assert measure_drafter(proposer, 64, target.runtime.vocab_size, repeats=2) > 0
+    assert set(Counting.asked) == {2}
+
+
+def test_bad_heads_configs_are_refused_by_name(targets, tmp_path):
+    import json
+
+    target = targets[0]
+    random_heads(target, 1).save(tmp_path / "heads")
+    config = json.loads((tmp_path / "heads" / "config.json").read_text())
+    for field, value in (("draft_vocab_size", 0), ("draft_vocab_size", 500), ("num_heads", 0)):
+        (tmp_path / "heads" / "config.json").write_text(json.dumps({**config, field: value}))
+        with pytest.raises(SpecDecodeError, match=f"{tmp_path / 'heads'}/config.json does not describe Medusa heads"):
+            MedusaHeads.load(tmp_path / "heads")
+    # an EAGLE command pointed at Medusa heads says what they are
+    from specdecode.proposers.eagle_head import EagleHead
+
+    (tmp_path / "heads" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecDecodeError, match="holds Medusa heads, not an EAGLE head: use them with --method medusa"):
+        EagleHead.load(tmp_path / "heads")

@@ -350,6 +350,9 @@ def test_medusa_is_served_losslessly_with_its_own_figures(model_dir, tmp_path):
             assert extension["method"] == "medusa"
             drafted += extension["drafted_tokens"]
         assert drafted > 0
+        with pytest.raises(openai.BadRequestError, match="drafts at most 3 tokens a step"):  # one per head
+            api.completions.create(model="tiny", prompt="abc", max_tokens=4,
+                                   extra_body={"speculative": {"num_speculative_tokens": 5}})
 
 
 def test_speculative_config_takes_vllm_keys():

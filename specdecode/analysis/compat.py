@@ -190,6 +190,8 @@ def calibrate(target: str, draft: str, dtype: str = "bf16", k: int = 5) -> dict:
     config = EngineConfig(model=target, dtype=dtype)
     loaded = load_target(config)
     proposer = build_proposer(spec, loaded, config)
+    most = getattr(proposer, "max_drafts", 10)  # Medusa heads draft one token each
+    k = min(k, most)
     runs = calibration_runs(loaded, proposer, k, max_new_tokens=48)
     if not runs:
         return {"skipped": "the target has no tokenizer to encode the calibration prompts"}
@@ -206,7 +208,8 @@ def calibrate(target: str, draft: str, dtype: str = "bf16", k: int = 5) -> dict:
     c = profile.c(drafter_key(spec))
     tau = tau_from_positions(positions)
     first, later = acceptance_rates(runs)
-    k_best, best = best_k(alpha, lambda n: profile.v(n, 256), c, 10, tau=lambda n: tau_two_rates(first, later, n))
+    k_best, best = best_k(alpha, lambda n: profile.v(n, 256), c, min(10, most),
+                          tau=lambda n: tau_two_rates(first, later, n))
     return {"prompts": len(runs), "alpha": alpha, "first": first, "later": later,
             "acceptance_per_position": positions, "tau": tau, "c": c,
             "v_k": profile.v(k, 256), "k": k, "expected_speedup_fixed_k": expected_speedup(tau, profile.v(k, 256), c, k),

@@ -432,14 +432,15 @@ def measure_drafter(proposer, context: int, vocab_size: int, repeats: int = 5, k
     features = torch.randn(context - 1, width, generator=generator) if width else None
     if width:
         proposer.observe(0, features, tokens)
-    proposer.propose(tokens, k, params, None)  # prefill its cache once
+    k = min(k, getattr(proposer, "max_drafts", k))  # Medusa heads draft one token each at most
+    made = proposer.propose(tokens, k, params, None).num_tokens  # prefill its cache once
 
     def draft():
         if width:
             proposer.observe(context - 2, features[-1:], tokens)
         proposer.propose(tokens, k, params, None)
 
-    return _median_ms(draft, repeats) / k
+    return _median_ms(draft, repeats) / max(made, 1)
 
 
 def record_acceptance(model_key: str, dtype: str, drafter: str, rates: list[float]) -> None:

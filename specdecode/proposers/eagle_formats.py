@@ -48,6 +48,8 @@ def detect(raw: dict) -> str:
     """Which layout a head's config.json is: "specdecode", "eagle3" or "speculators"."""
     if raw.get("architecture") == "specdecode-eagle3":
         return "specdecode"
+    if raw.get("architecture") == "specdecode-medusa":
+        raise SpecDecodeError("config.json holds Medusa heads, not an EAGLE head: use them with --method medusa")
     if raw.get("speculators_model_type") is not None:
         if raw["speculators_model_type"] != "eagle3":
             raise SpecDecodeError(f"a speculators {raw['speculators_model_type']!r} checkpoint is not an EAGLE-3 head")

@@ -59,12 +59,20 @@ class MedusaHeads(nn.Module):
         self.register_buffer("rows", torch.zeros(c.draft_vocab_size, c.hidden_size), persistent=False)
         self.fast = None  # drafting only: blocks and rows on the CPU kernels (use_kernels)
 
+    @property
+    def d2t_list(self) -> list[int]:
+        """``d2t`` as a list, made once (a server builds a proposer per request)."""
+        if getattr(self, "_d2t_list", None) is None or len(self._d2t_list) != self.d2t.numel():
+            self._d2t_list = self.d2t.tolist()
+        return self._d2t_list
+
     def set_draft_vocab(self, d2t: torch.Tensor) -> None:
         if d2t.numel() != self.config.draft_vocab_size or d2t.unique().numel() != d2t.numel():
             raise SpecDecodeError(f"draft vocabulary needs {self.config.draft_vocab_size} distinct target ids")
         if int(d2t.min()) < 0 or int(d2t.max()) >= self.config.target_vocab_size:
             raise SpecDecodeError(f"draft vocabulary ids must lie in 0..{self.config.target_vocab_size - 1}")
         self.d2t.copy_(d2t.to(torch.int64))
+        self._d2t_list = None
 
     def bind(self, norm_weight: torch.Tensor, output_rows: torch.Tensor) -> "MedusaHeads":
         """The target's final norm weight [H] and its whole output head [V, H] (the rows of
@@ -156,8 +164,14 @@ class MedusaHeads(nn.Module):
         missing = [name for name in fields if name not in raw]
         if missing:
             raise SpecDecodeError(f"{directory}/config.json lacks {', '.join(missing)}")
+        config = MedusaConfig(**{k: raw[k] for k in fields})
+        sizes = (config.hidden_size, config.num_heads, config.draft_vocab_size, config.target_vocab_size)
+        if not all(isinstance(size, int) for size in sizes) or not (
+                config.hidden_size >= 1 and config.num_heads >= 1 and 1 <= config.draft_vocab_size <= config.target_vocab_size):
+            raise SpecDecodeError(f"{directory}/config.json does not describe Medusa heads: needs hidden_size >= 1, "
+                                  f"num_heads >= 1 and 1 <= draft_vocab_size <= target_vocab_size, got {sizes}")
         try:
-            heads = cls(MedusaConfig(**{k: raw[k] for k in fields}))
+            heads = cls(config)
         except (TypeError, ValueError, RuntimeError) as error:
             raise SpecDecodeError(f"{directory}/config.json does not describe Medusa heads: {error}") from None
         tensors = read_tensors(directory / "model.safetensors")
@@ -174,9 +188,10 @@ class MedusaProposer:
         (the last layer's output)."""
         self.heads = heads.eval().requires_grad_(False)
         self.capture = (target_layers,)
+        self.max_drafts = heads.config.num_heads  # one guess per head: k above it is refused
         if kernels:
             heads.use_kernels()
-        self.d2t = heads.d2t.tolist()
+        self.d2t = heads.d2t_list
         self.last: torch.Tensor | None = None  # the last observed position's state [H]
         self.position = -1
 

@@ -373,7 +373,13 @@ class SpeculationChoices:
         elif prompt_text and task_type is None:
             task = classify(prompt_text)
         k = None if options is None else options.num_speculative_tokens  # None: the method's default
-        return Plan(True, method, make_proposer(), make_policy(k), prior, task)
+        proposer = make_proposer()
+        most = getattr(proposer, "max_drafts", None)  # Medusa: one draft per head
+        if isinstance(k, int) and most is not None and k > most:
+            raise APIError(400, f"speculative method {method!r} drafts at most {most} tokens a step (one per head); "
+                                f"got num_speculative_tokens {k}", param="speculative.num_speculative_tokens",
+                           code="invalid_speculative_tokens")
+        return Plan(True, method, proposer, make_policy(k), prior, task)
 
     def seconds_saved(self, sequence: Sequence) -> float | None:
         """Plain decoding's estimated decode time for the same tokens (cost profile, one

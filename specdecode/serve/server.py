@@ -125,6 +125,10 @@ def drafter_entry(spec: SpeculativeConfig, target, engine_config: EngineConfig):
     # drafter's acceptance decodes on the target (once per machine, then cached)
     auto = build_policy(replace(spec, k="auto"), target, template, engine_config.dtype)
     default = spec.k
+    most = getattr(template, "max_drafts", None)  # Medusa: one draft per head
+    if isinstance(default, int) and most is not None and default > most:
+        raise ConfigError(f"--speculative-config num_speculative_tokens {default}: method {spec.method!r} drafts at "
+                          f"most {most} tokens a step (one per head)")
 
     def make_policy(k):
         k = default if k is None else k

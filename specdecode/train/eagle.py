@@ -310,7 +310,7 @@ def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_
                 "max_length": max_length, "seed": seed, "bf16": bf16, "init": None if init is None else str(init),
                 "target": identity, "data": data_fingerprint(train_items)}
     checkpoint = Checkpoint(out / "checkpoint.pt", head, trainer.optimizer, config.__dict__, head.d2t, settings)
-    checkpoint.resume(log, "--draft-vocab and --init")
+    checkpoint.resume(log, "--draft-vocab and --init", "data and --init")
 
     def step(batch, progress: float, steps: int) -> tuple[float, float]:
         return trainer.step(batch, learning_rate(lr, steps, progress))

@@ -32,8 +32,9 @@ class Checkpoint:
         self.config, self.d2t, self.settings = config, d2t, settings
         self.state = {"epoch": 0, "batch": 0, "seconds": 0.0, "steps": 0}
 
-    def resume(self, log, vocabulary_flags: str = "--draft-vocab") -> None:
-        """Continue from the file if there is one (else start at zero)."""
+    def resume(self, log, shape_flags: str = "--draft-vocab", vocabulary_from: str = "data") -> None:
+        """Continue from the file if there is one (else start at zero). ``shape_flags``: the
+        flags that set the module's shape; ``vocabulary_from``: what chooses its vocabulary."""
         if not self.path.is_file():
             return
         saved = torch.load(self.path, weights_only=False)
@@ -41,10 +42,10 @@ class Checkpoint:
             named = ", ".join(f"{k} {v!r} -> {self.config.get(k)!r}" for k, v in saved["config"].items()
                               if self.config.get(k) != v)
             raise SpecDecodeError(f"{self.path} trains a head of another shape ({named}); resume with the same "
-                                  f"{vocabulary_flags}, or use another --out")
+                                  f"{shape_flags}, or use another --out")
         if not torch.equal(saved["d2t"], self.d2t):
-            raise SpecDecodeError(f"{self.path} trains another draft vocabulary (chosen from other data, or "
-                                  "another --init); resume with the same data and --init, or use another --out")
+            raise SpecDecodeError(f"{self.path} trains another draft vocabulary (chosen from other {vocabulary_from}); "
+                                  f"resume with the same {vocabulary_from}, or use another --out")
         before = saved.get("settings", self.settings)  # checkpoints older than a field: that field unchecked
         differ = {k: (before[k], v) for k, v in self.settings.items() if k in before and before[k] != v}
         if differ:

@@ -6,7 +6,8 @@ target runs once over every sequence and we keep, per token, its final normalise
 state and its argmax (``eagle.extract_features`` without capture layers). Head i at
 position p learns the target's distribution at position p+i (over the draft vocabulary,
 soft cross-entropy, weighted 0.8^(i-1)): the token the target would put at p+1+i after
-the tokens actually there. Only the K residual blocks train; the norm and the output
+the tokens actually there, wherever that token is part of the answer (so rows inside the
+prompt train too when their label lies in the answer). Only the K residual blocks train; the norm and the output
 rows are the target's, frozen. Checkpoints every few minutes, resumable.
 """
 
@@ -45,8 +46,8 @@ def check_medusa_settings(heads: int, draft_vocab: int, minutes: float, lr: floa
 
 def padded(batch: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A batch of (sequence, record) as final states [B, T, H], the target's argmax [B, T],
-    rows that train [B, T] (answer positions, or every position of a corpus chunk) and rows
-    that exist [B, T]."""
+    positions whose prediction trains [B, T] (from the last prompt token on, or every
+    position of a corpus chunk) and positions that exist [B, T]."""
     length = max(len(s.ids) for s, _ in batch)
     hidden_size = batch[0][1]["final"].shape[-1]
     final = torch.zeros(len(batch), length, hidden_size)
@@ -81,7 +82,9 @@ class MedusaTrainer:
         for i in range(1, self.heads.config.num_heads + 1):
             span = max(length - i, 0)
             target_ids = argmax[:, i : i + span]
-            mask = trained[:, :span] & present[:, i : i + span]
+            # row p's label is token p+1+i, an answer token where p+i >= trained_from: the rows
+            # before the answer train too (the first draft of a request reads the prompt's end)
+            mask = trained[:, i : i + span] & present[:, i : i + span]
             in_vocab = mask & (self.t2d[target_ids.clamp(min=0)] >= 0)
             logits = self.heads.logits(states[:, :span, i - 1][in_vocab])  # [n, N]
             with torch.no_grad():
@@ -158,7 +161,7 @@ def train_medusa(target, data_dir: Path, out: Path, heads: int = 3, draft_vocab:
     settings = {"lr": lr, "batch_tokens": batch_tokens, "corpus_tokens": corpus_tokens, "max_length": max_length,
                 "seed": seed, "target": identity, "data": data_fingerprint(train_items)}
     checkpoint = Checkpoint(out / "checkpoint.pt", medusa, trainer.optimizer, config.__dict__, medusa.d2t, settings)
-    checkpoint.resume(log, "--heads and --draft-vocab")
+    checkpoint.resume(log, "--heads and --draft-vocab", "data")
     checkpoint.train(minutes, lambda epoch: batches(train_items, batch_tokens, seed + epoch),
                      lambda batch, progress, steps: trainer.step(batch, learning_rate(lr, steps, progress)))
     state = checkpoint.state
