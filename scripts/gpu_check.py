@@ -60,7 +60,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp())
     model = tiny_model(tmp) if args.model == "tiny" else args.model
     real = args.model != "tiny"
-    methods = ["ngram", "suffix", "draft", "eagle", "tree"] if real else ["ngram", "suffix", "draft"]
+    methods = ["ngram", "suffix", "draft", "eagle", "tree", "medusa"] if real else ["ngram", "suffix", "draft"]
     draft = {"draft": [] if real else ["--draft", "self:1"]}
     prompts = {"code": PROMPTS["code"]} if real else PROMPTS  # the real model's methods meet bench's prompts
     results: list[dict] = []

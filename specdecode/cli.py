@@ -6,6 +6,7 @@
     specdecode train data [--target M] [--out DIR] [--prompts N] [--samples S]
     specdecode train store [--target M] [--data DIR] [--out DIR]
     specdecode train eagle [--target M] [--data DIR] [--out DIR] [--draft-vocab N] [--ttt-steps S] [--minutes M]
+    specdecode train medusa [--target M] [--data DIR] [--out DIR] [--heads K] [--draft-vocab N] [--minutes M]
 """
 
 from __future__ import annotations
