@@ -31,9 +31,11 @@ def real_fp32(tmp_path_factory):
 
 
 @pytest.mark.parametrize("method, draft, k, width", [("ngram", None, 5, 1), ("draft", "self:8", 4, 1), ("ngram", None, 1, 1),
-                                                    ("eagle", None, 3, 1), ("eagle", None, 6, 3), ("suffix", None, 4, 1)])
+                                                    ("eagle", None, 3, 1), ("eagle", None, 6, 3), ("suffix", None, 4, 1),
+                                                    ("medusa", None, 3, 1)])
 def test_real_model_greedy_equality(real_fp32, method, draft, k, width):
-    """fp32 (torch backend) and, for the shipped EAGLE head, chains and dynamic trees."""
+    """fp32 (torch backend) and, for the shipped EAGLE head, chains and dynamic trees; the
+    shipped Medusa heads' chains."""
     config = EngineConfig(dtype="fp32")
     plain = build_engine(config, SpeculativeConfig(method="none"), target=real_fp32)
     spec = SpeculativeConfig(method=method, draft=draft, k=k, tree_width=width)
