@@ -73,6 +73,16 @@ def training_sequences(data_dir: Path, corpus_tokens: int, max_length: int,
     return [s for s in sequences if len(s.ids) >= 3]
 
 
+def trainable_sequences(data_dir: Path, corpus_tokens: int, max_length: int, vocab_size: int) -> list[Sequence]:
+    """``training_sequences``, refused when none of them trains."""
+    sequences = training_sequences(data_dir, corpus_tokens, max_length, vocab_size)
+    if not any(not s.held_out for s in sequences):
+        raise SpecDecodeError(f"{data_dir} gives no training sequence of 3 tokens or more (with --max-length "
+                              f"{max_length} and --corpus-tokens {corpus_tokens}); build more with "
+                              "`specdecode train data`")
+    return sequences
+
+
 def draft_vocabulary(sequences: list[Sequence], size: int, vocab_size: int, always: tuple[int, ...]) -> torch.Tensor:
     """The ``size`` most frequent target ids of the trained sequences (plus ``always``), sorted."""
     counts = Counter()
@@ -215,10 +225,16 @@ class Trainer:
 
 def check_train_settings(draft_vocab: int, ttt_steps: int, minutes: float, lr: float, batch_tokens: int,
                          max_length: int = 768) -> None:
-    if draft_vocab < 16:
-        raise ConfigError(f"--draft-vocab must be >= 16, got {draft_vocab}")
     if not 1 <= ttt_steps <= 16:
         raise ConfigError(f"--ttt-steps must be in 1..16, got {ttt_steps}")
+    check_common_settings(draft_vocab, minutes, lr, batch_tokens, max_length)
+
+
+def check_common_settings(draft_vocab: int, minutes: float, lr: float, batch_tokens: int, max_length: int) -> None:
+    """What every drafter's training takes: a draft vocabulary, a time budget, a learning
+    rate, a batch and a sequence length."""
+    if draft_vocab < 16:
+        raise ConfigError(f"--draft-vocab must be >= 16, got {draft_vocab}")
     if minutes <= 0:
         raise ConfigError(f"--minutes must be > 0, got {minutes}")
     if not 0 < lr < 1:
@@ -262,11 +278,7 @@ def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_
     out.mkdir(parents=True, exist_ok=True)
     runtime, cfg = target.runtime, target.runtime.cfg
     torch.manual_seed(seed)
-    sequences = training_sequences(Path(data_dir), corpus_tokens, max_length, cfg.vocab_size)
-    if not any(not s.held_out for s in sequences):
-        raise SpecDecodeError(f"{data_dir} gives no training sequence of 3 tokens or more (with --max-length "
-                              f"{max_length} and --corpus-tokens {corpus_tokens}); build more with "
-                              "`specdecode train data`")
+    sequences = trainable_sequences(Path(data_dir), corpus_tokens, max_length, cfg.vocab_size)
     identity = target_identity(target)
     if init is not None:  # go on from a trained head: its sizes, vocabulary and weights
         head = EagleHead.load(Path(init), target_layers=runtime.num_layers)

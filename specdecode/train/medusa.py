@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..config import ConfigError, SpecDecodeError
+from ..config import ConfigError
 from ..proposers.medusa import MedusaConfig, MedusaHeads
-from .eagle import ChainTally, batches, data_fingerprint, draft_vocabulary, extract_features, sequence_key, training_sequences
+from .eagle import (ChainTally, batches, check_common_settings, data_fingerprint, draft_vocabulary, extract_features,
+                    sequence_key, trainable_sequences)
 from .loop import Checkpoint, learning_rate
 
 HEAD_DECAY = 0.8
@@ -32,16 +33,7 @@ def check_medusa_settings(heads: int, draft_vocab: int, minutes: float, lr: floa
                           max_length: int) -> None:
     if not 1 <= heads <= 8:
         raise ConfigError(f"--heads must be in 1..8, got {heads}")
-    if draft_vocab < 16:
-        raise ConfigError(f"--draft-vocab must be >= 16, got {draft_vocab}")
-    if minutes <= 0:
-        raise ConfigError(f"--minutes must be > 0, got {minutes}")
-    if not 0 < lr < 1:
-        raise ConfigError(f"--lr must be in (0, 1), got {lr}")
-    if batch_tokens < 16:
-        raise ConfigError(f"--batch-tokens must be >= 16, got {batch_tokens}")
-    if max_length < 3:
-        raise ConfigError(f"--max-length must be >= 3 (a prompt token and two to predict), got {max_length}")
+    check_common_settings(draft_vocab, minutes, lr, batch_tokens, max_length)
 
 
 def padded(batch: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -137,11 +129,7 @@ def train_medusa(target, data_dir: Path, out: Path, heads: int = 3, draft_vocab:
     cfg = runtime.cfg
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    sequences = training_sequences(Path(data_dir), corpus_tokens, max_length, cfg.vocab_size)
-    if not any(not s.held_out for s in sequences):
-        raise SpecDecodeError(f"{data_dir} gives no training sequence of 3 tokens or more (with --max-length "
-                              f"{max_length} and --corpus-tokens {corpus_tokens}); build more with "
-                              "`specdecode train data`")
+    sequences = trainable_sequences(Path(data_dir), corpus_tokens, max_length, cfg.vocab_size)
     identity = target_identity(target)
     config = MedusaConfig(cfg.hidden_size, heads, cfg.vocab_size, min(draft_vocab, cfg.vocab_size), cfg.rms_norm_eps)
     medusa = MedusaHeads(config)
