@@ -101,7 +101,7 @@ def test_transformers_runtime_refuses_the_native_runtimes_flags(tiny_llama_dir):
 @pytest.mark.parametrize("argv, problem", [
     (["generate", "hi", "--method", "ngram", "--store", "/tmp"], "--store is read by method suffix only; ngram would ignore it"),
     (["generate", "hi", "--method", "suffix", "--tree-width", "2"], "--tree-width is read by method eagle or tree only"),
-    (["bench", "--methods", "none,ngram@3", "--head", "/tmp"], "--head is read by method eagle or tree only; none, ngram would ignore it"),
+    (["bench", "--methods", "none,ngram@3", "--head", "/tmp"], "--head is read by method eagle or tree or medusa only; none, ngram would ignore it"),
     (["profile", "--methods", "ngram", "--store", "/tmp"], "--store is read by method suffix only"),
     (["generate", "hi", "--method", "suffix", "--draft", "self:2"], "--draft is read by method draft only; suffix would ignore it"),
     (["bench", "--methods", "none,ngram", "--draft", "self:2"], "--draft is read by method draft only; none, ngram would ignore it"),

@@ -119,8 +119,13 @@ def test_captured_layer_inputs_match_transformers_hidden_states(tiny_llama_dir, 
     runtime.reset(32)
     logits, hidden, features = runtime(ids, return_hidden=True, capture=(1,))
     assert hidden.shape == (1, 11, 64) and features.shape == (1, 11, 64)
-    with pytest.raises(SpecDecodeError, match="capture layers"):
-        runtime(ids[:, :1], capture=(2,))
+    # index L (2 here) is the last layer's output: the final norm of it is the hidden state
+    runtime.reset(32)
+    _, hidden, features = runtime(ids, return_hidden=True, capture=(2,))
+    normed = features * torch.rsqrt(features.pow(2).mean(-1, keepdim=True) + runtime.cfg.rms_norm_eps)
+    torch.testing.assert_close(normed * runtime.weights.norm, hidden.float(), atol=1e-4, rtol=1e-4)
+    with pytest.raises(SpecDecodeError, match=r"capture layers must lie in 0..2"):
+        runtime(ids[:, :1], capture=(3,))
 
 
 def test_layer_skip_view_shares_weights(tiny_llama_dir):

@@ -641,8 +641,8 @@ def test_replicas_refuse_a_bad_speculative_config_before_ray_starts():
     from specdecode.serve.server import ray_application
 
     pytest.importorskip("ray")
-    with pytest.raises(ConfigError, match="unknown speculative method 'medusa'"):
-        ray_application(EngineConfig(model="default"), '{"method": "medusa"}', 2, 4, 8)
+    with pytest.raises(ConfigError, match="unknown speculative method 'hydra'"):
+        ray_application(EngineConfig(model="default"), '{"method": "hydra"}', 2, 4, 8)
 
 
 def test_bench_serve_sends_a_prompts_system_message():
