@@ -207,7 +207,7 @@ class MedusaProposer:
         """The target's last-layer outputs [m, H] for committed positions start..start+m-1."""
         if features.shape[0] == 0:
             return
-        self.last = features[-1]
+        self.last = features[-1].clone()  # not a view that would keep a whole prefill's states alive
         self.position = start + features.shape[0] - 1
 
     @torch.inference_mode()
