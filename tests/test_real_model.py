@@ -30,6 +30,24 @@ def real_fp32(tmp_path_factory):
     return load_model("default", torch.float32)
 
 
+@pytest.fixture(scope="module")
+def real_fp32_profile(real_fp32):
+    """A measured cost profile of the real fp32 model, cached where --k auto reads it: two
+    contexts, the sizes a chain of up to 7 drafts scores, three rounds. The full table (4
+    contexts up to 64 rows, 7 rounds) took about two minutes of the suite on the torch
+    backend; `specdecode profile` and the bench measure that."""
+    from specdecode.cost.profile import CostProfile, machine_id, measure_target, save_profile, step_bytes
+    from specdecode.factory import model_key
+
+    contexts, sizes, table = measure_target(real_fp32.runtime, contexts=(100, 600), sizes=(1, 2, 3, 4, 5, 6, 8),
+                                            repeats=3, progress=False)
+    weight_bytes, kv_bytes = step_bytes(real_fp32.runtime)
+    profile = CostProfile(model_key(real_fp32), "fp32", machine_id(), torch.get_num_threads(), contexts, sizes,
+                          table, weight_bytes=weight_bytes, kv_bytes_per_token=kv_bytes)
+    save_profile(profile, model_key(real_fp32))
+    return profile
+
+
 @pytest.mark.parametrize("method, draft, k, width", [("ngram", None, 5, 1), ("draft", "self:8", 4, 1), ("ngram", None, 1, 1),
                                                     ("eagle", None, 3, 1), ("eagle", None, 6, 3), ("suffix", None, 4, 1),
                                                     ("medusa", None, 3, 1)])
@@ -172,7 +190,7 @@ def test_bench_writes_records(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("policy", ["cost", "threshold"])
-def test_real_model_adaptive_k_is_lossless(real_fp32, policy):
+def test_real_model_adaptive_k_is_lossless(real_fp32, real_fp32_profile, policy):
     """--k auto (cost-aware, measured profile of the real model) and the threshold rule:
     token-identical to plain decoding in fp32, on a copyable prompt and on open text."""
     from specdecode.control.policies import CostAwareK, ThresholdK
