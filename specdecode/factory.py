@@ -190,12 +190,34 @@ def eagle_proposer(path: str | None, target: LoadedModel, tree_width: int = 1):
     """An EAGLE drafter with the head ``load_head`` finds for ``target``."""
     from .proposers.eagle import EagleProposer
 
-    if not hasattr(target.runtime, "weights"):
-        raise ConfigError("--method eagle and tree need the native runtime (the head reads the target's hidden "
-                          "states); the transformers runtime (--runtime hf) has none")
+    head = load_head(path, target)  # refused without the native runtime
     weights = target.runtime.weights
-    head = load_head(path, target).to(weights.device)  # beside the target: its features stay there
+    head = head.to(weights.device)  # beside the target: its features stay there
     return EagleProposer(head, lambda ids: weights.embed_rows(ids).float(), tree_width=tree_width)
+
+
+def _head_dir(path: str | None, target: LoadedModel, noun: str, default: Path, usage: str) -> Path:
+    """The directory of a drafter that reads the target's hidden states (``path``, or the
+    one shipped for the default model), refused where the target has no native runtime."""
+    if not hasattr(target.runtime, "weights"):
+        raise ConfigError(f"{noun}: the native runtime is needed (the drafter reads the target's hidden states); "
+                          "the transformers runtime (--runtime hf) has none")
+    if path is None:
+        if not target.source.is_default:
+            raise ConfigError(f"{noun}: this model needs {usage}; drafters are shipped only for the default model")
+        path = str(default)
+    if not Path(path).is_dir():
+        raise ConfigError(f"{noun} not found: {path} is not a directory")
+    return Path(path)
+
+
+def _check_trained_for(noun: str, directory: Path, config, target: LoadedModel) -> None:
+    """Refuse a drafter trained for a target of another vocabulary or hidden size."""
+    cfg = target.runtime.cfg
+    if config.target_vocab_size != cfg.vocab_size or config.hidden_size != cfg.hidden_size:
+        raise VocabularyMismatchError(
+            f"{noun} at {directory}: trained for a target with {config.target_vocab_size} tokens and hidden size "
+            f"{config.hidden_size}; {target.source.name!r} has {cfg.vocab_size} and {cfg.hidden_size}")
 
 
 def load_head(path: str | None, target: LoadedModel):
@@ -203,24 +225,14 @@ def load_head(path: str | None, target: LoadedModel):
     checked against the target it is to draft for."""
     from .proposers.eagle_head import EagleHead
 
-    if path is None:
-        if not target.source.is_default:
-            raise ConfigError("an EAGLE head needs --head HEAD_DIR (a head trained for this target with "
-                              "`specdecode train eagle`); a head is shipped only for the default model")
-        path = str(DEFAULT_EAGLE_HEAD)
-    if not Path(path).is_dir():
-        raise ConfigError(f"EAGLE head not found: {path} is not a directory")
+    directory = _head_dir(path, target, "EAGLE head", DEFAULT_EAGLE_HEAD,
+                          "--head HEAD_DIR (a head trained for this target with `specdecode train eagle`)")
     runtime = target.runtime
-    if not hasattr(runtime, "weights"):
-        raise ConfigError("an EAGLE head needs the native runtime (it reads the target's hidden states)")
-    head = EagleHead.load(Path(path), target_layers=getattr(runtime, "num_layers", None))
-    cfg, c = runtime.cfg, head.config
-    if c.target_vocab_size != cfg.vocab_size or c.hidden_size != cfg.hidden_size:
-        raise VocabularyMismatchError(
-            f"EAGLE head {path} was trained for a target with {c.target_vocab_size} tokens and hidden size "
-            f"{c.hidden_size}; {target.source.name!r} has {cfg.vocab_size} and {cfg.hidden_size}")
-    if max(c.capture_layers) >= runtime.num_layers:
-        raise ConfigError(f"EAGLE head {path} reads layer {max(c.capture_layers)}; the target has {runtime.num_layers}")
+    head = EagleHead.load(directory, target_layers=getattr(runtime, "num_layers", None))
+    _check_trained_for("EAGLE head", directory, head.config, target)
+    if max(head.config.capture_layers) >= runtime.num_layers:
+        raise ConfigError(f"EAGLE head {directory} reads layer {max(head.config.capture_layers)}; "
+                          f"the target has {runtime.num_layers}")
     return head
 
 
@@ -229,26 +241,13 @@ def medusa_proposer(path: str | None, target: LoadedModel):
     model), checked against ``target`` and bound to its final norm and output rows."""
     from .proposers.medusa import MedusaHeads, MedusaProposer
 
-    runtime = target.runtime
-    if not hasattr(runtime, "weights"):
-        raise ConfigError("--method medusa needs the native runtime (the heads read the target's hidden states); "
-                          "the transformers runtime (--runtime hf) has none")
-    if path is None:
-        if not target.source.is_default:
-            raise ConfigError("Medusa heads need --head HEADS_DIR (heads trained for this target with "
-                              "`specdecode train medusa`); heads are shipped only for the default model")
-        path = str(DEFAULT_MEDUSA_HEADS)
-    if not Path(path).is_dir():
-        raise ConfigError(f"Medusa heads not found: {path} is not a directory")
-    heads = MedusaHeads.load(Path(path))
-    cfg, c = runtime.cfg, heads.config
-    if c.target_vocab_size != cfg.vocab_size or c.hidden_size != cfg.hidden_size:
-        raise VocabularyMismatchError(
-            f"Medusa heads {path} were trained for a target with {c.target_vocab_size} tokens and hidden size "
-            f"{c.hidden_size}; {target.source.name!r} has {cfg.vocab_size} and {cfg.hidden_size}")
-    weights = runtime.weights
+    directory = _head_dir(path, target, "Medusa heads", DEFAULT_MEDUSA_HEADS,
+                          "--head HEADS_DIR (heads trained for this target with `specdecode train medusa`)")
+    heads = MedusaHeads.load(directory)
+    _check_trained_for("Medusa heads", directory, heads.config, target)
+    weights = target.runtime.weights
     heads = heads.to(weights.device).bind(weights.norm, weights.lm_head.dequantize())
-    return MedusaProposer(heads, runtime.num_layers)
+    return MedusaProposer(heads, target.runtime.num_layers)
 
 
 def load_store(path: str | None, target: LoadedModel):

@@ -750,6 +750,7 @@ def test_cli_route_learns_nothing_from_a_request_that_drafted_nothing(tiny_text_
     from specdecode.control.router import Router, router_state_path
 
     monkeypatch.setattr(router_module, "MIN_OBSERVED_TOKENS", 0)  # the guard on drafts alone, not on length
+    router_state_path(str(tiny_text_model_dir)).unlink(missing_ok=True)  # what other tests taught this model
 
     code = cli.main(["generate", "What is the capital of France?", "--route", "--method", "ngram", "--model",
                      str(tiny_text_model_dir), "--dtype", "fp32", "--no-chat-template", "--max-new-tokens", "1",

@@ -174,7 +174,7 @@ def test_heads_files_round_trip_and_bad_heads_are_refused(targets, tmp_path):
     assert engine.generate([3, 4, 5], GREEDY).token_ids == SpeculativeEngine(target.runtime).generate([3, 4, 5], GREEDY).token_ids
     with pytest.raises(ConfigError, match="Medusa heads not found: .*nowhere is not a directory"):
         build_proposer(SpeculativeConfig(method="medusa", draft=str(tmp_path / "nowhere")), target, EngineConfig())
-    with pytest.raises(ConfigError, match="heads are shipped only for the default model"):
+    with pytest.raises(ConfigError, match="Medusa heads: this model needs --head HEADS_DIR .*shipped only for the default model"):
         build_proposer(SpeculativeConfig(method="medusa"), target, EngineConfig())
     # heads of another vocabulary
     other = load_model(save_tiny_model(tmp_path / "other", seed=3, vocab_size=120), torch.float32)
