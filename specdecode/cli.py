@@ -359,20 +359,21 @@ def cmd_generate(args) -> int:
 
         params = dataclasses.replace(params, seed=secrets.randbits(31))
         print(f"[plain] sampling: both runs use seed {params.seed} (--seed to choose one)", file=sys.stderr)
-    from .control.router import Router, router_state_path
+    from .control.router import Router, router_state_path, update_saved
     from .factory import drafter_key
 
     _check_drafter_flags(args, [args.method])
     _check_k_flags(args, [args.method])
     configured = _spec_config(args, args.method)
     state_path = router_state_path(args.model)
-    router = Router().load(state_path, warn=log)
-    route = router.route(args.prompt, args.method, drafter_key(configured))
     if args.route:
         # saved now, whether or not the request speculates: the per-task request count is
         # what brings a task routed to plain decoding back to speculation every retry_every
-        router.save(state_path)
+        route = update_saved(state_path, lambda router: router.route(args.prompt, args.method, drafter_key(configured)),
+                             warn=log)
         log(f"route: {route.reason} -> {route.method}")
+    else:
+        route = Router().load(state_path, warn=log).route(args.prompt, args.method, drafter_key(configured))
     spec = _spec_config(args, route.method if args.route else args.method)
     log(f"loading {args.model} ({args.dtype})")
     target = load_target(engine_config, args.runtime)
@@ -405,8 +406,9 @@ def cmd_generate(args) -> int:
         stats = result.stats
         measured = speedup_from_stats(stats, engine.policy.costs.profile, len(prompt_ids),
                                       decode_seconds=stats.draft_seconds + stats.verify_seconds)
-        router.observe(route.task, engine.drafter, stats.first_alpha, measured, stats.new_tokens)
-        router.save(state_path)
+        # read again and saved under the lock: another process may have learnt meanwhile
+        update_saved(state_path, lambda router: router.observe(route.task, engine.drafter, stats.first_alpha,
+                                                               measured, stats.new_tokens), warn=log)
     record = {"text": result.text, "finish_reason": result.finish_reason, "method": engine.method, "k": engine.k_label, "stats": result.stats.to_dict()}
     if engine.policy is not None and hasattr(engine.policy, "chosen"):
         record["k_per_step"] = engine.policy.chosen

@@ -1063,3 +1063,37 @@ def test_a_drafters_cost_is_priced_against_a_step_where_it_was_measured(tmp_path
     profile = get_profile("short", "fp32", runtime, {"ngram": object()}, progress=False)
     assert contexts == [128] and profile.drafters["ngram"] == pytest.approx(0.5 / profile.time_ms(1, 128))
     assert profile.time_ms(1, 128) != profile.time_ms(1, 600)
+
+
+def test_cli_route_keeps_what_another_process_learnt_meanwhile(tiny_text_model_dir, capsys, monkeypatch):
+    """Found in review: each `generate --route` loaded the router state before its request
+    and saved that copy after it, so a lesson another process saved meanwhile was lost."""
+    import dataclasses
+
+    from specdecode import cli
+    from specdecode.control import router as router_module
+    from specdecode.control.router import Router, router_state_path
+    from specdecode.engine import SpeculativeEngine
+
+    monkeypatch.setattr(router_module, "MIN_OBSERVED_TOKENS", 0)
+    path = router_state_path(str(tiny_text_model_dir))
+    path.unlink(missing_ok=True)
+    generate = SpeculativeEngine.generate
+
+    def generate_beside_another_process(self, *args, **kwargs):
+        result = generate(self, *args, **kwargs)
+        other = Router().load(path)  # another process finishes a request meanwhile and saves
+        other.observe("elsewhere", "ngram", 0.5, 1.2, 100)
+        other.save(path)
+        # as if this request drafted (the tiny model's few tokens rarely give prompt lookup a match)
+        stats = dataclasses.replace(result.stats, draft_tokens=4, accepted_tokens=2, draft_passes=2)
+        return dataclasses.replace(result, stats=stats)
+
+    monkeypatch.setattr(SpeculativeEngine, "generate", generate_beside_another_process)
+    code = cli.main(["generate", "What is the capital of France?", "--route", "--method", "ngram", "--model",
+                     str(tiny_text_model_dir), "--dtype", "fp32", "--no-chat-template", "--max-new-tokens", "4",
+                     "--json"])
+    capsys.readouterr()
+    assert code == 0
+    records = Router().load(path).records
+    assert "elsewhere/ngram" in records and len(records) == 2, records

@@ -252,19 +252,19 @@ def add_predicted_sweep(sweeps: dict, table: list[dict]) -> None:
 
 def learn(records: list[dict], drafter_names: dict[str, str], model: str = "default") -> None:
     """Hand what was measured to ``model``'s router, so later requests start from it."""
-    from ..control.router import Router, router_state_path
+    from ..control.router import router_state_path, update_saved
 
     from ..factory import log
 
-    path = router_state_path(model)
-    router = Router().load(path, warn=log)
-    for r in records:
-        # a turn decoded after a reply other than plain's is not compared on the same request
-        if (r["method"] != "none" and r.get("draft_tokens") and r.get("decode_speedup") is not None
-                and not r.get("context_differs")):
-            router.observe(r["task"], drafter_names[r["method"]], r["first_alpha"], r["decode_speedup"],
-                           r["new_tokens"])
-    router.save(path)
+    def observe_all(router) -> None:
+        for r in records:
+            # a turn decoded after a reply other than plain's is not compared on the same request
+            if (r["method"] != "none" and r.get("draft_tokens") and r.get("decode_speedup") is not None
+                    and not r.get("context_differs")):
+                router.observe(r["task"], drafter_names[r["method"]], r["first_alpha"], r["decode_speedup"],
+                               r["new_tokens"])
+
+    update_saved(router_state_path(model), observe_all, warn=log)
 
 
 # -- reports --------------------------------------------------------------------------

@@ -255,6 +255,20 @@ def router_state_path(model: str = "default") -> Path:
     return cache_dir() / f"router-state-{hashlib.sha1(identity.encode()).hexdigest()[:12]}.json"
 
 
+def update_saved(path: Path, change, warn=None):
+    """Apply ``change(router)`` to the state saved at ``path`` and save it, holding the
+    file's lock from the read to the write; returns what ``change`` returned. Two CLI
+    processes that each loaded the state, ran a request and saved lost one of the two
+    lessons (the later save wrote its own, older copy over the other's)."""
+    from ..models.loading import cache_lock
+
+    with cache_lock(path):
+        router = Router().load(path, warn=warn)
+        result = change(router)
+        router.save(path)
+    return result
+
+
 def speedup_from_stats(stats, profile, prompt_tokens: int, decode_seconds: float | None = None) -> float:
     """A request's measured speedup without a plain run beside it: the plain decoding time
     the profile predicts for its tokens (one step each, priced at the middle of the output,
