@@ -634,10 +634,29 @@ def test_profile_measures_the_bandwidth_of_the_targets_device(tmp_path, monkeypa
 
     runtime = load_native(save_tiny_model(tmp_path / "t", seed=3, num_layers=1), torch.float32)
     asked = []
-    monkeypatch.setattr(profile_module, "measure_target", lambda runtime, progress: ([100], [1, 2], [[1.0, 1.5]]))
+    monkeypatch.setattr(profile_module, "measure_target", lambda runtime, progress, **kw: ([100], [1, 2], [[1.0, 1.5]]))
     monkeypatch.setattr(profile_module, "measure_bandwidth", lambda device="cpu": asked.append(device) or 10.0)
     profile = get_profile("bandwidth-test", "fp32", runtime, progress=False)
     assert asked == [runtime.device] and profile.bandwidth_gbs == 10.0
+
+
+def test_the_profile_reads_the_bandwidth_between_its_step_rounds(tmp_path, monkeypatch):
+    """The T = 1 limit is the step's bytes at the bandwidth read between the step rounds:
+    read once after them, minutes apart, the same step measured 1.3x and 1.9x of its limit."""
+    from specdecode.models.llama import load_native
+
+    runtime = load_native(save_tiny_model(tmp_path / "t", seed=3, num_layers=1), torch.float32)
+    readings, order = iter([10.0, 40.0, 20.0] * 100), []
+    monkeypatch.setattr(profile_module, "bandwidth_probe",
+                        lambda device="cpu": lambda: order.append("probe") or next(readings))
+    timed = profile_module.timed_forward_ms
+    monkeypatch.setattr(profile_module, "timed_forward_ms", lambda *a: order.append("step") or timed(*a))
+    monkeypatch.setattr(profile_module, "measure_bandwidth", lambda **kw: pytest.fail("read apart from the steps"))
+    profile = get_profile("bandwidth-rounds", "fp32", runtime, progress=False)
+    probes = [i for i, what in enumerate(order) if what == "probe"]
+    assert len(probes) == 6 * len(profile.contexts)  # once after each timed round of each context
+    assert probes[0] < order.index("step", probes[0]) < probes[-1]  # steps between the readings
+    assert profile.bandwidth_gbs == 20.0  # their median
 
 
 def _flat_profile(c: float, drafter: str, batch=None) -> CostProfile:
@@ -982,7 +1001,7 @@ def test_processes_starting_together_measure_the_cost_profile_once(tmp_path, mon
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
     calls = []
 
-    def measure_target(runtime, progress=True):
+    def measure_target(runtime, progress=True, **kw):
         calls.append(1)
         time_module.sleep(0.3)
         return [100], [1, 2], [[1.0, 1.5]]
@@ -1051,7 +1070,7 @@ def test_a_drafters_cost_is_priced_against_a_step_where_it_was_measured(tmp_path
     """Found in review: a model of short context had its drafter timed at half its positions
     but divided by a step at the profile's middle context."""
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
-    monkeypatch.setattr(profile_module, "measure_target", lambda runtime, progress=True: (
+    monkeypatch.setattr(profile_module, "measure_target", lambda runtime, progress=True, **kw: (
         [100, 600], [1, 2], [[1.0, 1.5], [3.0, 4.0]]))
     monkeypatch.setattr(profile_module, "step_bytes", lambda runtime: (0, 0))
     monkeypatch.setattr(profile_module, "measure_bandwidth", lambda device="cpu": 10.0)

@@ -266,8 +266,8 @@ def timed_forward_ms(runtime, tokens: torch.Tensor, context: int) -> float:
     return elapsed
 
 
-def measure_target(runtime, contexts=CONTEXTS, sizes=SIZES, repeats: int = 6,
-                   progress: bool = True) -> tuple[list[int], list[int], list[list[float]]]:
+def measure_target(runtime, contexts=CONTEXTS, sizes=SIZES, repeats: int = 6, progress: bool = True,
+                   between_rounds=None) -> tuple[list[int], list[int], list[list[float]]]:
     """Forward time for each (context, size) the model's context allows: the median of the
     single-token times, times the median of each size's ratio to them round by round.
 
@@ -275,6 +275,8 @@ def measure_target(runtime, contexts=CONTEXTS, sizes=SIZES, repeats: int = 6,
     shuffled order) rather than one size at a time, so that a transient slowdown of the
     machine spreads over many cells as one outlier each instead of owning one cell. The
     cache grows from one context to the next, so each prompt token is run once.
+    ``between_rounds``: called after each timed round (the profile reads the memory
+    bandwidth there, so that the steps and their bandwidth limit see the same machine).
     """
     limit = runtime.max_positions
     sizes = [s for s in sizes if s < limit // 2]
@@ -300,6 +302,8 @@ def measure_target(runtime, contexts=CONTEXTS, sizes=SIZES, repeats: int = 6,
                 elapsed = timed_forward_ms(runtime, inputs[size], context)
                 if round_:
                     times[size].append(elapsed)
+            if round_ and between_rounds is not None:
+                between_rounds()
             bar.update()
         # v(T) is what the policies read: each size's time over the same round's T = 1 time,
         # medians of those ratios, so a drift of the whole machine between rounds (±15% over
@@ -391,14 +395,19 @@ def with_batches(profile: CostProfile, model_key: str, runtime, progress: bool =
     return profile
 
 
-def measure_bandwidth(megabytes: int = 256, repeats: int = 7, device: torch.device | str = "cpu") -> float:
-    """Memory read bandwidth in GB/s of ``device`` (the target's: its weights are read
-    there): summing a buffer far larger than the caches, with torch's threads on the CPU
-    (the kernels use the same), median of ``repeats``."""
+def bandwidth_probe(megabytes: int = 256, device: torch.device | str = "cpu"):
+    """A function that reads a buffer far larger than the caches once and returns the
+    memory read bandwidth of ``device`` (the target's: its weights are read there) in
+    GB/s, with torch's threads on the CPU (the kernels use the same)."""
     buffer = torch.ones(megabytes * 2**20 // 4, device=device)
     buffer.sum()
-    seconds = statistics.median(_elapsed_ms(buffer.sum) for _ in range(repeats)) / 1e3
-    return buffer.numel() * 4 / seconds / 1e9
+    return lambda: buffer.numel() * 4 / (_elapsed_ms(buffer.sum) / 1e3) / 1e9
+
+
+def measure_bandwidth(megabytes: int = 256, repeats: int = 7, device: torch.device | str = "cpu") -> float:
+    """Memory read bandwidth in GB/s of ``device``, median of ``repeats`` reads."""
+    probe = bandwidth_probe(megabytes, device)
+    return statistics.median(probe() for _ in range(repeats))
 
 
 def step_bytes(runtime) -> tuple[int, int]:
@@ -475,10 +484,18 @@ def _get_profile(model_key: str, dtype: str, runtime, drafters: dict | None, for
     profile = None if force else load_profile(model_key, dtype)
     changed = False
     if profile is None:
-        contexts, sizes, table = measure_target(runtime, progress=progress)
+        # the bandwidth is read between the step rounds, not after them: this machine's
+        # bandwidth moved between 26 and 52 GB/s within an hour, and a limit read minutes
+        # away from the steps put the same 3.7 ms step at 1.3x or at 1.9x of it
+        device = getattr(runtime, "device", "cpu")
+        samples: list[float] = []
+        probe = bandwidth_probe(device=device) if step_bytes(runtime)[0] else None
+        contexts, sizes, table = measure_target(runtime, progress=progress,
+                                                between_rounds=probe and (lambda: samples.append(probe())))
+        del probe  # its buffer (256 MB)
         weight_bytes, kv_bytes = step_bytes(runtime)
         describe = getattr(runtime, "describe", None)
-        bandwidth = measure_bandwidth(device=getattr(runtime, "device", "cpu"))
+        bandwidth = statistics.median(samples) if samples else measure_bandwidth(device=device)
         profile = CostProfile(model_key, dtype, machine_id(), torch.get_num_threads(), contexts, sizes, table,
                               bandwidth_gbs=bandwidth, weight_bytes=weight_bytes, kv_bytes_per_token=kv_bytes,
                               runtime=describe() if describe else "", **measure_head(runtime),
