@@ -649,43 +649,42 @@ def cmd_train_export(args) -> int:
     return 0
 
 
-def cmd_train_eagle(args) -> int:
+def _train_drafter(args, train, written: str) -> int:
+    """Load the target, run ``train(target, log)`` and report its held-out acceptance;
+    ``written``: what was written, and how to use it."""
     import json
 
     from .factory import load_target, log
+
+    engine_config = _engine_config(args)
+    _set_threads(engine_config)
+    report = train(load_target(engine_config), log)
+    print(json.dumps(report, indent=2))
+    taus = ", ".join(f"k={k}: {t:.2f}" for k, t in report["chain_tau"].items())
+    print(f"held-out acceptance: first token {report['first_token_agreement']:.1%}; chain tau {taus}")
+    print(written.format(out=args.out))
+    return 0
+
+
+def cmd_train_eagle(args) -> int:
     from .train.eagle import check_train_settings, train_eagle
 
     check_train_settings(args.draft_vocab, args.ttt_steps, args.minutes, args.lr, args.batch_tokens, args.max_length)
-    engine_config = _engine_config(args)
-    _set_threads(engine_config)
-    target = load_target(engine_config)
-    report = train_eagle(target, Path(args.data), Path(args.out), args.draft_vocab, args.ttt_steps, args.minutes,
-                         args.lr, args.batch_tokens, args.corpus_tokens, args.max_length, args.seed,
-                         init=Path(args.init) if args.init else None, log=log, bf16=args.bf16)
-    print(json.dumps(report, indent=2))
-    taus = ", ".join(f"k={k}: {t:.2f}" for k, t in report["chain_tau"].items())
-    print(f"held-out acceptance: first token {report['first_token_agreement']:.1%}; chain tau {taus}")
-    print(f"head written to {args.out}/ (config.json, model.safetensors); use it with --method eagle --head {args.out}")
-    return 0
+    return _train_drafter(args, lambda target, log: train_eagle(
+        target, Path(args.data), Path(args.out), args.draft_vocab, args.ttt_steps, args.minutes, args.lr,
+        args.batch_tokens, args.corpus_tokens, args.max_length, args.seed,
+        init=Path(args.init) if args.init else None, log=log, bf16=args.bf16),
+        "head written to {out}/ (config.json, model.safetensors); use it with --method eagle --head {out}")
 
 
 def cmd_train_medusa(args) -> int:
-    import json
-
-    from .factory import load_target, log
     from .train.medusa import check_medusa_settings, train_medusa
 
     check_medusa_settings(args.heads, args.draft_vocab, args.minutes, args.lr, args.batch_tokens, args.max_length)
-    engine_config = _engine_config(args)
-    _set_threads(engine_config)
-    target = load_target(engine_config)
-    report = train_medusa(target, Path(args.data), Path(args.out), args.heads, args.draft_vocab, args.minutes, args.lr,
-                          args.batch_tokens, args.corpus_tokens, args.max_length, args.seed, log=log)
-    print(json.dumps(report, indent=2))
-    taus = ", ".join(f"k={k}: {t:.2f}" for k, t in report["chain_tau"].items())
-    print(f"held-out acceptance: first token {report['first_token_agreement']:.1%}; chain tau {taus}")
-    print(f"heads written to {args.out}/ (config.json, model.safetensors); use them with --method medusa --head {args.out}")
-    return 0
+    return _train_drafter(args, lambda target, log: train_medusa(
+        target, Path(args.data), Path(args.out), args.heads, args.draft_vocab, args.minutes, args.lr,
+        args.batch_tokens, args.corpus_tokens, args.max_length, args.seed, log=log),
+        "heads written to {out}/ (config.json, model.safetensors); use them with --method medusa --head {out}")
 
 
 def cmd_presets(args) -> int:

@@ -394,3 +394,19 @@ def test_train_medusa_end_to_end_writes_loadable_heads_and_resumes(tiny_runtime,
         train_medusa(target, tiny_answers, out, heads=2, **quick)
     with pytest.raises(ConfigError, match="--heads must be in 1..8"):
         train_medusa(target, tiny_answers, tmp_path / "none", heads=0, **quick)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_train_commands_write_drafters_and_report_held_out_acceptance(tiny_answers, tmp_path, capsys, kind):
+    """`specdecode train eagle|medusa` end to end from the command line, on a tiny target."""
+    from specdecode.cli import main
+
+    model = save_tiny_model(tmp_path / "m", "llama", seed=5, num_layers=2)
+    out = tmp_path / kind
+    flags = ["--draft-vocab", "48", "--minutes", "0.02", "--batch-tokens", "256"]
+    flags += ["--ttt-steps", "2"] if kind == "eagle" else ["--heads", "2"]
+    assert main(["train", kind, "--model", str(model), "--data", str(tiny_answers), "--out", str(out), *flags]) == 0
+    printed = capsys.readouterr().out
+    assert "held-out acceptance: first token" in printed and "chain tau k=1:" in printed
+    assert f"--method {kind} --head {out}" in printed
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
