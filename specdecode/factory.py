@@ -399,7 +399,7 @@ def build_policy(spec: SpeculativeConfig, target: LoadedModel, proposer, dtype: 
         profile = load_profile(model_key(target), dtype) if lazy else None
         return FixedK(spec.k, CostModel(profile, drafter_key(spec)) if profile is not None else None)
     if spec.k_policy == "threshold":
-        return ThresholdK(start_k=min(5, spec.k_max), k_max=max(spec.k_max, 2))
+        return ThresholdK(start_k=min(5, spec.k_max), k_min=min(2, spec.k_max), k_max=spec.k_max)
     name = drafter_key(spec)
     profile = cost_profile(target, dtype, {name: proposer})
     if name not in profile.acceptance:

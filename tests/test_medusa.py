@@ -244,6 +244,13 @@ def test_k_is_capped_at_the_number_of_heads(targets, tmp_path):
             self.asked.append(k)
             return super().propose(tokens, k, params, generator)
 
+    # found in review: the threshold rule raised k_max back to 2 (and k_min to 2) for one head
+    random_heads(target, 3, heads=1).save(tmp_path / "one")
+    spec = SpeculativeConfig(method="medusa", draft=str(tmp_path / "one"), k_policy="threshold")
+    engine = build_engine(EngineConfig(dtype="fp32"), spec, target=target)
+    engine.generate([5, 6, 7, 5, 6, 7], GREEDY)
+    assert engine.policy.k_max == 1 and max(engine.policy.chosen) == 1
+
     proposer = Counting(random_heads(target, 3, heads=2), target.runtime.num_layers)
     assert measure_drafter(proposer, 64, target.runtime.vocab_size, repeats=2) > 0
     assert set(Counting.asked) == {2}
@@ -255,13 +262,33 @@ def test_bad_heads_configs_are_refused_by_name(targets, tmp_path):
     target = targets[0]
     random_heads(target, 1).save(tmp_path / "heads")
     config = json.loads((tmp_path / "heads" / "config.json").read_text())
-    for field, value in (("draft_vocab_size", 0), ("draft_vocab_size", 500), ("num_heads", 0)):
+    for field, value in (("draft_vocab_size", 0), ("draft_vocab_size", 500), ("num_heads", 0), ("num_heads", True)):
         (tmp_path / "heads" / "config.json").write_text(json.dumps({**config, field: value}))
         with pytest.raises(SpecDecodeError, match=f"{tmp_path / 'heads'}/config.json does not describe Medusa heads"):
             MedusaHeads.load(tmp_path / "heads")
+    # found in review: these loaded, and the first draft ended in a traceback (or crashed the load)
+    for eps in (None, "1e-5", -1.0, True):
+        (tmp_path / "heads" / "config.json").write_text(json.dumps({**config, "rms_norm_eps": eps}))
+        with pytest.raises(SpecDecodeError, match="rms_norm_eps must be a number in"):
+            MedusaHeads.load(tmp_path / "heads")
+    (tmp_path / "heads" / "config.json").write_text("[]")
+    with pytest.raises(SpecDecodeError, match="does not describe Medusa heads: not a JSON object"):
+        MedusaHeads.load(tmp_path / "heads")
     # an EAGLE command pointed at Medusa heads says what they are
     from specdecode.proposers.eagle_head import EagleHead
 
     (tmp_path / "heads" / "config.json").write_text(json.dumps(config))
     with pytest.raises(SpecDecodeError, match="holds Medusa heads, not an EAGLE head: use them with --method medusa"):
         EagleHead.load(tmp_path / "heads")
+
+
+def test_heads_of_a_width_the_kernels_cannot_pack_draft_through_torch(tmp_path):
+    """Found in review: a target of hidden size 48 (not a multiple of 32) decodes on the
+    torch backend, but packing its heads for the kernels raised instead of falling back."""
+    target = load_model(save_tiny_model(tmp_path / "t", seed=7, num_layers=2, hidden_size=48), torch.float32,
+                        backend="torch")
+    random_heads(target, 2, heads=2).save(tmp_path / "heads")
+    spec = SpeculativeConfig(method="medusa", k=2, draft=str(tmp_path / "heads"))
+    engine = build_engine(EngineConfig(dtype="fp32"), spec, target=target)
+    plain = SpeculativeEngine(target.runtime)
+    assert engine.generate([3, 4, 5], GREEDY).token_ids == plain.generate([3, 4, 5], GREEDY).token_ids

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import SamplingParams, SpecDecodeError
+from ..config import ConfigError, SamplingParams, SpecDecodeError
 from .base import Proposal
 
 ARCHITECTURE = "specdecode-medusa"
@@ -125,7 +125,7 @@ class MedusaHeads(nn.Module):
         try:
             blocks = KernelLinear(PackedLinear.quantize(self.blocks.weight.detach().float(), fmt))
             rows = KernelLinear(PackedLinear.quantize(self.rows, fmt))
-        except KernelsUnavailable:
+        except (KernelsUnavailable, ConfigError):  # no kernels here, or a width they cannot pack
             self.fast = None
             return False
         bias = self.blocks.bias.detach().float()
@@ -157,6 +157,8 @@ class MedusaHeads(nn.Module):
             raw = json.loads((directory / "config.json").read_text())
         except json.JSONDecodeError as error:
             raise SpecDecodeError(f"{directory}/config.json is not valid JSON: {error}") from None
+        if not isinstance(raw, dict):
+            raise SpecDecodeError(f"{directory}/config.json does not describe Medusa heads: not a JSON object")
         if raw.get("architecture") != ARCHITECTURE:
             raise SpecDecodeError(f"{directory} holds {raw.get('architecture')!r}, not Medusa heads "
                                   f"({ARCHITECTURE!r}, written by `specdecode train medusa`)")
@@ -166,7 +168,10 @@ class MedusaHeads(nn.Module):
             raise SpecDecodeError(f"{directory}/config.json lacks {', '.join(missing)}")
         config = MedusaConfig(**{k: raw[k] for k in fields})
         sizes = (config.hidden_size, config.num_heads, config.draft_vocab_size, config.target_vocab_size)
-        if not all(isinstance(size, int) for size in sizes) or not (
+        eps = config.rms_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+            raise SpecDecodeError(f"{directory}/config.json: rms_norm_eps must be a number in (0, 1), got {eps!r}")
+        if not all(isinstance(size, int) and not isinstance(size, bool) for size in sizes) or not (
                 config.hidden_size >= 1 and config.num_heads >= 1 and 1 <= config.draft_vocab_size <= config.target_vocab_size):
             raise SpecDecodeError(f"{directory}/config.json does not describe Medusa heads: needs hidden_size >= 1, "
                                   f"num_heads >= 1 and 1 <= draft_vocab_size <= target_vocab_size, got {sizes}")
