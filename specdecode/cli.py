@@ -660,8 +660,12 @@ def _train_drafter(args, train, written: str) -> int:
     _set_threads(engine_config)
     report = train(load_target(engine_config), log)
     print(json.dumps(report, indent=2))
-    taus = ", ".join(f"k={k}: {t:.2f}" for k, t in report["chain_tau"].items())
-    print(f"held-out acceptance: first token {report['first_token_agreement']:.1%}; chain tau {taus}")
+    if report["held_out_chains"]:
+        taus = ", ".join(f"k={k}: {t:.2f}" for k, t in report["chain_tau"].items())
+        print(f"held-out acceptance: first token {report['first_token_agreement']:.1%}; chain tau {taus}")
+    else:
+        print("held-out acceptance: not measured (the data holds no held-out greedy answers: every 20th prompt's "
+              "are held out, so `train data` needs at least 20 prompts)")
     print(written.format(out=args.out))
     return 0
 

@@ -410,3 +410,15 @@ def test_train_commands_write_drafters_and_report_held_out_acceptance(tiny_answe
     assert "held-out acceptance: first token" in printed and "chain tau k=1:" in printed
     assert f"--method {kind} --head {out}" in printed
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+def test_nothing_held_out_reports_nothing_measured(tiny_runtime):
+    """Found in review: with no held-out greedy answers the report said agreement 0.0 and
+    tau 1.0, figures nothing had measured, and wrote them into the drafter's config."""
+    from specdecode.proposers.medusa import MedusaConfig, MedusaHeads
+    from specdecode.train.medusa import MedusaTrainer, evaluate_medusa
+
+    cfg = tiny_runtime.cfg
+    heads = MedusaHeads(MedusaConfig(cfg.hidden_size, 2, cfg.vocab_size, 40, cfg.rms_norm_eps))
+    report = evaluate_medusa(MedusaTrainer(heads, 1e-3), [], 256)
+    assert report["held_out_chains"] == 0 and report["first_token_agreement"] is None and report["chain_tau"] is None
