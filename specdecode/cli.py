@@ -655,6 +655,7 @@ def _train_drafter(args, train, written: str) -> int:
     import json
 
     from .factory import load_target, log
+    from .train.eagle import HELD_OUT_EVERY
 
     engine_config = _engine_config(args)
     _set_threads(engine_config)
@@ -664,8 +665,8 @@ def _train_drafter(args, train, written: str) -> int:
         taus = ", ".join(f"k={k}: {t:.2f}" for k, t in report["chain_tau"].items())
         print(f"held-out acceptance: first token {report['first_token_agreement']:.1%}; chain tau {taus}")
     else:
-        print("held-out acceptance: not measured (the data holds no held-out greedy answers: every 20th prompt's "
-              "are held out, so `train data` needs at least 20 prompts)")
+        print(f"held-out acceptance: not measured (the data holds no held-out greedy answers: every "
+              f"{HELD_OUT_EVERY}th prompt's are held out, so `train data` needs at least {HELD_OUT_EVERY} prompts)")
     print(written.format(out=args.out))
     return 0
 

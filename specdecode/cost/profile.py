@@ -488,11 +488,10 @@ def _get_profile(model_key: str, dtype: str, runtime, drafters: dict | None, for
         # bandwidth moved between 26 and 52 GB/s within an hour, and a limit read minutes
         # away from the steps put the same 3.7 ms step at 1.3x or at 1.9x of it
         device = getattr(runtime, "device", "cpu")
-        samples: list[float] = []
-        probe = bandwidth_probe(device=device) if step_bytes(runtime)[0] else None
+        probe, samples = bandwidth_probe(device=device), []
         contexts, sizes, table = measure_target(runtime, progress=progress,
-                                                between_rounds=probe and (lambda: samples.append(probe())))
-        del probe  # its buffer (256 MB)
+                                                between_rounds=lambda: samples.append(probe()))
+        probe = None  # its buffer (256 MB)
         weight_bytes, kv_bytes = step_bytes(runtime)
         describe = getattr(runtime, "describe", None)
         bandwidth = statistics.median(samples) if samples else measure_bandwidth(device=device)

@@ -386,10 +386,10 @@ class ChainTally:
 
     def report(self, per_position: str) -> dict:
         chains = sum(self.accepted_at)
-        taus = [1 + sum(min(a, k) * n for a, n in enumerate(self.accepted_at)) / max(chains, 1)
-                for k in range(1, self.steps + 1)]
         if not chains:  # nothing held out (a small data set, or sampled answers only): nothing measured
             return {"held_out_chains": 0, per_position: None, "first_token_agreement": None, "chain_tau": None}
+        taus = [1 + sum(min(a, k) * n for a, n in enumerate(self.accepted_at)) / chains
+                for k in range(1, self.steps + 1)]
         rates = [a / c if c else 0.0 for a, c in zip(self.agree, self.counted)]
         return {"held_out_chains": chains, per_position: [round(r, 4) for r in rates],
                 "first_token_agreement": round(rates[0], 4), "chain_tau": {k + 1: round(t, 3) for k, t in enumerate(taus)}}
