@@ -256,6 +256,29 @@ def test_k_is_capped_at_the_number_of_heads(targets, tmp_path):
     assert set(Counting.asked) == {2}
 
 
+def test_check_and_serve_refuse_k_above_the_heads_before_calibrating(targets, tmp_path, monkeypatch):
+    """Found in review: `check --k 5` on 3 heads lowered k to 3 and reported that k's
+    figures as the answer; `serve` refused it only after calibrating the drafter (minutes
+    on a real model). Both now refuse it first, as generate does."""
+    from specdecode import factory
+    from specdecode.analysis.compat import calibrate
+    from specdecode.serve.server import drafter_entry
+
+    target = targets[1]
+    random_heads(target, 4).save(tmp_path / "heads")
+    draft = str(tmp_path / "heads")
+
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("calibrated before refusing k")
+
+    monkeypatch.setattr(factory, "build_policy", no_calibration)
+    monkeypatch.setattr(factory, "calibration_runs", no_calibration)
+    with pytest.raises(ConfigError, match="--k 5: medusa drafts at most 3 tokens a step"):
+        calibrate(str(target.source.path), draft, dtype="fp32", k=5)
+    with pytest.raises(ConfigError, match="num_speculative_tokens 4: method 'medusa' drafts at most 3"):
+        drafter_entry(SpeculativeConfig(method="medusa", k=4, draft=draft), target, EngineConfig(dtype="fp32"))
+
+
 def test_bad_heads_configs_are_refused_by_name(targets, tmp_path):
     import json
 

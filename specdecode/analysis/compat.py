@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import SpecDecodeError, self_draft_layers
+from ..config import ConfigError, SpecDecodeError, self_draft_layers
 from ..models.loading import load_tokenizer, resolve_model
 
 TEST_TEXT = (
@@ -191,7 +191,8 @@ def calibrate(target: str, draft: str, dtype: str = "bf16", k: int = 5) -> dict:
     loaded = load_target(config)
     proposer = build_proposer(spec, loaded, config)
     most = getattr(proposer, "max_drafts", 10)  # Medusa heads draft one token each
-    k = min(k, most)
+    if k > most:  # as generate and serve refuse it (it was lowered here, so the report answered another k)
+        raise ConfigError(f"--k {k}: {spec.method} drafts at most {most} tokens a step (one per head)")
     runs = calibration_runs(loaded, proposer, k, max_new_tokens=48)
     if not runs:
         return {"skipped": "the target has no tokenizer to encode the calibration prompts"}

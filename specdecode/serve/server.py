@@ -121,14 +121,14 @@ def drafter_entry(spec: SpeculativeConfig, target, engine_config: EngineConfig):
     else:
         def make_proposer():
             return type(template)(spec.ngram_sizes)
+    default = spec.k
+    most = getattr(template, "max_drafts", None)  # Medusa: one draft per head
+    if isinstance(default, int) and most is not None and default > most:  # before the minutes calibration may take
+        raise ConfigError(f"--speculative-config num_speculative_tokens {default}: method {spec.method!r} drafts at "
+                          f"most {most} tokens a step (one per head)")
     # built now, before the batched engine owns the runtime's cache: calibrating the
     # drafter's acceptance decodes on the target (once per machine, then cached)
     auto = build_policy(replace(spec, k="auto"), target, template, engine_config.dtype)
-    default = spec.k
-    most = getattr(template, "max_drafts", None)  # Medusa: one draft per head
-    if isinstance(default, int) and most is not None and default > most:
-        raise ConfigError(f"--speculative-config num_speculative_tokens {default}: method {spec.method!r} drafts at "
-                          f"most {most} tokens a step (one per head)")
 
     def make_policy(k):
         k = default if k is None else k
