@@ -256,6 +256,26 @@ def test_k_is_capped_at_the_number_of_heads(targets, tmp_path):
     assert set(Counting.asked) == {2}
 
 
+def test_a_new_draft_vocabulary_must_be_bound_before_drafting(targets):
+    """Found in review: set_draft_vocab after bind kept the old vocabulary's output rows,
+    so the heads drafted through the wrong rows (lossless, but other tokens than they
+    meant). Drafting through unbound heads is refused by name; bound again, the logits are
+    the new rows'."""
+    target = targets[0]
+    heads = random_heads(target, 5)
+    state = torch.randn(1, target.runtime.cfg.hidden_size)
+    heads.logits(state)
+    new_vocab = torch.randperm(target.runtime.vocab_size)[:60].sort().values
+    heads.set_draft_vocab(new_vocab)
+    for call in (lambda: heads.logits(state), heads.use_kernels):
+        with pytest.raises(SpecDecodeError, match="not bound to their target's output head"):
+            call()
+    weights = target.runtime.weights
+    output = weights.lm_head.dequantize().float()
+    heads.bind(weights.norm, output)
+    assert torch.allclose(heads.logits(state), state @ output[new_vocab].T)
+
+
 def test_check_and_serve_refuse_k_above_the_heads_before_calibrating(targets, tmp_path, monkeypatch):
     """Found in review: `check --k 5` on 3 heads lowered k to 3 and reported that k's
     figures as the answer; `serve` refused it only after calibrating the drafter (minutes

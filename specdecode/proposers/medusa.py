@@ -58,6 +58,7 @@ class MedusaHeads(nn.Module):
         self.register_buffer("norm_weight", torch.ones(c.hidden_size), persistent=False)
         self.register_buffer("rows", torch.zeros(c.draft_vocab_size, c.hidden_size), persistent=False)
         self.fast = None  # drafting only: blocks and rows on the CPU kernels (use_kernels)
+        self.bound = False  # rows hold the output head's rows for the current draft vocabulary
 
     @property
     def d2t_list(self) -> list[int]:
@@ -73,6 +74,9 @@ class MedusaHeads(nn.Module):
             raise SpecDecodeError(f"draft vocabulary ids must lie in 0..{self.config.target_vocab_size - 1}")
         self.d2t.copy_(d2t.to(torch.int64))
         self._d2t_list = None
+        # the rows bound before were the old vocabulary's (found in review: drafting went on
+        # through them, lossless but guessing other tokens): bind again before drafting
+        self.bound, self.fast = False, None
 
     def bind(self, norm_weight: torch.Tensor, output_rows: torch.Tensor) -> "MedusaHeads":
         """The target's final norm weight [H] and its whole output head [V, H] (the rows of
@@ -84,7 +88,13 @@ class MedusaHeads(nn.Module):
         self.norm_weight = norm_weight.detach().float().to(self.d2t.device).clone()
         self.rows = output_rows.detach().float()[self.d2t.to(output_rows.device)].to(self.d2t.device).contiguous()
         self.fast = None
+        self.bound = True
         return self
+
+    def _check_bound(self) -> None:
+        if not self.bound:
+            raise SpecDecodeError("Medusa heads are not bound to their target's output head for this draft "
+                                  "vocabulary: call bind() after load() or set_draft_vocab()")
 
     def normalise(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's final RMSNorm of its last layer's output."""
@@ -103,6 +113,7 @@ class MedusaHeads(nn.Module):
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         """[..., H] -> draft-vocabulary logits [..., N] through the target's rows."""
+        self._check_bound()
         if self.fast is not None and states.dim() == 2:
             return self.fast["rows"](states.contiguous())
         return states @ self.rows.T
@@ -118,6 +129,7 @@ class MedusaHeads(nn.Module):
         from ..models.cpu_runtime import KernelLinear
         from ..models.quant import PackedLinear
 
+        self._check_bound()
         if self.d2t.device.type != "cpu":
             return False
         if self.fast is not None:
