@@ -276,6 +276,36 @@ def test_a_new_draft_vocabulary_must_be_bound_before_drafting(targets):
     assert torch.allclose(heads.logits(state), state @ output[new_vocab].T)
 
 
+@pytest.mark.parametrize("index", [0, 1])
+def test_medusa_rows_start_from_a_cached_prefix_and_keep_their_outputs(targets, index):
+    """Medusa reads only the latest position's state, so a served sequence may start from
+    a cached prompt prefix (it prefilled the whole prompt before): the same prompt asked
+    again and a longer one sharing its start reuse the cached entries, the heads still
+    draft, and every output equals the output with prefix caching off."""
+    from specdecode.serve.batch import BatchEngine
+
+    target = targets[index]
+    heads = random_heads(target, 6, std=0.05)
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    shared = [5, 6, 7, 8, 40, 41, 42, 40, 41, 42, 9, 10, 11, 12]
+    prompts = [shared, shared, shared + [13, 14, 15]]
+    results = []
+    for caching in (False, True):
+        target.runtime.reset(64, batch=2)
+        engine = BatchEngine(target.runtime, max_num_seqs=1, max_model_len=64,
+                             make_drafter=lambda: MedusaProposer(heads, target.runtime.num_layers),
+                             make_policy=lambda: 3)
+        engine.prefix_caching = caching
+        sequences = [engine.add(prompt, params) for prompt in prompts]
+        engine.run()
+        results.append(sequences)
+    off, on = results
+    assert [s.generated for s in on] == [s.generated for s in off]
+    assert [s.cached_tokens for s in off] == [0, 0, 0]
+    assert on[0].cached_tokens == 0 and on[1].cached_tokens > 0 and on[2].cached_tokens >= len(shared) - 1
+    assert all(s.stats.draft_tokens > 0 for s in on)
+
+
 def test_check_and_serve_refuse_k_above_the_heads_before_calibrating(targets, tmp_path, monkeypatch):
     """Found in review: `check --k 5` on 3 heads lowered k to 3 and reported that k's
     figures as the answer; `serve` refused it only after calibrating the drafter (minutes

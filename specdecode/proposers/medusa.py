@@ -199,6 +199,9 @@ class MedusaHeads(nn.Module):
 class MedusaProposer:
     name = "medusa"
     samples_drafts = False  # top-1 drafts: the target's own draws verify them
+    # only the latest position's state is read: a server may start the sequence from a
+    # cached prompt prefix (serve/batch.py, _reusable)
+    needs_prompt_states = False
 
     def __init__(self, heads: MedusaHeads, target_layers: int, kernels: bool = True):
         """``target_layers``: the target's layer count L; the heads read its capture layer L

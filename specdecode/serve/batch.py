@@ -28,8 +28,8 @@ Only the rest of the prompt is prefilled. The cache is the rows themselves: at m
 ``max_num_seqs`` histories, and only those of rows not running are at risk. A key or value
 depends only on the tokens at and before it, and on the kernels it is computed the same
 bits whatever else was in its pass, so a reused prefix gives the logits that prefilling it
-again would. A sequence whose drafter reads the target's hidden states (EAGLE) prefills
-its whole prompt: the drafter needs them for every position.
+again would. A sequence whose drafter reads the target's hidden states at every position
+(EAGLE) prefills its whole prompt; Medusa's heads read only the latest one and reuse.
 
 On specdecode's CPU kernels every row's logits are bitwise independent of the other rows
 and of the padding (``--exact``), so a request's greedy output is the same whatever else
@@ -365,7 +365,14 @@ class BatchEngine:
         sequence.cache_row = None
 
     def _reusable(self, sequence: Sequence) -> bool:
-        return self.prefix_caching and sequence.reuse_prefix and not getattr(sequence.proposer, "capture", ())
+        """Whether ``sequence`` may start from a cached prefix. A drafter that reads the
+        target's hidden states needs them for every prompt position (an EAGLE head builds
+        its own cache from them), unless it says it reads only the latest
+        (``needs_prompt_states = False``: Medusa's heads), which a prefill of the rest or
+        the first decode step gives it."""
+        proposer = sequence.proposer
+        needs_states = bool(getattr(proposer, "capture", ())) and getattr(proposer, "needs_prompt_states", True)
+        return self.prefix_caching and sequence.reuse_prefix and not needs_states
 
     def _claim_cache(self) -> bool:
         """True when the rows' entries are this engine's to reuse. A write from outside (a
