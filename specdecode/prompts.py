@@ -20,7 +20,7 @@ from collections import defaultdict
 from importlib import resources
 from pathlib import Path
 
-from .config import SpecDecodeError
+from .config import ConfigError, SpecDecodeError
 
 
 ID_KEYS = ("question_id", "id", "task_id")  # Spec-Bench, ShareGPT, HumanEval
@@ -86,14 +86,21 @@ def _records(text: str, origin: str):
         for number, row in enumerate(rows, 1):
             yield f"{origin} record {number}", row
         return
+    for number, row in json_lines(text, origin):
+        yield f"{origin} line {number}", row
+
+
+def json_lines(text: str, origin: str):
+    """(line number, record) for each non-blank line of a JSONL text; a line that is not
+    JSON is refused by ``origin`` and number (ConfigError). The prompt files and the
+    training data (``train/data.py``) read their lines through it."""
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            yield number, json.loads(line)
         except json.JSONDecodeError as error:
-            raise SpecDecodeError(f"{origin} line {number} is not JSON ({error.msg} at column {error.colno})") from None
-        yield f"{origin} line {number}", row
+            raise ConfigError(f"{origin} line {number} is not JSON ({error.msg} at column {error.colno})") from None
 
 
 def _user_turns(row, where: str) -> tuple[str, object, str | None]:

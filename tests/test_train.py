@@ -325,6 +325,11 @@ def test_train_eagle_refuses_what_it_cannot_train_on(tiny_runtime, tiny_answers,
         (bad / "answers.jsonl").write_text((tiny_answers / "answers.jsonl").read_text() + json.dumps(record) + "\n")
         with pytest.raises(SpecDecodeError, match=rf"answers.jsonl line 81: {problem}"):
             train_eagle(target, bad, tmp_path / "h2", **quick)
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    (torn / "answers.jsonl").write_text((tiny_answers / "answers.jsonl").read_text() + '{"prompt_id": \n')
+    with pytest.raises(SpecDecodeError, match=r"answers.jsonl line 81 is not JSON \("):
+        train_eagle(target, torn, tmp_path / "h2", **quick)
     first = SimpleNamespace(runtime=tiny_runtime, eos_token_ids=(2,),
                             source=SimpleNamespace(path=tmp_path, config={"model_type": "a"}, gguf=None))
     train_eagle(first, tiny_answers, tmp_path / "h3", **quick)

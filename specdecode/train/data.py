@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from ..config import ConfigError, SamplingParams
+from ..prompts import json_lines
 from ..verify.sampling import logits_to_probs, sample
 from .prompts import training_prompts
 
@@ -110,13 +111,7 @@ def read_records(path: Path, fields: dict[str, type | tuple], vocab_size: int | 
     """The JSON lines of ``path`` (blank ones skipped), each checked to hold ``fields`` (name
     -> type) and, with ``vocab_size``, token ids inside the vocabulary in its list fields; a
     bad line is refused by file and line number."""
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"{path} line {number}: not JSON ({error})") from None
+    for number, record in json_lines(path.read_text(), str(path)):
         problem = next((f"no {name!r} ({getattr(kind, '__name__', 'number')})" for name, kind in fields.items()
                         if not isinstance(record, dict) or not isinstance(record.get(name), kind)), None)
         if problem is None:
