@@ -49,6 +49,8 @@ class GenerationStats:
     wall_seconds: float = 0.0
     last_drafted: int = field(default=0, repr=False)
     last_accepted: int = field(default=0, repr=False)
+    last_depth: int = field(default=0, repr=False)  # positions the last step counted as drafted
+    last_rejected: bool = field(default=False, repr=False)  # whether it counted a rejection
 
     def observe_step(self, num_drafted: int, num_accepted: int, depth: int | None = None,
                      rejected: bool | None = None) -> None:
@@ -62,7 +64,9 @@ class GenerationStats:
         self.draft_tokens += num_drafted
         self.accepted_tokens += num_accepted
         depth = num_drafted if depth is None else depth
-        self.rejections += (num_accepted < depth) if rejected is None else bool(rejected)
+        self.last_depth = depth
+        self.last_rejected = (num_accepted < depth) if rejected is None else bool(rejected)
+        self.rejections += self.last_rejected
         grow = depth - len(self.drafted_per_position)
         if grow > 0:
             self.drafted_per_position += [0] * grow
@@ -80,18 +84,31 @@ class GenerationStats:
         a pass produced (a lookup drafter that copies the chat template's end-of-turn and the
         next turn's start reported τ 3.33 for 2.67 tokens a pass; found in review). A draft
         before the end, an EOS that ended the output among them, stays accepted (found in
-        review: an EOS drafted first lost its acceptance, and later acceptance went wrong)."""
+        review: an EOS drafted first lost its acceptance, and later acceptance went wrong).
+
+        The drafts past the end that were not accepted go too: the rejected one (and the
+        rejection: the output never reached it) and those after it, on a chain; a tree's
+        positions past the end likewise, and of its nodes the accepted path's. Kept, they
+        made the acceptance depend on whether a draft the output never reached was right
+        (found in review: [EOS, wrong] read α 0.5 where [EOS, right] read 1.0, for the same
+        output)."""
         if count <= 0:
             return
         self.ended_early += 1
         drafts = min(count - 1, self.last_accepted)
-        for position in range(self.last_accepted - drafts, self.last_accepted):
-            self.accepted_per_position[position] -= 1
+        kept = self.last_accepted - drafts  # accepted drafts before the end
+        for position in range(kept, self.last_depth):
             self.drafted_per_position[position] -= 1
+            self.accepted_per_position[position] -= position < self.last_accepted
+        chain = self.last_depth == self.last_drafted
+        dropped = self.last_drafted - kept if chain else drafts
         self.accepted_tokens -= drafts
-        self.draft_tokens -= drafts
-        self.last_accepted -= drafts
-        self.last_drafted -= drafts
+        self.draft_tokens -= dropped
+        self.rejections -= self.last_rejected  # the own token ends past the end, so the rejection does
+        self.last_rejected = False
+        self.last_accepted = kept
+        self.last_drafted -= dropped
+        self.last_depth = kept
 
     @property
     def alpha(self) -> float:

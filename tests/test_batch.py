@@ -713,3 +713,28 @@ def test_drafts_past_the_end_leave_the_acceptance_of_those_before_it():
     one.observe_step(4, 4)
     one.drop_accepted(4)
     assert (one.first_alpha, one.later_alpha, one.tau) == (1.0, 1.0, 1.0)
+
+
+def test_drafts_past_the_end_count_the_same_whether_right_or_wrong():
+    """Found in review: a draft after the end of the output counted as drafted (and as a
+    rejection) when it was wrong, and not when it was right, so the same output reported
+    different acceptance. [EOS, x, ...]: the EOS is accepted and ends the output; whatever
+    follows it, the step counts one draft, accepted, and no rejection."""
+    from specdecode.metrics import GenerationStats
+
+    def after_eos(drafted: int, accepted: int) -> GenerationStats:
+        stats = GenerationStats()
+        stats.observe_step(3, 1)  # an earlier step: the first accepted, the second rejected
+        stats.observe_step(drafted, accepted)
+        stats.drop_accepted(accepted)  # [EOS, accepted drafts after it..., own]: all but the EOS past the end
+        return stats
+
+    cases = [after_eos(2, 2), after_eos(2, 1), after_eos(4, 4), after_eos(4, 3), after_eos(4, 1)]
+    figures = {(s.draft_tokens, s.accepted_tokens, s.rejections, tuple(s.drafted_per_position[:3]),
+                tuple(s.accepted_per_position[:3]), sum(s.drafted_per_position[3:]), s.alpha, s.tau) for s in cases}
+    assert figures == {(4, 2, 1, (2, 1, 1), (2, 0, 0), 0, 0.5, 1.5)}
+    tree = GenerationStats()
+    tree.observe_step(6, 1, depth=3, rejected=True)  # a tree of 6 nodes, 3 deep; its first node (EOS) accepted
+    tree.drop_accepted(1)
+    assert (tree.drafted_per_position, tree.accepted_per_position, tree.rejections) == ([1, 0, 0], [1, 0, 0], 0)
+    assert (tree.draft_tokens, tree.accepted_tokens) == (6, 1)  # a tree's other nodes stay drafted
