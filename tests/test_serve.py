@@ -214,6 +214,58 @@ def test_errors_are_openai_json(served, body, status, fragment):
     assert fragment in error["message"] and set(error) == {"message", "type", "param", "code"}
 
 
+def test_validation_errors_name_the_param_and_take_json_types_as_sent(served):
+    """Found in review: a validation 400 put the field's name in ``type`` and left
+    ``param`` null; lax parsing read ``"max_tokens": true`` as 1 token, ``[true, 5]`` as
+    token ids and ``"stream": "yes"`` as a stream; an explicit null for ``n``, ``stream``
+    or ``echo`` (which OpenAI's schema allows) was refused; ``max_completion_tokens`` on
+    /v1/completions was ignored (the reply ran to 16 tokens); and a chat request over the
+    context with ``max_completion_tokens`` was told about ``max_tokens``."""
+    client, _, _ = served
+    for body, param in (({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+                        ({"prompt": "hi", "temperature": 3}, "temperature"),
+                        ({"prompt": "hi", "n": 0}, "n"),
+                        ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
+                        ({"prompt": "hi", "max_tokens": "3"}, "max_tokens"),
+                        ({"prompt": [True, 5], "max_tokens": 2}, "prompt"),
+                        ({"prompt": "hi", "stream": "yes"}, "stream"),
+                        ({"prompt": "hi", "n": True}, "n"),
+                        ({"prompt": "hi", "max_completion_tokens": 40}, "max_completion_tokens")):
+        response = client.post("/v1/completions", json=body)
+        assert response.status_code == 400, body
+        error = response.json()["error"]
+        assert (error["type"], error["param"]) == ("invalid_request_error", param), (body, error)
+    nulls = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "temperature": 0, "n": None,
+                                                 "stream": None, "echo": None, "ignore_eos": None})
+    plain = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "temperature": 0})
+    assert nulls.status_code == 200 and nulls.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    response = client.post("/v1/chat/completions", json={**chat, "max_completion_tokens": 10 ** 6})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "max_completion_tokens"
+    response = client.post("/v1/chat/completions", json={**chat, "add_special_tokens": True})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "add_special_tokens"
+
+
+def test_add_special_tokens_is_honoured_on_completions(tmp_path):
+    """Found in review: vLLM's ``add_special_tokens`` was accepted and ignored, so a text
+    prompt kept its BOS when the client asked for none (a silently different answer)."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    path = save_chat_model(tmp_path / "bos", seed=4)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer.save_pretrained(path)
+    client, _ = make_client(path)
+    with client:
+        body = {"prompt": "abcab", "max_tokens": 4, "temperature": 0}
+        with_bos = client.post("/v1/completions", json=body).json()
+        without = client.post("/v1/completions", json={**body, "add_special_tokens": False}).json()
+        ids = client.post("/v1/completions", json={**body, "prompt": tokenizer("abcab", add_special_tokens=False)["input_ids"]}).json()
+    assert with_bos["usage"]["prompt_tokens"] == 6 and without["usage"]["prompt_tokens"] == 5
+    assert without["choices"][0]["text"] == ids["choices"][0]["text"]
+
+
 def test_malformed_json_unknown_route_and_models(served):
     client, _, _ = served
     response = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})

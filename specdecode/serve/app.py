@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import VLLM_METHODS, SamplingParams
@@ -57,13 +57,19 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 
 
 # -- requests ----------------------------------------------------------------------------
+# Integers and booleans are taken as JSON gives them, as OpenAI's API does: lax parsing
+# turned "max_tokens": true into 1 token, [true, 5] into token ids and "stream": "yes" into
+# a stream (found in review). Floats stay lax, so "temperature": 1 still reads as 1.0.
+Int = StrictInt
+
+
 class SpeculativeOptions(BaseModel):
     """Per-request speculation (the openai client's ``extra_body={"speculative": ...}``)."""
 
     model_config = ConfigDict(extra="forbid")
-    enabled: bool = True
+    enabled: StrictBool = True
     method: str | None = None
-    num_speculative_tokens: int | Literal["auto"] | None = None
+    num_speculative_tokens: Int | Literal["auto"] | None = None
 
     @field_validator("num_speculative_tokens")
     @classmethod
@@ -102,8 +108,8 @@ def _is_default(value, defaults: tuple) -> bool:
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")  # an option not known here is refused, not ignored
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's; refused when true (sampling())
+    include_usage: StrictBool | None = False
+    continuous_usage_stats: StrictBool | None = False  # vLLM's; refused when true (sampling())
 
 
 class _Common(BaseModel):
@@ -111,15 +117,24 @@ class _Common(BaseModel):
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: Int | None = Field(default=None, ge=-1)
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=-(2 ** 63), le=2 ** 63 - 1)
-    stream: bool = False
+    seed: Int | None = Field(default=None, ge=-(2 ** 63), le=2 ** 63 - 1)
+    # null means the default for these, as in OpenAI's schema and vLLM (found in review:
+    # an explicit null was a 400)
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1)
-    ignore_eos: bool = False
+    n: Int | None = Field(default=1, ge=1)
+    ignore_eos: StrictBool | None = False
     speculative: SpeculativeOptions | None = None
     task_type: str | None = None
+
+    @model_validator(mode="after")
+    def _defaults_for_null(self):
+        self.stream, self.n, self.ignore_eos = bool(self.stream), self.n or 1, bool(self.ignore_eos)
+        if "echo" in type(self).model_fields:
+            self.echo = bool(self.echo)
+        return self
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         extra = self.model_extra or {}  # the keys this model does not declare
@@ -143,10 +158,12 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
-    echo: bool = False  # the prompt's text before the completion
+    prompt: str | list[Int] | list[str] | list[list[Int]]
+    max_tokens: Int | None = Field(default=16, ge=1)
+    echo: StrictBool | None = False  # the prompt's text before the completion
     suffix: str | None = None
+    # vLLM's: whether the tokenizer adds its special tokens (a BOS) to a text prompt
+    add_special_tokens: StrictBool | None = True
 
 
 class ChatMessage(BaseModel):
@@ -167,8 +184,10 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Int | None = Field(default=None, ge=1)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
+    # vLLM's; the chat template writes the special tokens, so only its default (false) runs
+    add_special_tokens: StrictBool | None = False
 
 
 # -- the engine thread -------------------------------------------------------------------
@@ -500,7 +519,8 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
             authorize(request)
         except APIError as refused:
             return refused.response()
-        return error_response(400, *validation_message(error.errors()))
+        message, param = validation_message(error.errors())  # the field is OpenAI's param, not its type
+        return error_response(400, message, param=param)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError):
@@ -542,12 +562,16 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
             raise APIError(400, "prompt is empty", param="prompt")
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send the prompt as token ids", param="prompt")
+        add_special = body.add_special_tokens is not False
         try:
-            return list(tokenizer(prompt)["input_ids"]), prompt
+            return list(tokenizer(prompt, add_special_tokens=add_special)["input_ids"]), prompt
         except (TypeError, ValueError, UnicodeError) as error:  # e.g. a lone surrogate, which UTF-8 cannot hold
             raise APIError(400, f"the prompt could not be tokenized: {error}", param="prompt") from None
 
     def encode_chat(body: ChatRequest) -> tuple[list[int], str]:
+        if body.add_special_tokens:
+            raise APIError(400, "add_special_tokens is not supported for chat by this server (only false: the chat "
+                                "template writes the special tokens)", param="add_special_tokens")
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in body.messages]
@@ -558,7 +582,8 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
             raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
         return list(encoded["input_ids"]), "\n".join(m["content"] for m in messages if m["role"] == "user")
 
-    async def run(request: Request, body, prompt_ids, prompt_text, max_tokens, chat: bool):
+    async def run(request: Request, body, prompt_ids, prompt_text, max_tokens, chat: bool,
+                  max_tokens_param: str = "max_tokens"):
         params = body.sampling(max_tokens)
         if getattr(body, "suffix", None):
             raise APIError(400, "suffix (insertion) is not supported", param="suffix")
@@ -569,7 +594,8 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
         if len(prompt_ids) + max_tokens > limit:  # as OpenAI and vLLM answer: never a silently shorter reply
             raise APIError(400, f"this model's maximum context length is {limit} tokens, but {len(prompt_ids) + max_tokens} "
                                 f"were requested ({len(prompt_ids)} in the prompt, {max_tokens} to generate); "
-                                "reduce the prompt or max_tokens", param="max_tokens", code="context_length_exceeded")
+                                f"reduce the prompt or {max_tokens_param}", param=max_tokens_param,
+                           code="context_length_exceeded")
         echo = ""
         if chat and getattr(body, "echo", False):  # OpenAI refuses it; vLLM's differs (the last assistant message)
             raise APIError(400, "echo is only supported for completions", param="echo")
@@ -701,6 +727,9 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
     async def completions(request: Request, body: CompletionRequest):
         authorize(request)
         check_model(body.model)
+        if "max_completion_tokens" in (body.model_extra or {}):  # ignored, the reply ran to the default 16 tokens
+            raise APIError(400, "max_completion_tokens is a chat parameter; completions take max_tokens",
+                           param="max_completion_tokens")
         prompt_ids, text = encode_completion(body)
         return await run(request, body, prompt_ids, text, body.max_tokens or 16, chat=False)
 
@@ -711,7 +740,8 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
         prompt_ids, text = encode_chat(body)
         room = state.engine.max_model_len - len(prompt_ids)
         max_tokens = body.max_completion_tokens or body.max_tokens or max(room, 1)
-        return await run(request, body, prompt_ids, text, max_tokens, chat=True)
+        named = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        return await run(request, body, prompt_ids, text, max_tokens, chat=True, max_tokens_param=named)
 
     @app.get("/v1/models")
     async def models(request: Request):
