@@ -574,6 +574,26 @@ def test_thread_choice_runs_the_faster_count_per_kind_of_pass_and_looks_rarely()
     assert choice.preferred == {"batch": 2, "alone": 1}  # what /metrics reports
 
 
+def test_thread_choice_prices_a_sequences_drafts_apart_from_its_single_tokens():
+    """One thread as fast as two for single-token passes (a server's front end takes the
+    second core) but slower for passes that score drafts: each kind finds its own count.
+    Priced together, the speculative passes followed the single-token ones to one thread."""
+    from specdecode.control.threads import ThreadChoice
+
+    choice = ThreadChoice((1, 2), explore_every=8)
+    speed = {("alone", 1): 0.95, ("alone", 2): 1.0, ("drafts", 1): 1.5, ("drafts", 2): 1.0}
+    chosen = []
+    for i in range(1200):
+        width = 1 if i % 3 else 4  # a plain step, then one scoring 3 drafts
+        threads = choice.choose(1, width, 100)
+        kind = ThreadChoice.kind(1, width)
+        choice.observe(threads, 1, width, 100, speed[kind, threads] * choice.predict(1, width, 100))
+        chosen.append((kind, threads))
+    assert choice.preferred == {"alone": 1, "drafts": 2}
+    late = [t for k, t in chosen[300:] if k == "drafts"]
+    assert late.count(2) > 0.95 * len(late)
+
+
 def test_thread_choice_follows_a_machine_whose_speed_changes():
     """Two threads win for the first 600 passes, then lose by 40%: the looks find it and
     the choice moves back to one thread."""

@@ -7,7 +7,7 @@ leave it a core depends on the machine and on the load. On a Zen 4 (2 vCPUs) one
 thread served faster at 1 and at 8 clients; on a Zen 3 (2 vCPUs) two served 8 clients
 1.3x faster and one client about as fast (docs/serving.md). A constant tuned on one of
 them is wrong on the other, so the engine measures: ``ThreadChoice`` keeps, per kind of
-pass (one sequence alone, or a batch), a decayed mean of each thread count's measured
+pass (one sequence's single token, one sequence scoring drafts, or a batch), a decayed mean of each thread count's measured
 time over the time predicted for that pass's shape, runs the lower, and now and then runs
 another to look again (every ``explore_every`` passes of that kind, the interval doubling
 while a look measures worse than the preferred count's mean, back to the start when one
@@ -62,8 +62,14 @@ class ThreadChoice:
         self.counts: dict[tuple[str, int], int] = {}  # passes run per (kind, threads), for reports
 
     @staticmethod
-    def kind(rows: int) -> str:
-        return "alone" if rows == 1 else "batch"
+    def kind(rows: int, width: int = 1) -> str:
+        """"alone" (one sequence, one token), "drafts" (one sequence scoring its drafts) or
+        "batch". A pass of one token reads its weights and little else; one scoring drafts
+        multiplies as well, and gains more from a second thread (on a Zen 4 without a front
+        end: 1.37x at one token, 1.52-1.65x at 3-6). Priced as one kind, a server whose
+        single-token passes ran as fast on one thread moved its speculative passes to one
+        thread too."""
+        return "batch" if rows > 1 else "alone" if width == 1 else "drafts"
 
     def best(self, kind: str) -> int:
         """The thread count with the lowest measured ratio for ``kind`` (none measured: the first option)."""
@@ -73,7 +79,7 @@ class ThreadChoice:
         return min(measured, key=lambda n: (self.ratios[kind, n], self.options.index(n)))
 
     def choose(self, rows: int, width: int, context: int) -> int:
-        kind = self.kind(rows)
+        kind = self.kind(rows, width)
         warming = [n for n in self.options if (kind, n) not in self.ratios]
         if warming:  # each count's first passes, taken in turn
             return min(warming, key=lambda n: (len(self.warm.get((kind, n), ())), self.options.index(n)))
@@ -93,7 +99,7 @@ class ThreadChoice:
 
     def observe(self, threads: int, rows: int, width: int, context: int, ms: float) -> None:
         """A pass of ``rows`` x ``width`` tokens after ``context`` took ``ms`` on ``threads``."""
-        kind = self.kind(rows)
+        kind = self.kind(rows, width)
         look = self.looking.pop(kind, None)
         key = (rows, width, context // 64)
         predicted = self._predicted.get(key)

@@ -80,7 +80,7 @@ class ServerMetrics:
         self.task_saved = gauge("task_seconds_saved", "Estimated decode seconds saved against plain decoding "
                                   "(cost profile), by task type; negative when speculation lost", task)
         self.decode_threads = gauge("decode_kernel_threads", "Kernel threads decode passes run on, as measured "
-                                    "fastest, by kind of pass (alone: one sequence; batch)", ["kind"])
+                                    "fastest, by kind of pass (alone: one sequence, one token; drafts: one sequence scoring drafts; batch)", ["kind"])
         self.drift = gauge("acceptance_drift", "First-draft acceptance over the last drafted steps / calibrated "
                            "first-draft acceptance, by task type (1 = as calibrated)", task)
         self.audit_checked = counter("audit_requests", "Greedy requests re-run with plain decoding and compared")
