@@ -528,7 +528,8 @@ def test_decode_threads_chosen_by_measurement_change_no_output(model_dir):
                                  decode_threads=choice)
         outputs.append([s.generated for s in sequences])
         if choice is not None:
-            assert all(count > 0 for count in choice.counts.values()) and len(choice.counts) == 4, choice.counts
+            assert all(count > 0 for count in choice.counts.values()), choice.counts
+            assert choice.counts.get(("batch", 1)) and choice.counts.get(("batch", 2)), choice.counts
             assert teams.count(1) >= sum(n for (_, t), n in choice.counts.items() if t == 1) > 0
             assert teams.count(2) >= sum(n for (_, t), n in choice.counts.items() if t == 2) > 0
     assert outputs[0] == outputs[1]
