@@ -95,6 +95,30 @@ def test_incremental_proposals_equal_a_fresh_pass_over_the_committed_sequence(ta
         assert drafts == fresh_proposal(target, head, tokens, k), tokens
 
 
+def test_a_draft_vocabulary_set_after_the_proposer_was_built_maps_its_drafts(targets):
+    """Found in review: the proposer copied the head's draft -> target map when it was
+    built, so a vocabulary set afterwards was drafted through the old map (lossless, but
+    other tokens than the head meant). Ids outside the target's vocabulary are refused."""
+    target = targets[0]
+    head = random_head(target, 3)
+    proposer = proposer_for(target, head)
+    committed = [5, 9, 14, 22, 5, 9]
+    before = fresh_proposal(target, head, committed, 1)  # the first draft: deeper ones read its embedding
+    old = head.d2t.clone()
+    shifted = torch.roll(old, 1)  # the same ids, each draft index now names its neighbour's
+    head.set_draft_vocab(shifted)
+    runtime = target.runtime
+    proposer.start(committed, len(committed) + 4)
+    runtime.reset(len(committed) + 1)
+    _, features = runtime(torch.tensor([committed[:-1]]), capture=proposer.capture)
+    proposer.observe(0, features[0], committed)
+    after = proposer.propose(committed, 1, GREEDY, None).draft_ids.tolist()
+    index = {token: i for i, token in enumerate(old.tolist())}
+    assert after == [shifted[index[token]].item() for token in before] and after != before
+    with pytest.raises(SpecDecodeError, match="must lie in 0.."):
+        head.set_draft_vocab(torch.arange(target.runtime.vocab_size - 59, target.runtime.vocab_size + 1))
+
+
 def test_the_kernel_layer_drafts_what_the_torch_pass_drafts(targets):
     """The head's decoder layer as one kernel call (KernelHeadLayer) against the same layer
     through torch: the same outputs and cache entries up to rounding, over a history longer

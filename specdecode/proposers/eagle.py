@@ -43,9 +43,6 @@ class EagleProposer:
             raise SpecDecodeError(f"tree width must be >= 1, got {tree_width}")
         self.head = head.eval().requires_grad_(False)
         self.device = head.d2t.device  # the head's (the factory puts it on the target's device)
-        # draft -> target ids as a list: indexing the tensor per drafted token cost a device
-        # round trip each on a GPU (about 40 a step for a tree)
-        self.d2t = head.d2t.tolist()
         self.tree_width = tree_width
         self.layer = None  # the decoder layer as one kernel call (KernelHeadLayer), where it loads
         if kernels and self.device.type == "cpu" and head.use_kernels():
@@ -63,6 +60,13 @@ class EagleProposer:
         self.last_g: torch.Tensor | None = None  # [H]
         self.pending: list[tuple[torch.Tensor, list[int]]] = []  # observed rows not yet run
         self.pending_start = 0
+
+    @property
+    def d2t(self) -> list[int]:
+        """Draft -> target ids as a list (indexing the tensor per drafted token cost a device
+        round trip each on a GPU, about 40 a step for a tree), the head's current one: a
+        copy taken at construction kept mapping through a vocabulary set afterwards."""
+        return self.head.d2t_list
 
     @property
     def drafts_trees(self) -> bool:

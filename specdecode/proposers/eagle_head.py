@@ -134,7 +134,18 @@ class EagleHead(nn.Module):
     def set_draft_vocab(self, d2t: torch.Tensor) -> None:
         if d2t.numel() != self.config.draft_vocab_size or d2t.unique().numel() != d2t.numel():
             raise SpecDecodeError(f"draft vocabulary needs {self.config.draft_vocab_size} distinct target ids")
+        if int(d2t.min()) < 0 or int(d2t.max()) >= self.config.target_vocab_size:
+            raise SpecDecodeError(f"draft vocabulary ids must lie in 0..{self.config.target_vocab_size - 1}")
         self.d2t.copy_(d2t.to(torch.int64))
+        self._d2t_list = None
+
+    @property
+    def d2t_list(self) -> list[int]:
+        """``d2t`` as a list, made once per draft vocabulary (proposers map every drafted
+        token through it; a server builds a proposer per request)."""
+        if getattr(self, "_d2t_list", None) is None or len(self._d2t_list) != self.d2t.numel():
+            self._d2t_list = self.d2t.tolist()
+        return self._d2t_list
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D] for integer positions [T]."""
