@@ -594,6 +594,28 @@ def test_thread_choice_prices_a_sequences_drafts_apart_from_its_single_tokens():
     assert late.count(2) > 0.95 * len(late)
 
 
+def test_thread_choice_is_not_moved_by_passes_stalled_now_and_then():
+    """Found in review: one pass stalled 10x by the OS raised its count's mean 1.6x (clipped
+    at 4x, weight 0.2), and the faster count then lost to the slower one until the next
+    look, up to 512 passes later: a stall every 200 passes put half of them on the slower
+    count. A lone high pass now counts as 1.5x the mean; a slowdown that lasts still moves
+    the choice (the second half: one thread 1.6x slower)."""
+    import random
+
+    from specdecode.control.threads import ThreadChoice
+
+    for every in (200, 1000):
+        choice = ThreadChoice((1, 2), predict=lambda rows, width, context: 1.0)
+        true, rng, slow, passes = {1: 1.0, 2: 1.25}, random.Random(0), 0, 20000
+        for i in range(passes):
+            threads = choice.choose(1, 1, 100)
+            real = true[threads] * (1.6 if i >= passes // 2 and threads == 1 else 1.0)
+            stall = 10.0 if i % every == every - 1 else 1.0
+            choice.observe(threads, 1, 1, 100, real * stall * rng.uniform(0.97, 1.03))
+            slow += (threads == 2) if i < passes // 2 else (threads == 1)
+        assert slow / passes < 0.03, (every, slow / passes)
+
+
 def test_thread_choice_follows_a_machine_whose_speed_changes():
     """Two threads win for the first 600 passes, then lose by 40%: the looks find it and
     the choice moves back to one thread."""

@@ -32,6 +32,7 @@ def rough_cost(rows: int, width: int, context: int) -> float:
 
 
 WARM_UP = 3  # passes of each count, per kind, whose median starts its mean (one pass can be stalled)
+HIGH = 1.5  # a pass above this many times its count's mean is held to it, unless the one before was high too
 
 
 class ThreadChoice:
@@ -60,6 +61,7 @@ class ThreadChoice:
         self.looks: dict[str, int] = {}  # how many looks each kind has taken (round robin over the others)
         self.preferred: dict[str, int] = {}
         self.counts: dict[tuple[str, int], int] = {}  # passes run per (kind, threads), for reports
+        self.high: dict[tuple[str, int], bool] = {}  # whether that count's last pass measured above HIGH x its mean
 
     @staticmethod
     def kind(rows: int, width: int = 1) -> str:
@@ -115,8 +117,16 @@ class ThreadChoice:
             if len(samples) >= WARM_UP:
                 self.ratios[key] = statistics.median(samples)
         else:
+            # One pass stalled by the OS must not swing the mean: a pass above HIGH times it
+            # counts as HIGH times it unless this count's pass before was high too (a slowdown
+            # that is real shows again). Clipped at 4x alone, one 10x stall raised a mean
+            # 1.6x, and the faster count then lost to the slower one until the next look, up
+            # to 512 passes later (found in review: 27-53% of passes on the slower count with
+            # a stall every 1,000-200 passes).
             old = self.ratios[key]
-            clipped = min(max(ratio, old / 4), old * 4)  # one pass stalled by the OS must not swing the mean
+            high = ratio > HIGH * old
+            clipped = min(max(ratio, old / 4), old * (4 if self.high.get(key) else HIGH))
+            self.high[key] = high
             self.ratios[key] = old * self.decay + clipped * (1 - self.decay)
         if look is not None and look[0] == threads:
             # a look that measured better than the preferred count's mean: look again soon
