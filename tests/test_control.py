@@ -594,6 +594,26 @@ def test_thread_choice_prices_a_sequences_drafts_apart_from_its_single_tokens():
     assert late.count(2) > 0.95 * len(late)
 
 
+def test_the_draft_cost_reads_a_lazy_steps_time_as_the_profile_prices_it():
+    """Found in review: a step whose logits were computed on demand took less than v(k)
+    plain steps by the head it skipped, yet the draft cost divided its time by the full
+    v(k): the plain step read shorter, and c larger (0.127 and 0.147 for a true 0.10)."""
+    from specdecode.cost.profile import CostProfile
+
+    for head_ms in (0.5, 1.0):  # a row of the head costs that much of a 10 ms step
+        profile = CostProfile("m", "fp32", "cpu", 2, contexts=[100], sizes=[1, 2, 4, 8],
+                              step_ms=[[10, 11.8, 14, 19]], drafters={"ngram": 0.10}, head_ms=head_ms)
+        policy = CostAwareK(CostModel(profile, "ngram", lazy_head=True), k_max=4)
+        policy.start(0.5)
+        k, read = 3, 1  # three drafts, the first rejected: one row read
+        verify_ms = profile.time_ms(k + 1, 100) - profile.lazy_head_saving_ms(k + 1, read)
+        assert verify_ms < profile.time_ms(k + 1, 100)
+        for _ in range(60):
+            policy.context = 100
+            policy.observe_cost(k * 0.10 * 10.0 / 1e3, k, verify_ms / 1e3, k, read=read, lazy=True)
+        assert policy._c == pytest.approx(0.10, rel=0.02), head_ms
+
+
 def test_thread_choice_is_not_moved_by_passes_stalled_now_and_then():
     """Found in review: one pass stalled 10x by the OS raised its count's mean 1.6x (clipped
     at 4x, weight 0.2), and the faster count then lost to the slower one until the next
