@@ -308,3 +308,47 @@ def test_a_gguf_conversions_tokenizer_loads_as_autotokenizer_would_without_its_i
     assert fast(text)["input_ids"] == auto(text)["input_ids"]
     assert fast.decode(auto(text)["input_ids"]) == auto.decode(auto(text)["input_ids"])
     assert fast.eos_token_id == auto.eos_token_id and fast.all_special_ids == auto.all_special_ids
+
+
+def test_the_checkpoints_own_safetensors_files_are_read_and_a_tensor_twice_is_refused(tmp_path):
+    """Found in review: every *.safetensors in the directory was merged, the last file read
+    winning a name held twice, so a leftover file of another model gave another model's
+    answers with no error (transformers reads the index, else model.safetensors). Now the
+    index's files are read, else model.safetensors; a tensor in two files read is refused."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from conftest import save_tiny_model
+    from specdecode.config import SpecDecodeError
+    from specdecode.models.llama import load_native
+
+    original = save_tiny_model(tmp_path / "a", seed=3)
+    other = save_tiny_model(tmp_path / "b", seed=4)
+    ids = torch.tensor([[5, 6, 7, 8]])
+
+    def logits(path):
+        runtime = load_native(path, torch.float32)
+        runtime.reset(8)
+        return runtime(ids)
+
+    expected = logits(original)
+    stray = tmp_path / "stray"
+    shutil.copytree(original, stray)
+    shutil.copy(other / "model.safetensors", stray / "zz-old.safetensors")
+    assert torch.equal(logits(stray), expected)  # model.safetensors alone
+    (stray / "model.safetensors").rename(stray / "part-1.safetensors")  # no model.safetensors, no index
+    with pytest.raises(SpecDecodeError, match="is in more than one safetensors file"):
+        load_native(stray, torch.float32)
+    tensors = load_file(stray / "part-1.safetensors")
+    names = sorted(tensors)
+    save_file({n: tensors[n] for n in names[:3]}, stray / "part-1.safetensors")
+    save_file({n: tensors[n] for n in names[3:]}, stray / "part-2.safetensors")
+    index = {"weight_map": {n: ("part-1.safetensors" if i < 3 else "part-2.safetensors") for i, n in enumerate(names)}}
+    (stray / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert torch.equal(logits(stray), expected)  # the index's two shards, not zz-old
+    index["weight_map"][names[0]] = "part-3.safetensors"
+    (stray / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(SpecDecodeError, match="names part-3.safetensors"):
+        load_native(stray, torch.float32)

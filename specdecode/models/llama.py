@@ -180,15 +180,18 @@ class LlamaWeights(nn.Module):
         if fmt in ("q8_0", "q4_1"):
             for cols in (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size):
                 check_block_shape(fmt, cols)
-        files = sorted(Path(model_dir).glob("*.safetensors"))
-        if not files:
-            raise SpecDecodeError(f"{model_dir} holds no *.safetensors weights (only safetensors are read)")
+        files = checkpoint_files(Path(model_dir))
         handles = {}
         for file in files:
             try:
                 handle = safe_open(str(file), framework="pt")
             except Exception as error:  # safetensors' own error type: a truncated or corrupt file
                 raise SpecDecodeError(f"{file} is not a readable safetensors file ({error})") from None
+            twice = next((name for name in handle.keys() if name in handles), None)
+            if twice is not None:  # which copy is the model's? the last file read used to win, silently
+                raise SpecDecodeError(f"{model_dir}: tensor {twice!r} is in more than one safetensors file "
+                                      f"({files[0].name} ... {file.name}); remove the stray file or add "
+                                      "model.safetensors.index.json")
             handles.update({name: handle for name in handle.keys()})
         reader = _GGUFTensors(gguf_path, cfg, Path(model_dir)) if gguf_path is not None and fmt in ("q8_0", "q4_1") else None
         loader = _CheckpointReader(handles, cfg, fmt, dtype, reader)
@@ -434,6 +437,32 @@ def _outputs(logits: list, hidden: list | None, features: list | None):
 
     out = (join(logits),) + (() if hidden is None else (join(hidden),)) + (() if features is None else (join(features),))
     return out if len(out) > 1 else out[0]
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a Hugging Face checkpoint, as transformers picks them: those
+    that ``model.safetensors.index.json`` maps, else ``model.safetensors``, else every
+    ``*.safetensors`` (found in review: a leftover file beside the weights, or a Mistral
+    repository's ``consolidated.safetensors``, was read as part of the model)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
+            raise SpecDecodeError(f"{index} is not a safetensors index ({error})") from None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise SpecDecodeError(f"{index} has no weight_map")
+        files = [model_dir / name for name in sorted(set(map(str, weight_map.values())))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise SpecDecodeError(f"{index} names {', '.join(missing[:3])}, which {model_dir} does not hold")
+        return files
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise SpecDecodeError(f"{model_dir} holds no *.safetensors weights (only safetensors are read)")
+    return files
 
 
 class NativeRuntime:
