@@ -306,6 +306,8 @@ def check_writable(path: str | None, flag: str) -> None:
         return
     import tempfile
 
+    if Path(path).is_dir():  # found in review: checked as writable, the run's end then failed to write it
+        raise SpecDecodeError(f"{flag} {path}: is a directory; give a file name")
     parent = Path(path).parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -556,6 +558,8 @@ def cmd_analyze(args) -> int:
     if args.budget is not None and not args.budget > 0:
         raise SpecDecodeError(f"--budget must be > 0 GiB, got {args.budget}")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:  # found in review: every plain run went first, then the plot crashed
+        raise SpecDecodeError(f"--methods takes a comma list of methods, got {args.methods!r}")
     _check_drafter_flags(args, methods)
     _check_k_flags(args, methods)
     check_writable(str(Path(args.out) / "summary.md"), "--out")
@@ -590,6 +594,10 @@ def cmd_train(args) -> int:
     from .engine import SpeculativeEngine
     from .factory import load_target
     from .train.data import build_data, check_settings
+
+    out = getattr(args, "out", None)
+    if out:  # before the target loads and the work starts (found in review: a traceback after the load)
+        check_writable(str(Path(out) / ".specdecode-write-check"), "--out")
 
     if args.train_verb == "eagle":
         return cmd_train_eagle(args)
@@ -757,8 +765,8 @@ def cmd_bench_serve(args) -> int:
     levels = list(dict.fromkeys(parse_int_list(args.concurrency, "--concurrency")))  # a level once
     if args.request_rate is None and (not levels or min(levels) < 1):
         raise SpecDecodeError("--concurrency needs positive integers")
-    if args.request_rate is not None and args.request_rate <= 0:
-        raise SpecDecodeError("--request-rate must be > 0")
+    if args.request_rate is not None and not 0 < args.request_rate < float("inf"):  # nan sent every request at once
+        raise SpecDecodeError(f"--request-rate must be a finite number > 0, got {args.request_rate}")
     if args.rounds < 1:
         raise SpecDecodeError(f"--rounds must be at least 1, got {args.rounds}")
     if args.max_tokens < 1 or args.num_prompts < 1:

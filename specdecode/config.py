@@ -6,6 +6,8 @@ never reaches the tensor code.
 
 from __future__ import annotations
 
+import os
+
 import math
 from dataclasses import dataclass
 
@@ -177,6 +179,9 @@ class EngineConfig:
         parse_dtype(self.dtype)
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
+        most = 4 * (os.cpu_count() or 1)
+        if self.num_threads is not None and self.num_threads > most:  # 100000 crashed in the tokenizer's pool
+            raise ConfigError(f"num_threads {self.num_threads} is more than 4x this machine's {os.cpu_count()} cores")
         if self.weights not in WEIGHTS:
             raise ConfigError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
         if self.backend not in BACKENDS:

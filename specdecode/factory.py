@@ -49,8 +49,15 @@ class LoadedModel:
         for config_name in ("generation_config.json", "config.json"):
             path = self.source.path / config_name
             if path.is_file():
-                eos = json.loads(path.read_text()).get("eos_token_id")
-                ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+                try:  # found in review: a corrupt file, or ids as strings, ended in a traceback
+                    data = json.loads(path.read_text())
+                except (ValueError, UnicodeDecodeError) as error:
+                    raise SpecDecodeError(f"{path} is not valid JSON ({error})") from None
+                eos = data.get("eos_token_id") if isinstance(data, dict) else None
+                eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+                if any(isinstance(i, bool) or not isinstance(i, int) for i in eos):
+                    raise SpecDecodeError(f"{path}: eos_token_id must be an integer or a list of them, got {eos!r}")
+                ids.update(eos)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))

@@ -41,7 +41,10 @@ def load_prompts(path: str | None, limit: int | None = None) -> list[dict]:
         file = Path(path)
         if not file.is_file():
             raise SpecDecodeError(f"prompts file {path!r} not found")
-        text, origin = file.read_text(), path
+        try:
+            text, origin = file.read_text(encoding="utf-8"), path
+        except (UnicodeDecodeError, OSError) as error:
+            raise SpecDecodeError(f"prompts file {path!r} cannot be read as UTF-8 text ({error})") from None
     prompts, per_category, lines_of, skipped = [], defaultdict(int), {}, []
     for where, row in _records(text, origin):
         try:

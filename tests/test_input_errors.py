@@ -310,3 +310,53 @@ def test_compare_where_plain_decoding_makes_no_token(capsys, tiny_text_model_dir
     assert code == 0 and "Traceback" not in captured.err, captured.err
     record = json.loads(captured.out)
     assert record["plain"]["new_tokens"] == 0 and record["speedup"] is None
+
+
+def test_more_bad_input_is_one_clear_error(tmp_path, capsys, tiny_llama_dir):
+    """Found in review, each a traceback (or a wasted run) before: --out naming a directory
+    (checked as writable, the report then failed to write at the end), --methods ","
+    (every plain run, then a plot of nothing), --request-rate nan (every request at once),
+    a prompts file that is not UTF-8, --threads far above the machine's cores, a train
+    --out that cannot be written (after the target loaded)."""
+    model = str(tiny_llama_dir)
+    (tmp_path / "dir").mkdir()
+    prompts = tmp_path / "latin.jsonl"
+    prompts.write_bytes(b'\xff\xfe{"prompt": "caf\xe9"}\n')
+    for argv, problem in (
+            (("bench", "--model", model, "--out", str(tmp_path / "dir")), "is a directory"),
+            (("bench-serve", "--out", str(tmp_path / "dir"), "--url", "http://127.0.0.1:9"), "is a directory"),
+            (("analyze", "--model", model, "--methods", ",", "--out", str(tmp_path / "a")), "--methods takes a comma list"),
+            (("bench-serve", "--request-rate", "nan", "--url", "http://127.0.0.1:9"), "--request-rate must be a finite"),
+            (("bench", "--model", model, "--prompts", str(prompts)), "cannot be read as UTF-8"),
+            (("generate", "--model", model, "--threads", "100000", "hi"), "more than 4x this machine"),
+            (("train", "data", "--model", model, "--out", "/proc/specdecode-nope"), "--out /proc/specdecode-nope")):
+        code, err = run(capsys, *argv)
+        assert code == 2 and problem in err and "Traceback" not in err, (argv, err)
+
+
+def test_broken_tokenizer_and_generation_config_files_are_named(tmp_path):
+    """Found in review: a corrupt tokenizer.json, a generation_config.json that is not JSON
+    or holds its EOS id as a string, and a config.json transformers does not know, each
+    ended in a traceback from inside transformers or the factory."""
+    import shutil
+
+    from specdecode.factory import load_model
+    from specdecode.models.loading import ModelNotFoundError
+
+    from conftest import save_chat_model
+
+    source = save_chat_model(tmp_path / "chat", seed=1)
+    for name, content, problem in (("tokenizer.json", "{not json", "its tokenizer cannot be loaded"),
+                                   ("generation_config.json", "{not json", "is not valid JSON"),
+                                   ("generation_config.json", '{"eos_token_id": "2"}', "eos_token_id must be an integer")):
+        broken = tmp_path / f"broken-{len(problem)}"
+        shutil.copytree(source, broken)
+        (broken / name).write_text(content)
+        with pytest.raises(SpecDecodeError, match=problem):
+            load_model(str(broken), torch.float32).eos_token_ids
+    unknown = tmp_path / "unknown"
+    shutil.copytree(source, unknown)
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "model_type": "foobar"}))
+    with pytest.raises(ModelNotFoundError, match="transformers cannot load it|model_type"):
+        load_model(str(unknown), torch.float32)

@@ -74,4 +74,11 @@ class HFRuntime:
 def load_hf(model_dir, dtype: torch.dtype, device: str = "cpu") -> HFRuntime:
     from transformers import AutoModelForCausalLM
 
-    return HFRuntime(AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device))
+    from .loading import ModelNotFoundError
+
+    try:  # found in review: a config.json without a known model_type ended in a ValueError traceback
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    except Exception as error:  # transformers' errors name the problem; the traceback does not help
+        raise ModelNotFoundError(f"model {str(model_dir)!r}: transformers cannot load it "
+                                 f"({type(error).__name__}: {str(error)[:300]})") from None
+    return HFRuntime(model.to(device))

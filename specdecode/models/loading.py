@@ -408,14 +408,18 @@ def load_tokenizer(source: ModelSource):
     type's configuration: 2 s of imports here (torch._dynamo among them) on every start."""
     if not any((source.path / name).is_file() for name in TOKENIZER_FILES):
         return None
-    if source.gguf is not None and source.model_type == "llama" and \
-            _saved_tokenizer_class(source.path) == "TokenizersBackend":
-        from transformers import TokenizersBackend
+    try:  # found in review: a corrupt tokenizer.json ended in a JSONDecodeError traceback
+        if source.gguf is not None and source.model_type == "llama" and \
+                _saved_tokenizer_class(source.path) == "TokenizersBackend":
+            from transformers import TokenizersBackend
 
-        return TokenizersBackend.from_pretrained(source.path)
-    from transformers import AutoTokenizer
+            return TokenizersBackend.from_pretrained(source.path)
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(source.path)
+        return AutoTokenizer.from_pretrained(source.path)
+    except Exception as error:  # transformers' and tokenizers' own error types, whatever the file's fault
+        raise ModelNotFoundError(f"model {str(source.path)!r}: its tokenizer cannot be loaded "
+                                 f"({type(error).__name__}: {str(error)[:300]})") from None
 
 
 def _saved_tokenizer_class(directory: Path) -> str | None:
