@@ -360,3 +360,30 @@ def test_broken_tokenizer_and_generation_config_files_are_named(tmp_path):
     (unknown / "config.json").write_text(json.dumps({**config, "model_type": "foobar"}))
     with pytest.raises(ModelNotFoundError, match="transformers cannot load it|model_type"):
         load_model(str(unknown), torch.float32)
+
+
+@pytest.mark.parametrize("field, value", [("max_position_embeddings", "256"), ("rms_norm_eps", "1e-6"),
+                                          ("num_key_value_heads", "2"), ("rope_theta", "10000"),
+                                          ("tie_word_embeddings", "false"), ("head_dim", 0)])
+def test_wrongly_typed_optional_config_fields_are_named(tmp_path, field, value):
+    """Found in review: these crashed inside the runtime (a TypeError from torch.arange, a
+    string rms_norm_eps in the kernels), or read "false" as true."""
+    import shutil
+
+    from conftest import save_tiny_model
+    from specdecode.models.llama import load_native
+
+    source = save_tiny_model(tmp_path / "t", seed=2)
+    broken = tmp_path / "broken"
+    shutil.copytree(source, broken)
+    config = json.loads((broken / "config.json").read_text())
+    if field == "rope_theta" and isinstance(config.get("rope_parameters"), dict):  # where transformers writes it
+        config["rope_parameters"]["rope_theta"] = value
+    (broken / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(SpecDecodeError, match=f"config.json holds {field} "):
+        load_native(broken, torch.float32)
+    if field in ("max_position_embeddings", "num_key_value_heads", "head_dim"):  # the memory estimate reads them too
+        from specdecode.analysis.memory import resolve_shape
+
+        with pytest.raises(SpecDecodeError, match=f"config.json holds {field} "):
+            resolve_shape(str(broken))

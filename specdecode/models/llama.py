@@ -76,6 +76,20 @@ class LlamaConfig:
         rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
         rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
         rope.setdefault("rope_type", rope.pop("type", "default"))
+        # the optional fields too (found in review: "256" for max_position_embeddings, "1e-6"
+        # for rms_norm_eps or a string rope_theta crashed deep inside; "false" for
+        # tie_word_embeddings read as true)
+        bad = [f"{key} {config[key]!r}" for key in ("num_key_value_heads", "head_dim", "max_position_embeddings")
+               if config.get(key) is not None and (isinstance(config[key], bool) or not isinstance(config[key], int)
+                                                   or config[key] < 1)]
+        bad += [f"{name} {value!r}" for name, value in (("rms_norm_eps", config.get("rms_norm_eps", 1e-6)),
+                                                         ("rope_theta", rope["rope_theta"]))
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf")]
+        bad += [f"{key} {config[key]!r}" for key in ("tie_word_embeddings", "attention_bias")
+                if config.get(key) is not None and not isinstance(config[key], bool)]
+        if bad:
+            raise SpecDecodeError(f"config.json holds {', '.join(bad)}: expected positive integers for sizes, "
+                                  "positive numbers for rms_norm_eps and rope_theta, true or false for flags")
         return cls(
             model_type=model_type,
             vocab_size=config["vocab_size"],
