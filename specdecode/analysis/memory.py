@@ -87,10 +87,11 @@ class Shape:
 
     @classmethod
     def from_config(cls, name: str, config: dict) -> "Shape":
-        sizes = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                 "intermediate_size", "vocab_size", "max_position_embeddings", "head_dim")
-        bad = [f"{key} {config[key]!r}" for key in sizes if config.get(key) is not None and (
-            isinstance(config[key], bool) or not isinstance(config[key], int) or config[key] < 1)]
+        from ..models.llama import OPTIONAL_SIZES, not_positive_ints
+
+        sizes = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
+                 *OPTIONAL_SIZES)
+        bad = [f"{key} {config[key]!r}" for key in not_positive_ints(config, sizes)]
         if bad:  # found in review: "256" for max_position_embeddings crashed inside the estimate
             raise ConfigError(f"{name}: config.json holds {', '.join(bad)}; sizes must be positive integers")
         try:

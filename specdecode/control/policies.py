@@ -238,11 +238,17 @@ class CostModel:
         rows on demand rather than one head pass over all (what ``observe_step`` takes off
         the profile's time for it). Found in review: the draft cost divided a lazy step's
         time by the full v, which read the plain step as shorter and c as up to 1.5x larger."""
+        single = self._single_ms(context)
+        return self.profile.lazy_head_saving_ms(tokens, read) / single if single > 0 else 0.0
+
+    def _single_ms(self, context: int) -> float:
+        """The profile's single-token step at ``context`` rounded to 64 tokens, looked up
+        once (a step's decision must cost microseconds)."""
         bucket = context // 64 * 64 + 32
         single = self._tables.get(("single", bucket))
         if single is None:
             single = self._tables[("single", bucket)] = self.profile.time_ms(1, bucket)
-        return self.profile.lazy_head_saving_ms(tokens, read) / single if single > 0 else 0.0
+        return single
 
     def head_saving(self, k: int, read: float, context: int) -> float:
         """Decode steps a step scoring k + 1 tokens saves when its logits are computed on
@@ -252,9 +258,7 @@ class CostModel:
         if not self.lazy_head or k < 1:
             return 0.0
         bucket = context // 64 * 64 + 32
-        single = self._tables.get(("single", bucket))  # a step's decision must cost microseconds
-        if single is None:
-            single = self._tables[("single", bucket)] = self.profile.time_ms(1, bucket)
+        single = self._single_ms(context)
         full = self._tables.get(("head pass", k))
         if full is None:
             full = self._tables[("head pass", k)] = self.profile.head_pass_ms(k + 1)

@@ -37,6 +37,16 @@ BACKENDS = ("kernels", "torch")
 DEFAULT_PREFILL_CHUNK = 256
 
 
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def not_positive_ints(config: dict, keys) -> list[str]:
+    """The ``keys`` that ``config`` holds with something other than a positive integer (a
+    JSON ``true`` is not one, nor is ``"256"``)."""
+    return [key for key in keys if config.get(key) is not None and (
+        isinstance(config[key], bool) or not isinstance(config[key], int) or config[key] < 1)]
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     model_type: str
@@ -79,9 +89,7 @@ class LlamaConfig:
         # the optional fields too (found in review: "256" for max_position_embeddings, "1e-6"
         # for rms_norm_eps or a string rope_theta crashed deep inside; "false" for
         # tie_word_embeddings read as true)
-        bad = [f"{key} {config[key]!r}" for key in ("num_key_value_heads", "head_dim", "max_position_embeddings")
-               if config.get(key) is not None and (isinstance(config[key], bool) or not isinstance(config[key], int)
-                                                   or config[key] < 1)]
+        bad = [f"{key} {config[key]!r}" for key in not_positive_ints(config, OPTIONAL_SIZES)]
         bad += [f"{name} {value!r}" for name, value in (("rms_norm_eps", config.get("rms_norm_eps", 1e-6)),
                                                          ("rope_theta", rope["rope_theta"]))
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf")]
