@@ -274,6 +274,16 @@ def test_a_new_draft_vocabulary_must_be_bound_before_drafting(targets):
     output = weights.lm_head.dequantize().float()
     heads.bind(weights.norm, output)
     assert torch.allclose(heads.logits(state), state @ output[new_vocab].T)
+    # a proposer built before the vocabulary was reordered drafts the same token once the
+    # heads are bound again (the rows follow the vocabulary; a stale id list would not)
+    proposer = MedusaProposer(random_heads(target, 5), target.runtime.num_layers, kernels=False)
+    committed = [7, 21, 40, 9, 13, 77]
+    proposer.start(committed, 16)
+    proposer.observe(0, last_layer_states(target, committed[:-1]), committed)
+    first = proposer.propose(committed, 1, GREEDY, None).draft_ids.tolist()
+    proposer.heads.set_draft_vocab(torch.roll(proposer.heads.d2t, 1))
+    proposer.heads.bind(weights.norm, output)
+    assert proposer.propose(committed, 1, GREEDY, None).draft_ids.tolist() == first
 
 
 @pytest.mark.parametrize("index", [0, 1])

@@ -211,7 +211,6 @@ class MedusaProposer:
         self.max_drafts = heads.config.num_heads  # one guess per head: k above it is refused
         if kernels:
             heads.use_kernels()
-        self.d2t = heads.d2t_list
         self.last: torch.Tensor | None = None  # the last observed position's state [H]
         self.position = -1
 
@@ -239,4 +238,5 @@ class MedusaProposer:
         count = min(k, heads.config.num_heads)
         states = heads.states(heads.normalise(self.last.to(heads.d2t.device)), count)  # [count, H]
         chosen = heads.logits(states).argmax(-1).tolist()
-        return Proposal(torch.tensor([self.d2t[i] for i in chosen], dtype=torch.int64))
+        d2t = heads.d2t_list  # the current vocabulary's (a copy taken at construction outlived set_draft_vocab)
+        return Proposal(torch.tensor([d2t[i] for i in chosen], dtype=torch.int64))
