@@ -7,8 +7,31 @@ from typing import Protocol
 
 import torch
 
-from ..config import SamplingParams
+from ..config import SamplingParams, SpecDecodeError
 from ..verify.tree import Tree
+
+
+class DraftVocabulary:
+    """A trained drafter's draft vocabulary: the buffer ``d2t`` (draft id -> target id) of
+    a module whose ``config`` has ``draft_vocab_size`` and ``target_vocab_size``; shared by
+    the EAGLE head and the Medusa heads."""
+
+    def set_draft_vocab(self, d2t: torch.Tensor) -> None:
+        if d2t.numel() != self.config.draft_vocab_size or d2t.unique().numel() != d2t.numel():
+            raise SpecDecodeError(f"draft vocabulary needs {self.config.draft_vocab_size} distinct target ids")
+        if int(d2t.min()) < 0 or int(d2t.max()) >= self.config.target_vocab_size:
+            raise SpecDecodeError(f"draft vocabulary ids must lie in 0..{self.config.target_vocab_size - 1}")
+        self.d2t.copy_(d2t.to(torch.int64))
+        self._d2t_list = None
+
+    @property
+    def d2t_list(self) -> list[int]:
+        """``d2t`` as a list, made once per draft vocabulary (proposers map every drafted
+        token through it, read afresh each step: a copy taken when a proposer was built
+        outlived a later ``set_draft_vocab``; a server builds a proposer per request)."""
+        if getattr(self, "_d2t_list", None) is None or len(self._d2t_list) != self.d2t.numel():
+            self._d2t_list = self.d2t.tolist()
+        return self._d2t_list
 
 
 @dataclass

@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import SpecDecodeError
+from .base import DraftVocabulary
 
 
 @dataclass
@@ -78,7 +79,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-class EagleHead(nn.Module):
+class EagleHead(DraftVocabulary, nn.Module):
     def __init__(self, config: EagleConfig):
         super().__init__()
         c = self.config = config
@@ -131,22 +132,6 @@ class EagleHead(nn.Module):
         return modules[0](x) if len(modules) == 1 else torch.cat([m(x) for m in modules], dim=-1)
 
     # -- pieces shared by training and drafting -------------------------------------------
-    def set_draft_vocab(self, d2t: torch.Tensor) -> None:
-        if d2t.numel() != self.config.draft_vocab_size or d2t.unique().numel() != d2t.numel():
-            raise SpecDecodeError(f"draft vocabulary needs {self.config.draft_vocab_size} distinct target ids")
-        if int(d2t.min()) < 0 or int(d2t.max()) >= self.config.target_vocab_size:
-            raise SpecDecodeError(f"draft vocabulary ids must lie in 0..{self.config.target_vocab_size - 1}")
-        self.d2t.copy_(d2t.to(torch.int64))
-        self._d2t_list = None
-
-    @property
-    def d2t_list(self) -> list[int]:
-        """``d2t`` as a list, made once per draft vocabulary (proposers map every drafted
-        token through it; a server builds a proposer per request)."""
-        if getattr(self, "_d2t_list", None) is None or len(self._d2t_list) != self.d2t.numel():
-            self._d2t_list = self.d2t.tolist()
-        return self._d2t_list
-
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D] for integer positions [T]."""
         angles = positions.float()[:, None] * self.inv_freq[None, :]

@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import ConfigError, SamplingParams, SpecDecodeError
-from .base import Proposal
+from .base import DraftVocabulary, Proposal
 
 ARCHITECTURE = "specdecode-medusa"
 
@@ -43,7 +43,7 @@ class MedusaConfig:
     rms_norm_eps: float
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(DraftVocabulary, nn.Module):
     def __init__(self, config: MedusaConfig):
         super().__init__()
         if config.num_heads < 1:
@@ -60,20 +60,8 @@ class MedusaHeads(nn.Module):
         self.fast = None  # drafting only: blocks and rows on the CPU kernels (use_kernels)
         self.bound = False  # rows hold the output head's rows for the current draft vocabulary
 
-    @property
-    def d2t_list(self) -> list[int]:
-        """``d2t`` as a list, made once (a server builds a proposer per request)."""
-        if getattr(self, "_d2t_list", None) is None or len(self._d2t_list) != self.d2t.numel():
-            self._d2t_list = self.d2t.tolist()
-        return self._d2t_list
-
     def set_draft_vocab(self, d2t: torch.Tensor) -> None:
-        if d2t.numel() != self.config.draft_vocab_size or d2t.unique().numel() != d2t.numel():
-            raise SpecDecodeError(f"draft vocabulary needs {self.config.draft_vocab_size} distinct target ids")
-        if int(d2t.min()) < 0 or int(d2t.max()) >= self.config.target_vocab_size:
-            raise SpecDecodeError(f"draft vocabulary ids must lie in 0..{self.config.target_vocab_size - 1}")
-        self.d2t.copy_(d2t.to(torch.int64))
-        self._d2t_list = None
+        super().set_draft_vocab(d2t)
         # the rows bound before were the old vocabulary's (found in review: drafting went on
         # through them, lossless but guessing other tokens): bind again before drafting
         self.bound, self.fast = False, None
