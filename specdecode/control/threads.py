@@ -103,10 +103,10 @@ class ThreadChoice:
         """A pass of ``rows`` x ``width`` tokens after ``context`` took ``ms`` on ``threads``."""
         kind = self.kind(rows, width)
         look = self.looking.pop(kind, None)
-        key = (rows, width, context // 64)
-        predicted = self._predicted.get(key)
+        shape = (rows, width, context // 64)
+        predicted = self._predicted.get(shape)
         if predicted is None:
-            predicted = self._predicted[key] = self.predict(rows, width, key[2] * 64 + 32)
+            predicted = self._predicted[shape] = self.predict(rows, width, shape[2] * 64 + 32)
         if threads not in self.options or not ms > 0 or not predicted > 0:
             return
         ratio, key = ms / predicted, (kind, threads)

@@ -57,10 +57,10 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 
 
 # -- requests ----------------------------------------------------------------------------
-# Integers and booleans are taken as JSON gives them, as OpenAI's API does: lax parsing
-# turned "max_tokens": true into 1 token, [true, 5] into token ids and "stream": "yes" into
-# a stream (found in review). Floats stay lax, so "temperature": 1 still reads as 1.0.
-Int = StrictInt
+# Integers and booleans are taken as JSON gives them (StrictInt, StrictBool), as OpenAI's
+# API does: lax parsing turned "max_tokens": true into 1 token, [true, 5] into token ids and
+# "stream": "yes" into a stream (found in review). Floats stay lax, so "temperature": 1
+# still reads as 1.0.
 
 
 class SpeculativeOptions(BaseModel):
@@ -69,7 +69,7 @@ class SpeculativeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     enabled: StrictBool = True
     method: str | None = None
-    num_speculative_tokens: Int | Literal["auto"] | None = None
+    num_speculative_tokens: StrictInt | Literal["auto"] | None = None
 
     @field_validator("num_speculative_tokens")
     @classmethod
@@ -117,14 +117,14 @@ class _Common(BaseModel):
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: Int | None = Field(default=None, ge=-1)
+    top_k: StrictInt | None = Field(default=None, ge=-1)
     stop: str | list[str] | None = None
-    seed: Int | None = Field(default=None, ge=-(2 ** 63), le=2 ** 63 - 1)
+    seed: StrictInt | None = Field(default=None, ge=-(2 ** 63), le=2 ** 63 - 1)
     # null means the default for these, as in OpenAI's schema and vLLM (found in review:
     # an explicit null was a 400)
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    n: Int | None = Field(default=1, ge=1)
+    n: StrictInt | None = Field(default=1, ge=1)
     ignore_eos: StrictBool | None = False
     speculative: SpeculativeOptions | None = None
     task_type: str | None = None
@@ -158,8 +158,8 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[Int] | list[str] | list[list[Int]]
-    max_tokens: Int | None = Field(default=16, ge=1)
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = Field(default=16, ge=1)
     echo: StrictBool | None = False  # the prompt's text before the completion
     suffix: str | None = None
     # vLLM's: whether the tokenizer adds its special tokens (a BOS) to a text prompt
@@ -184,8 +184,8 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Int | None = Field(default=None, ge=1)
-    max_completion_tokens: Int | None = Field(default=None, ge=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     # vLLM's; the chat template writes the special tokens, so only its default (false) runs
     add_special_tokens: StrictBool | None = False
 
