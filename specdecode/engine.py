@@ -85,17 +85,32 @@ def commit_tokens(new_tokens: list[int], tokens: list[int], generated: list[int]
     added and the finish reason ("stop", "length") or None; accepted drafts past the end
     are dropped."""
     added = []
+    if tracker is not None and tracker.watches_stops:  # a token may complete a stop string
+        for token in new_tokens:
+            if token in eos_token_ids and not params.ignore_eos:
+                return added, "stop"
+            tokens.append(token)
+            generated.append(token)
+            added.append(token)
+            if tracker.add(token):
+                return added, "stop"
+            if len(generated) >= params.max_new_tokens or len(tokens) >= context:
+                return added, "length"
+        return added, None
+    finish = None
     for token in new_tokens:
         if token in eos_token_ids and not params.ignore_eos:
-            return added, "stop"
+            finish = "stop"
+            break
         tokens.append(token)
         generated.append(token)
         added.append(token)
-        if tracker is not None and tracker.add(token):
-            return added, "stop"
         if len(generated) >= params.max_new_tokens or len(tokens) >= context:
-            return added, "length"
-    return added, None
+            finish = "length"
+            break
+    if tracker is not None:  # no stop strings: the step's text in one decode
+        tracker.add_many(added)
+    return added, finish
 
 
 def ended_at_eos(new_tokens: list[int], added: list[int], finish: str | None, tracker: "TextTracker | None") -> bool:

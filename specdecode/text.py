@@ -54,14 +54,16 @@ class TextTracker:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _read(self, final: bool = False) -> str:
-        """Text of the tokens past the read offset, once it is complete (or ``final``)."""
+    def _read(self, final: bool = False, end: int | None = None) -> str:
+        """Text of the tokens past the read offset (up to ``end``, default all), once it is
+        complete (or ``final``)."""
+        end = len(self.token_ids) if end is None else end
         ids = self.token_ids
         prefix = self._decode(ids[self.prefix_offset:self.read_offset])
-        full = self._decode(ids[self.prefix_offset:])
+        full = self._decode(ids[self.prefix_offset:end])
         if len(full) <= len(prefix) or (full.endswith(REPLACEMENT) and not final):
             return ""  # nothing new yet, or a character still incomplete
-        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        self.prefix_offset, self.read_offset = self.read_offset, end
         return full[len(prefix):]
 
     def add(self, token_id: int) -> bool:
@@ -73,6 +75,30 @@ class TextTracker:
             self.stopped = True
             return True
         return self._append(self._read())
+
+    @property
+    def watches_stops(self) -> bool:
+        """Whether a token can end the text (stop strings): then tokens are added one at a
+        time, so the one that completes a stop is known."""
+        return bool(self.stop or self.special_stops)
+
+    def add_many(self, token_ids: list[int]) -> None:
+        """Append a step's tokens with one decode (two, as ``add`` does per token: a
+        speculative step adds several). Only without stop strings (``watches_stops``)."""
+        if self.watches_stops:
+            raise ValueError("add_many: a stop string needs the tokens one at a time (add)")
+        start = len(self.token_ids)
+        self.token_ids.extend(token_ids)
+        if self.tokenizer is None or not token_ids:
+            return
+        piece = self._read()
+        if not piece and len(token_ids) > 1:
+            # the step ends inside a character (or adds no text): read it a token at a time,
+            # so the characters it completes before that show now, as with ``add``
+            for end in range(start + 1, len(self.token_ids) + 1):
+                self._append(self._read(end=end))
+            return
+        self._append(piece)
 
     def _append(self, piece: str) -> bool:
         if not piece:

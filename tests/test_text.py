@@ -152,3 +152,32 @@ def test_the_first_new_word_keeps_its_leading_space_after_the_prompt():
     assert "".join(pieces) == " Paris and Berlin" == tokenizer.decode(prompt + new)[len(tokenizer.decode(prompt)):]
     stopped = TextTracker(tokenizer, (" Paris",), context=prompt)
     assert stopped.add(new[0]) and stopped.text == ""
+
+
+def test_a_step_of_several_tokens_gives_the_text_one_at_a_time_gives():
+    """A speculative step commits several tokens with one decode (``add_many``): every
+    step's delta and the final text are those of adding its tokens one by one, for any
+    split into steps (characters split across steps, words after the prompt)."""
+    rng = random.Random(1)
+    cases = []
+    for name in sorted(TOKENIZERS):
+        tokenizer = TOKENIZERS[name]()
+        for _ in range(10):
+            text = "".join(rng.choice(SAMPLES) for _ in range(3))
+            cases.append((tokenizer, encode(tokenizer, "a caf\u00e9 "), encode(tokenizer, text)))
+    words, ids = sentencepiece_word_tokenizer()
+    cases.append((words, ids("The capital of France is"), ids("Paris and Berlin and Paris")))
+    for tokenizer, prompt, new in cases:
+        one, many = TextTracker(tokenizer, context=prompt), TextTracker(tokenizer, context=prompt)
+        at = 0
+        while at < len(new):
+            step = new[at:at + rng.randint(1, 5)]
+            at += len(step)
+            for token in step:
+                assert not one.add(token)
+            many.add_many(step)
+            assert many.delta() == one.delta()
+        assert many.delta(final=True) == one.delta(final=True)
+        assert many.text == one.text == tokenizer.decode(prompt + new)[len(tokenizer.decode(prompt)):]
+    with pytest.raises(ValueError, match="one at a time"):
+        TextTracker(words, (" Paris",)).add_many(ids("Paris"))

@@ -117,14 +117,16 @@ class TokenStore:
         """The longest suffix of ``context`` (max_n down to min_n tokens) the store holds; 0: none."""
         return self._longest(context, min_n)[0]
 
-    def continuation(self, context: list[int], k: int, min_n: int = 2) -> list[int]:
+    def continuation(self, context: list[int], k: int, min_n: int = 2,
+                     found: tuple[int, int, int] | None = None) -> list[int]:
         """Up to ``k`` tokens to follow ``context``: the longest suffix of the context
         (max_n down to min_n) found in the store, then at each step the token that most
         often comes next among the occurrences still agreeing with the tokens chosen so far
-        (ties: the smaller id)."""
+        (ties: the smaller id). ``found``: that suffix's (n, low, high) from ``_longest``,
+        where the caller has looked it up already."""
         if k < 1:
             return []
-        n, low, high = self._longest(context, min_n)
+        n, low, high = self._longest(context, min_n) if found is None else found
         if n == 0:
             return []
         follow = self._follow(low, high, n, MAX_SAMPLE)
@@ -178,13 +180,14 @@ class SuffixProposer(NgramProposer):
     def _plan(self, tokens: list[int]) -> tuple | None:
         """In propose's order, (label, sequence, start) as NgramProposer's: ("prompt", m)
         for the request's own n-grams of 2+ tokens, ("store", n) for the store's longest
-        match of the last n tokens (sequence None, start n), ("prompt", 1) for a 1-gram."""
+        match of the last n tokens (sequence None; in place of the start, that match's
+        (n, low, high) in the store), ("prompt", 1) for a 1-gram."""
         sequence = np.asarray(tokens, dtype=np.int64)
         found = match(sequence, self.long_sizes)
         if found is None and self.store is not None:
-            n = self.store.longest(tokens[-self.store.max_n:], self.min_store_n)
-            if n:
-                return ("store", n), None, n
+            longest = self.store._longest(tokens[-self.store.max_n:], self.min_store_n)
+            if longest[0]:  # its range too: propose drafts from it without a second lookup
+                return ("store", longest[0]), None, longest
         if found is None:
             found = match(sequence, self.short_sizes)
         return None if found is None else (("prompt", found[1]), sequence, found[0])
@@ -195,8 +198,8 @@ class SuffixProposer(NgramProposer):
         planned = self.plan(tokens)
         if planned is None or planned[0][0] != "store":  # the request's own n-grams
             return super().propose(tokens, k, params, generator)
-        n = planned[2]
-        draft = self.store.continuation(tokens[-n:], k, n)
+        longest = planned[2]
+        draft = self.store.continuation(tokens, k, found=longest)
         if draft:
             return Proposal(torch.tensor(draft, dtype=torch.int64))
         # every occurrence of the match ends a document: the request's 1-grams
