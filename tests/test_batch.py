@@ -739,3 +739,32 @@ def test_drafts_past_the_end_count_the_same_whether_right_or_wrong():
     tree.drop_accepted(1)
     assert (tree.drafted_per_position, tree.accepted_per_position, tree.rejections) == ([1, 0, 0], [1, 0, 0], 0)
     assert (tree.draft_tokens, tree.accepted_tokens) == (6, 1)  # a tree's other nodes stay drafted
+
+
+def test_a_row_alone_prices_drafting_by_the_proposers_call(model_dir):
+    """The k policy learns drafting's cost from the time the proposer takes, as in the
+    single-sequence engine; the k choice and whatever else ran before the pass are not
+    drafting. Served, that stretch also held the event loop's hold on the GIL, which priced
+    drafting at 2-3x its cost there."""
+    import time as clock
+
+    class SlowChoice(FixedK):
+        def choose(self, context):
+            clock.sleep(0.03)
+            return super().choose(context)
+
+        def observe_cost(self, draft_seconds, passes, verify_seconds, scored, *rest):
+            noted.append((draft_seconds, passes))
+
+    class SlowProposer(NgramProposer):
+        def propose(self, tokens, k, params, generator):
+            clock.sleep(0.01)
+            return super().propose(tokens, k, params, generator)
+
+    noted = []
+    engine = BatchEngine(runtime_for(model_dir, "torch"), max_num_seqs=2, max_model_len=64)
+    engine.add([5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(max_new_tokens=6, ignore_eos=True),
+               proposer=SlowProposer(), policy=SlowChoice(2))
+    engine.run()
+    drafted = [seconds for seconds, passes in noted if passes]
+    assert drafted and all(0.01 <= seconds < 0.025 for seconds in drafted), noted
