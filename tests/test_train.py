@@ -31,6 +31,28 @@ def test_training_prompts_cover_the_categories_and_stay_apart_from_the_suite():
     assert training_prompts(40) == prompts[:40]
 
 
+# instructions a templated prompt may share with a suite prompt word for word (what it asks
+# for, not what it is about)
+SHARED_INSTRUCTIONS = ("summarize the following text in two sentences",)
+
+
+def test_templated_training_prompts_share_no_content_with_the_suite():
+    """Found in review: templated prompts paraphrased suite prompts (a poem about a
+    lighthouse keeper, a JSON book with the same keys, the suite's sentence to translate
+    in eight prompts, a train's average speed). No eight-word run in common, instructions
+    aside."""
+    def runs(text):
+        text = text.lower()
+        for instruction in SHARED_INSTRUCTIONS:
+            text = text.replace(instruction, " | ")
+        words = re.findall(r"\w+|\|", text)
+        return {tuple(words[i:i + 8]) for i in range(len(words) - 7)}
+
+    suite = set().union(*(runs(p["prompt"]) for p in load_prompts(None)))
+    shared = [p["prompt"] for p in training_prompts() if p["id"].startswith("train-") and runs(p["prompt"]) & suite]
+    assert not shared, shared[:3]
+
+
 def test_written_training_prompts_share_no_eight_word_run_with_the_suite():
     """The hand-written set: a hundred per category, and not even a phrase of eight words
     in common with a benchmark prompt (an exact-match check would miss a paraphrase)."""

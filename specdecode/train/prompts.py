@@ -68,7 +68,7 @@ _CODE_TEMPLATES = [
     "Write a Python function `{sig}` that {what}, then refactor it to be shorter.",
 ]
 
-_CREATIVE_SUBJECTS = ["a lighthouse keeper", "a lost umbrella", "the first snow of the year", "a robot learning to paint",
+_CREATIVE_SUBJECTS = ["a beekeeper at dusk", "a lost umbrella", "the first snow of the year", "a robot learning to paint",
                       "an old bridge", "a city at 4 a.m.", "a letter never sent", "a garden on a balcony",
                       "a train that runs late", "the sound of rain on a tin roof", "a chess game in a park", "a new library"]
 _CREATIVE_SUBJECTS += ["a fox crossing a frozen lake", "an astronaut's last day on the station", "a bakery before dawn",
@@ -112,7 +112,7 @@ _EXTRACTION_TEMPLATES = [
     "From this documentation, extract the names of any parameters or options as a bullet list:\n\n{passage}",
 ]
 
-_JSON_THINGS = [("a book", "title, author, year, genres"), ("a laptop", "brand, model, ram_gb, price_eur"),
+_JSON_THINGS = [("a museum", "name, city, opened, collections"), ("a laptop", "brand, model, ram_gb, price_eur"),
                 ("a city", "name, country, population, landmarks"), ("a recipe", "name, servings, ingredients, minutes"),
                 ("a flight", "number, origin, destination, departure_time"), ("an employee", "name, role, team, start_date"),
                 ("a movie", "title, director, year, rating"), ("a planet", "name, moons, diameter_km, has_rings"),
@@ -145,7 +145,7 @@ _MATH_TEMPLATES = [
     "What is {a} times {b}? Show your working.",
     "A shop sells pens at {b} cents each. How much do {a} pens cost in euros? Explain.",
     "Solve for x: {a}x + {b} = {c}. Give each step.",
-    "A train covers {a} km in {b} minutes. What is its average speed in km/h?",
+    "A cyclist rides {a} km in {b} minutes. How fast is that in km/h?",
     "Find the greatest common divisor of {a} and {b}, showing the Euclidean algorithm.",
     "What is {a} divided by {b}? Give the quotient and remainder and check the result.",
     "A class of {a} students is split into groups of {b}. How many full groups are there and how many students are left?",
@@ -208,7 +208,7 @@ _TEMPLATE_TEMPLATES = [
 
 _SENTENCES = ["The meeting has been moved to next week.", "Please close the window when you leave.",
               "The museum is free on the first Sunday of the month.", "I would like a table for two, please.",
-              "The train to the airport leaves every twenty minutes.", "Our office will be closed on Friday.",
+              "The ferry to the island leaves twice a day.", "Our office will be closed on Friday.",
               "Can you recommend a good book about history?", "The recipe needs three eggs and some flour.",
               "It is going to rain this afternoon.", "Thank you for your quick reply.",
               "The children are playing in the garden.", "This road is closed for repairs."]
