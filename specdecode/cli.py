@@ -759,7 +759,7 @@ def cmd_bench_serve(args) -> int:
     from .bench.serve import MODES, bench_serve
     from .prompts import load_prompts
 
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = list(dict.fromkeys(m.strip() for m in args.modes.split(",") if m.strip()))  # a mode once (the summary kept the last)
     if not modes or any(m not in MODES for m in modes):
         raise SpecDecodeError(f"--modes takes a comma list of {MODES}, got {args.modes!r}")
     levels = list(dict.fromkeys(parse_int_list(args.concurrency, "--concurrency")))  # a level once

@@ -78,6 +78,41 @@ def test_bench_serve_percentiles_are_vllms():
     assert percentile([], 50) == 0.0
 
 
+def test_bench_serve_sends_every_category_in_turn(monkeypatch):
+    """Found in review: the suite is stored category by category and bench-serve sent its
+    first N prompts, so 16 requests were 10 code and 6 JSON prompts and every served ratio
+    leant on the tasks lookup drafts best. The categories now take turns."""
+    from collections import Counter
+
+    import httpx
+
+    import specdecode.bench.serve as serve_bench
+    from specdecode.prompts import load_prompts
+
+    prompts = load_prompts(None)
+    category = {p["prompt"]: p["category"] for p in prompts}
+    sent = []
+
+    async def level(url, model, chosen, max_tokens, mode, concurrency, rate, seed):
+        if max_tokens != 16:  # not the untimed warm-up
+            sent.append(Counter(category[messages[-1]["content"]] for messages in chosen))
+        zero = {"mean": 0, "p50": 0, "p99": 0}
+        return {"mode": mode, "concurrency": concurrency, "request_rate": rate, "requests": len(chosen), "failed": 0,
+                "errors": [], "wall_seconds": 1, "request_throughput": 1, "output_throughput": 1, "output_tokens": 1,
+                "ttft": zero, "tpot": zero, "itl": zero, "e2e": zero, "acceptance_rate": None,
+                "mean_acceptance_length": None}
+
+    monkeypatch.setattr(serve_bench, "run_level", level)
+    monkeypatch.setattr(serve_bench, "wait_for_audits", lambda url: {"audit_requests_total": 0,
+                                                                     "audit_mismatches_total": 0})
+    monkeypatch.setattr(httpx, "post", lambda *args, **kwargs: type("Reply", (), {"status_code": 200})())
+    serve_bench.bench_serve(prompts, [1], None, 16, 128, ["spec", "plain"], "http://x", [], None, model="m")
+    categories = len({p["category"] for p in prompts})
+    assert len(sent) == 2 and all(len(counts) == categories and max(counts.values()) == 2 for counts in sent), sent
+    assert [p["prompt"] for p in serve_bench.categories_in_turn(prompts)][:2] == [prompts[0]["prompt"],
+                                                                                   prompts[10]["prompt"]]
+
+
 class FlakyEngine(SpeculativeEngine):
     """Changes one token on every second call, as a runtime that is not batch invariant
     can when adaptive k scores a different number of rows on a repeat."""
@@ -235,3 +270,16 @@ def test_the_llamacpp_peer_stops_at_the_end_of_its_context():
     peer = LlamaCppPeer(default_gguf_path(), 64, ())
     tokens, _ = peer.generate([1000 + i for i in range(54)], 100)
     assert len(tokens) == 10
+
+
+def test_bench_serve_runs_a_mode_named_twice_once(monkeypatch):
+    """Found in review: `--modes spec,spec,plain` ran spec twice per round and the summary
+    kept only the last of the two."""
+    import specdecode.bench.serve as serve_bench
+    from specdecode.cli import main
+
+    seen = []
+    monkeypatch.setattr(serve_bench, "bench_serve", lambda prompts, levels, rate, count, tokens, modes, *rest, **kw:
+                        seen.append(modes))
+    assert main(["bench-serve", "--url", "http://x", "--modes", "spec,spec,plain"]) == 0
+    assert seen == [["spec", "plain"]]

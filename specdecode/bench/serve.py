@@ -336,6 +336,16 @@ def served_model(url: str) -> str:
                               f"{response.text[:200]!r}") from None
 
 
+def categories_in_turn(prompts: list[dict]) -> list[dict]:
+    """The prompts reordered so that categories alternate: the first of each category (in
+    the order they first appear), then the second of each, and so on."""
+    by_category: dict[str, list[dict]] = {}
+    for prompt in prompts:
+        by_category.setdefault(prompt.get("category", "general"), []).append(prompt)
+    queues = list(by_category.values())
+    return [queue[i] for i in range(max(map(len, queues), default=0)) for queue in queues if i < len(queue)]
+
+
 def bench_serve(prompts: list[dict], concurrency: list[int], rate: float | None, num_prompts: int, max_tokens: int,
                 modes: list[str], url: str | None, serve_args: list[str], out: Path | None, seed: int = 0,
                 model: str | None = None, rounds: int = 1) -> list[dict]:
@@ -360,8 +370,11 @@ def bench_serve(prompts: list[dict], concurrency: list[int], rate: float | None,
         model = model or served_model(url)
         from .runner import conversation
 
-        # each prompt's first turn, after its system prompt where the file gives one
-        texts = [conversation([p["prompt"]], [], p.get("system")) for p in prompts]
+        # each prompt's first turn, after its system prompt where the file gives one; the
+        # categories taken in turn, so that N requests mix every task type (the suite is
+        # stored category by category: the first 32 were code, JSON, templates and two
+        # summaries, the tasks lookup drafts best; found in review)
+        texts = [conversation([p["prompt"]], [], p.get("system")) for p in categories_in_turn(prompts)]
         rows = []
         levels = [None] if rate is not None else concurrency
         # untimed: one round at the widest level in every mode, so that no measured level
