@@ -449,3 +449,33 @@ def test_nothing_held_out_reports_nothing_measured(tiny_runtime):
     heads = MedusaHeads(MedusaConfig(cfg.hidden_size, 2, cfg.vocab_size, 40, cfg.rms_norm_eps))
     report = evaluate_medusa(MedusaTrainer(heads, 1e-3), [], 256)
     assert report["held_out_chains"] == 0 and report["first_token_agreement"] is None and report["chain_tau"] is None
+
+
+def test_a_retrained_target_of_the_same_shape_is_another_target(tmp_path, tiny_answers):
+    """Found in review: the identity read the weight files' names and sizes, so a retrain
+    of one config (other weights, the same sizes) resumed the first one's checkpoint and
+    reused its features. It now reads the files' contents; and a head refuses answers that
+    another model wrote."""
+    import json
+    import shutil
+    from types import SimpleNamespace
+
+    from specdecode.config import ConfigError
+    from specdecode.train.data import check_data_target, target_identity
+
+    def target(seed):
+        path = save_tiny_model(tmp_path / f"m{seed}", "llama", seed=seed, num_layers=2)
+        source = SimpleNamespace(path=path, config=json.loads((path / "config.json").read_text()), gguf=None)
+        return SimpleNamespace(runtime=load_native(path, torch.bfloat16, "q4_1", "kernels"), source=source)
+
+    first, second = target(5), target(6)
+    assert target_identity(first) != target_identity(second)
+    data = tmp_path / "data"
+    shutil.copytree(tiny_answers, data)
+    (data / "answers.settings.json").write_text(json.dumps({"target": target_identity(first)}))
+    check_data_target(data, target_identity(first))
+    with pytest.raises(ConfigError, match="another target"):
+        check_data_target(data, target_identity(second))
+    with pytest.raises(ConfigError, match="finite"):
+        from specdecode.train.eagle import check_train_settings
+        check_train_settings(48, 2, float("inf"), 1e-3, 256, 64)

@@ -127,11 +127,14 @@ def read_records(path: Path, fields: dict[str, type | tuple], vocab_size: int | 
 
 def target_identity(target) -> str:
     """The target a training artefact was made with: a fingerprint of its checkpoint (its
-    config and the names and sizes of its weight files: no path, since it is written into
+    config and its weight files' names and contents: no path, since it is written into
     shipped manifests) and how it ran (backend, weight format, dtype). Answers and features
     of another target, or of the same one in another format, are not mixed into a resumed
-    run."""
+    run. (The files' sizes stood for their contents until a review showed two checkpoints of
+    one config, one a retrain of the other, sharing features and a checkpoint.)"""
     import hashlib
+
+    from ..models.loading import sha256_file  # remembered per file: the GGUF is read once a machine
 
     describe = getattr(target.runtime, "describe", None)
     how = describe() if describe else type(target.runtime).__name__
@@ -141,8 +144,21 @@ def target_identity(target) -> str:
     digest = hashlib.sha1(json.dumps(source.config, sort_keys=True).encode())
     weights = sorted(Path(source.path).glob("*.safetensors")) + ([Path(source.gguf)] if source.gguf else [])
     for file in weights:
-        digest.update(f"{file.name}:{file.stat().st_size};".encode())
+        digest.update(f"{file.name}:{sha256_file(file)};".encode())
     return f"{source.config.get('model_type', 'model')} {digest.hexdigest()[:12]}|{how}"
+
+
+def check_data_target(data: Path, identity: str) -> None:
+    """Refuse training data whose answers another model wrote (``answers.settings.json``'s
+    target, the checkpoint part: the same model run in another format may train on them)."""
+    path = Path(data) / "answers.settings.json"
+    try:
+        made_by = json.loads(path.read_text()).get("target")
+    except (OSError, ValueError, AttributeError):
+        return
+    if isinstance(made_by, str) and made_by.split("|")[0] != identity.split("|")[0]:
+        raise ConfigError(f"{data} holds answers written by another target ({made_by.split('|')[0]}); this target "
+                          f"is {identity.split('|')[0]}: build its own with `specdecode train data --out DIR`")
 
 
 def keep_settings(path: Path, settings: dict, what: str, optional: tuple[str, ...] = ()) -> None:

@@ -235,8 +235,8 @@ def check_common_settings(draft_vocab: int, minutes: float, lr: float, batch_tok
     rate, a batch and a sequence length."""
     if draft_vocab < 16:
         raise ConfigError(f"--draft-vocab must be >= 16, got {draft_vocab}")
-    if minutes <= 0:
-        raise ConfigError(f"--minutes must be > 0, got {minutes}")
+    if not 0 < minutes < float("inf"):  # inf and nan failed after the features were extracted
+        raise ConfigError(f"--minutes must be a finite number > 0, got {minutes}")
     if not 0 < lr < 1:
         raise ConfigError(f"--lr must be in (0, 1), got {lr}")
     if batch_tokens < 16:
@@ -272,7 +272,7 @@ def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_
     """The whole recipe; returns the evaluation report (also written to OUT/report.json)."""
     from tqdm import tqdm
 
-    from .data import target_identity
+    from .data import check_data_target, target_identity
 
     check_train_settings(draft_vocab, ttt_steps, minutes, lr, batch_tokens, max_length)
     out.mkdir(parents=True, exist_ok=True)
@@ -280,6 +280,7 @@ def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_
     torch.manual_seed(seed)
     sequences = trainable_sequences(Path(data_dir), corpus_tokens, max_length, cfg.vocab_size)
     identity = target_identity(target)
+    check_data_target(Path(data_dir), identity)
     if init is not None:  # go on from a trained head: its sizes, vocabulary and weights
         head = EagleHead.load(Path(init), target_layers=runtime.num_layers)
         config = head.config

@@ -120,7 +120,7 @@ def train_medusa(target, data_dir: Path, out: Path, heads: int = 3, draft_vocab:
     """The whole recipe; returns the evaluation report (also written to OUT/report.json)."""
     from tqdm import tqdm
 
-    from .data import target_identity
+    from .data import check_data_target, target_identity
 
     check_medusa_settings(heads, draft_vocab, minutes, lr, batch_tokens, max_length)
     runtime = target.runtime
@@ -131,6 +131,7 @@ def train_medusa(target, data_dir: Path, out: Path, heads: int = 3, draft_vocab:
     torch.manual_seed(seed)
     sequences = trainable_sequences(Path(data_dir), corpus_tokens, max_length, cfg.vocab_size)
     identity = target_identity(target)
+    check_data_target(Path(data_dir), identity)
     config = MedusaConfig(cfg.hidden_size, heads, cfg.vocab_size, min(draft_vocab, cfg.vocab_size), cfg.rms_norm_eps)
     medusa = MedusaHeads(config)
     medusa.set_draft_vocab(draft_vocabulary(sequences, config.draft_vocab_size, cfg.vocab_size, target.eos_token_ids))
