@@ -37,9 +37,12 @@ def sha256(path: Path) -> str:
 def earlier_stages(config: dict) -> list[dict]:
     """The recipes and reports of the heads this one was trained on from (train eagle
     --init), oldest last."""
-    stages = []
+    stages, seen = [], set()
     init = (config.get("recipe") or {}).get("init")
     while init and (Path(init) / "config.json").is_file():
+        if Path(init).resolve() in seen:  # a head trained --init from its own directory: the chain ends
+            break
+        seen.add(Path(init).resolve())
         earlier = json.loads((Path(init) / "config.json").read_text())
         stages.append({"head": init, "training": earlier.get("recipe"), "report": earlier.get("report")})
         manifest = Path(init) / "MANIFEST.json"
@@ -67,6 +70,14 @@ def main() -> int:
         print(f"ship_head: {source} lacks {', '.join(missing)}", file=sys.stderr)
         return 2
     config = json.loads((source / "config.json").read_text())
+    kind = "medusa" if "medusa" in str(config.get("architecture", "")) else "eagle"
+    if kind != args.kind:  # shipped in the other's place, it would replace the default of the wrong kind
+        print(f"ship_head: {source} holds {kind} heads ({config.get('architecture')!r}); --kind {args.kind} "
+              f"would ship them as the default {args.kind} head", file=sys.stderr)
+        return 2
+    if not data.is_dir():
+        print(f"ship_head: --data {data} is not a directory (the manifest records its recipe)", file=sys.stderr)
+        return 2
     earlier = earlier_stages(config)  # before copying: --init may be the shipped head itself
     destination.mkdir(parents=True, exist_ok=True)
     for name in FILES:

@@ -673,8 +673,10 @@ def _train_drafter(args, train, written: str) -> int:
         taus = ", ".join(f"k={k}: {t:.2f}" for k, t in report["chain_tau"].items())
         print(f"held-out acceptance: first token {report['first_token_agreement']:.1%}; chain tau {taus}")
     else:
-        print(f"held-out acceptance: not measured (the data holds no held-out greedy answers: every "
-              f"{HELD_OUT_EVERY}th prompt's are held out, so `train data` needs at least {HELD_OUT_EVERY} prompts)")
+        print(f"held-out acceptance: not measured (the data holds no held-out greedy answers: the "
+              f"{HELD_OUT_EVERY}th, {2 * HELD_OUT_EVERY}th, ... prompt of each category is held out (ids ending in "
+              f"{HELD_OUT_EVERY - 1:03d}, ...), so with the nine categories interleaved `train data` needs at least "
+              f"{9 * (HELD_OUT_EVERY - 1) + 1} prompts)")
     print(written.format(out=args.out))
     return 0
 

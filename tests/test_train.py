@@ -240,7 +240,9 @@ def test_training_loss_is_the_soft_cross_entropy_of_the_trained_rows(tiny_runtim
                 logits = head.logits(state)
             for p in range(n - 1):
                 q = p + 1 + j
-                if q >= n - 1 or q < max(sequence.trained_from, 0):
+                # the last position too: its label is the target's next token (a finished
+                # greedy answer's EOS), left out until a review found it
+                if q > n - 1 or q < max(sequence.trained_from, 0):
                     continue
                 target = int(record["argmax"][q])
                 in_vocab = bool((head.d2t == target).any())
@@ -479,3 +481,31 @@ def test_a_retrained_target_of_the_same_shape_is_another_target(tmp_path, tiny_a
     with pytest.raises(ConfigError, match="finite"):
         from specdecode.train.eagle import check_train_settings
         check_train_settings(48, 2, float("inf"), 1e-3, 256, 64)
+
+
+def test_ship_head_refuses_heads_of_the_other_kind_and_ends_a_self_referring_chain(tmp_path):
+    """Found in review: `ship_head.py data/medusa` without --kind shipped Medusa heads as the
+    default EAGLE head (exit 0, a manifest saying `make eagle-head`), and a head trained with
+    --init pointing at its own directory made the script loop for ever."""
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "ship_head.py"
+    head = tmp_path / "medusa"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({"architecture": "specdecode-medusa"}))
+    (head / "model.safetensors").write_bytes(b"")
+    shipped = (script.parent.parent / "specdecode/data/heads/smollm2-135m-instruct-eagle3/model.safetensors")
+    before = shipped.stat().st_mtime_ns
+    result = subprocess.run([sys.executable, str(script), str(head), "--data", str(tmp_path)], capture_output=True,
+                            text=True)
+    assert result.returncode == 2 and "medusa heads" in result.stderr, result.stderr
+    assert shipped.stat().st_mtime_ns == before
+    spec = importlib.util.spec_from_file_location("ship_head", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    (head / "config.json").write_text(json.dumps({"recipe": {"init": str(head)}}))
+    assert len(module.earlier_stages({"recipe": {"init": str(head)}})) == 1

@@ -11,7 +11,8 @@
    vocabulary, on rows whose target argmax is in that vocabulary, unrolled ``ttt_steps``
    steps on the head's own outputs (step j weighted 0.8^j). Checkpoints every few minutes
    and at the end; resumes from ``OUT/checkpoint.pt``.
-4. Evaluation on held-out prompts (every 20th training prompt never trains): first-token
+4. Evaluation on held-out prompts (the 20th, 40th, ... prompt of each category never
+   trains: ids ending in 019, 039, ...; the first is the 172nd prompt of the set): first-token
    agreement and the mean accepted length tau of greedy chain drafts, k = 1..S.
 """
 
@@ -32,7 +33,7 @@ from ..proposers.eagle_head import EagleConfig, EagleHead
 from .data import read_records
 from .loop import Checkpoint, learning_rate
 
-HELD_OUT_EVERY = 20  # prompts whose index % 20 == 19 are held out for evaluation
+HELD_OUT_EVERY = 20  # prompts whose index within their category % 20 == 19 are held out for evaluation
 SHARD_TOKENS = 65536
 STEP_DECAY = 0.8
 EVAL_STEPS = 7  # the held-out report: chains of k = 1..7 drafts
@@ -182,15 +183,17 @@ class Trainer:
             tokens[b, :n] = torch.tensor(sequence.ids)
             final[b, :n] = record["final"].float()
             argmax[b, :n] = record["argmax"].long()
-            trained[b, max(sequence.trained_from, 0) : n - 1] = True  # position q predicts token q+1 < n
+            # the label at position q is the target's next token there (argmax[q]), the last
+            # position's too: a finished greedy answer's EOS (it was left out; found in review)
+            trained[b, max(sequence.trained_from, 0) : n] = True
         embeds = [F.embedding(tokens[:, 1 + j : 1 + j + rows], self.embed) for j in range(steps)]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
             states = self.head.unrolled(features, embeds, torch.arange(rows))
         total = torch.zeros(())
         agreement = []
         for j, state in enumerate(states):
-            # row p at step j predicts the token after position q = p + 1 + j
-            valid = max(rows - 1 - j, 0)
+            # row p at step j predicts the token after position q = p + 1 + j (q <= the last position)
+            valid = max(rows - j, 0)
             q = slice(1 + j, 1 + j + valid)
             target_ids = argmax[:, q]
             mask = trained[:, q] & (target_ids >= 0)
