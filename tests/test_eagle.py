@@ -283,6 +283,15 @@ def test_heads_export_to_vllm_layouts_and_import_back(targets, tmp_path, fmt):
     (tmp_path / fmt / "config.json").write_text(json.dumps(config))
     with pytest.raises(Exception, match="norm_before_residual = true"):
         EagleHead.load(tmp_path / fmt)
+    config["norm_before_residual"] = False
+    (tmp_path / fmt / "config.json").write_text(json.dumps(config))
+    # a reduced vocabulary without its d2t map: which token each draft id is, unknown (found
+    # in review: it loaded as the first 60 ids and drafted other tokens than it learnt)
+    from safetensors.torch import save_file
+    del tensors["d2t"]
+    save_file(tensors, str(tmp_path / fmt / "model.safetensors"))
+    with pytest.raises(SpecDecodeError, match="no d2t map"):
+        EagleHead.load(tmp_path / fmt)
 
 
 def test_heads_whose_layers_vllm_would_read_in_another_order_are_not_exported(targets, tmp_path):

@@ -182,6 +182,12 @@ def import_head(directory: Path, raw: dict, fmt: str, target_layers: int | None 
     head = EagleHead(config)
     state = {ours: tensors[theirs].float() for ours, theirs in names.items()}
     offsets = tensors.get("d2t")
+    if offsets is None and config.draft_vocab_size != config.target_vocab_size:
+        # vLLM reads a missing map as the first N ids; a head trained on a reduced vocabulary
+        # then loads and drafts other tokens than it learnt (found in review)
+        raise SpecDecodeError(f"{directory}/model.safetensors has no d2t map, but its draft vocabulary "
+                              f"({config.draft_vocab_size} tokens) is smaller than the target's "
+                              f"({config.target_vocab_size}): which target token each draft id stands for is unknown")
     state["d2t"] = torch.arange(config.draft_vocab_size) + (0 if offsets is None else offsets.to(torch.int64))
     load_checked(head, state, directory)
     t2d = tensors.get("t2d")
