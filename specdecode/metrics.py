@@ -137,7 +137,13 @@ class GenerationStats:
 
     @property
     def acceptance_per_position(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+        """Accepted over drafted, per draft position, up to the deepest position drafted. A
+        position whose drafts were all taken back (past the end of the output,
+        ``drop_accepted``) was never drafted: it read 0.0 and was averaged as rejections
+        (found in review); such positions are always the deepest ones, and are left out."""
+        drafted = self.drafted_per_position
+        depth = max((i + 1 for i, d in enumerate(drafted) if d), default=0)
+        return [a / d for a, d in zip(self.accepted_per_position[:depth], drafted[:depth])]
 
     @property
     def tokens_per_s(self) -> float:

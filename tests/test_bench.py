@@ -238,6 +238,16 @@ def test_bench_runs_every_turn_of_a_prompt_file(tiny_text_model_dir, tmp_path):
     records = json.loads(out.read_text())["records"]
     assert sorted((r["turn"], r["method"]) for r in records) == [(1, "ngram"), (1, "none"), (2, "ngram"), (2, "none")]
     assert all(r["identical_to_plain"] for r in records)
+    # the share of steps that ran plain is read from the steps, not the policy's choices
+    # (found in review: a step whose lookup found nothing counted as drafting)
+    prompts.write_text(json.dumps({"prompt": "q w e r t y", "category": "other"}) + "\n")
+    assert main(["bench", "--model", str(tiny_text_model_dir), "--dtype", "fp32", "--prompts", str(prompts),
+                 "--methods", "ngram", "--max-new-tokens", "8", "--no-chat-template", "--out", str(out)]) == 0
+    records += json.loads(out.read_text())["records"]
+    for record in records:
+        if record["method"] == "ngram" and record["plain_steps_share"] is not None:
+            steps = record["steps_by_drafted"]
+            assert record["plain_steps_share"] == pytest.approx(steps.get("0", 0) / sum(steps.values()))
 
 
 def test_the_transformers_peer_decodes_greedily_whatever_the_generation_config_says(tiny_llama_dir, tmp_path):

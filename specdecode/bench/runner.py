@@ -266,7 +266,11 @@ def _run_one(label: str, engine, prompt: dict, text: str, prompt_ids: list[int],
             acceptance_per_position=stats.acceptance_per_position,
             steps_by_drafted=dict(sorted(stats.steps_by_drafted.items())),
             k_chosen_mean=sum(chosen) / len(chosen) if chosen else None,
-            plain_steps_share=sum(k == 0 for k in chosen) / len(chosen) if chosen else None,
+            # the steps that ran without a draft: the policy's k = 0, and also no match found
+            # or k capped to 0 at the end (found in review: the policy's choices alone read
+            # 25% where every step ran plain)
+            plain_steps_share=(stats.steps_by_drafted.get(0, 0) / sum(stats.steps_by_drafted.values())
+                               if chosen and stats.steps_by_drafted else None),
         )
     record.update(
         prompt_tokens=len(prompt_ids), new_tokens=len(token_ids), seconds=seconds,
