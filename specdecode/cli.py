@@ -552,7 +552,8 @@ def cmd_analyze(args) -> int:
     from .analysis.analyzer import analyze
     from .factory import log
 
-    temperatures = _float_list(args.temperatures, "--temperatures")
+    # a temperature once: twice, each pass's records were paired with the other's plain run
+    temperatures = list(dict.fromkeys(_float_list(args.temperatures, "--temperatures")))
     if args.batch < 1:  # the memory and throughput checks come after every generation: found wrong before
         raise SpecDecodeError(f"--batch must be at least 1, got {args.batch}")
     if args.budget is not None and not args.budget > 0:

@@ -206,7 +206,8 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
         draft = "ngram" if name == "ngram" else draft_model(args, [label], spec_config)
         report = deployment_memory(args.model, draft, engine_config.dtype, args.batch, None, 10, args.budget,
                                    prefill_chunk=engine_config.prefill_chunk)
-        memory[label] = {"total_gib": report["total"] / 2**30, "budget_gib": report["budget"] / 2**30, "fits": report["fits"]}
+        memory[label] = {"total_gib": report["total"] / 2**30, "budget_gib": report["budget"] / 2**30, "fits": report["fits"],
+                         "context": report["context"]}
     sweeps = {}
     for temperature in temperatures:
         sweep = k_sweep(summarize([r for r in records if r["temperature"] == temperature]), methods)
@@ -333,7 +334,7 @@ def markdown(result: dict) -> str:
     lines += ["", "## Memory", ""]
     for method, m in result["memory"].items():
         verdict = "fits" if m["fits"] else "DOES NOT FIT: skip"
-        lines.append(f"- {method}: target + drafter {m['total_gib']:.2f} GiB of {m['budget_gib']:.1f} GiB (context 2048): {verdict}")
+        lines.append(f"- {method}: target + drafter {m['total_gib']:.2f} GiB of {m['budget_gib']:.1f} GiB (context {m['context']}): {verdict}")
     return "\n".join(lines) + "\n"
 
 

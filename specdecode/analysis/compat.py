@@ -190,8 +190,8 @@ def calibrate(target: str, draft: str, dtype: str = "bf16", k: int = 5) -> dict:
     config = EngineConfig(model=target, dtype=dtype)
     loaded = load_target(config)
     proposer = build_proposer(spec, loaded, config)
-    most = getattr(proposer, "max_drafts", 10)  # Medusa heads draft one token each
-    if k > most:  # as generate and serve refuse it (it was lowered here, so the report answered another k)
+    most = getattr(proposer, "max_drafts", None)  # Medusa heads draft one token each; others any k
+    if most is not None and k > most:  # as generate and serve refuse it (it was lowered here, so the report answered another k)
         raise ConfigError(f"--k {k}: {spec.method} drafts at most {most} tokens a step (one per head)")
     runs = calibration_runs(loaded, proposer, k, max_new_tokens=48)
     if not runs:
@@ -209,7 +209,7 @@ def calibrate(target: str, draft: str, dtype: str = "bf16", k: int = 5) -> dict:
     c = profile.c(drafter_key(spec))
     tau = tau_from_positions(positions)
     first, later = acceptance_rates(runs)
-    k_best, best = best_k(alpha, lambda n: profile.v(n, 256), c, min(10, most),
+    k_best, best = best_k(alpha, lambda n: profile.v(n, 256), c, min(10, most or 10),
                           tau=lambda n: tau_two_rates(first, later, n))
     return {"prompts": len(runs), "alpha": alpha, "first": first, "later": later,
             "acceptance_per_position": positions, "tau": tau, "c": c,
