@@ -152,6 +152,9 @@ def test_build_store_errors_name_the_problem(tmp_path):
     write_answers(tmp_path / "big", [[3, 99]])
     with pytest.raises(ConfigError, match="outside"):
         build_store(tmp_path / "big", tmp_path / "store", 50, log=lambda m: None)
+    write_answers(tmp_path / "empty", [[], []])  # every answer ended at once: nothing to draft from
+    with pytest.raises(ConfigError, match="no answers with any tokens"):
+        build_store(tmp_path / "empty", tmp_path / "store", 50, log=lambda m: None)
 
 
 def test_store_must_match_the_target(targets, tmp_path):

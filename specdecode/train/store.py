@@ -25,9 +25,11 @@ def read_answers(data: Path) -> list[list[int]]:
     if not path.is_file():
         raise ConfigError(f"{path} not found: build the target's answers first with `specdecode train data --out {data}`")
     # the range of the ids is the store's to check, against the vocabulary it is built for
-    answers = [row["answer_ids"] for row in read_records(path, {"answer_ids": list})]
+    # an empty answer (EOS first) adds nothing to draft from; a file of only those built a
+    # store of separators (found in review)
+    answers = [row["answer_ids"] for row in read_records(path, {"answer_ids": list}) if row["answer_ids"]]
     if not answers:
-        raise ConfigError(f"{path} holds no answers")
+        raise ConfigError(f"{path} holds no answers with any tokens")
     return answers
 
 
