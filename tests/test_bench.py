@@ -293,3 +293,19 @@ def test_bench_serve_runs_a_mode_named_twice_once(monkeypatch):
                         seen.append(modes))
     assert main(["bench-serve", "--url", "http://x", "--modes", "spec,spec,plain"]) == 0
     assert seen == [["spec", "plain"]]
+
+
+def test_speedups_pair_only_turns_that_ran_plain_decodings_prompt():
+    """Found in review: a turn after a reply that differed from plain's ran on another
+    prompt (here 400 tokens longer) and was still divided by plain's tok/s: 0.90x
+    reported where the one same-prompt pair was 1.2x."""
+    from specdecode.bench.runner import summarize
+
+    def record(method, turn, tokens_per_s, **extra):
+        return dict(question_id="mt-1", category="writing", method=method, turn=turn, tokens_per_s=tokens_per_s,
+                    new_tokens=100, seconds=100 / tokens_per_s, identical_to_plain=method == "none",
+                    prompt_tokens=50, **extra)
+
+    records = [record("none", 1, 100.0), record("draft", 1, 120.0), record("none", 2, 100.0),
+               record("draft", 2, 60.0, context_differs=True)]
+    assert summarize(records)["overall"]["draft"]["speedup"] == pytest.approx(1.2)

@@ -135,7 +135,9 @@ def annotate(records: list[dict], profile, costs: dict[str, float]) -> None:
         base = plain[(r["temperature"], *record_key(r))]
         # None where plain decoding made no token (EOS first): no ratio, not a loss (a 0.0
         # pulled the median down and read as "loses"; found in review)
-        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
+        # None too where the turn's prompt was not plain's (an earlier reply differed)
+        r["speedup"] = (r["tokens_per_s"] / base["tokens_per_s"]
+                        if base["tokens_per_s"] and not r.get("context_differs") else None)
         # decode alone (prefill out), per token: what the router learns from the server and
         # `generate --route` too (one state held both kinds of figure; found in review)
         spec, plain_decode = (((x["seconds"] - x.get("prefill_seconds", 0.0)) / x["new_tokens"] if x["new_tokens"]

@@ -367,7 +367,10 @@ def summarize(records: list[dict]) -> dict:
             "prompts": len(rows),
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows),
             "aggregate_tokens_per_s": sum(r["new_tokens"] for r in rows) / sum(r["seconds"] for r in rows),
-            "speedup": _median([r["tokens_per_s"] / plain[record_key(r)] for r in rows if plain.get(record_key(r))]),
+            # paired by prompt and turn, and only where the turn's prompt is plain's: a turn
+            # after a reply that differed from plain's ran on another prompt (found in review)
+            "speedup": _median([r["tokens_per_s"] / plain[record_key(r)] for r in rows
+                                if plain.get(record_key(r)) and not r.get("context_differs")]),
             "alpha": accepted / drafted if drafted else None,
             "tau": tau_of(accepted, passes, ended) if passes else 1.0,
             "identical_to_plain": sum(r["identical_to_plain"] for r in rows) / len(rows),
