@@ -84,20 +84,10 @@ def commit_tokens(new_tokens: list[int], tokens: list[int], generated: list[int]
     until EOS, a stop string, the token budget or the context ends it. Returns the tokens
     added and the finish reason ("stop", "length") or None; accepted drafts past the end
     are dropped."""
-    added = []
-    if tracker is not None and tracker.watches_stops:  # a token may complete a stop string
-        for token in new_tokens:
-            if token in eos_token_ids and not params.ignore_eos:
-                return added, "stop"
-            tokens.append(token)
-            generated.append(token)
-            added.append(token)
-            if tracker.add(token):
-                return added, "stop"
-            if len(generated) >= params.max_new_tokens or len(tokens) >= context:
-                return added, "length"
-        return added, None
-    finish = None
+    # with stop strings the tokens go to the text one at a time (the one that completes a
+    # stop ends the output); without, the step's text comes in one decode
+    one_at_a_time = tracker is not None and tracker.watches_stops
+    added, finish = [], None
     for token in new_tokens:
         if token in eos_token_ids and not params.ignore_eos:
             finish = "stop"
@@ -105,10 +95,13 @@ def commit_tokens(new_tokens: list[int], tokens: list[int], generated: list[int]
         tokens.append(token)
         generated.append(token)
         added.append(token)
+        if one_at_a_time and tracker.add(token):
+            finish = "stop"
+            break
         if len(generated) >= params.max_new_tokens or len(tokens) >= context:
             finish = "length"
             break
-    if tracker is not None:  # no stop strings: the step's text in one decode
+    if tracker is not None and not one_at_a_time:
         tracker.add_many(added)
     return added, finish
 
