@@ -153,3 +153,13 @@ def _check_row(row: dict, key: str, prompt, where: str) -> list[str]:
     if not isinstance(question_id, (str, int)) or isinstance(question_id, bool):  # Spec-Bench numbers its questions
         raise SpecDecodeError(f"{where}: {id_key!r} must be a string or an integer, got {question_id!r}")
     return turns
+
+
+def categories_in_turn(prompts: list[dict]) -> list[dict]:
+    """The prompts reordered so that categories alternate: the first of each category (in
+    the order they first appear), then the second of each, and so on."""
+    by_category: dict[str, list[dict]] = {}
+    for prompt in prompts:
+        by_category.setdefault(prompt.get("category", "general"), []).append(prompt)
+    queues = list(by_category.values())
+    return [queue[i] for i in range(max(map(len, queues), default=0)) for queue in queues if i < len(queue)]

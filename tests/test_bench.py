@@ -87,7 +87,7 @@ def test_bench_serve_sends_every_category_in_turn(monkeypatch):
     import httpx
 
     import specdecode.bench.serve as serve_bench
-    from specdecode.prompts import load_prompts
+    from specdecode.prompts import categories_in_turn, load_prompts
 
     prompts = load_prompts(None)
     category = {p["prompt"]: p["category"] for p in prompts}
@@ -109,7 +109,7 @@ def test_bench_serve_sends_every_category_in_turn(monkeypatch):
     serve_bench.bench_serve(prompts, [1], None, 16, 128, ["spec", "plain"], "http://x", [], None, model="m")
     categories = len({p["category"] for p in prompts})
     assert len(sent) == 2 and all(len(counts) == categories and max(counts.values()) == 2 for counts in sent), sent
-    assert [p["prompt"] for p in serve_bench.categories_in_turn(prompts)][:2] == [prompts[0]["prompt"],
+    assert [p["prompt"] for p in categories_in_turn(prompts)][:2] == [prompts[0]["prompt"],
                                                                                    prompts[10]["prompt"]]
 
 

@@ -336,16 +336,6 @@ def served_model(url: str) -> str:
                               f"{response.text[:200]!r}") from None
 
 
-def categories_in_turn(prompts: list[dict]) -> list[dict]:
-    """The prompts reordered so that categories alternate: the first of each category (in
-    the order they first appear), then the second of each, and so on."""
-    by_category: dict[str, list[dict]] = {}
-    for prompt in prompts:
-        by_category.setdefault(prompt.get("category", "general"), []).append(prompt)
-    queues = list(by_category.values())
-    return [queue[i] for i in range(max(map(len, queues), default=0)) for queue in queues if i < len(queue)]
-
-
 def bench_serve(prompts: list[dict], concurrency: list[int], rate: float | None, num_prompts: int, max_tokens: int,
                 modes: list[str], url: str | None, serve_args: list[str], out: Path | None, seed: int = 0,
                 model: str | None = None, rounds: int = 1) -> list[dict]:
@@ -368,6 +358,7 @@ def bench_serve(prompts: list[dict], concurrency: list[int], rate: float | None,
         import httpx
 
         model = model or served_model(url)
+        from ..prompts import categories_in_turn
         from .runner import conversation
 
         # each prompt's first turn, after its system prompt where the file gives one; the

@@ -25,6 +25,8 @@ from functools import lru_cache
 from importlib.resources import files
 from pathlib import Path
 
+from ..prompts import categories_in_turn
+
 CATEGORIES = ("code", "creative", "extraction", "json", "math", "open_qa", "summarization", "template", "translation")
 
 _FUNCTIONS = [
@@ -320,13 +322,8 @@ def written_prompts() -> dict[str, list[str]]:
 
 
 def _interleaved(per_category: dict[str, list[str]], prefix: str) -> list[dict]:
-    prompts = []
-    for index in range(max(len(v) for v in per_category.values())):
-        for category in CATEGORIES:
-            if index < len(per_category[category]):
-                prompts.append({"id": f"{prefix}-{category}-{index:03d}", "category": category,
-                                "prompt": per_category[category][index]})
-    return prompts
+    return categories_in_turn([{"id": f"{prefix}-{category}-{index:03d}", "category": category, "prompt": prompt}
+                               for category in CATEGORIES for index, prompt in enumerate(per_category[category])])
 
 
 def training_prompts(count: int | None = None) -> list[dict]:
