@@ -53,7 +53,7 @@ def chain(tokens, budget):
 
 
 def store_nodes(tokens, budget, max_children=4):
-    n, low, high = store._longest(tokens[-store.max_n:], 2)
+    n, low, high = store.longest_match(tokens[-store.max_n:], 2)
     if n == 0:
         return []
     follow = store._follow(low, high, n, MAX_SAMPLE)

@@ -97,7 +97,7 @@ class TokenStore:
         max_n); with ``sample``, at most that many, evenly spread over them."""
         return self._follow(*self._range(pattern), len(pattern), sample)
 
-    def _longest(self, context: list[int], min_n: int) -> tuple[int, int, int]:
+    def longest_match(self, context: list[int], min_n: int) -> tuple[int, int, int]:
         """(n, low, high): the longest suffix of ``context`` (max_n down to min_n tokens)
         the store holds with a token after it, and its slice of ``order``; n = 0: none. A
         suffix whose every occurrence ends a document continues nothing: a shorter one is
@@ -115,18 +115,18 @@ class TokenStore:
 
     def longest(self, context: list[int], min_n: int = 2) -> int:
         """The longest suffix of ``context`` (max_n down to min_n tokens) the store holds; 0: none."""
-        return self._longest(context, min_n)[0]
+        return self.longest_match(context, min_n)[0]
 
     def continuation(self, context: list[int], k: int, min_n: int = 2,
                      found: tuple[int, int, int] | None = None) -> list[int]:
         """Up to ``k`` tokens to follow ``context``: the longest suffix of the context
         (max_n down to min_n) found in the store, then at each step the token that most
         often comes next among the occurrences still agreeing with the tokens chosen so far
-        (ties: the smaller id). ``found``: that suffix's (n, low, high) from ``_longest``,
+        (ties: the smaller id). ``found``: that suffix's (n, low, high) from ``longest_match``,
         where the caller has looked it up already."""
         if k < 1:
             return []
-        n, low, high = self._longest(context, min_n) if found is None else found
+        n, low, high = self.longest_match(context, min_n) if found is None else found
         if n == 0:
             return []
         follow = self._follow(low, high, n, MAX_SAMPLE)
@@ -185,7 +185,7 @@ class SuffixProposer(NgramProposer):
         sequence = np.asarray(tokens, dtype=np.int64)
         found = match(sequence, self.long_sizes)
         if found is None and self.store is not None:
-            longest = self.store._longest(tokens[-self.store.max_n:], self.min_store_n)
+            longest = self.store.longest_match(tokens[-self.store.max_n:], self.min_store_n)
             if longest[0]:  # its range too: propose drafts from it without a second lookup
                 return ("store", longest[0]), None, longest
         if found is None:
