@@ -6,9 +6,8 @@ never reaches the tensor code.
 
 from __future__ import annotations
 
-import os
-
 import math
+import os
 from dataclasses import dataclass
 
 import torch
