@@ -193,6 +193,9 @@ def test_analyze_writes_every_report(tiny_text_model_dir, tmp_path, capsys):
     context = result["memory"]["ngram@2"]["context"]  # the context estimated, not always "2048"
     assert context <= 256 and f"(context {context})" in summary
     assert "each generation run 2 times and timed by its fastest run" in summary
+    # v keyed by tokens scored, as `profile` and `bench` key it (found in review: by k drafts,
+    # so "v(2)" meant three tokens here and two there)
+    assert set(result["profile"]["v"]) == {"2", "3", "5", "7", "9", "11"} and "v(T), scoring T tokens" in summary
     assert "| T | method | category |" in capsys.readouterr().out
 
 

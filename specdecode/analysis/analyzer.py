@@ -223,7 +223,8 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
                    "serving": args.serving, "batch": args.batch, "draft": draft_model(args, methods, spec_config),
                    "repeats": args.repeats},
         "profile": {"machine": profile.machine, "threads": profile.threads, "drafter_costs": costs,
-                    "v": {str(k): profile.v(k, 256) for k in (1, 2, 4, 6, 8, 10)}},
+                    # keyed by tokens scored, T = k + 1, as `profile` and `bench` key it (was by k drafts)
+                    "v": {str(k + 1): profile.v(k, 256) for k in (1, 2, 4, 6, 8, 10)}},
         "memory": memory,
         "categories": table,
         "records": records,
@@ -303,7 +304,8 @@ def markdown(result: dict) -> str:
         f"Model {config['model']} ({config['dtype']}), {profile['machine']}, {profile['threads']} threads; "
         f"{config['max_new_tokens']} new tokens; prompts: {config['prompts']}"
         + (f"; each generation run {config['repeats']} times and timed by its fastest run." if config.get("repeats", 1) > 1 else "."),
-        "Cost profile: v(k) at 256 tokens of context " + ", ".join(f"v({k}) = {v:.2f}" for k, v in profile["v"].items())
+        "Cost profile: v(T), scoring T tokens (k drafts + 1) over one decode step, at 256 tokens of context "
+        + ", ".join(f"v({size}) = {v:.2f}" for size, v in profile["v"].items())
         + "; drafter cost per token c: " + ", ".join(f"{m} {c:.3f}" for m, c in profile["drafter_costs"].items()) + ".",
         "Speedups are medians over prompts of tokens/s against plain decoding of the same prompt at the same "
         "temperature (prefill included). Predicted = from the run's measured acceptance and the cost profile. "
