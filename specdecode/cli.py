@@ -561,6 +561,12 @@ def cmd_analyze(args) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods:  # found in review: every plain run went first, then the plot crashed
         raise SpecDecodeError(f"--methods takes a comma list of methods, got {args.methods!r}")
+    from .bench.runner import PEERS, parse_method
+
+    peers = [m for m in methods if parse_method(m)[0] in PEERS]
+    if peers:  # a peer has no drafter to analyze: it failed after the target and the engines had loaded
+        raise SpecDecodeError(f"--methods {','.join(peers)}: analyze measures drafters against plain decoding; "
+                              f"compare {' and '.join(peers)} with `specdecode bench --methods none,{','.join(peers)}`")
     _check_drafter_flags(args, methods)
     _check_k_flags(args, methods)
     check_writable(str(Path(args.out) / "summary.md"), "--out")

@@ -217,6 +217,7 @@ def test_a_transformers_draft_model_does_not_take_the_targets_flags(tmp_path, ti
     (["analyze", "--out", "/proc/nowhere"], "--out /proc/nowhere/summary.md: cannot write there"),
     (["analyze", "--batch", "0"], "--batch must be at least 1, got 0"),
     (["analyze", "--budget", "-2"], "--budget must be > 0 GiB, got -2.0"),
+    (["analyze", "--methods", "ngram,hf"], "--methods hf: analyze measures drafters against plain decoding"),
     (["bench-serve", "--max-tokens", "0"], "--max-tokens and --num-prompts must be at least 1"),
     (["bench-serve", "--serve-args", '"unterminated'], "--serve-args '\"unterminated': No closing quotation"),
     (["generate", "hi", "--method", "eagle", "--tree-width", "300"], "must be an integer in 1..64, got 300"),
