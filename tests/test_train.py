@@ -124,6 +124,8 @@ def test_build_data_resumes_after_an_interruption(tiny_runtime, tmp_path):
     resumed = build_data(target, cut, **settings)
     assert (cut / "answers.jsonl").read_text().splitlines() == answers
     assert resumed.generated_tokens == 10  # only the broken prompt ran again
+    fewer = build_data(target, cut, **{**settings, "prompt_count": 2})  # the data keeps all three prompts
+    assert (fewer.prompts, fewer.answers, fewer.generated_tokens) == (3, 6, 0)
     assert (cut / "corpus.jsonl").read_text() == (tmp_path / "a" / "corpus.jsonl").read_text()
 
     with pytest.raises(ConfigError, match="another --out"):

@@ -196,7 +196,9 @@ def build_answers(target, out: Path, prompt_count: int | None, samples: int, tem
     done = {r["prompt_id"] for r in records}
     summary.answers = len(records)
     summary.answer_tokens = sum(len(r["answer_ids"]) for r in records)
-    summary.prompts = len(prompts)
+    # the prompts the data holds: a run asking for fewer than an earlier one keeps (and
+    # training reads) the earlier answers too (found in review: the summary said this run's count)
+    summary.prompts = len(done | {p["id"] for p in prompts})
     row_params = [SamplingParams(max_new_tokens=max_new_tokens)]
     row_params += [SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)] * samples
     todo = [p for p in prompts if p["id"] not in done]
