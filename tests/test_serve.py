@@ -204,6 +204,11 @@ def test_concurrent_greedy_requests_equal_their_outputs_alone(served):
     ({"prompt": "hi", "functions": [{"name": "f"}]}, 400, "functions"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "only allowed when stream is true"),
     ({"prompt": "\ud800 hi"}, 400, "could not be tokenized"),  # a lone surrogate: was a 500
+    ({"prompt": "hi", "priority": 5}, 400, "priority"),  # found in review: these four were accepted and ignored
+    ({"prompt": "hi", "prompt_embeds": "AAAA"}, 400, "prompt_embeds"),
+    ({"prompt": "hi", "modalities": ["text", "audio"]}, 400, "modalities"),
+    ({"prompt": "hi", "reasoning_effort": "high"}, 400, "reasoning_effort"),
+    ({"prompt": "hi", "cache_salt": ""}, 400, "cache_salt"),
 ])
 def test_errors_are_openai_json(served, body, status, fragment):
     client, _, _ = served
@@ -230,6 +235,9 @@ def test_validation_errors_name_the_param_and_take_json_types_as_sent(served):
                         ({"prompt": [True, 5], "max_tokens": 2}, "prompt"),
                         ({"prompt": "hi", "stream": "yes"}, "stream"),
                         ({"prompt": "hi", "n": True}, "n"),
+                        ({"prompt": "hi", "temperature": False}, "temperature"),  # was greedy (found in review)
+                        ({"prompt": "hi", "temperature": "0"}, "temperature"),
+                        ({"prompt": "hi", "top_p": True}, "top_p"),  # was 1.0
                         ({"prompt": "hi", "max_completion_tokens": 40}, "max_completion_tokens")):
         response = client.post("/v1/completions", json=body)
         assert response.status_code == 400, body
@@ -244,6 +252,9 @@ def test_validation_errors_name_the_param_and_take_json_types_as_sent(served):
     assert response.status_code == 400 and response.json()["error"]["param"] == "max_completion_tokens"
     response = client.post("/v1/chat/completions", json={**chat, "add_special_tokens": True})
     assert response.status_code == 400 and response.json()["error"]["param"] == "add_special_tokens"
+    # a chat beyond the context names its messages, not a "prompt" parameter chat does not have
+    response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a" * 5000}]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages", response.text
 
 
 def test_add_special_tokens_is_honoured_on_completions(tmp_path):
@@ -315,6 +326,49 @@ def test_a_repeated_prompt_reuses_its_cached_prefix(served):
     assert client.post("/reset_prefix_cache").status_code == 200  # vLLM's route: forget them all
     third = api.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
     assert third.usage.prompt_tokens_details.cached_tokens == 0 and third.choices[0].text == first.choices[0].text
+
+
+def test_a_cache_salt_keeps_prefixes_apart(served):
+    """vLLM's cache_salt: a prefix cached for one salt is not reused (nor reported in
+    cached_tokens) for another, or for none; the same salt reuses it. Found in review:
+    accepted and ignored, so one tenant learnt from cached_tokens how much of its prompt
+    another's recent prompt shared."""
+    client, _, target = served
+    prompt = "a system prompt two tenants share, long enough to be worth caching: wxyz"
+    prompt_tokens = len(target.tokenizer(prompt)["input_ids"])
+
+    def cached(**salt):
+        response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0, **salt})
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"], response.json()["choices"][0]["text"]
+
+    assert client.post("/reset_prefix_cache").status_code == 200
+    first, text = cached(cache_salt="tenant-a")
+    assert first == 0
+    assert cached(cache_salt="tenant-b") == (0, text) and cached() == (0, text)
+    assert cached(cache_salt="tenant-a") == (prompt_tokens - 1, text)
+
+
+def test_chat_messages_reach_the_template_with_their_names_and_tool_calls(served):
+    """Found in review: a message's name, tool_calls and tool_call_id were dropped, so the
+    model read another conversation than the one sent (vLLM hands them to the template)."""
+    client, state, _ = served
+    tokenizer = state.tokenizer  # the server's own
+    template = tokenizer.chat_template
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}{% if m.get('name') %}({{ m['name'] }}){% endif %}:"
+                               "{{ m['content'] }}{% if m.get('tool_calls') %}call:{{ m['tool_calls'][0]['function']['name'] }}"
+                               "{% endif %}{% if m.get('tool_call_id') %}#{{ m['tool_call_id'] }}{% endif %}|{% endfor %}a:")
+    try:
+        messages = [{"role": "user", "content": "hi", "name": "bob"},
+                    {"role": "assistant", "content": None,
+                     "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                    {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+        response = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "temperature": 0})
+        assert response.status_code == 200, response.text
+        rendered = "user(bob):hi|assistant:call:f|tool:42#c1|a:"
+        assert response.json()["usage"]["prompt_tokens"] == len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    finally:
+        tokenizer.chat_template = template
 
 
 def test_api_key_and_full_queue(model_dir):

@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import VLLM_METHODS, SamplingParams
@@ -97,6 +97,10 @@ UNSUPPORTED_DEFAULTS = {
     "guided_decoding_backend": (None,), "structured_outputs": (None,), "logits_processors": (None, []),
     "add_generation_prompt": (None, True), "continue_final_message": (None, False), "chat_template": (None,),
     "chat_template_kwargs": (None, {}), "documents": (None, []),
+    # found in review, each accepted and ignored: vLLM's priority scheduling and prompt
+    # embeddings, OpenAI's audio output and reasoning effort
+    "priority": (None, 0), "prompt_embeds": (None,), "modalities": (None, ["text"]), "audio": (None,),
+    "reasoning_effort": (None,),
 }
 
 
@@ -115,8 +119,9 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")  # kept in model_extra: UNSUPPORTED_DEFAULTS reads them
     model: str | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    # JSON numbers only (found in review: false and "0" were read as greedy, true as 1.0)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(default=None, ge=-1)
     stop: str | list[str] | None = None
     seed: StrictInt | None = Field(default=None, ge=-(2 ** 63), le=2 ** 63 - 1)
@@ -128,6 +133,7 @@ class _Common(BaseModel):
     ignore_eos: StrictBool | None = False
     speculative: SpeculativeOptions | None = None
     task_type: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: prefix reuse only within one salt
 
     @model_validator(mode="after")
     def _defaults_for_null(self):
@@ -170,6 +176,17 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
+    # handed to the chat template as sent, as vLLM does (found in review: dropped, so the
+    # model read another conversation than the client's)
+    name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict:
+        message = {"role": self.role if self.role != "developer" else "system", "content": self.text()}
+        message.update({key: value for key in ("name", "tool_calls", "tool_call_id")
+                        if (value := getattr(self, key)) is not None})
+        return message
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -290,18 +307,18 @@ class ServerState:
         if self.auditor is not None and sequence.finish_reason != "abort":
             self.auditor.offer(sequence)
 
-    def check_prompt(self, prompt_ids: list[int]) -> None:
+    def check_prompt(self, prompt_ids: list[int], param: str = "prompt") -> None:
         """A 400 naming the problem for token ids outside the vocabulary or a prompt beyond
-        the context."""
+        the context; ``param``: where the request put it (a chat's is ``messages``)."""
         try:
             self.engine.check_prompt(prompt_ids)
         except PromptError as error:
             code = "context_length_exceeded" if isinstance(error, ContextLengthError) else None
-            raise APIError(400, str(error), param="prompt", code=code) from None
+            raise APIError(400, str(error), param=param, code=code) from None
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, options: SpeculativeOptions | None,
                task_type: str | None, prompt_text: str, request_id: str, queue: asyncio.Queue,
-               index: int = 0, choices: int = 1) -> Sequence:
+               index: int = 0, choices: int = 1, cache_salt: str | None = None) -> Sequence:
         """Queue one sequence, choice ``index`` of ``choices`` (the first checks that the
         queue has room for all of them); its outputs arrive on ``queue`` as (index,
         StepOutput). The caller has checked the prompt (``check_prompt``)."""
@@ -328,7 +345,7 @@ class ServerState:
 
         sequence = self.engine.add(prompt_ids, params, request_id, speculate=plan.speculate, proposer=plan.proposer,
                                    policy=plan.policy, listener=listener, prior_alpha=plan.prior,
-                                   task_type=plan.task, method=plan.method)
+                                   task_type=plan.task, method=plan.method, cache_salt=cache_salt)
         self._report_queue()
         self.wakeup.set()
         return sequence
@@ -574,7 +591,7 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
                                 "template writes the special tokens)", param="add_special_tokens")
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
         try:
             encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                     return_dict=True)
@@ -589,7 +606,7 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
             raise APIError(400, "suffix (insertion) is not supported", param="suffix")
         if params.stop and tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer; this model has none", param="stop")
-        state.check_prompt(prompt_ids)  # before anything decodes the ids (echo)
+        state.check_prompt(prompt_ids, "messages" if chat else "prompt")  # before anything decodes the ids (echo)
         limit = state.engine.max_model_len
         if len(prompt_ids) + max_tokens > limit:  # as OpenAI and vLLM answer: never a silently shorter reply
             raise APIError(400, f"this model's maximum context length is {limit} tokens, but {len(prompt_ids) + max_tokens} "
@@ -614,7 +631,7 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
                 choice_params = params if index == 0 else replace(params, seed=nth_seed(params.seed, index))
                 sequences.append(state.submit(prompt_ids, choice_params, body.speculative, body.task_type,
                                               prompt_text, request_id if body.n == 1 else f"{request_id}-{index}",
-                                              queue, index, body.n))
+                                              queue, index, body.n, body.cache_salt))
         except Exception:  # none of the choices runs without the others
             for sequence in sequences:
                 state.abort(sequence)

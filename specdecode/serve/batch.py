@@ -108,6 +108,7 @@ class Sequence:
     looked_up: int = 0  # prompt tokens looked up in it (0 until the sequence gets a row)
     reuse_prefix: bool = True  # False: prefill the whole prompt (the audit's independent re-run)
     share_prefix: bool = True  # False: its row serves no other prompt (running at a cache reset)
+    cache_salt: str | None = None  # vLLM's: prefixes are shared only between requests with the same salt
     batched_steps: int = 0  # decode steps it shared with other rows (its time was then the batch's)
     device: torch.device | str = "cpu"  # the target's: its generator draws where the drafts and logits are
 
@@ -185,6 +186,7 @@ class BatchEngine:
         self.reaped: list[Sequence] = []  # the sequences the current step has finished so far
         self.prefix_caching = True
         self.row_tokens: list[list[int]] = [[] for _ in range(max_num_seqs)]  # a free row's valid entries
+        self.row_salt: list[str | None] = [None] * max_num_seqs  # the cache_salt of the request that wrote them
         self._forget_prefixes = False
         self.prefix_queries = 0  # prompt tokens admitted, and how many of them came from the cache
         self.prefix_hits = 0
@@ -225,10 +227,13 @@ class BatchEngine:
 
     def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
             speculate: bool = True, proposer=None, policy=None, listener=None, prior_alpha: float | None = None,
-            task_type: str | None = None, method: str = "none", reuse_prefix: bool = True) -> Sequence:
+            task_type: str | None = None, method: str = "none", reuse_prefix: bool = True,
+            cache_salt: str | None = None) -> Sequence:
         """Queue a request (thread-safe). ``speculate=False`` decodes it plainly;
         ``reuse_prefix=False`` prefills its whole prompt even where a cached prefix could
-        serve. Everything the sequence carries is set before it is queued: the engine
+        serve; ``cache_salt``: a prefix is reused only from requests with the same salt
+        (vLLM's, for tenants who must not learn each other's prompts from cached_tokens).
+        Everything the sequence carries is set before it is queued: the engine
         thread may finish it before this returns."""
         self.check_prompt(prompt_ids)
         if speculate and proposer is None and self.make_drafter is not None:
@@ -242,7 +247,7 @@ class BatchEngine:
         sequence = Sequence(request_id or f"seq-{next(self._ids)}", list(prompt_ids), params, proposer,
                             policy if proposer is not None else None, prior_alpha, task_type, listener,
                             method=method if proposer is not None else "none", reuse_prefix=reuse_prefix,
-                            device=self.runtime.device)
+                            device=self.runtime.device, cache_salt=cache_salt)
         if params.stop and self.tokenizer is None:
             raise SpecDecodeError("stop strings need a tokenizer; this model has none")
         sequence.tracker = TextTracker(self.tokenizer, params.stop, prompt_ids)
@@ -361,6 +366,7 @@ class BatchEngine:
         serves no other prompt."""
         shared = sequence.error is None and sequence.share_prefix
         self.row_tokens[sequence.cache_row] = sequence.kv_tokens if shared else []
+        self.row_salt[sequence.cache_row] = sequence.cache_salt
         self.free_rows.append(sequence.cache_row)
         sequence.cache_row = None
 
@@ -400,8 +406,9 @@ class BatchEngine:
         holds now (``_shared``), or (0, None)."""
         best, source = 0, None
         if self._reusable(sequence):
-            candidates = [(row, self.row_tokens[row]) for row in self.free_rows]
-            candidates += [(s.cache_row, s.kv_tokens) for s in self.running if s.share_prefix]
+            salt = sequence.cache_salt
+            candidates = [(row, self.row_tokens[row]) for row in self.free_rows if self.row_salt[row] == salt]
+            candidates += [(s.cache_row, s.kv_tokens) for s in self.running if s.share_prefix and s.cache_salt == salt]
             for row, tokens in candidates:
                 n = self._shared(sequence, tokens)
                 if n > best:
@@ -418,7 +425,7 @@ class BatchEngine:
         if not self._reusable(sequence):
             return False
         coming = max((self._shared(sequence, s.prompt_ids) for s in self.running
-                      if s.share_prefix and not s.prefill_done), default=0)
+                      if s.share_prefix and not s.prefill_done and s.cache_salt == sequence.cache_salt), default=0)
         return coming >= PREFIX_WAIT_MIN and coming > best
 
     def _place(self, sequence: Sequence, best: int, source: int | None) -> None:
