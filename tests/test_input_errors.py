@@ -165,6 +165,7 @@ def test_a_damaged_checkpoint_gets_one_line_naming_the_file(tmp_path, capsys, ti
     (["--max-model-len", "-5"], "--max-model-len must be >= 1, got -5"),
     (["--max-model-len", "0"], "--max-model-len must be >= 1, got 0"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0 seconds, got -1.0"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0"),  # was after the load and calibration
     (["--replicas", "2", "--device", "cuda"], "--replicas runs CPU replicas"),
 ])
 def test_serve_refuses_a_bad_port_or_context_before_loading(capsys, argv, problem):

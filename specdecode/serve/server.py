@@ -146,6 +146,8 @@ def build_state(engine_config: EngineConfig, speculative: str | None, max_num_se
     from ..factory import cost_profile, load_target, log
 
     spec, use_router = parse_speculative_config(speculative)
+    if max_num_seqs < 1:  # before the load and the calibration (found in review: minutes later)
+        raise ConfigError(f"--max-num-seqs must be >= 1, got {max_num_seqs}")
     if max_queued_requests < 0:
         raise ConfigError(f"--max-queued-requests must be >= 0, got {max_queued_requests}")
     if schedule not in SCHEDULES:
