@@ -22,7 +22,7 @@ from .config import SamplingParams, SpecDecodeError
 from .control.policies import FixedK, KPolicy
 from .metrics import GenerationStats
 from .models import synchronize
-from .proposers.base import Proposal, Proposer
+from .proposers.base import Proposal, Proposer, drafts_in_vocab
 from .text import TextTracker
 from .verify.chain import coupled_verify, greedy_tokens, greedy_verify_rows, rejection_sample
 from .verify.tree import coupled_tree_verify, greedy_tree_verify, tree_rejection_sample
@@ -263,6 +263,8 @@ class SpeculativeEngine:
             # never draft past the token budget or the context
             wanted = self.policy.choose(len(tokens)) if self.policy is not None else 0
             k = max(min(wanted, params.max_new_tokens - len(generated) - 1, capacity - len(tokens)), 0)
+            if k > 0 and self.tree_drafter:  # a tree is scored in one pass: the root and its nodes in one chunk
+                k = min(k, getattr(self.target, "prefill_chunk", k + 1) - 1)  # (found in review: refused mid-request)
             if k > 0 and self.tree_drafter:
                 new_tokens = self._tree_step(tokens, k, params, generator, draws, stats)
             else:
@@ -318,6 +320,9 @@ class SpeculativeEngine:
         trim = getattr(self.policy, "trim", None)
         if trim is not None:  # the tree budget policy keeps the nodes worth their cost
             proposal = trim(proposal, len(tokens), proposal.passes)
+        # never more nodes than the budget, nor any from the first outside the vocabulary on
+        # (found in review: a proposer that offered more ran past the context)
+        proposal = proposal.first(min(budget, drafts_in_vocab(proposal.tree.tokens, self.target.vocab_size)))
         tree = proposal.tree
         scored = time.perf_counter()
         stats.draft_seconds += scored - started
@@ -371,7 +376,8 @@ class SpeculativeEngine:
             if k > 0 and self.proposer is not None
             else Proposal.empty()
         )
-        draft_ids = proposal.draft_ids[None, :k].to(self.device)  # [1, k']
+        draft_ids = proposal.draft_ids[:k]
+        draft_ids = draft_ids[None, :drafts_in_vocab(draft_ids, self.target.vocab_size)].to(self.device)  # [1, k']
         num_drafted = draft_ids.shape[1]
         scored = time.perf_counter()
         stats.draft_seconds += scored - started

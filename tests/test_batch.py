@@ -771,3 +771,30 @@ def test_a_row_alone_prices_drafting_by_the_proposers_call(model_dir):
     engine.run()
     drafted = [seconds for seconds, passes in noted if passes]
     assert drafted and all(0.01 <= seconds < 0.025 for seconds in drafted), noted
+
+
+class _OffVocabDrafter(NgramProposer):
+    """Prompt lookup with one id outside the vocabulary appended to every draft."""
+
+    def propose(self, tokens, k, params, generator):
+        proposal = super().propose(tokens, k, params, generator)
+        proposal.draft_ids = torch.cat([proposal.draft_ids, torch.tensor([10 ** 6])])[:max(k, 1)]
+        return proposal
+
+
+def test_a_draft_outside_the_vocabulary_fails_no_row(model_dir):
+    """Found in review: one row's draft id outside the vocabulary raised inside the step, and
+    the server then failed every running request. The drafts before it are verified; every
+    row decodes as it would alone."""
+    rng = random.Random(5)
+    prompts = [random_prompt(rng) for _ in range(4)]
+    params = [SamplingParams(max_new_tokens=12, ignore_eos=True) for _ in prompts]
+    runtime = runtime_for(model_dir, "torch")
+    expected = alone_outputs(runtime, prompts, params, (None, 1))
+    engine = BatchEngine(runtime_for(model_dir, "torch"), max_num_seqs=4, max_model_len=128,
+                         make_drafter=_OffVocabDrafter, make_policy=lambda: 3)
+    sequences = [engine.add(prompt, p, speculate=i % 2 == 0) for i, (prompt, p) in enumerate(zip(prompts, params))]
+    engine.run()
+    assert [s.generated for s in sequences] == expected
+    assert all(s.finish_reason == "length" and s.error is None for s in sequences)
+    assert sum(s.stats.draft_tokens for s in sequences) > 0

@@ -541,3 +541,17 @@ def test_eagle_chains_and_trees_through_the_factory(tmp_path):
     from test_cuda import eagle_on
 
     eagle_on("cpu", tmp_path)
+
+
+def test_a_tree_never_outgrows_the_prefill_chunk(tmp_path):
+    """A tree is scored in one pass, so its nodes and the root fit one prefill chunk. Found in
+    review: --prefill-chunk 8 with an EAGLE tree of k = 10 was refused mid-request ("a token
+    tree of 11 nodes exceeds prefill_chunk = 8"); the budget now shrinks to fit, and the
+    output stays plain decoding's."""
+    path = save_tiny_model(tmp_path / "t", seed=32, num_layers=3)
+    target = load_model(path, torch.float32, backend="torch", prefill_chunk=8)
+    proposer = EagleProposer(random_head(target, 0), lambda ids: target.runtime.weights.embed_rows(ids).float(),
+                             tree_width=3)
+    result = SpeculativeEngine(target.runtime, proposer=proposer, k=10).generate([5, 6, 7], GREEDY)
+    assert result.token_ids == SpeculativeEngine(target.runtime).generate([5, 6, 7], GREEDY).token_ids
+    assert result.stats.draft_tokens > 0 and max(result.stats.steps_by_drafted) == 7

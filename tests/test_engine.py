@@ -7,14 +7,19 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from conftest import save_tiny_model
+from conftest import TINY_VOCAB, save_tiny_model
+from specdecode import kernels
 from specdecode.config import ConfigError, EngineConfig, SamplingParams, SpeculativeConfig
 from specdecode.engine import PromptError, SpeculativeEngine
 from specdecode.factory import VocabularyMismatchError, build_proposer, load_model
 from specdecode.models.loading import ModelNotFoundError
+from specdecode.proposers.base import Proposal, TreeProposal
 from specdecode.proposers.draft_model import DraftModelProposer
 from specdecode.proposers.ngram import NgramProposer
 from specdecode.verify.sampling import logits_to_probs
+from specdecode.verify.tree import Tree
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="CPU kernels unavailable")
 
 
 @pytest.fixture(scope="module")
@@ -353,3 +358,61 @@ def test_drafts_accepted_after_the_end_of_the_output_are_not_counted(text_model)
     assert stats.accepted_tokens + stats.target_forwards - stats.ended_early == produced, stats
     assert stats.tau == produced / stats.target_forwards and stats.ended_early == 1
     assert sum(stats.accepted_per_position) == stats.accepted_tokens
+
+
+class _OffVocab:
+    """A third-party drafter that offers plain decoding's next tokens with one id outside
+    the vocabulary last."""
+
+    name = "off-vocab"
+
+    def __init__(self, full: list[int], bad: int):
+        self.full, self.bad = full, bad
+
+    def start(self, prompt_ids, capacity):
+        pass
+
+    def propose(self, tokens, k, params, generator):
+        drafts = self.full[len(tokens):len(tokens) + k]
+        return Proposal(torch.tensor(drafts[:-1] + [self.bad], dtype=torch.int64))
+
+
+class _OversizedTree:
+    """A tree drafter that offers three nodes more than its budget."""
+
+    name = "oversized"
+    drafts_trees = True
+
+    def start(self, prompt_ids, capacity):
+        pass
+
+    def propose(self, tokens, k, params, generator):
+        return Proposal.empty()
+
+    def propose_tree(self, tokens, budget, params, generator):
+        n = budget + 3
+        return TreeProposal(Tree(torch.arange(3, 3 + n), torch.zeros(n, dtype=torch.int64)))
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("kernels", marks=needs_kernels)])
+def test_drafts_outside_the_vocabulary_or_the_budget_are_cut_not_scored(tmp_path, backend):
+    """Found in review: a draft id outside the vocabulary reached the model (IndexError, or
+    a refusal that failed the request), and a tree larger than its budget was scored whole,
+    running past the context. The drafts before the bad id are verified; the tree keeps
+    its first nodes; the output is plain decoding's."""
+    target = load_model(save_tiny_model(tmp_path / "m", seed=3), torch.float32, backend=backend)
+    plain = SpeculativeEngine(target.runtime)
+    prompt = [5, 6, 7]
+    greedy = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    full = prompt + plain.generate(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True)).token_ids
+    for bad in (TINY_VOCAB, -1, 10 ** 6):
+        result = SpeculativeEngine(target.runtime, None, _OffVocab(full, bad), k=3).generate(prompt, greedy)
+        assert result.token_ids == full[3:23] and result.stats.accepted_tokens > 0, bad
+        sampled = dataclasses.replace(greedy, temperature=1.0, seed=1)
+        assert (SpeculativeEngine(target.runtime, None, _OffVocab(full, bad), k=3).generate(prompt, sampled).token_ids
+                == plain.generate(prompt, sampled).token_ids)
+    long_prompt = list(range(3, 43))  # 40 tokens; the context holds 256
+    budget = SamplingParams(max_new_tokens=300, ignore_eos=True)
+    result = SpeculativeEngine(target.runtime, None, _OversizedTree(), k=4).generate(long_prompt, budget)
+    assert result.token_ids == plain.generate(long_prompt, budget).token_ids
+    assert max(result.stats.steps_by_drafted) <= 4

@@ -53,6 +53,16 @@ class Proposal:
         return cls(torch.empty(0, dtype=torch.int64))
 
 
+def drafts_in_vocab(draft_ids: torch.Tensor, vocab_size: int) -> int:
+    """How many of ``draft_ids`` (1-D) come before the first id outside 0..vocab_size-1.
+    Such a draft (a third-party proposer's) could never be accepted, and scoring it failed
+    deep in the model (found in review; the server then failed every running request)."""
+    count = draft_ids.numel()
+    if count and (int(draft_ids.min()) < 0 or int(draft_ids.max()) >= vocab_size):
+        return int(((draft_ids < 0) | (draft_ids >= vocab_size)).nonzero()[0])
+    return count
+
+
 @dataclass
 class TreeProposal:
     """Draft nodes 1..n under the last committed token (``verify.tree.Tree``)."""
@@ -72,6 +82,15 @@ class TreeProposal:
     @property
     def num_tokens(self) -> int:
         return self.tree.size
+
+    def first(self, count: int) -> "TreeProposal":
+        """Nodes 1..``count`` (a subtree: a node's parent comes before it), chosen by
+        position only, so a tree of drawn nodes stays unbiased."""
+        if count >= self.tree.size:
+            return self
+        return TreeProposal(Tree(self.tree.tokens[:count], self.tree.parents[:count]),
+                            None if self.draft_probs is None else self.draft_probs[:count],
+                            None if self.confidence is None else self.confidence[:count], self.passes)
 
     def best(self, count: int) -> "TreeProposal":
         """The ``count`` most confident nodes (ties: the earlier node), a subtree since a

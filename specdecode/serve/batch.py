@@ -56,7 +56,7 @@ from ..config import SamplingParams, SpecDecodeError
 from ..engine import check_prompt, commit_tokens, ended_at_eos, past_the_end, verify_chain
 from ..metrics import GenerationStats
 from ..models import synchronize
-from ..proposers.base import Proposal
+from ..proposers.base import Proposal, drafts_in_vocab
 from ..text import TextTracker
 from ..verify.sampling import PositionUniforms, seeded_generator
 
@@ -522,7 +522,9 @@ class BatchEngine:
                 proposing = time.perf_counter() - began  # one row's: read below only when alone
             else:
                 proposal = Proposal.empty()
-            plans.append((proposal.draft_ids[:k].to(torch.int64), proposal.draft_probs))
+            drafts = proposal.draft_ids[:k].to(torch.int64)
+            usable = drafts_in_vocab(drafts, self.runtime.vocab_size)  # a bad id failed every row (found in review)
+            plans.append((drafts[:usable], None if proposal.draft_probs is None else proposal.draft_probs[:usable]))
         width = 1 + max(d.numel() for d, _ in plans)
         inputs = torch.empty(len(rows), width, dtype=torch.int64)
         for i, (sequence, (drafts, _)) in enumerate(zip(rows, plans)):
