@@ -35,21 +35,22 @@ peers: install
 bench: install
 	$(BIN)/specdecode bench --methods none,ngram,hf --out results/bench.json
 
-# The shipped EAGLE head: the target's answers to all 1,984 training prompts (greedy plus one
-# sampled row each, 16 rows decoded together), 60k tokens of the standard library, and 75
-# minutes of bf16 mixed-precision training from scratch. Resumable at every stage; the
-# manifest records this run's wall time (a resumed run's, not the stages before it).
+# The shipped EAGLE head: the target's answers to all 2,884 training prompts (greedy plus one
+# sampled row each, 16 rows decoded together; the answers `make suffix-store` indexes), 60k
+# tokens of the standard library, and 75 minutes of bf16 mixed-precision training from
+# scratch. Resumable at every stage; the manifest records this run's wall time (a resumed
+# run's, not the stages before it).
 EAGLE_MINUTES ?= 75
 eagle-head: install
 	start=$$(date +%s) && \
-	$(BIN)/specdecode train data --out data/train --prompts 1984 --batch 16 --corpus-tokens 1000000 && \
+	$(BIN)/specdecode train data --out data/train --batch 16 --corpus-tokens 1000000 && \
 	$(BIN)/specdecode train eagle --data data/train --out data/eagle --minutes $(EAGLE_MINUTES) --corpus-tokens 60000 --bf16 && \
 	$(BIN)/python scripts/ship_head.py data/eagle --data data/train --command "make eagle-head" \
 		--wall-time "$$(( ($$(date +%s) - start) / 60 )) min for make eagle-head on $$(nproc) cores of $$(uname -m), $$(date -u +%F)"
 
 # The shipped Medusa heads: the target's answers to the first 1,000 training prompts (greedy
 # plus one sampled row each; training reads every answer in data/train, so after
-# `make eagle-head` all 1,984 prompts'), 100k tokens of the standard library, and 20 minutes
+# `make eagle-head` or `make suffix-store` all 2,884 prompts'), 100k tokens of the standard library, and 20 minutes
 # of training the heads' blocks. Resumable at every stage.
 MEDUSA_MINUTES ?= 20
 medusa-heads: install
@@ -60,7 +61,7 @@ medusa-heads: install
 		--wall-time "$$(( ($$(date +%s) - start) / 60 )) min for make medusa-heads on $$(nproc) cores of $$(uname -m), $$(date -u +%F)"
 
 # The shipped token store for --method suffix: the target's answers to all 2,884 training
-# prompts (greedy plus one sampled row each; resumes the answers `make eagle-head` made),
+# prompts (greedy plus one sampled row each; the answers `make eagle-head` trains on),
 # indexed when it loads. Nothing is trained.
 suffix-store: install
 	$(BIN)/specdecode train data --out data/train --batch 16 --corpus-tokens 1000000 && \
