@@ -1178,3 +1178,29 @@ def test_cli_route_keeps_what_another_process_learnt_meanwhile(tiny_text_model_d
     assert code == 0
     records = Router().load(path).records
     assert "elsewhere/ngram" in records and len(records) == 2, records
+
+
+def test_tree_budget_probes_across_short_requests():
+    """Found in review: the probe countdown restarted with every request, and the prior rate
+    moves only after a request observed a step, so once it said "plain" no request shorter
+    than the probe interval ever drafted again. The count now runs across requests, and a
+    probe whose tree came back empty stays due."""
+    policy = TreeBudget(CostModel(synthetic_profile(), "ngram"), k_max=3, prior_rate=1.0)
+    policy.base_probe_interval = policy.probe_interval = 20
+    probes = 0
+    for _ in range(5):  # requests of 8 steps each, shorter than the interval
+        policy.start()
+        for _ in range(8):
+            if policy.choose(100):
+                probes += 1
+                kept = policy.trim(chain_proposal([0.95, 0.9, 0.85], passes=1), 100, passes=1)
+                policy.observe(kept.tree.size, kept.tree.size)
+            else:
+                policy.observe(0, 0)
+    assert probes >= 1 and policy.prior_rate > 1.0
+    empty = TreeBudget(CostModel(synthetic_profile(), "ngram"), k_max=3, prior_rate=0.5)
+    empty.base_probe_interval = empty.probe_interval = 2
+    assert [empty.choose(100) for _ in range(3)] == [0, 0, 3]
+    empty.trim(TreeProposal(Tree.chain(torch.tensor([], dtype=torch.int64)), confidence=torch.tensor([])), 100, 1)
+    empty.observe(0, 0)
+    assert empty.choose(100) == 3  # the probe that drafted nothing is tried again at once

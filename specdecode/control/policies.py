@@ -472,7 +472,8 @@ class TreeBudget(MeasuresDraftCost):
     step. Whether to draft at all is decided before drafting, from the decayed mean of the
     best rate recent trees offered (seeded by the chain rate the calibrated acceptance
     predicts): below 1 + margin the policy decodes plainly and probes with a full tree now
-    and then, spaced like ``CostAwareK``'s probes. The budget handed to the drafter (which
+    and then, spaced like ``CostAwareK``'s probes (counted across requests, so a run of
+    short requests still probes). The budget handed to the drafter (which
     bounds its tree's depth, hence its passes) is the last step's best n plus headroom, so a
     run of confident drafts grows the tree step by step. Each request starts from the prior
     rate moved halfway to the rate the last request ended at, so a workload where trees
@@ -500,6 +501,11 @@ class TreeBudget(MeasuresDraftCost):
         probe_cost = max(self._v_table(256)[k_max] - 1.0, 0.0) + min(k_max, 8) * self._c
         self.base_probe_interval = min(max(8, math.ceil(probe_cost / probe_budget)), max_probe_interval)
         self.max_probe_interval = max_probe_interval
+        # the probe countdown runs across requests: reset at each, requests shorter than the
+        # interval never probed, so once the prior rate said "plain" nothing could move it
+        # again (found in review)
+        self.plain_steps = 0
+        self.probe_interval = self.base_probe_interval
         self.observed = 0  # steps the current request has observed
         self.start()
 
@@ -510,8 +516,6 @@ class TreeBudget(MeasuresDraftCost):
         self.scale_counts = [1.0, 1.0]  # [accepted, predicted]: s starts at 1, weakly
         self.rate_counts = [self.prior_rate * self.prior_strength, self.prior_strength]
         self.last_best = max(2, self.k_max // 2)
-        self.plain_steps = 0
-        self.probe_interval = self.base_probe_interval
         self.probing = False
         self.context = 0
         # the last trim: (every node's confidence, P(n) of the nodes kept, head passes)
@@ -582,6 +586,8 @@ class TreeBudget(MeasuresDraftCost):
         confidence, predicted, passes = self.last_step
         self.last_step = (None, None, 0)
         if drafted <= 0 and confidence is None:
+            if self.probing:  # the probe drafted nothing: it stays due (as CostAwareK's)
+                self.plain_steps = self.probe_interval + 1
             return
         self.observed += 1
         self.kept_sizes.append(drafted)
