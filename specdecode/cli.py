@@ -367,7 +367,7 @@ def cmd_generate(args) -> int:
     _check_drafter_flags(args, [args.method])
     _check_k_flags(args, [args.method])
     configured = _spec_config(args, args.method)
-    state_path = router_state_path(args.model)
+    state_path = router_state_path(args.model, _engine_config(args))
     if args.route:
         # saved now, whether or not the request speculates: the per-task request count is
         # what brings a task routed to plain decoding back to speculation every retry_every

@@ -80,6 +80,15 @@ def test_speedup_and_best_k_hand_values():
 
 
 # -- cost profile --------------------------------------------------------------------
+def cli_state_path(model_dir, dtype: str = "fp32"):
+    """The router state `generate --route --dtype DTYPE` keeps for ``model_dir`` (other flags
+    at their defaults)."""
+    from specdecode.config import EngineConfig
+    from specdecode.control.router import router_state_path
+
+    return router_state_path(str(model_dir), EngineConfig(model=str(model_dir), dtype=dtype, chat_template=False))
+
+
 def synthetic_profile(c: float = 0.05) -> CostProfile:
     return CostProfile("m", "fp32", "cpu", 2, contexts=[100, 300], sizes=[1, 2, 4],
                        step_ms=[[10, 12, 16], [20, 22, 30]], drafters={"ngram": c})
@@ -485,7 +494,7 @@ def test_cli_route_retries_a_task_sent_to_plain_decoding(tiny_text_model_dir, ca
 
     prompt = "What is the capital of France?"
     Router(records={f"{classify(prompt)}/ngram": TaskRecord(alpha=0.05, speedup=0.6, weight=5.0)}).save(
-        router_state_path(str(tiny_text_model_dir)))
+        cli_state_path(tiny_text_model_dir))
     methods = []
     for _ in range(Router().retry_every + 1):
         code = cli.main(["generate", prompt, "--route", "--method", "ngram", "--model", str(tiny_text_model_dir),
@@ -521,7 +530,7 @@ def test_an_unreadable_router_state_never_stops_a_request(tiny_text_model_dir, c
     from specdecode import cli
     from specdecode.control.router import router_state_path
 
-    path = router_state_path(str(tiny_text_model_dir))
+    path = cli_state_path(tiny_text_model_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(content)
     code = cli.main(["generate", "What is the capital of France?", "--route", "--method", "ngram", "--model",
@@ -537,6 +546,8 @@ def test_an_unreadable_router_state_never_stops_a_request(tiny_text_model_dir, c
     from specdecode.models.loading import default_gguf_path  # and by its GGUF's own path (found in review)
 
     assert router_state_path(str(default_gguf_path())) == router_state_path("default")
+    # and by how it runs: speedups measured in one dtype say nothing of another (found in review)
+    assert cli_state_path(tiny_text_model_dir, "bf16") != path != router_state_path(str(tiny_text_model_dir))
 
 
 # -- kernel threads for a server's decode passes (control.threads) --------------------------
@@ -831,13 +842,13 @@ def test_cli_route_learns_nothing_from_a_request_that_drafted_nothing(tiny_text_
     from specdecode.control.router import Router, router_state_path
 
     monkeypatch.setattr(router_module, "MIN_OBSERVED_TOKENS", 0)  # the guard on drafts alone, not on length
-    router_state_path(str(tiny_text_model_dir)).unlink(missing_ok=True)  # what other tests taught this model
+    cli_state_path(tiny_text_model_dir).unlink(missing_ok=True)  # what other tests taught this model
 
     code = cli.main(["generate", "What is the capital of France?", "--route", "--method", "ngram", "--model",
                      str(tiny_text_model_dir), "--dtype", "fp32", "--no-chat-template", "--max-new-tokens", "1",
                      "--json"])
     assert code == 0 and json_module.loads(capsys.readouterr().out)["stats"]["draft_tokens"] == 0
-    assert Router().load(router_state_path(str(tiny_text_model_dir))).records == {}
+    assert Router().load(cli_state_path(tiny_text_model_dir)).records == {}
 
 
 @pytest.mark.parametrize("content", [b"\xff\xfe", b"[1, 2]", b"null", b'{"version": 1, "step_ms": [1]}'])
@@ -1153,11 +1164,11 @@ def test_cli_route_keeps_what_another_process_learnt_meanwhile(tiny_text_model_d
 
     from specdecode import cli
     from specdecode.control import router as router_module
-    from specdecode.control.router import Router, router_state_path
+    from specdecode.control.router import Router
     from specdecode.engine import SpeculativeEngine
 
     monkeypatch.setattr(router_module, "MIN_OBSERVED_TOKENS", 0)
-    path = router_state_path(str(tiny_text_model_dir))
+    path = cli_state_path(tiny_text_model_dir)
     path.unlink(missing_ok=True)
     generate = SpeculativeEngine.generate
 

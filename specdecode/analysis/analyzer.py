@@ -230,7 +230,7 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
         "records": records,
     }
     write_reports(result, out_dir)
-    learn(records, drafter_names, args.model)
+    learn(records, drafter_names, args.model, engine_config)
     return result
 
 
@@ -254,8 +254,9 @@ def add_predicted_sweep(sweeps: dict, table: list[dict]) -> None:
                         entry[m]["predicted_vs_best_fixed"] = predicted[(temperature, m, category)] / fixed[best] - 1.0
 
 
-def learn(records: list[dict], drafter_names: dict[str, str], model: str = "default") -> None:
-    """Hand what was measured to ``model``'s router, so later requests start from it."""
+def learn(records: list[dict], drafter_names: dict[str, str], model: str = "default", engine_config=None) -> None:
+    """Hand what was measured to ``model``'s router (run as ``engine_config`` says), so later
+    requests start from it."""
     from ..control.router import router_state_path, update_saved
 
     from ..factory import log
@@ -268,7 +269,7 @@ def learn(records: list[dict], drafter_names: dict[str, str], model: str = "defa
                 router.observe(r["task"], drafter_names[r["method"]], r["first_alpha"], r["decode_speedup"],
                                r["new_tokens"])
 
-    update_saved(router_state_path(model), observe_all, warn=log)
+    update_saved(router_state_path(model, engine_config), observe_all, warn=log)
 
 
 # -- reports --------------------------------------------------------------------------

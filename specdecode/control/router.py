@@ -240,10 +240,15 @@ class Router:
         return self
 
 
-def router_state_path(model: str = "default") -> Path:
+def router_state_path(model: str = "default", engine_config=None) -> Path:
     """Where the CLI keeps per-task measurements between requests, one file per model (a
     drafter's acceptance and speedup on one target say nothing about another's), keyed by
-    the checkpoint the name resolves to (its aliases and relative paths share one file)."""
+    the checkpoint the name resolves to (its aliases and relative paths share one file)
+    and, given ``engine_config``, by how it runs on this machine (dtype, weight format,
+    backend, device, threads, CPU): the speedups a task is turned off by are the cost
+    profile's facts, so they are keyed as it is (found in review: a task turned off under
+    fp32, or on another machine sharing the cache, stayed off under bf16 here)."""
+    from ..cost.profile import machine_id
     from ..models.loading import DEFAULT_MODEL_NAMES, cache_dir, default_gguf_path
 
     identity = "default" if model in DEFAULT_MODEL_NAMES else str(Path(model).expanduser().resolve())
@@ -252,6 +257,10 @@ def router_state_path(model: str = "default") -> Path:
             identity = "default"
     except SpecDecodeError:  # the package that holds it is missing: then it is not this one
         pass
+    if engine_config is not None:
+        c = engine_config
+        identity += (f"|{c.dtype}|{c.weights}|{c.backend}|{c.device}|exact {c.exact}|threads {c.num_threads}|"
+                     f"chunk {c.prefill_chunk}|{machine_id()}")
     return cache_dir() / f"router-state-{hashlib.sha1(identity.encode()).hexdigest()[:12]}.json"
 
 
