@@ -776,3 +776,29 @@ def test_bench_serve_sends_a_prompts_system_message():
     asyncio.run(go())
     assert sent[0]["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert sent[1]["messages"] == [{"role": "user", "content": "Hello"}] and sent[1]["speculative"] == {"enabled": False}
+
+
+def test_a_labelled_request_is_routed_by_its_label(served):
+    """Found in review: the router classified the prompt and gated on that task's record,
+    while the request's outcome was learnt under its ``task_type``, so a labelled task
+    whose speculation lost was never turned off. A label's losing record now sends its
+    requests to plain decoding (but for the periodic retry)."""
+    from specdecode.control.router import TaskRecord, classify
+
+    client, state, _ = served
+    router = state.speculation.router
+    drafter = state.speculation.drafters["ngram"][2]
+    prompt = "What is the capital of France?"
+    assert classify(prompt) != "creative"
+    saved_records, saved_requests = dict(router.records), dict(router.requests)
+    router.records[f"creative/{drafter}"] = TaskRecord(alpha=0.02, speedup=0.5, weight=5.0)
+    try:
+        methods = []
+        for _ in range(3):
+            response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0,
+                                                             "task_type": "creative"})
+            assert response.status_code == 200, response.text
+            methods.append(response.json()["speculative"]["method"])
+        assert methods.count("none") >= 2, methods
+    finally:
+        router.records, router.requests = saved_records, saved_requests

@@ -165,10 +165,14 @@ class Router:
             return record.alpha
         return DEFAULT_PRIORS.get(drafter, {}).get(task)
 
-    def route(self, prompt: str, method: str = "ngram", drafter: str = "ngram") -> Route:
+    def route(self, prompt: str, method: str = "ngram", drafter: str = "ngram", task: str | None = None) -> Route:
         """Method and prior for ``prompt``. ``method``/``drafter``: the configured
-        speculative method and its drafter's name; ``methods`` may override per task."""
-        task = classify(prompt)
+        speculative method and its drafter's name; ``methods`` may override per task.
+        ``task``: the caller's label for the prompt (a server request's ``task_type``),
+        else the prompt is classified: the task routed on is the one its outcome is
+        recorded under (found in review: a labelled task was routed by its classification
+        and learnt under its label, so one that lost was never turned off)."""
+        task = task or classify(prompt)
         if method == "none" and task not in self.methods:  # the caller's choice, not this task type's
             return Route(task, "none", None, f"{task}: method none was asked for; nothing to route")
         method = self.methods.get(task, method)

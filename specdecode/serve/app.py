@@ -401,7 +401,7 @@ class SpeculationChoices:
         task, prior = task_type or "unknown", None
         if self.router is not None and prompt_text:
             with self.lock:  # the router classifies the prompt (its task label) and may turn speculation off
-                route = self.router.route(prompt_text, method, drafter)
+                route = self.router.route(prompt_text, method, drafter, task=task_type)
             task = task_type or route.task
             prior = self.router.prior(task, drafter)
             if route.method == "none" and (options is None or options.method is None):
