@@ -99,6 +99,7 @@ def test_profile_interpolates_over_sizes_and_contexts():
     assert profile.time_ms(3, 100) == pytest.approx(14)
     assert profile.time_ms(3, 200) == pytest.approx(20)  # halfway between 14 and 26
     assert profile.time_ms(1, 50) == 10  # clamped below the first context
+    assert profile.time_ms(1, 500) == pytest.approx(30)  # beyond the last: along its slope (was held at 20)
     assert profile.v(2, 200) == pytest.approx(20 / 15)
     assert profile.time_ms(6, 100) == pytest.approx(20)  # last slope (2 ms/token) extended
     with pytest.raises(KeyError, match="no cost for drafter 'draft:x'"):

@@ -130,12 +130,18 @@ class CostProfile:
 
     # -- lookups --------------------------------------------------------------------
     def _at_context(self, row_values, context: int) -> float:
-        """Linear interpolation over context length, clamped at the measured ends."""
+        """Linear interpolation over context length; below the shortest context measured,
+        its value; beyond the longest, extended along the last segment's slope (never
+        downwards): a step reads every cached key and value, so it keeps growing with the
+        context (found in review: held at the longest measured context, 4,000 of the
+        default model's 8,192, plain steps there were priced too cheap)."""
         contexts = self.contexts
         if context <= contexts[0] or len(contexts) == 1:
             return row_values(0)
         if context >= contexts[-1]:
-            return row_values(len(contexts) - 1)
+            last, before = row_values(len(contexts) - 1), row_values(len(contexts) - 2)
+            slope = max(last - before, 0.0) / (contexts[-1] - contexts[-2])
+            return last + slope * (context - contexts[-1])
         right = bisect.bisect_left(contexts, context)
         left = right - 1
         share = (context - contexts[left]) / (contexts[right] - contexts[left])
