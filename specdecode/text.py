@@ -48,6 +48,7 @@ class TextTracker:
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self.stop_reason: str | None = None  # the stop string that ended the text (vLLM's stop_reason)
         self.prefix_offset = 0  # tokens before it are never decoded again
         self.read_offset = len(self.token_ids)  # tokens before it have produced their text
 
@@ -72,7 +73,7 @@ class TextTracker:
         if self.tokenizer is None or self.stopped:
             return self.stopped
         if token_id in self.special_stops:
-            self.stopped = True
+            self.stopped, self.stop_reason = True, self.special_stops[token_id]
             return True
         return self._append(self._read())
 
@@ -105,9 +106,10 @@ class TextTracker:
             return False
         search_from = max(0, len(self.text) - self.longest_stop + 1)
         self.text += piece
-        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        hits = [(i, stop) for stop in self.stop if (i := self.text.find(stop, search_from)) >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, self.stop_reason = min(hits, key=lambda hit: hit[0])  # the earliest; a tie, the first listed
+            self.text = self.text[:at]
             self.stopped = True
         return self.stopped
 

@@ -78,6 +78,14 @@ def test_streaming_with_usage_and_stop_strings(served):
     assert text == expected
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+    # vLLM's stop_reason: the stop string on the last choice chunk, null before it and
+    # where the budget ended the text (found in review: absent)
+    reasons = [c.choices[0].model_extra.get("stop_reason", "absent") for c in chunks if c.choices]
+    assert reasons[-1] == stop and set(reasons[:-1]) <= {None}, reasons
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "stop": ["@never@", stop]}
+    assert client.post("/v1/completions", json=body).json()["choices"][0]["stop_reason"] == stop
+    assert client.post("/v1/completions", json={**body, "stop": None, "max_tokens": 3}).json()["choices"][0][
+        "stop_reason"] is None
     raw = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True,
                                                "stream_options": {"include_usage": True}}).text
     events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]

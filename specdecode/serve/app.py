@@ -487,6 +487,13 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     return f"{field}: {first.get('msg', 'invalid value')}", field if path else None
 
 
+def stop_reason(sequence: Sequence) -> str | None:
+    """vLLM's ``stop_reason``: the stop string that ended a choice; None where it ended at
+    EOS or its token budget (or before it finished)."""
+    tracker = getattr(sequence, "tracker", None)
+    return tracker.stop_reason if sequence.finish_reason == "stop" and tracker is not None else None
+
+
 def usage(sequences: list[Sequence]) -> dict:
     """OpenAI's usage for one request: the prompt once, every choice's completion (an EOS
     that ended it included, as vLLM counts); cached tokens as the first choice's (the others
@@ -682,11 +689,12 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
         if chat:
             body.update(object="chat.completion", choices=[
                 {"index": i, "message": {"role": "assistant", "content": "".join(text)}, "logprobs": None,
-                 "finish_reason": s.finish_reason} for i, (s, text) in enumerate(zip(sequences, texts))])
+                 "finish_reason": s.finish_reason, "stop_reason": stop_reason(s)}
+                for i, (s, text) in enumerate(zip(sequences, texts))])
         else:
             body.update(object="text_completion", choices=[
-                {"index": i, "text": "".join(text), "logprobs": None, "finish_reason": s.finish_reason}
-                for i, (s, text) in enumerate(zip(sequences, texts))])
+                {"index": i, "text": "".join(text), "logprobs": None, "finish_reason": s.finish_reason,
+                 "stop_reason": stop_reason(s)} for i, (s, text) in enumerate(zip(sequences, texts))])
         return JSONResponse(body)
 
     async def stream(sequences: list[Sequence], queue: asyncio.Queue, request_id: str, chat: bool,
@@ -697,14 +705,17 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
         announced: set[int] = set()  # chat choices whose first chunk (with the role) went out
 
         def chunk(index: int, text: str | None, finish: str | None) -> dict:
+            reason = stop_reason(sequences[index]) if finish is not None else None
             if chat:
                 delta = {} if text is None else {"content": text}
                 if index not in announced:  # the role rides with the choice's first output, as in vLLM:
                     announced.add(index)    # a client timing its first token reads that chunk
                     delta = {"role": "assistant", "content": text or ""}
-                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish,
+                          "stop_reason": reason}
             else:
-                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish,
+                          "stop_reason": reason}
             body = {"id": request_id, "object": kind, "created": created, "model": state.model_name, "choices": [choice]}
             if include_usage:  # OpenAI: every chunk but the last carries "usage": null
                 body["usage"] = None
