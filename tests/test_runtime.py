@@ -271,3 +271,28 @@ def test_a_longrope_model_past_its_original_context_and_a_stored_head_unlike_a_t
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()  # stored, and equal: fine
     save_file(tensors, str(tied / "model.safetensors"), metadata={"format": "pt"})
     load_native(tied, torch.float32)
+
+
+def test_the_transformers_runtime_refuses_a_checkpoint_that_does_not_match_its_config(tmp_path):
+    """Found in review: transformers initialises a missing tensor at random and drops an
+    unexpected one (a line on stderr), so `--runtime hf` loaded a checkpoint whose config
+    had lost its attention bias and computed logits 6.9 off. Both are refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    from specdecode.factory import load_model
+    from specdecode.models.loading import ModelNotFoundError
+
+    path = save_tiny_model(tmp_path / "missing")
+    load_model(str(path), torch.float32, "hf")  # the whole checkpoint loads
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelNotFoundError, match=r"missing keys: model\.layers\.1\.mlp\.down_proj\.weight"):
+        load_model(str(path), torch.float32, "hf")
+    path = save_tiny_model(tmp_path / "extra")
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(tensors["model.norm.weight"].shape)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    assert json.loads((path / "config.json").read_text()).get("attention_bias") in (None, False)
+    with pytest.raises(ModelNotFoundError, match=r"unexpected keys: model\.layers\.0\.self_attn\.o_proj\.bias"):
+        load_model(str(path), torch.float32, "hf")

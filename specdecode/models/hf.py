@@ -77,8 +77,18 @@ def load_hf(model_dir, dtype: torch.dtype, device: str = "cpu") -> HFRuntime:
     from .loading import ModelNotFoundError
 
     try:  # found in review: a config.json without a known model_type ended in a ValueError traceback
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, output_loading_info=True)
     except Exception as error:  # transformers' errors name the problem; the traceback does not help
         raise ModelNotFoundError(f"model {str(model_dir)!r}: transformers cannot load it "
                                  f"({type(error).__name__}: {str(error)[:300]})") from None
+    # transformers initialises a missing tensor at random and drops an unexpected one, with a
+    # line on stderr: the logits are then wrong (found in review: a checkpoint whose config
+    # had lost its attention bias loaded and differed by 6.9 in a logit). Refused by name.
+    problems = {what: sorted(str(key) for key in info.get(what) or ())
+                for what in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    problems = {what: keys for what, keys in problems.items() if keys}
+    if problems:
+        named = "; ".join(f"{what.replace('_', ' ')}: {', '.join(keys[:4])}" + (f" (+{len(keys) - 4} more)" if len(keys) > 4 else "")
+                          for what, keys in problems.items())
+        raise ModelNotFoundError(f"model {str(model_dir)!r}: its checkpoint does not match its config ({named})")
     return HFRuntime(model.to(device))
