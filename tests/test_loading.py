@@ -352,3 +352,13 @@ def test_the_checkpoints_own_safetensors_files_are_read_and_a_tensor_twice_is_re
     (stray / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(SpecDecodeError, match="names part-3.safetensors"):
         load_native(stray, torch.float32)
+
+
+def test_a_cache_that_cannot_be_written_is_named_before_a_conversion(monkeypatch, tmp_path):
+    """Found in review: a GGUF converted into a cache that cannot be written ended in a
+    NotADirectoryError traceback, after transformers had de-quantized the whole model."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "a-file" / "cache"))
+    (tmp_path / "model.gguf").write_bytes(b"not read: the cache is checked first")
+    with pytest.raises(loading.SpecDecodeError, match="cannot write the model cache .*SPECDECODE_CACHE"):
+        resolve_model(str(tmp_path / "model.gguf"))

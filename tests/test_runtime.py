@@ -296,3 +296,16 @@ def test_the_transformers_runtime_refuses_a_checkpoint_that_does_not_match_its_c
     assert json.loads((path / "config.json").read_text()).get("attention_bias") in (None, False)
     with pytest.raises(ModelNotFoundError, match=r"unexpected keys: model\.layers\.0\.self_attn\.o_proj\.bias"):
         load_model(str(path), torch.float32, "hf")
+
+
+def test_a_checkpoint_tensor_that_is_not_floating_point_is_refused(tmp_path):
+    """Found in review: an int8 (or fp8) tensor under an ordinary name was cast to the
+    runtime's dtype and loaded."""
+    from safetensors.torch import load_file, save_file
+
+    path = save_tiny_model(tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int8)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(SpecDecodeError, match="'model.norm.weight' is stored as I8"):
+        load_native(path, torch.float32)

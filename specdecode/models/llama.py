@@ -159,6 +159,7 @@ class LlamaLayer(nn.Module):
 
 # checkpoint entries that are buffers, not parameters: nothing to load
 IGNORED_TENSORS = ("rotary_emb.inv_freq",)
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}  # safetensors' names of the dtypes a checkpoint may hold
 
 
 class LlamaWeights(nn.Module):
@@ -306,7 +307,12 @@ class _CheckpointReader:
     def tensor(self, name: str) -> torch.Tensor:
         if name not in self.handles:
             raise SpecDecodeError(f"checkpoint lacks parameter {name!r}")
-        self.check_shape(name, tuple(self.handles[name].get_slice(name).get_shape()))
+        view = self.handles[name].get_slice(name)
+        self.check_shape(name, tuple(view.get_shape()))
+        if view.get_dtype() not in FLOAT_DTYPES:  # found in review: an int8 or fp8 tensor was cast silently
+            raise SpecDecodeError(f"checkpoint parameter {name!r} is stored as {view.get_dtype()}; this loader reads "
+                                  f"floating-point checkpoints ({', '.join(sorted(FLOAT_DTYPES))}): a quantized one "
+                                  "needs its own format (a GGUF, or --weights int8/int4 at load)")
         self.consumed.add(name)
         try:
             return self.handles[name].get_tensor(name)

@@ -327,6 +327,13 @@ def _convert_gguf(gguf_path: Path, source_sha: str, target: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    try:  # before transformers de-quantizes the whole model (found in review: a traceback after it)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=target.parent))
+    except OSError as error:
+        raise SpecDecodeError(f"cannot write the model cache {target.parent} ({error.strerror or error}), where "
+                              f"{gguf_path.name} is converted once: set SPECDECODE_CACHE (or XDG_CACHE_HOME) to a "
+                              "writable directory") from None
     print(
         f"specdecode: converting {gguf_path.name} to safetensors in {target} (once)",
         file=sys.stderr,
