@@ -1039,8 +1039,16 @@ def test_weights_auto_leaves_out_a_format_the_file_cannot_take(tmp_path, monkeyp
 
     monkeypatch.setattr(formats, "step_ms", lambda runtimes: {name: 2.0 + len(name) for name in runtimes})
     assert formats.fastest_weights("mixed", torch.float32, ["q4_1", "q8_0", "bf16"], load) == "q8_0"
-    with pytest.raises(Exception, match="none of the weight formats"):
+    # every format refused for one reason: that reason is the error (found in review: "none
+    # of the weight formats loads this model", the cause on stderr only)
+    with pytest.raises(ConfigError, match="^only layers of one format can be fused$"):
         formats.fastest_weights("mixed-2", torch.float32, ["q4_1"], load)
+
+    def refuse(fmt):
+        raise ConfigError(f"{fmt} says no")
+
+    with pytest.raises(Exception, match="none of the weight formats .*q4_1: q4_1 says no; q8_0: q8_0 says no"):
+        formats.fastest_weights("mixed-3", torch.float32, ["q4_1", "q8_0"], refuse)
 
 
 def test_cost_caches_that_cannot_be_written_leave_the_run_going(tmp_path, monkeypatch, capsys):

@@ -95,7 +95,7 @@ def fastest_weights(model_key: str, dtype: torch.dtype, candidates: list[str], l
             pass  # a corrupt record is measured again
     print(f"specdecode: measuring which weight format decodes fastest here ({', '.join(candidates)}; once, cached)",
           file=sys.stderr, flush=True)
-    models, timings, together = {}, {}, True
+    models, timings, together, refusals = {}, {}, True, {}
     for fmt in candidates:  # a format this file cannot take is left out, not the end of the run
         if models and together and not _fits_beside(models, candidates):
             # a large model: every candidate at once would not fit in memory (a 7B in bf16,
@@ -107,6 +107,7 @@ def fastest_weights(model_key: str, dtype: torch.dtype, candidates: list[str], l
             models[fmt] = load(fmt)
         except SpecDecodeError as error:  # e.g. a GGUF mixing block types in one fused projection
             print(f"specdecode: {fmt} left out: {error}", file=sys.stderr, flush=True)
+            refusals[fmt] = error
             continue
         if not together:
             timings.update(step_ms(models))
@@ -115,7 +116,11 @@ def fastest_weights(model_key: str, dtype: torch.dtype, candidates: list[str], l
         timings.update(step_ms(models))
     models.clear()
     if not timings:
-        raise SpecDecodeError(f"none of the weight formats {candidates} loads this model")
+        reasons = {str(error) for error in refusals.values()}
+        if len(reasons) == 1:  # the model itself, not a format (found in review: only the stderr lines said why)
+            raise next(iter(refusals.values()))
+        raise SpecDecodeError(f"none of the weight formats {candidates} loads this model: "
+                              + "; ".join(f"{fmt}: {error}" for fmt, error in refusals.items()))
     best = min(timings, key=timings.get)
     summary = ", ".join(f"{fmt} {ms:.1f} ms" for fmt, ms in timings.items())
     print(f"specdecode: single-token step {summary} -> {best}", file=sys.stderr, flush=True)
