@@ -309,3 +309,16 @@ def test_a_checkpoint_tensor_that_is_not_floating_point_is_refused(tmp_path):
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(SpecDecodeError, match="'model.norm.weight' is stored as I8"):
         load_native(path, torch.float32)
+
+
+def test_a_mistral_config_without_a_window_key_has_transformers_window(tmp_path):
+    """transformers reads a Mistral config without `sliding_window` as a 4,096-token window;
+    the native runtime loaded it as full attention (found in review), so the two parted
+    beyond 4,096 tokens. It is refused as any window is; an explicit null still loads."""
+    path = save_tiny_model(tmp_path / "mistral", "mistral", seed=4)
+    load_native(path, torch.float32)  # "sliding_window": null
+    config = json.loads((path / "config.json").read_text())
+    del config["sliding_window"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecDecodeError, match=r"sliding attention window \(4096\)"):
+        load_native(path, torch.float32)

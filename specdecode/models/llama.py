@@ -76,7 +76,9 @@ class LlamaConfig:
         if config.get("mlp_bias"):
             raise SpecDecodeError("mlp_bias=True (biases on the MLP projections) is not supported by the native "
                                   "runtime; use --runtime hf")
-        window = config.get("sliding_window")
+        # transformers' MistralConfig reads an absent key as a 4,096-token window (found in
+        # review: loaded here as full attention, the runtimes parted beyond 4,096 tokens)
+        window = config.get("sliding_window", 4096 if model_type == "mistral" else None)
         if window and config.get("use_sliding_window", model_type == "mistral"):
             raise SpecDecodeError(
                 f"{model_type} with a sliding attention window ({window}) is not supported by the "
