@@ -161,6 +161,10 @@ def check_vocabularies(target: LoadedModel, draft: LoadedModel) -> None:
                 f"vocabulary mismatch: target {target.source.name!r} and draft "
                 f"{draft.source.name!r} map tokens to different ids"
             )
+    elif target.tokenizer is not None:  # lossless all the same, but its drafts may mean other tokens
+        log(f"draft {draft.source.name!r} has no tokenizer files: only its vocabulary size ({draft.runtime.vocab_size}) "
+            "could be checked against the target's; if it was trained with another tokenizer, its drafts will "
+            "rarely be accepted")
 
 
 def build_proposer(spec: SpeculativeConfig, target: LoadedModel, engine: EngineConfig):

@@ -236,6 +236,15 @@ def test_vocabulary_mismatch_is_refused(tmp_path, tiny_llama_dir):
         build_proposer(spec, target, EngineConfig(dtype="fp32"))
 
 
+def test_a_draft_without_a_tokenizer_beside_a_target_with_one_is_named(tmp_path, tiny_text_model_dir, capsys):
+    """Found in review: only the vocabulary sizes were compared, without a word, when the
+    draft had no tokenizer files to compare with the target's."""
+    target = load_model(tiny_text_model_dir, torch.float32)
+    bare = save_tiny_model(tmp_path / "bare", seed=2)
+    build_proposer(SpeculativeConfig(method="draft", draft=str(bare)), target, EngineConfig(dtype="fp32"))
+    assert "has no tokenizer files: only its vocabulary size (97) could be checked" in capsys.readouterr().err
+
+
 def test_k_below_one_is_refused(tiny_llama_dir):
     with pytest.raises(ConfigError, match=r"k \(draft tokens per step\) must be 'auto' or an integer >= 1, got 0"):
         SpeculativeConfig(method="ngram", k=0)
