@@ -322,7 +322,13 @@ def drafter_key(spec: SpeculativeConfig) -> str:
     if spec.method == "suffix":
         mark = _fingerprint_mark(Path(spec.draft or DEFAULT_TOKEN_STORE) / "tokens.safetensors")
         return f"suffix:{spec.draft or 'default'}{mark}{mark_sizes}"
-    return f"ngram{mark_sizes}" if spec.method == "ngram" else f"draft:{spec.draft}"
+    if spec.method == "ngram":
+        return f"ngram{mark_sizes}"
+    path = Path(spec.draft or "").expanduser()
+    if spec.draft and path.exists():  # a draft model's files: one key by any path, a new one when they change
+        weights = path if path.is_file() else next(iter(sorted(path.glob("*.safetensors"))), path / "model.safetensors")
+        return f"draft:{path.resolve()}{_fingerprint_mark(weights)}"
+    return f"draft:{spec.draft}"  # self:L, or a name the loader resolves
 
 
 def model_key(model: LoadedModel) -> str:

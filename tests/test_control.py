@@ -909,6 +909,25 @@ def test_measured_costs_are_keyed_by_the_kernels_build(monkeypatch):
     assert formats._path("m", torch.float32, ["bf16"]) != before[1]
 
 
+def test_a_draft_model_has_one_key_by_any_path_and_a_new_one_when_retrained(tmp_path, monkeypatch):
+    """Found in review: a draft model was keyed by the string given, so `d`, `./d` and its
+    absolute path were calibrated three times, and a retrained draft saved over the same
+    path reused the old one's acceptance and cost."""
+    from safetensors.torch import load_file, save_file
+
+    from specdecode.factory import drafter_key
+
+    draft = save_tiny_model(tmp_path / "d", seed=1)
+    monkeypatch.chdir(tmp_path)
+    keys = {drafter_key(SpeculativeConfig(method="draft", draft=name)) for name in ("d", "./d", str(tmp_path / "d"))}
+    assert len(keys) == 1
+    tensors = load_file(draft / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1
+    save_file(tensors, draft / "model.safetensors", metadata={"format": "pt"})
+    assert drafter_key(SpeculativeConfig(method="draft", draft="d")) not in keys
+    assert drafter_key(SpeculativeConfig(method="draft", draft="self:4")) == "draft:self:4"
+
+
 def test_drafters_with_other_ngram_sizes_are_calibrated_and_priced_apart():
     """Found in review: the acceptance calibrated for prompt lookup with n-grams (3, 2, 1)
     was reused for --ngram-sizes 1 (which drafts on far more steps, and worse), because the
