@@ -263,7 +263,7 @@ class SpeculativeEngine:
             # never draft past the token budget or the context
             wanted = self.policy.choose(len(tokens)) if self.policy is not None else 0
             k = max(min(wanted, params.max_new_tokens - len(generated) - 1, capacity - len(tokens)), 0)
-            if k > 0 and self.tree_drafter:  # a tree is scored in one pass: the root and its nodes in one chunk
+            if self.tree_drafter:  # a tree is scored in one pass: the root and its nodes in one prefill chunk
                 k = min(k, getattr(self.target, "prefill_chunk", k + 1) - 1)  # (found in review: refused mid-request)
             if k > 0 and self.tree_drafter:
                 new_tokens = self._tree_step(tokens, k, params, generator, draws, stats)

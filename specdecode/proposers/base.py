@@ -58,8 +58,10 @@ def drafts_in_vocab(draft_ids: torch.Tensor, vocab_size: int) -> int:
     Such a draft (a third-party proposer's) could never be accepted, and scoring it failed
     deep in the model (found in review; the server then failed every running request)."""
     count = draft_ids.numel()
-    if count and (int(draft_ids.min()) < 0 or int(draft_ids.max()) >= vocab_size):
-        return int(((draft_ids < 0) | (draft_ids >= vocab_size)).nonzero()[0])
+    if count:
+        low, high = draft_ids.aminmax()
+        if int(low) < 0 or int(high) >= vocab_size:
+            return int(((draft_ids < 0) | (draft_ids >= vocab_size)).nonzero()[0])
     return count
 
 
