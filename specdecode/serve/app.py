@@ -400,9 +400,9 @@ class SpeculationChoices:
         make_proposer, make_policy, drafter = self.drafters[method]
         task, prior = task_type or "unknown", None
         if self.router is not None and prompt_text:
-            with self.lock:  # the router classifies the prompt (its task label) and may turn speculation off
+            with self.lock:  # the task: the request's label, else the router's classification; it may turn speculation off
                 route = self.router.route(prompt_text, method, drafter, task=task_type)
-            task = task_type or route.task
+            task = route.task
             prior = self.router.prior(task, drafter)
             if route.method == "none" and (options is None or options.method is None):
                 return Plan(False, "none", None, None, None, task)
