@@ -327,9 +327,10 @@ def _convert_gguf(gguf_path: Path, source_sha: str, target: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    try:  # before transformers de-quantizes the whole model (found in review: a traceback after it)
+    try:  # the staging folder first: a cache that cannot be written is named before transformers
+        # de-quantizes the whole model (found in review: a traceback after it)
         target.parent.mkdir(parents=True, exist_ok=True)
-        os.rmdir(tempfile.mkdtemp(prefix=".write-check-", dir=target.parent))
+        staging = Path(tempfile.mkdtemp(prefix=f".convert-{target.name}-", dir=target.parent))
     except OSError as error:
         raise SpecDecodeError(f"cannot write the model cache {target.parent} ({error.strerror or error}), where "
                               f"{gguf_path.name} is converted once: set SPECDECODE_CACHE (or XDG_CACHE_HOME) to a "
@@ -339,16 +340,13 @@ def _convert_gguf(gguf_path: Path, source_sha: str, target: Path) -> None:
         file=sys.stderr,
     )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-        )
-    except Exception as exc:  # transformers raises many types for unreadable files
-        raise ModelNotFoundError(f"model {str(gguf_path)!r}: transformers cannot read this GGUF: {exc}") from exc
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".convert-{target.name}-", dir=target.parent))
-    try:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+            )
+        except Exception as exc:  # transformers raises many types for unreadable files
+            raise ModelNotFoundError(f"model {str(gguf_path)!r}: transformers cannot read this GGUF: {exc}") from exc
         state = model.state_dict()
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
