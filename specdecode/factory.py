@@ -326,7 +326,7 @@ def drafter_key(spec: SpeculativeConfig) -> str:
         return f"ngram{mark_sizes}"
     path = Path(spec.draft or "").expanduser()
     if spec.draft and path.exists():  # a draft model's files: one key by any path, a new one when they change
-        weights = path if path.is_file() else next(iter(sorted(path.glob("*.safetensors"))), path / "model.safetensors")
+        weights = path if path.is_file() else min(path.glob("*.safetensors"), default=path / "model.safetensors")
         return f"draft:{path.resolve()}{_fingerprint_mark(weights)}"
     return f"draft:{spec.draft}"  # self:L, or a name the loader resolves
 

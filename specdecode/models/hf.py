@@ -84,11 +84,13 @@ def load_hf(model_dir, dtype: torch.dtype, device: str = "cpu") -> HFRuntime:
     # transformers initialises a missing tensor at random and drops an unexpected one, with a
     # line on stderr: the logits are then wrong (found in review: a checkpoint whose config
     # had lost its attention bias loaded and differed by 6.9 in a logit). Refused by name.
-    problems = {what: sorted(str(key) for key in info.get(what) or ())
-                for what in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-    problems = {what: keys for what, keys in problems.items() if keys}
+    problems = []
+    for what in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        keys = sorted(str(key) for key in info.get(what) or ())
+        if keys:
+            more = f" (+{len(keys) - 4} more)" if len(keys) > 4 else ""
+            problems.append(f"{what.replace('_', ' ')}: {', '.join(keys[:4])}{more}")
     if problems:
-        named = "; ".join(f"{what.replace('_', ' ')}: {', '.join(keys[:4])}" + (f" (+{len(keys) - 4} more)" if len(keys) > 4 else "")
-                          for what, keys in problems.items())
-        raise ModelNotFoundError(f"model {str(model_dir)!r}: its checkpoint does not match its config ({named})")
+        raise ModelNotFoundError(f"model {str(model_dir)!r}: its checkpoint does not match its config "
+                                 f"({'; '.join(problems)})")
     return HFRuntime(model.to(device))
