@@ -242,33 +242,57 @@ def test_check_calibration_tau_is_the_mean_accepted_length(tmp_path, monkeypatch
     assert result["acceptance_per_position"] == pytest.approx([1 / 6] * 5)
 
 
+class _StepProfile:  # scoring T tokens costs 10 ms (1 + 0.1 (T - 1)): v(k) = 1 + 0.1 k
+    def time_ms(self, tokens, context):
+        return 10.0 * (1 + 0.1 * (tokens - 1))
+
+    def v(self, k, context):
+        return 1 + 0.1 * k
+
+
+def _analyzed_record(method, question, tok_s, new_tokens):
+    """A bench record of two target passes (two drafts each, half accepted, unless plain)."""
+    return {"method": method, "question_id": question, "temperature": 0.0, "tokens_per_s": tok_s,
+            "new_tokens": new_tokens, "seconds": new_tokens / tok_s if tok_s else 0.05, "prompt_tokens": 20,
+            "prefill_seconds": 0.01, "draft_tokens": 4 * (method != "none"), "accepted_tokens": 2 * (method != "none"),
+            "target_forwards": 2, "steps_by_drafted": {"2": 2} if method != "none" else {"0": 2}, "alpha": 0.5,
+            "acceptance_per_position": [0.5, 0.5], "identical_to_plain": True, "plain_steps_share": None}
+
+
 def test_a_prompt_plain_decoding_answered_with_no_token_is_no_speedup_of_zero():
     """Found in review: where plain decoding made no token (EOS first), the speedup was 0.0
     and counted in the median: two prompts, one at 1.5x, read as 0.75x, "loses"."""
     from specdecode.analysis.analyzer import annotate, summarize_group
 
-    class Profile:
-        def time_ms(self, tokens, context):
-            return 10.0 * (1 + 0.1 * (tokens - 1))
-
-        def v(self, k, context):
-            return 1 + 0.1 * k
-
-    def record(method, question, tok_s, new_tokens):
-        return {"method": method, "question_id": question, "temperature": 0.0, "tokens_per_s": tok_s,
-                "new_tokens": new_tokens, "prompt_tokens": 20, "prefill_seconds": 0.01, "draft_tokens": 4 * (
-                    method != "none"), "accepted_tokens": 2 * (method != "none"), "target_forwards": 2,
-                "steps_by_drafted": {"2": 2} if method != "none" else {"0": 2}, "alpha": 0.5,
-                "acceptance_per_position": [0.5, 0.5], "identical_to_plain": True, "plain_steps_share": None}
-
-    records = [record("none", "a", 100.0, 10), record("ngram", "a", 150.0, 10),
-               record("none", "b", 0.0, 0), record("ngram", "b", 0.0, 0)]
-    for r in records:
-        r["seconds"] = r["new_tokens"] / r["tokens_per_s"] if r["tokens_per_s"] else 0.05
-    annotate(records, Profile(), {"ngram": 0.0})
+    records = [_analyzed_record("none", "a", 100.0, 10), _analyzed_record("ngram", "a", 150.0, 10),
+               _analyzed_record("none", "b", 0.0, 0), _analyzed_record("ngram", "b", 0.0, 0)]
+    annotate(records, _StepProfile(), {"ngram": 0.0})
     assert records[3]["speedup"] is None and records[3]["decode_speedup"] is None
-    group = summarize_group([r for r in records if r["method"] == "ngram"], Profile(), 0.0, "latency", 1)
+    group = summarize_group([r for r in records if r["method"] == "ngram"], _StepProfile(), 0.0, "latency", 1)
     assert group["measured_speedup"] == 1.5 and group["cost_verdict"].startswith("wins")
     # the router learns the decode speedup (prefill out), as from the server and generate --route:
     # plain 0.09 s of decode for 10 tokens, ngram 0.0567 s: 1.59x, where the wall clock says 1.5x
     assert records[1]["decode_speedup"] == pytest.approx((0.1 - 0.01) / (10 / 150 - 0.01))
+
+
+def test_predicted_and_measured_speedups_are_medians_over_the_same_prompts():
+    """Found in review: the predicted speedup was the median over every prompt, the measured
+    one over the timed prompts only, so the prediction error compared two sets of prompts
+    (-33% where the one timed prompt's is +18%), and a group with no timed prompt read
+    "measured 1.00x", "wins", error +0%."""
+    from specdecode.analysis.analyzer import _table_rows, annotate, summarize_group
+
+    records = [_analyzed_record("none", "a", 100.0, 10), _analyzed_record("ngram", "a", 150.0, 10)]
+    for question in ("b", "c"):  # plain answered EOS first
+        records += [_analyzed_record("none", question, 0.0, 0), _analyzed_record("ngram", question, 0.0, 0)]
+    annotate(records, _StepProfile(), {"ngram": 0.0})
+    rows = [r for r in records if r["method"] == "ngram"]
+    group = summarize_group(rows, _StepProfile(), 0.0, "latency", 1)
+    assert group["timed_prompts"] == 1
+    assert group["predicted_speedup"] == pytest.approx(rows[0]["predicted_speedup"])
+    assert group["prediction_error"] == pytest.approx(rows[0]["predicted_speedup"] / 1.5 - 1.0)
+    untimed = summarize_group(rows[1:], _StepProfile(), 0.0, "latency", 1)
+    assert untimed["measured_speedup"] is None and untimed["predicted_speedup"] is None
+    assert untimed["prediction_error"] is None and untimed["cost_verdict"].startswith("not timed")
+    untimed.update(temperature=0.0, method="ngram", category="c")
+    assert _table_rows({"categories": [untimed]})[0][8:11] == ["-", "-", "-"]

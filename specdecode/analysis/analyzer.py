@@ -88,9 +88,12 @@ def summarize_group(rows: list[dict], profile, c: float, serving: str, batch: in
     for i in range(depth):
         rates = [r["acceptance_per_position"][i] for r in rows if len(r["acceptance_per_position"]) > i]
         per_position.append(_mean(rates))
-    timed = [r["speedup"] for r in rows if r["speedup"] is not None]
-    measured = statistics.median(timed) if timed else 1.0  # no prompt to compare on: level
-    predicted = statistics.median(r["predicted_speedup"] for r in rows)
+    # measured and predicted over the same prompts: those timed against plain decoding (a
+    # prompt plain answered with EOS, or a turn after another reply than plain's, has no
+    # measured ratio, and its prediction was a placeholder; found in review)
+    timed = [r for r in rows if r["speedup"] is not None]
+    measured = statistics.median(r["speedup"] for r in timed) if timed else None
+    predicted = statistics.median(r["predicted_speedup"] for r in timed) if timed else None
     new_tokens = statistics.median(r["new_tokens"] for r in rows)
     context = int(statistics.median(_context(r) for r in rows))
     k_mean = drafted / passes if passes else 0.0  # drafts per target pass, plain steps included
@@ -99,8 +102,12 @@ def summarize_group(rows: list[dict], profile, c: float, serving: str, batch: in
 
     balance = (f"tau = {tau:.2f} tokens per pass {'exceeds' if tau > step_cost else 'does not exceed'} the mean step "
                f"cost v + k c = {step_cost:.2f} (mean {k_mean:.1f} drafts or tree nodes per pass)")
-    cost = f"{'wins' if measured >= 1.0 else 'loses'}: {balance} -> predicted {predicted:.2f}x, measured {measured:.2f}x"
-    if measured < 1.0 <= predicted:
+    if measured is None:
+        cost = f"not timed: no prompt of the group has a plain decoding to compare with; {balance}"
+    else:
+        cost = (f"{'wins' if measured >= 1.0 else 'loses'}: {balance} -> predicted {predicted:.2f}x, "
+                f"measured {measured:.2f}x")
+    if measured is not None and measured < 1.0 <= predicted:
         cost += " (the model's cost alone would win; per-step work outside the forward pass eats the margin)"
     if plain_share:
         cost += f"; adaptive k ran {plain_share:.0%} of steps as plain decoding"
@@ -120,7 +127,8 @@ def summarize_group(rows: list[dict], profile, c: float, serving: str, batch: in
     return {
         "prompts": len(rows), "alpha_mean": mean_alpha, "alpha_variance": variance, "tau": tau,
         "acceptance_per_position": per_position, "predicted_speedup": predicted, "measured_speedup": measured,
-        "prediction_error": predicted / measured - 1.0 if measured else None, "new_tokens": new_tokens,
+        "prediction_error": predicted / measured - 1.0 if measured else None, "timed_prompts": len(timed),
+        "new_tokens": new_tokens,
         "drafts_per_pass": k_mean, "step_cost": step_cost, "plain_steps_share": plain_share or None,
         "identical_to_plain": _mean([float(r["identical_to_plain"]) for r in rows]),
         "divergence_margins": [r["first_divergence"]["top2_margin"] for r in rows if r.get("first_divergence")],
@@ -238,7 +246,8 @@ def add_predicted_sweep(sweeps: dict, table: list[dict]) -> None:
     """The k sweep once more on predicted speedups. A prediction depends only on a run's
     steps and the cost profile, not on how fast the machine happened to be, so it tells a
     worse choice of k apart from timing noise (when the texts decoded are the same)."""
-    predicted = {(str(r["temperature"]), r["method"], r["category"]): r["predicted_speedup"] for r in table}
+    predicted = {(str(r["temperature"]), r["method"], r["category"]): r["predicted_speedup"] for r in table
+                 if r["predicted_speedup"] is not None}
     fixed_methods = [m for m in dict.fromkeys(r["method"] for r in table) if is_fixed_k(m)]
     for temperature, sweep in sweeps.items():
         for base, categories in sweep.items():
@@ -280,6 +289,10 @@ def _same(row: dict) -> str:
     return f"{row['identical_to_plain']:.0%}" + (f" (margin <= {max(margins):.2f})" if margins else "")
 
 
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
 def _table_rows(result: dict) -> list[list[str]]:
     rows = []
     for row in result["categories"]:
@@ -288,7 +301,7 @@ def _table_rows(result: dict) -> list[list[str]]:
             f"{row['temperature']:g}", row["method"], row["category"], str(row["prompts"]),
             f"{row['alpha_mean']:.2f}", f"{row['alpha_variance']:.3f}", f"{row['tau']:.2f}",
             " ".join(f"{p:.2f}" for p in row["acceptance_per_position"][:6]),
-            f"{row['predicted_speedup']:.2f}x", f"{row['measured_speedup']:.2f}x", error,
+            _ratio(row["predicted_speedup"]), _ratio(row["measured_speedup"]), error,
             _same(row), row["recommendation"],
         ])
     return rows

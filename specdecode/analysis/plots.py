@@ -35,10 +35,11 @@ def _ratio_bars(axis, xs: list[float], ratios: list[float], width: float, label:
     """Bars of a speedup ratio drawn from 1.0 (plain decoding): up wins, down loses; the
     y range fits the data (and ``also``, e.g. predicted markers) rather than starting at 0,
     so a 3% loss is visible."""
+    ratios = [math.nan if r is None else r for r in ratios]  # no ratio (nothing timed): no bar
     axis.bar(xs, [r - 1.0 for r in ratios], width, bottom=1.0, label=label)
     axis.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
     low, high = axis.get_ylim()
-    values = [r for r in [*ratios, *also] if r] + [1.0]
+    values = [r for r in [*ratios, *also] if r is not None and math.isfinite(r) and r] + [1.0]
     axis.set_ylim(min(low, min(values) - 0.05), max(high, max(values) + 0.05))
 
 
@@ -82,8 +83,8 @@ def plot_analysis(result: dict, out_dir: Path) -> list[Path]:
         for t_index, temperature in enumerate(temperatures):
             xs = [i + t_index * width for i in range(len(categories))]
             rows = [by_key.get((temperature, method, c)) for c in categories]
-            predicted = [r["predicted_speedup"] if r else 1.0 for r in rows]
-            _ratio_bars(axis, xs, [r["measured_speedup"] if r else 1.0 for r in rows], width, f"measured T={temperature:g}",
+            predicted = [r["predicted_speedup"] if r and r["predicted_speedup"] is not None else math.nan for r in rows]
+            _ratio_bars(axis, xs, [r["measured_speedup"] if r else None for r in rows], width, f"measured T={temperature:g}",
                         also=predicted)
             axis.scatter(xs, predicted, color="black", marker="_", s=120, zorder=3,
                          label="predicted" if t_index == 0 else None)
