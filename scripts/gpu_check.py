@@ -79,7 +79,7 @@ def main() -> int:
                     if rc == 0:
                         data = json.loads(stdout)
                         stats = data["stats"]
-                        fields.update(identical=data["identical_to_plain"], speedup=round(data["speedup"], 2),
+                        fields.update(identical=data["identical_to_plain"], speedup=None if data["speedup"] is None else round(data["speedup"], 2),
                                       tok_s=round(stats["tokens_per_s"], 1), tau=stats["tau"],
                                       plain_tok_s=round(data["plain"]["tokens_per_s"], 1),
                                       ok=dtype != "fp32" or data["identical_to_plain"] is True)

@@ -54,6 +54,9 @@ def load_prompts(path: str | None, limit: int | None = None) -> list[dict]:
             continue
         turns = _check_row(row, key, prompt, where)
         category = row.get("category", "general")
+        if category == "overall":  # the reports' row over every category: its prompts would count twice there
+            raise SpecDecodeError(f"{where}: the category 'overall' names the reports' row over all categories; "
+                                  "rename it")
         if limit is not None and per_category[category] >= limit:
             continue
         per_category[category] += 1

@@ -309,3 +309,39 @@ def test_speedups_pair_only_turns_that_ran_plain_decodings_prompt():
     records = [record("none", 1, 100.0), record("draft", 1, 120.0), record("none", 2, 100.0),
                record("draft", 2, 60.0, context_differs=True)]
     assert summarize(records)["overall"]["draft"]["speedup"] == pytest.approx(1.2)
+
+
+def test_a_method_with_no_prompt_timed_against_plain_has_no_speedup(capsys):
+    """Found in review: with no prompt paired with plain decoding (here the one turn ran after
+    another reply than plain's), the median of no ratios was 0.0: "0.00x" in the table and
+    "-100%" against the best fixed k in the sweep, where analyze said 1.00x."""
+    from specdecode.bench.runner import k_sweep, print_k_sweep, print_summary
+
+    def record(method, tokens_per_s, **extra):
+        return dict(question_id="mt-1", category="writing", method=method, turn=2, tokens_per_s=tokens_per_s,
+                    new_tokens=50, seconds=50 / tokens_per_s, identical_to_plain=method == "none", prompt_tokens=10,
+                    **extra)
+
+    methods = ["none", "ngram@3", "ngram@auto"]
+    summary = summarize([record("none", 100.0), record("ngram@3", 120.0),
+                         record("ngram@auto", 130.0, context_differs=True)])
+    assert summary["writing"]["ngram@auto"]["speedup"] is None
+    assert summary["writing"]["ngram@3"]["speedup"] == pytest.approx(1.2)
+    sweep = k_sweep(summary, methods)
+    assert "ngram@auto" not in sweep["ngram"]["writing"]  # nothing to compare, rather than -100%
+    print_summary(summary, methods)
+    print_k_sweep(sweep)
+    out = capsys.readouterr().out
+    assert "0.00x" not in out and "-100%" not in out
+    json.dumps(summary)
+
+
+def test_a_prompt_category_named_overall_is_refused(tmp_path):
+    """Found in review: the reports' row over every category is keyed 'overall', so a
+    category of that name was counted twice in it (n, medians, aggregate tok/s)."""
+    from specdecode.prompts import load_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"category": "overall", "prompt": "hi"}) + "\n")
+    with pytest.raises(SpecDecodeError, match="overall"):
+        load_prompts(str(path))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -18,7 +19,9 @@ def plot_bench(summary: dict, records: list[dict], path: Path) -> Path:
 
     width = 0.8 / max(len(methods), 1)
     for index, method in enumerate(methods):
-        speedups = [summary[c].get(method, {}).get("speedup", 0.0) for c in categories]
+        # no bar where nothing was timed against plain decoding (None)
+        speedups = [summary[c].get(method, {}).get("speedup") for c in categories]
+        speedups = [math.nan if value is None else value for value in speedups]
         xs = [i + index * width for i in range(len(categories))]
         left.bar(xs, speedups, width, label=method)
     left.axhline(1.0, color="black", linewidth=0.8, linestyle="--")

@@ -385,9 +385,11 @@ def summarize(records: list[dict]) -> dict:
     return dict(summary)
 
 
-def _median(values: list[float]) -> float:
-    """The median, or 0 where plain decoding produced no token to compare with."""
-    return statistics.median(values) if values else 0.0
+def _median(values: list[float]) -> float | None:
+    """The median, or None where no prompt has a plain decoding to compare with (plain
+    produced no token, or every turn followed another reply than plain's): a 0.0 here read
+    as "0.00x" and "-100%" in the k sweep (found in review)."""
+    return statistics.median(values) if values else None
 
 
 def _mean(values) -> float | None:
@@ -411,9 +413,10 @@ def print_summary(summary: dict, methods: list[str]) -> None:
             if row is None:
                 continue
             alpha = f"{row['alpha']:.2f}" if row["alpha"] is not None else "-"
+            speedup = f"{'-':>9}" if row["speedup"] is None else f"{row['speedup']:>8.2f}x"
             print(
                 f"{category:<14}{method:<17}{row['prompts']:>4}{row['tokens_per_s']:>8.1f}"
-                f"{row['aggregate_tokens_per_s']:>8.1f}{row['speedup']:>8.2f}x"
+                f"{row['aggregate_tokens_per_s']:>8.1f}{speedup}"
                 f"{alpha:>7}{row['tau']:>6.2f}{row['identical_to_plain']:>6.0%}{row['new_tokens']:>6.0f}"
                 f"{row['drafts_per_pass']:>8.2f}"
             )
@@ -442,7 +445,7 @@ def k_sweep(summary: dict, methods: list[str]) -> dict:
         if not fixed or not adaptive or base in ("none", *PEERS):
             continue
         for category, rows in summary.items():
-            speedups = {m: rows[m]["speedup"] for m in fixed if m in rows}
+            speedups = {m: rows[m]["speedup"] for m in fixed if m in rows and rows[m]["speedup"] is not None}
             if not speedups or max(speedups.values()) <= 0:  # no prompt of this category was timed
                 continue
             best = max(speedups, key=speedups.get)
@@ -451,7 +454,7 @@ def k_sweep(summary: dict, methods: list[str]) -> dict:
             entry = {"best_fixed": best, "best_fixed_speedup": speedups[best],
                      "best_fixed_identical": rows[best]["identical_to_plain"]}
             for m in adaptive:
-                if m in rows:
+                if m in rows and rows[m]["speedup"] is not None:
                     entry[m] = {"speedup": rows[m]["speedup"], "vs_best_fixed": rows[m]["speedup"] / speedups[best] - 1.0,
                                 "identical_to_plain": rows[m]["identical_to_plain"]}
             result.setdefault(base, {})[category] = entry
