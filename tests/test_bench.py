@@ -75,7 +75,21 @@ def test_bench_serve_percentiles_are_vllms():
     from specdecode.bench.serve import percentile
 
     assert percentile([4, 1, 3, 2], 50) == 2.5 and percentile([1, 2, 3, 4, 5, 6], 99) == pytest.approx(5.95)
-    assert percentile([], 50) == 0.0
+    assert percentile([], 50) is None
+
+
+def test_bench_serve_reports_no_latency_for_a_level_with_no_successful_request(capsys):
+    """Found in review: a level whose requests all failed printed 0 ms TTFT, TPOT, ITL and
+    E2E (a perfect latency), in the JSON too."""
+    from specdecode.bench.serve import print_table, summarize as latency
+
+    row = {"mode": "plain", "concurrency": 2, "request_rate": None, "requests": 4, "failed": 4,
+           "request_throughput": 0.0, "output_throughput": 0.0, "acceptance_rate": None,
+           **{name: latency([]) for name in ("ttft", "tpot", "itl", "e2e")}}
+    assert row["ttft"] == {"mean": None, "p50": None, "p99": None}
+    print_table([row])
+    line = capsys.readouterr().out.splitlines()[1]
+    assert "0ms" not in line and "0.0ms" not in line and "0.00s" not in line and line.count("-") >= 6
 
 
 def test_bench_serve_sends_every_category_in_turn(monkeypatch):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import socket
@@ -37,16 +38,24 @@ from ..config import SpecDecodeError
 MODES = ("spec", "plain")
 
 
-def percentile(values: list[float], q: float) -> float:
-    """``vllm bench serve``'s: numpy's, interpolating linearly between ranks."""
+def percentile(values: list[float], q: float) -> float | None:
+    """``vllm bench serve``'s: numpy's, interpolating linearly between ranks; None for no
+    values (a level whose requests all failed read 0 ms, a perfect latency; found in review)."""
     import numpy as np
 
-    return float(np.percentile(values, q)) if values else 0.0
+    return float(np.percentile(values, q)) if values else None
 
 
 def summarize(values: list[float]) -> dict:
-    return {"mean": statistics.fmean(values) if values else 0.0, "p50": percentile(values, 50),
+    return {"mean": statistics.fmean(values) if values else None, "p50": percentile(values, 50),
             "p99": percentile(values, 99)}
+
+
+def _latency(seconds: float | None, width: int, digits: int, unit: str = "ms") -> str:
+    """A table cell: ``seconds`` in ms (or s), '-' where nothing was measured."""
+    if seconds is None:
+        return f"{'-':>{width + len(unit)}}"
+    return f"{seconds * (1000 if unit == 'ms' else 1):>{width}.{digits}f}{unit}"
 
 
 PER_POSITION = "spec_decode_num_accepted_tokens_per_pos_total"
@@ -275,9 +284,9 @@ def print_table(rows: list[dict]) -> None:
         length = "-" if r.get("mean_acceptance_length") is None else f"{r['mean_acceptance_length']:.2f}"
         print(f"{r.get('round', 0):>5} {r['mode']:<6} {r['concurrency'] or '-':>5} {r['request_rate'] or '-':>5} {r['requests']:>4} "
               f"{r['failed']:>4} {r['request_throughput']:>6.2f} {r['output_throughput']:>7.1f} "
-              f"{r['ttft']['p50'] * 1000:>7.0f}ms {r['ttft']['p99'] * 1000:>7.0f}ms "
-              f"{r['tpot']['p50'] * 1000:>7.1f}ms {r['itl']['p50'] * 1000:>6.1f}ms {r['itl']['p99'] * 1000:>6.1f}ms "
-              f"{r['e2e']['p50']:>7.2f}s {alpha:>6} {length:>5}")
+              f"{_latency(r['ttft']['p50'], 7, 0)} {_latency(r['ttft']['p99'], 7, 0)} "
+              f"{_latency(r['tpot']['p50'], 7, 1)} {_latency(r['itl']['p50'], 6, 1)} {_latency(r['itl']['p99'], 6, 1)} "
+              f"{_latency(r['e2e']['p50'], 7, 2, 's')} {alpha:>6} {length:>5}")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -295,8 +304,9 @@ def plot(rows: list[dict], path: Path) -> None:
         chosen = [[r for r in rows if r["mode"] == mode and r["concurrency"] == level] for level in levels]
         left.plot(levels, [statistics.median(r["output_throughput"] for r in group) for group in chosen], marker="o",
                   label=mode)
-        right.plot(levels, [statistics.median(r["tpot"]["p50"] * 1000 for r in group) for group in chosen],
-                   marker="o", label=mode)
+        tpot = [[r["tpot"]["p50"] * 1000 for r in group if r["tpot"]["p50"] is not None] for group in chosen]
+        right.plot(levels, [statistics.median(values) if values else math.nan for values in tpot], marker="o",
+                   label=mode)
     left.set_xlabel("concurrent clients")
     left.set_ylabel("output tokens/s")
     left.set_title("Token throughput")
