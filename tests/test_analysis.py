@@ -242,6 +242,30 @@ def test_check_calibration_tau_is_the_mean_accepted_length(tmp_path, monkeypatch
     assert result["acceptance_per_position"] == pytest.approx([1 / 6] * 5)
 
 
+def test_check_calibration_counts_the_steps_a_lookup_did_not_draft(tmp_path, monkeypatch):
+    """Found in review: tau and the expected speedup came from the drafting steps alone, so
+    a lookup that found no match on five steps of six (plain steps) and drafted five tokens
+    on the sixth, all accepted, read tau 6.00 and 3.33x, where those steps give 1.83 tokens
+    a pass (bench's tau) and 11 / (5 + v(5) + 5 c)."""
+    from specdecode import factory
+    from specdecode.analysis.compat import calibrate
+    from specdecode.metrics import GenerationStats
+
+    stats = GenerationStats()
+    for _ in range(5):
+        stats.observe_step(0, 0)
+    stats.observe_step(5, 5)
+    monkeypatch.setattr(factory, "calibration_runs", lambda *args, **kwargs: [stats])
+    target = save_tiny_model(tmp_path / "t", seed=1, num_layers=2)
+    save_char_tokenizer(target)
+    result = calibrate(str(target), "ngram", dtype="fp32", k=5)
+    assert result["tau"] == pytest.approx(11 / 6) == pytest.approx(stats.tau)
+    assert result["mean_acceptance_length"] == pytest.approx(6.0) and result["drafted_share"] == pytest.approx(1 / 6)
+    assert result["expected_speedup_fixed_k"] == pytest.approx(11 / (5 + result["v_k"] + 5 * result["c"]))
+    # at the best k too, five steps of six stay plain: at most (5 + 1 + k) / (5 + v(k)) < 11 / 5
+    assert result["expected_speedup_best_k"] < 11 / 5
+
+
 class _StepProfile:  # scoring T tokens costs 10 ms (1 + 0.1 (T - 1)): v(k) = 1 + 0.1 k
     def time_ms(self, tokens, context):
         return 10.0 * (1 + 0.1 * (tokens - 1))
