@@ -21,6 +21,10 @@ class ConfigError(SpecDecodeError, ValueError):
     """A configuration field holds an invalid value."""
 
 
+class VocabularyMismatchError(SpecDecodeError, ValueError):
+    """Draft and target do not share a vocabulary, so draft ids mean nothing to the target."""
+
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 METHODS = ("none", "ngram", "suffix", "draft", "eagle", "tree", "medusa")
 # vLLM's speculative method names (--speculative-config, per request) -> ours

@@ -22,7 +22,7 @@ from .config import SamplingParams, SpecDecodeError
 from .control.policies import FixedK, KPolicy
 from .metrics import GenerationStats
 from .models import synchronize
-from .proposers.base import Proposal, Proposer, drafts_in_vocab
+from .proposers.base import Proposal, Proposer, check_draft_vocabulary, drafts_in_vocab
 from .text import TextTracker
 from .verify.chain import coupled_verify, greedy_tokens, greedy_verify_rows, rejection_sample
 from .verify.tree import coupled_tree_verify, greedy_tree_verify, tree_rejection_sample
@@ -142,6 +142,8 @@ class SpeculativeEngine:
     ):
         """``k``: a fixed number of draft tokens per step, or a policy that chooses it
         per step (``control.policies``: CostAwareK for ``--k auto``, ThresholdK)."""
+        if proposer is not None:
+            check_draft_vocabulary(proposer, target.vocab_size)
         self.target = target
         self.tokenizer = tokenizer
         self.proposer = proposer

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .config import (DEFAULT_NGRAM_SIZES, ConfigError, EngineConfig, SpecDecodeError, SpeculativeConfig,
-                     self_draft_layers)
+                     VocabularyMismatchError, self_draft_layers)
 from .control.policies import CostAwareK, CostModel, FixedK, ThresholdK, TreeBudget
 from .cost.theory import best_k, tau_conditional
 from .engine import SpeculativeEngine
@@ -30,10 +30,6 @@ DEFAULT_EAGLE_HEAD = Path(__file__).parent / "data" / "heads" / "smollm2-135m-in
 DEFAULT_MEDUSA_HEADS = Path(__file__).parent / "data" / "heads" / "smollm2-135m-instruct-medusa"
 # the token store of the default model's own answers (specdecode train store; see its MANIFEST)
 DEFAULT_TOKEN_STORE = Path(__file__).parent / "data" / "stores" / "smollm2-135m-instruct"
-
-
-class VocabularyMismatchError(SpecDecodeError, ValueError):
-    """Draft and target do not share a vocabulary, so draft ids mean nothing to the target."""
 
 
 @dataclass

@@ -236,6 +236,22 @@ def test_vocabulary_mismatch_is_refused(tmp_path, tiny_llama_dir):
         build_proposer(spec, target, EngineConfig(dtype="fp32"))
 
 
+def test_engines_handed_a_draft_model_of_another_vocabulary_refuse_it(tmp_path, tiny_llama_dir):
+    """Found in review: build_proposer checks the pair, but an engine handed the proposer
+    directly took a 120-token draft for a 97-token target (greedy: drafts cut silently, none
+    accepted; sampling: a shape error mid-request) and failed on a 50-token one's embedding."""
+    from specdecode.serve.batch import BatchEngine
+
+    target = load_model(tiny_llama_dir, torch.float32)
+    for vocab in (120, 50):
+        draft = load_model(save_tiny_model(tmp_path / f"v{vocab}", seed=2, num_layers=1, vocab_size=vocab), torch.float32)
+        with pytest.raises(VocabularyMismatchError, match=f"target has 97 tokens, the draft model {vocab}"):
+            SpeculativeEngine(target.runtime, proposer=DraftModelProposer(draft.runtime), k=3)
+        batch = BatchEngine(target.runtime, max_num_seqs=1, max_model_len=64)
+        with pytest.raises(VocabularyMismatchError, match=f"the draft model {vocab}"):
+            batch.add([5, 9, 11], SamplingParams(max_new_tokens=4), proposer=DraftModelProposer(draft.runtime))
+
+
 def test_a_draft_without_a_tokenizer_beside_a_target_with_one_is_named(tmp_path, tiny_text_model_dir, capsys):
     """Found in review: only the vocabulary sizes were compared, without a word, when the
     draft had no tokenizer files to compare with the target's."""

@@ -7,8 +7,20 @@ from typing import Protocol
 
 import torch
 
-from ..config import SamplingParams, SpecDecodeError
+from ..config import SamplingParams, SpecDecodeError, VocabularyMismatchError
 from ..verify.tree import Tree
+
+
+def check_draft_vocabulary(proposer, vocab_size: int) -> None:
+    """A drafter with a model of its own (a draft model's ``runtime``) must have the
+    target's ``vocab_size``. build_proposer checks the pair (tokenizers too); an engine
+    handed the proposer directly drafted ids the target has not (greedy: silently cut, no
+    token accepted), failed mid-request when sampling, or on the target's ids in the
+    draft's embedding (found in review)."""
+    own = getattr(getattr(proposer, "runtime", None), "vocab_size", None)
+    if own is not None and own != vocab_size:
+        raise VocabularyMismatchError(f"vocabulary mismatch: the target has {vocab_size} tokens, the draft model "
+                                      f"{own}; a draft model must share the target's tokenizer")
 
 
 class DraftVocabulary:
