@@ -173,6 +173,35 @@ def test_the_kernel_layer_drafts_what_the_torch_pass_drafts(targets):
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-4, atol=1e-4)
 
 
+def test_a_proposer_built_without_the_kernels_drafts_through_torch_whoever_packed_the_head(targets):
+    """Found in review: the packed Q8_0 projections live on the head, so a proposer built
+    with kernels=False drafted through them once another proposer of the same head (a
+    server's row) had packed it (its logits moved by 0.08)."""
+    import copy
+
+    from specdecode import kernels
+
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    target = targets[1]
+    head = random_head(target, 7)
+    pristine = copy.deepcopy(head)  # the same weights, never packed
+    tokens = [5, 9, 14, 22, 5, 9, 30, 31]
+    target.runtime.reset(len(tokens) + 1)
+    _, features = target.runtime(torch.tensor([tokens[:-1]]), capture=head.config.capture_layers)
+    embed = lambda ids: target.runtime.weights.embed_rows(ids).float()  # noqa: E731
+
+    def last_logits(proposer: EagleProposer) -> torch.Tensor:
+        proposer.start(tokens, 32)
+        proposer.observe(0, features[0], tokens)
+        proposer._flush()
+        return proposer.last_logits
+
+    reference = last_logits(EagleProposer(pristine, embed, kernels=False))
+    assert EagleProposer(head, embed, kernels=True).kernels and head.fast is not None
+    assert torch.equal(last_logits(EagleProposer(head, embed, kernels=False)), reference)
+
+
 def test_sampled_drafts_carry_their_distribution_on_the_full_vocabulary(targets):
     target = targets[0]
     head = random_head(target, 3, draft_vocab=40)
@@ -525,9 +554,13 @@ def test_merged_trees_are_lossless_and_hold_both_drafters(targets):
             eagle.observe(0, features[0], tokens)
             tree = merged.propose_tree(tokens, budget, GREEDY, None).tree
             assert 1 <= tree.size <= budget
+            kids = tree.children()
+            # the head's half: its best first token (a tree of one node) is a child of the root
+            # (found in review: a merge that dropped every head node passed this test)
+            best = int(eagle.propose_tree(tokens, 1, GREEDY, None).tree.tokens[0])
+            assert best in {int(tree.tokens[c - 1]) for c in kids[0]}, (budget, chain)
             if chain:
                 node, walked = 0, []
-                kids = tree.children()
                 for token in chain:
                     node = next(c for c in kids[node] if int(tree.tokens[c - 1]) == token)
                     walked.append(token)

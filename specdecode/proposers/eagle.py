@@ -45,7 +45,8 @@ class EagleProposer:
         self.device = head.d2t.device  # the head's (the factory puts it on the target's device)
         self.tree_width = tree_width
         self.layer = None  # the decoder layer as one kernel call (KernelHeadLayer), where it loads
-        if kernels and self.device.type == "cpu" and head.use_kernels():
+        self.kernels = kernels and self.device.type == "cpu" and head.use_kernels()  # packed projections
+        if self.kernels:
             from ..models.cpu_runtime import KernelHeadLayer
 
             try:
@@ -107,7 +108,7 @@ class EagleProposer:
             return self.layer(embeds, hidden, start, positions, mask)
         if positions is None:
             positions = torch.arange(start, start + count, device=self.device)
-        q, k, v = head.qkv(embeds[None], hidden[None], positions)
+        q, k, v = head.qkv(embeds[None], hidden[None], positions, fast=self.kernels)
         end = start + count
         self.k_cache[:, start:end] = k[0]
         self.v_cache[:, start:end] = v[0]
@@ -117,7 +118,7 @@ class EagleProposer:
         attn = F.scaled_dot_product_attention(q, self.k_cache[None, :, :end], self.v_cache[None, :, :end],
                                               attn_mask=mask, scale=1.0 / math.sqrt(c.head_dim),
                                               enable_gqa=c.num_heads != c.num_kv_heads)
-        return head.finish(hidden[None], attn)[0]
+        return head.finish(hidden[None], attn, fast=self.kernels)[0]
 
     def observe(self, start: int, features: torch.Tensor, tokens: list[int]) -> None:
         """The target's captured states [m, 3H] for committed positions ``start..start+m-1``
@@ -147,7 +148,7 @@ class EagleProposer:
         if start > self.length:  # a gap (e.g. the engine skipped us): entries would be misplaced
             self.length, self.last_logits, self.last_g = 0, None, None
             return
-        hidden = self.head.project("fc", features.to(self.device).float())
+        hidden = self.head.project("fc", features.to(self.device).float(), fast=self.kernels)
         g = self._run(hidden, token_ids, start)
         self.length = start + features.shape[0]
         self.last_g = g[-1]
@@ -252,7 +253,7 @@ class EagleProposer:
         return TreeProposal(tree, confidence=torch.tensor([scores[i] for i in chosen]).exp(), passes=passes)
 
     def _logits(self, g: torch.Tensor) -> torch.Tensor:
-        return self.layer.logits(g) if self.layer is not None else self.head.logits(g)
+        return self.layer.logits(g) if self.layer is not None else self.head.logits(g, fast=self.kernels)
 
     def _log_probs(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """Draft log-probabilities over the draft vocabulary for ranking children (the

@@ -123,9 +123,11 @@ class EagleHead(DraftVocabulary, nn.Module):
         self.fast_format = fmt
         return self.fast is not None
 
-    def project(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """One (fused) projection: fc, qkv, o, gate_up, down or lm_head."""
-        if self.fast is not None:
+    def project(self, name: str, x: torch.Tensor, fast: bool = True) -> torch.Tensor:
+        """One (fused) projection: fc, qkv, o, gate_up, down or lm_head; through the packed
+        kernels where ``use_kernels`` made them and ``fast`` (a proposer built without the
+        kernels says False: another proposer of the head may have packed it; found in review)."""
+        if fast and self.fast is not None:
             return self.fast[name](x)
         modules = {"fc": (self.fc,), "qkv": (self.q_proj, self.k_proj, self.v_proj), "o": (self.o_proj,),
                    "gate_up": (self.gate_proj, self.up_proj), "down": (self.down_proj,), "lm_head": (self.lm_head,)}[name]
@@ -138,28 +140,28 @@ class EagleHead(DraftVocabulary, nn.Module):
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos(), angles.sin()
 
-    def qkv(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
+    def qkv(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, fast: bool = True):
         """embeds, hidden [B, T, H] -> q [B, heads, T, D], k and v [B, kv_heads, T, D], rotated."""
         c = self.config
         batch, length, _ = hidden.shape
         x = torch.cat((self.input_norm(embeds), self.hidden_norm(hidden)), dim=-1)
-        q, k, v = self.project("qkv", x).split([c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2, dim=-1)
+        q, k, v = self.project("qkv", x, fast).split([c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2, dim=-1)
         q = q.reshape(batch, length, c.num_heads, c.head_dim).transpose(1, 2)
         k = k.reshape(batch, length, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = v.reshape(batch, length, c.num_kv_heads, c.head_dim).transpose(1, 2)
         cos, sin = self.rope(positions)
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
-    def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def finish(self, hidden: torch.Tensor, attn: torch.Tensor, fast: bool = True) -> torch.Tensor:
         """Residual + o_proj(attention [B, heads, T, D]) and the MLP: the layer's output g."""
         batch, _, length, _ = attn.shape
-        hidden = hidden + self.project("o", attn.transpose(1, 2).reshape(batch, length, -1))
-        gate, up = self.project("gate_up", self.post_norm(hidden)).chunk(2, dim=-1)
-        return hidden + self.project("down", F.silu(gate) * up)
+        hidden = hidden + self.project("o", attn.transpose(1, 2).reshape(batch, length, -1), fast)
+        gate, up = self.project("gate_up", self.post_norm(hidden), fast).chunk(2, dim=-1)
+        return hidden + self.project("down", F.silu(gate) * up, fast)
 
-    def logits(self, g: torch.Tensor) -> torch.Tensor:
+    def logits(self, g: torch.Tensor, fast: bool = True) -> torch.Tensor:
         """Draft-vocabulary logits [..., N] from the layer's output."""
-        return self.project("lm_head", self.norm(g))
+        return self.project("lm_head", self.norm(g), fast)
 
     def _expand(self, kv: torch.Tensor) -> torch.Tensor:
         groups = self.config.num_heads // self.config.num_kv_heads

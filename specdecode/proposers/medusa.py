@@ -89,20 +89,21 @@ class MedusaHeads(DraftVocabulary, nn.Module):
         hidden = hidden.float()
         return self.norm_weight * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps))
 
-    def states(self, normed: torch.Tensor, count: int | None = None) -> torch.Tensor:
-        """[..., H] normalised states -> [..., count, H]: the first ``count`` heads' blocks."""
+    def states(self, normed: torch.Tensor, count: int | None = None, fast: bool = True) -> torch.Tensor:
+        """[..., H] normalised states -> [..., count, H]: the first ``count`` heads' blocks
+        (through the packed kernels where ``use_kernels`` made them and ``fast``)."""
         c, count = self.config, count or self.config.num_heads
-        if self.fast is not None and normed.dim() == 1:
+        if fast and self.fast is not None and normed.dim() == 1:
             out = self.fast["blocks"](normed[None])[0]
         else:
             out = F.linear(normed, self.blocks.weight[: count * c.hidden_size], self.blocks.bias[: count * c.hidden_size])
         out = out[..., : count * c.hidden_size].unflatten(-1, (count, c.hidden_size))
         return normed.unsqueeze(-2) + F.silu(out)
 
-    def logits(self, states: torch.Tensor) -> torch.Tensor:
+    def logits(self, states: torch.Tensor, fast: bool = True) -> torch.Tensor:
         """[..., H] -> draft-vocabulary logits [..., N] through the target's rows."""
         self._check_bound()
-        if self.fast is not None and states.dim() == 2:
+        if fast and self.fast is not None and states.dim() == 2:
             return self.fast["rows"](states.contiguous())
         return states @ self.rows.T
 
@@ -197,8 +198,7 @@ class MedusaProposer:
         self.heads = heads.eval().requires_grad_(False)
         self.capture = (target_layers,)
         self.max_drafts = heads.config.num_heads  # one guess per head: k above it is refused
-        if kernels:
-            heads.use_kernels()
+        self.kernels = kernels and heads.use_kernels()  # False: torch, whoever else packed the heads
         self.last: torch.Tensor | None = None  # the last observed position's state [H]
         self.position = -1
 
@@ -224,7 +224,7 @@ class MedusaProposer:
             return Proposal.empty()
         heads = self.heads
         count = min(k, heads.config.num_heads)
-        states = heads.states(heads.normalise(self.last.to(heads.d2t.device)), count)  # [count, H]
-        chosen = heads.logits(states).argmax(-1).tolist()
+        states = heads.states(heads.normalise(self.last.to(heads.d2t.device)), count, fast=self.kernels)  # [count, H]
+        chosen = heads.logits(states, fast=self.kernels).argmax(-1).tolist()
         d2t = heads.d2t_list  # the current vocabulary's (a copy taken at construction outlived set_draft_vocab)
         return Proposal(torch.tensor([d2t[i] for i in chosen], dtype=torch.int64))
