@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import pooled_chisquare
@@ -287,6 +289,38 @@ def test_top_k_and_top_p_truncate():
     assert probs[0] < 0.8 < probs[:2].sum()
     greedy = logits_to_probs(logits, SamplingParams())
     assert greedy.tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_temperature_then_top_k_then_top_p_by_value():
+    """Found in review: the distribution tests compare speculation with logits_to_probs
+    itself, so a logits_to_probs that ignored the temperature passed them all. Fixed values:
+    softmax(l / T); top-p over the tempered distribution (p = [0.83, 0.11, ...] at T = 0.5
+    keeps 1 token at top_p 0.6, where [0.56, 0.21, ...] at T = 1 keeps 2); top-p over the
+    top-k renormalised (top_k 3 then top_p 0.8 keeps 2, top-p over the whole row 3)."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    for temperature in (0.5, 1.3):
+        assert torch.allclose(logits_to_probs(logits, SamplingParams(temperature=temperature)),
+                              (logits / temperature).softmax(-1))
+    sharp = logits_to_probs(logits, SamplingParams(temperature=0.5, top_p=0.6))
+    assert sharp.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert (logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.6)) > 0).sum() == 2
+    both = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=3, top_p=0.8))
+    assert torch.allclose(both, torch.tensor([2.0, 1.0, -math.inf, -math.inf, -math.inf]).softmax(-1))
+
+
+def test_a_rows_nucleus_depends_on_that_row_alone():
+    """Found in review: ten tokens tied at the top, top_p 0.25: which three of them topk
+    ranked first changed with how many tokens it was asked for, which a flat row beside
+    this one raised from 64 to 512, so a speculative step kept other tokens than a plain
+    step (300 seeds of 300 drew another first token). Ties at the cutoff are all kept. A
+    top_p below float32's resolution kept no token (NaN); the most probable always stays."""
+    row = torch.full((5000,), -10.0)
+    row[100:110] = 5.0
+    alone = outside_nucleus(row.softmax(-1)[None], 0.25)
+    beside = outside_nucleus(torch.stack([row, torch.zeros(5000)]).softmax(-1), 0.25)
+    assert torch.equal(alone[0], beside[0]) and (~alone[0]).nonzero().flatten().tolist() == list(range(100, 110))
+    tiny = logits_to_probs(torch.tensor([0.5, 2.0, 1.0]), SamplingParams(temperature=1.0, top_p=1e-50))
+    assert tiny.tolist() == [0.0, 1.0, 0.0]
 
 
 def test_the_nucleus_from_the_top_tokens_is_the_one_a_full_sort_gives():
