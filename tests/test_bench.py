@@ -92,6 +92,22 @@ def test_bench_serve_reports_no_latency_for_a_level_with_no_successful_request(c
     assert "0ms" not in line and "0.0ms" not in line and "0.00s" not in line and line.count("-") >= 6
 
 
+def test_bench_serve_plots_a_request_rate_run(monkeypatch, tmp_path):
+    """Found in review: the figure drew concurrency levels only, so a --request-rate run
+    (no concurrency) saved two empty plots."""
+    import matplotlib.figure
+
+    from specdecode.bench.serve import plot
+
+    drawn = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda figure, *args, **kwargs: drawn.extend(len(axis.lines) for axis in figure.axes))
+    rows = [{"mode": mode, "concurrency": None, "request_rate": rate, "output_throughput": 10.0 * rate,
+             "tpot": {"p50": 0.01}} for mode in ("spec", "plain") for rate in (1.0, 4.0)]
+    plot(rows, tmp_path / "rate.png")
+    assert drawn == [2, 2]  # a line per mode in each panel
+
+
 def test_bench_serve_sends_every_category_in_turn(monkeypatch):
     """Found in review: the suite is stored category by category and bench-serve sent its
     first N prompts, so 16 requests were 10 code and 6 JSON prompts and every served ratio

@@ -296,21 +296,25 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    # levels of concurrency, or of request rate for a --request-rate run (which has no
+    # concurrency: its figure was left empty; found in review)
+    key = "concurrency" if any(r["concurrency"] for r in rows) else "request_rate"
+    label = "concurrent clients" if key == "concurrency" else "request rate (requests/s)"
     for mode in MODES:
-        levels = sorted({r["concurrency"] for r in rows if r["mode"] == mode and r["concurrency"]})
+        levels = sorted({r[key] for r in rows if r["mode"] == mode and r[key]})
         if not levels:
             continue
         # the median over the rounds at each level
-        chosen = [[r for r in rows if r["mode"] == mode and r["concurrency"] == level] for level in levels]
+        chosen = [[r for r in rows if r["mode"] == mode and r[key] == level] for level in levels]
         left.plot(levels, [statistics.median(r["output_throughput"] for r in group) for group in chosen], marker="o",
                   label=mode)
         tpot = [[r["tpot"]["p50"] * 1000 for r in group if r["tpot"]["p50"] is not None] for group in chosen]
         right.plot(levels, [statistics.median(values) if values else math.nan for values in tpot], marker="o",
                    label=mode)
-    left.set_xlabel("concurrent clients")
+    left.set_xlabel(label)
     left.set_ylabel("output tokens/s")
     left.set_title("Token throughput")
-    right.set_xlabel("concurrent clients")
+    right.set_xlabel(label)
     right.set_ylabel("p50 TPOT (ms)")
     right.set_title("Time per output token")
     for axis in (left, right):
