@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import time
 
 import openai
 import pytest
@@ -312,6 +313,30 @@ def test_metrics_use_vllm_names(served):
                  "specdecode:task_acceptance_rate"):
         assert name in text, name
     assert 'le="2560.0"' in text  # vLLM's TTFT buckets
+
+
+def test_a_request_is_in_the_metrics_when_its_client_has_the_response(model_dir, monkeypatch):
+    """Found through a flaky test: a finished request was counted (success, e2e, prefix hits,
+    the router's lesson) after the engine's step, while its client already had the
+    response, so /metrics read right after a response could miss it. Reporting is slowed
+    here to make that order show whenever it is wrong."""
+    from specdecode.serve.app import ServerState
+
+    finished = ServerState._finished
+
+    def slow(self, sequence):
+        time.sleep(0.3)
+        finished(self, sequence)
+
+    monkeypatch.setattr(ServerState, "_finished", slow)
+    client, state = make_client(model_dir)
+    with client:
+        for round_ in range(1, 3):
+            response = client.post("/v1/completions", json={"prompt": "abcabc", "max_tokens": 4, "temperature": 0,
+                                                            "stream": round_ == 2})
+            assert response.status_code == 200
+            success = state.metrics.success.labels(model_name="tiny", finished_reason="length")._value.get()
+            assert success == round_
 
 
 def test_a_repeated_prompt_reuses_its_cached_prefix(served):

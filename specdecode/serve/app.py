@@ -258,11 +258,21 @@ class ServerState:
             self._count_tokens(list(engine.running) + finished)
             if engine.decode_threads is not None:
                 self.metrics.kernel_threads(engine.decode_threads.preferred)
-            for sequence in finished:
-                try:  # reports and the audit: a failure there must not stop decoding either
-                    self._finished(sequence)
-                except Exception:
-                    logger.exception("reporting finished request %s failed", sequence.request_id)
+            for sequence in finished:  # those whose listener has not reported them (audits, failures)
+                self._report(sequence)
+
+    def _report(self, sequence: Sequence) -> None:
+        """A finished sequence's metrics, router lesson and audit offer, once. A request's
+        listener calls this before handing the client its last output, so /metrics counts a
+        request its client saw finish (they were reported after the step, and a client that
+        read /metrics on its response found its request missing; found in a flaky test)."""
+        if sequence.reported:
+            return
+        sequence.reported = True
+        try:  # reports and the audit: a failure there must not stop decoding either
+            self._finished(sequence)
+        except Exception:
+            logger.exception("reporting finished request %s failed", sequence.request_id)
 
     def _report_queue(self) -> None:
         """The running and waiting gauges: user requests only (the audit's plain re-runs
@@ -341,6 +351,8 @@ class ServerState:
             if sequence.last_emit is not None and output.token_ids:
                 self.metrics.token_gap(now - sequence.last_emit)
             sequence.last_emit = now
+            if output.finish_reason is not None:
+                self._report(sequence)
             loop.call_soon_threadsafe(queue.put_nowait, (index, output))
 
         sequence = self.engine.add(prompt_ids, params, request_id, speculate=plan.speculate, proposer=plan.proposer,
