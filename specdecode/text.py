@@ -27,6 +27,14 @@ REPLACEMENT = "\ufffd"  # what decoding shows for an incomplete UTF-8 sequence
 CONTEXT_TOKENS = 5  # prompt tokens decoded before the first new ones (vLLM's initial offset)
 
 
+def decode(tokenizer, ids, skip_special_tokens: bool = True) -> str:
+    """``ids`` as text, without the tokenizer's clean-up of spaces (" ." -> "."), which
+    Llama 3's tokenizers turn on: text decoded piece by piece must equal the whole decoded
+    at once, and the clean-up shortened a longer decode, so the tracker dropped pieces
+    (punctuation vanished, and stops holding it never fired; found in review)."""
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+
 class TextTracker:
     def __init__(self, tokenizer, stop: tuple[str, ...] = (), context: list[int] | tuple[int, ...] = ()):
         """``context``: the prompt's token ids (its last ``CONTEXT_TOKENS`` are decoded
@@ -53,7 +61,7 @@ class TextTracker:
         self.read_offset = len(self.token_ids)  # tokens before it have produced their text
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return decode(self.tokenizer, ids)
 
     def _read(self, final: bool = False, end: int | None = None) -> str:
         """Text of the tokens past the read offset (up to ``end``, default all), once it is

@@ -99,6 +99,27 @@ def test_stop_completed_by_the_last_token_of_the_budget(tokenizer):
     assert tracker.text == "the "
 
 
+def test_a_tokenizer_that_cleans_up_spaces_loses_no_text():
+    """Found in review: with clean_up_tokenization_spaces (Llama 3's tokenizers), decoding
+    more tokens could give shorter text (" ." -> "."), and the tracker dropped those pieces:
+    "Hi , you . I do n't" came out as "Hi  you  I do n't". Pieces decode without it."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{chr(c): 3 + i for i, c in enumerate(range(32, 127))}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    cleaning = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>",
+                                       clean_up_tokenization_spaces=True)
+    text = "Hi , you . I do n't know ! x"
+    ids = cleaning(text, add_special_tokens=False)["input_ids"]
+    tracker = TextTracker(cleaning)
+    for token in ids:
+        tracker.add(token)
+    tracker.finish()
+    assert tracker.text == text
+    stopped = TextTracker(cleaning, ("you .",))
+    assert any(stopped.add(token) for token in ids) and stopped.text == "Hi , "
+
+
 def test_a_special_token_stop_string_matches_its_token(tokenizer):
     end = tokenizer.convert_tokens_to_ids("<|end|>")
     ids = encode(tokenizer, "answer") + [end] + encode(tokenizer, "more")

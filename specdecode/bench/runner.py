@@ -27,6 +27,7 @@ from ..config import ConfigError, EngineConfig, SpecDecodeError
 from ..control.policies import FixedK
 from ..metrics import tau_of
 from ..prompts import load_prompts
+from ..text import decode
 from .peers import PEERS, build_peer
 from .plots import plot_bench
 
@@ -100,7 +101,7 @@ def turn_encoder(target, engine_config: EngineConfig):
     encoder = SpeculativeEngine(target.runtime, target.tokenizer)
 
     def encode(turns: list[str], replies: list[list[int]], system: str | None = None) -> list[int]:
-        texts = [target.tokenizer.decode(ids, skip_special_tokens=True) for ids in replies]
+        texts = [decode(target.tokenizer, ids) for ids in replies]
         return encoder.encode(conversation(turns, texts, system), engine_config.chat_template)
 
     return encode

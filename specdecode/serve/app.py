@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..config import VLLM_METHODS, SamplingParams
 from ..engine import ContextLengthError, PromptError
 from ..metrics import GenerationStats
+from ..text import decode
 from .batch import BatchEngine, Sequence, StepOutput
 from .metrics import ServerMetrics
 
@@ -636,7 +637,8 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
         if chat and getattr(body, "echo", False):  # OpenAI refuses it; vLLM's differs (the last assistant message)
             raise APIError(400, "echo is only supported for completions", param="echo")
         if getattr(body, "echo", False):
-            echo = prompt_text or (tokenizer.decode(prompt_ids) if tokenizer is not None else "")
+            echo = prompt_text or (decode(tokenizer, prompt_ids, skip_special_tokens=False) if tokenizer is not None
+                                   else "")
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         room = state.engine.max_num_seqs + state.max_queued_requests
         if body.n > room:  # the choices are admitted together
