@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -112,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     ana.add_argument("--repeats", type=int, default=1, help=REPEATS_HELP)
     _add_model_args(ana)
     _add_sampling_args(ana)
+    for action in ana._actions:  # accepted only to be refused by name (cmd_analyze): --temperatures
+        if "--temperature" in action.option_strings:
+            action.help = argparse.SUPPRESS
 
     verbs.add_parser("presets", help="list the named configurations for --preset")
 
@@ -262,12 +266,14 @@ def _set_threads(engine_config: EngineConfig) -> None:
 def _spec_config(args, method: str, k: str | None = None) -> SpeculativeConfig:
     """The speculative config from flags; ``k`` overrides --k ('threshold' = --k auto
     --k-policy threshold), for bench specs like ngram@3."""
-    k = args.k if k is None else k
+    from_flag, k = k is None, args.k if k is None else k
     width = getattr(args, "tree_width", None)
     if isinstance(k, str) and "x" in k:  # bench specs: eagle@6x3 = 6 tree nodes, 3 children per node
         k, _, shape = k.partition("x")
         if not shape.isdigit():
             raise SpecDecodeError(f"a tree spec is K x WIDTH (e.g. eagle@6x3), got width {shape!r}")
+        if from_flag and width is not None and width != int(shape):  # --k 6x2 --tree-width 4 took 2 silently
+            raise SpecDecodeError(f"--k {k}x{shape} and --tree-width {width} give two tree widths; give one")
         if method not in ("eagle", "tree"):  # it was dropped without a word
             raise SpecDecodeError(f"{k}x{shape}: a tree width is for eagle and tree; {method} drafts chains "
                                   f"(give k alone)")
@@ -283,7 +289,9 @@ def _spec_config(args, method: str, k: str | None = None) -> SpeculativeConfig:
 
 # drafter flags, and the methods that read them (each is ignored by every other method)
 DRAFTER_FLAGS = {"store": ("--store", ("suffix",)), "head": ("--head", ("eagle", "tree", "medusa")),
-                 "tree_width": ("--tree-width", ("eagle", "tree")), "draft": ("--draft", ("draft",))}
+                 "tree_width": ("--tree-width", ("eagle", "tree")), "draft": ("--draft", ("draft",)),
+                 "ngram_sizes": ("--ngram-sizes", ("ngram", "suffix", "tree"))}
+DRAFTER_DEFAULTS = {"ngram_sizes": "3,2,1"}  # flags with a default: given only where they differ from it
 
 
 def _check_drafter_flags(args, methods: list[str]) -> None:
@@ -293,8 +301,10 @@ def _check_drafter_flags(args, methods: list[str]) -> None:
     from .bench.runner import parse_method
 
     names = [parse_method(method)[0] for method in methods]
+    defaults = {**DRAFTER_DEFAULTS, **getattr(args, "flag_defaults", {})}  # a preset's values are defaults too
     for attr, (flag, readers) in DRAFTER_FLAGS.items():
-        if getattr(args, attr, None) is not None and not any(name in readers for name in names):
+        value = getattr(args, attr, None)
+        if value is not None and value != defaults.get(attr) and not any(name in readers for name in names):
             raise SpecDecodeError(f"{flag} is read by method {' or '.join(readers)} only; "
                                   f"{', '.join(names)} would ignore it")
 
@@ -323,18 +333,20 @@ def _check_k_flags(args, methods: list[str]) -> None:
     only peers) but it printed k=0 as if it had been taken."""
     from .bench.runner import PEERS, parse_method
 
+    defaults = getattr(args, "flag_defaults", {})  # a preset's values are its defaults, not flags given
+    ignored = [flag for flag, value, default in (("--k-policy", args.k_policy, defaults.get("k_policy", "cost")),
+                                                 ("--k-max", args.k_max, defaults.get("k_max", 10)))
+               if value != default]
+    names = [parse_method(method) for method in methods]
+    draft_nothing = f"{', '.join(methods)} {'drafts' if len(methods) == 1 else 'draft'} nothing with it"
     if args.k != "auto":
-        defaults = getattr(args, "flag_defaults", {})  # a preset's values are its defaults, not flags given
-        ignored = [flag for flag, value, default in (("--k-policy", args.k_policy, defaults.get("k_policy", "cost")),
-                                                     ("--k-max", args.k_max, defaults.get("k_max", 10)))
-                   if value != default]
         if ignored:
             raise SpecDecodeError(f"{' and '.join(ignored)} choose k under --k auto; --k {args.k} fixes it, so "
                                   "they would be ignored")
-        names = [parse_method(method) for method in methods]
         if all(name in ("none", *PEERS) or k is not None for name, k in names):
-            raise SpecDecodeError(f"--k {args.k} would be ignored: {', '.join(methods)} "
-                                  f"{'drafts' if len(methods) == 1 else 'draft'} nothing with it")
+            raise SpecDecodeError(f"--k {args.k} would be ignored: {draft_nothing}")
+    elif ignored and all(name in ("none", *PEERS) for name, _ in names):  # --method none --k-max 3 ran plain, rc 0
+        raise SpecDecodeError(f"{' and '.join(ignored)} would be ignored: {draft_nothing}")
 
 
 def _engine_config(args) -> EngineConfig:
@@ -543,8 +555,8 @@ def _float_list(text: str, flag: str) -> list[float]:
         values = [float(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise SpecDecodeError(f"{flag} takes comma-separated numbers, got {text!r}") from None
-    if not values or any(v < 0 for v in values):
-        raise SpecDecodeError(f"{flag} needs at least one value, none negative, got {text!r}")
+    if not values or any(not 0 <= v < math.inf for v in values):  # nan passed "v < 0" (found in review)
+        raise SpecDecodeError(f"{flag} needs at least one value, each a finite number >= 0, got {text!r}")
     return values
 
 
@@ -554,10 +566,12 @@ def cmd_analyze(args) -> int:
 
     # a temperature once: twice, each pass's records were paired with the other's plain run
     temperatures = list(dict.fromkeys(_float_list(args.temperatures, "--temperatures")))
+    if args.temperature != 0.0:  # it was replaced by --temperatures without a word (found in review)
+        raise SpecDecodeError(f"--temperature {args.temperature}: analyze runs every temperature --temperatures lists")
     if args.batch < 1:  # the memory and throughput checks come after every generation: found wrong before
         raise SpecDecodeError(f"--batch must be at least 1, got {args.batch}")
-    if args.budget is not None and not args.budget > 0:
-        raise SpecDecodeError(f"--budget must be > 0 GiB, got {args.budget}")
+    if args.budget is not None and not 0 < args.budget < math.inf:
+        raise SpecDecodeError(f"--budget must be a finite number > 0 GiB, got {args.budget}")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods:  # found in review: every plain run went first, then the plot crashed
         raise SpecDecodeError(f"--methods takes a comma list of methods, got {args.methods!r}")
@@ -579,6 +593,8 @@ def cmd_analyze(args) -> int:
 def cmd_check(args) -> int:
     from .analysis.compat import calibrate, check_static, format_check
 
+    if args.k < 1:  # refused by the calibration only, so --no-calibration --k -2 passed
+        raise SpecDecodeError(f"--k must be >= 1, got {args.k}")
     result = check_static(args.target, args.draft)
     calibration = None
     if result.compatible and not args.no_calibration:

@@ -83,6 +83,11 @@ class SamplingParams:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must be non-empty")
+        for string in self.stop:  # a lone surrogate (bytes that were not UTF-8) could never match the text
+            try:
+                string.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ConfigError(f"stop string {string!r} is not valid UTF-8 text") from None
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise ConfigError(f"seed must be a signed 64-bit integer ({SEED_RANGE[0]} to {SEED_RANGE[1]}), got {self.seed}")
 
@@ -91,6 +96,7 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
+MAX_K = 512  # draft tokens (or tree nodes) a step: the most rows one pass scores (MAX_PREFILL_CHUNK)
 DEFAULT_TREE_WIDTH = 3  # measured: docs/training.md, "Tree shape"
 MAX_TREE_WIDTH = 64
 DEFAULT_SELF_DRAFT = "self:4"  # --method draft without --draft: the target's first 4 layers
@@ -141,8 +147,8 @@ class SpeculativeConfig:
             # a head pass scores the expanded nodes in one masked pass of at most 256 rows
             raise ConfigError(f"tree width (--tree-width, children per expanded node) must be an integer in "
                               f"1..{MAX_TREE_WIDTH}, got {self.tree_width!r}")
-        if self.k_max < 1:
-            raise ConfigError(f"k_max must be >= 1, got {self.k_max}")
+        if not 1 <= self.k_max <= MAX_K:  # each step weighs every k up to it: 10**8 hung generation
+            raise ConfigError(f"k_max must be in 1..{MAX_K}, got {self.k_max}")
         if self.method == "draft" and not self.draft:
             raise ConfigError("method 'draft' needs a draft model: --draft PATH or --draft self:L")
         if not self.ngram_sizes or any(n < 1 for n in self.ngram_sizes):

@@ -189,6 +189,12 @@ class SpeculativeEngine:
             raise PromptError("prompt is empty")
         if self.tokenizer is None:
             raise SpecDecodeError("this model has no tokenizer; pass token ids instead of text")
+        for message in messages:  # bytes that are not UTF-8 (argv) arrive as lone surrogates: the tokenizer's TypeError
+            try:
+                str(message["content"]).encode("utf-8")
+            except UnicodeEncodeError as error:
+                bad = str(message["content"])[error.start].encode("utf-8", "surrogateescape")
+                raise PromptError(f"the prompt is not valid UTF-8 text (byte {bad!r} at character {error.start})") from None
         if chat_template and self.tokenizer.chat_template:
             encoded = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True, return_dict=True

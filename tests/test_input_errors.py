@@ -217,11 +217,20 @@ def test_a_transformers_draft_model_does_not_take_the_targets_flags(tmp_path, ti
     (["bench", "--methods", "none,ngram", "--out", "/proc/nowhere/b.json"], "--out /proc/nowhere/b.json: cannot write there"),
     (["analyze", "--out", "/proc/nowhere"], "--out /proc/nowhere/summary.md: cannot write there"),
     (["analyze", "--batch", "0"], "--batch must be at least 1, got 0"),
-    (["analyze", "--budget", "-2"], "--budget must be > 0 GiB, got -2.0"),
+    (["analyze", "--budget", "-2"], "--budget must be a finite number > 0 GiB, got -2.0"),
     (["analyze", "--methods", "ngram,hf"], "--methods hf: analyze measures drafters against plain decoding"),
     (["bench-serve", "--max-tokens", "0"], "--max-tokens and --num-prompts must be at least 1"),
     (["bench-serve", "--serve-args", '"unterminated'], "--serve-args '\"unterminated': No closing quotation"),
     (["generate", "hi", "--method", "eagle", "--tree-width", "300"], "must be an integer in 1..64, got 300"),
+    # found in review: each accepted and ignored, or a hang, or refused only after loading
+    (["generate", "hi", "--method", "none", "--k-max", "3"], "--k-max would be ignored: none drafts nothing with it"),
+    (["generate", "hi", "--method", "none", "--k-policy", "threshold"], "--k-policy would be ignored: none drafts"),
+    (["generate", "hi", "--method", "draft", "--ngram-sizes", "7"], "--ngram-sizes is read by method ngram or suffix "
+                                                                     "or tree only; draft would ignore it"),
+    (["generate", "hi", "--method", "eagle", "--k", "6x2", "--tree-width", "4"], "give two tree widths"),
+    (["generate", "hi", "--k-max", "100000000"], "k_max must be in 1..512, got 100000000"),
+    (["analyze", "--temperature", "0.9"], "--temperature 0.9: analyze runs every temperature --temperatures lists"),
+    (["analyze", "--temperatures", "nan"], "--temperatures needs at least one value, each a finite number >= 0"),
 ])
 def test_flags_a_run_would_ignore_or_fail_on_late_are_refused_first(capsys, argv, problem):
     """Found in review: flags ignored without a word (a fixed --k beside --k-max, --k with
@@ -234,7 +243,13 @@ def test_flags_a_run_would_ignore_or_fail_on_late_are_refused_first(capsys, argv
 def test_memory_refuses_a_budget_or_context_it_cannot_mean(capsys):
     memory = ("memory", "--target", "135M", "--no-process")
     code, err = run(capsys, *memory, "--budget", "-1")
-    assert code == 2 and "--budget must be > 0 GiB, got -1.0" in err, err
+    assert code == 2 and "--budget must be a finite number > 0 GiB, got -1.0" in err, err
+    code, err = run(capsys, *memory, "--budget", "inf")  # "fits" anything (found in review)
+    assert code == 2 and "--budget must be a finite number > 0 GiB, got inf" in err, err
+    code, err = run(capsys, *memory, "--k", "1000000000")  # reported 183,105 GiB
+    assert code == 2 and "--k must be in 0..512" in err, err
+    code, err = run(capsys, "check", "a", "b", "--no-calibration", "--k", "-2")  # accepted without calibration
+    assert code == 2 and "--k must be >= 1, got -2" in err, err
     code, err = run(capsys, *memory, "--context", "100000")
     assert code == 2 and "--context 100000 is beyond the model's 8192 positions" in err, err
 
@@ -334,6 +349,16 @@ def test_more_bad_input_is_one_clear_error(tmp_path, capsys, tiny_llama_dir):
             (("train", "data", "--model", model, "--out", "/proc/specdecode-nope"), "--out /proc/specdecode-nope")):
         code, err = run(capsys, *argv)
         assert code == 2 and problem in err and "Traceback" not in err, (argv, err)
+
+
+def test_text_that_is_not_utf8_is_one_clear_error(capsys, tiny_text_model_dir):
+    """Found in review: argv bytes that are not UTF-8 arrive as lone surrogates; the prompt
+    ended in the tokenizer's TypeError (a traceback), and such a --stop could never match."""
+    model = str(tiny_text_model_dir)
+    code, err = run(capsys, "generate", "caf\udce9", "--model", model, "--no-chat-template", "--max-new-tokens", "2")
+    assert code == 2 and "not valid UTF-8" in err and "b'\\xe9'" in err and "Traceback" not in err, err
+    code, err = run(capsys, "generate", "abc", "--model", model, "--stop", "\udce9", "--max-new-tokens", "2")
+    assert code == 2 and "is not valid UTF-8" in err and "Traceback" not in err, err
 
 
 def test_broken_tokenizer_and_generation_config_files_are_named(tmp_path):

@@ -25,13 +25,14 @@ peak resident memory a run reports (``peak_rss_mb``; docs/performance.md compare
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ConfigError, EngineConfig, self_draft_layers
+from ..config import MAX_K, ConfigError, EngineConfig, self_draft_layers
 from ..cost.profile import proc_field_bytes
 
 GIB = 1024**3
@@ -168,8 +169,10 @@ def deployment_memory(target: str, draft: str | None, dtype: str = "bf16", batch
     for flag, value, least in (("--batch", batch, 1), ("--context", context, 1), ("--k", k, 0)):
         if value is not None and value < least:
             raise ConfigError(f"{flag} must be at least {least}, got {value}")
-    if budget_gib is not None and not budget_gib > 0:
-        raise ConfigError(f"--budget must be > 0 GiB, got {budget_gib}")
+    if budget_gib is not None and not 0 < budget_gib < math.inf:  # inf "fit" anything (found in review)
+        raise ConfigError(f"--budget must be a finite number > 0 GiB, got {budget_gib}")
+    if not 0 <= k <= MAX_K:  # a billion drafts reported 183,105 GiB
+        raise ConfigError(f"--k must be in 0..{MAX_K} (draft tokens a step), got {k}")
     EngineConfig(prefill_chunk=prefill_chunk)  # the runtime's bounds on a chunk, checked where they are defined
     if dtype in ("int8", "int4"):
         weights, dtype = weights or dtype, "bf16"
