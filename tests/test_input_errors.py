@@ -351,6 +351,18 @@ def test_more_bad_input_is_one_clear_error(tmp_path, capsys, tiny_llama_dir):
         assert code == 2 and problem in err and "Traceback" not in err, (argv, err)
 
 
+def test_bench_names_a_prompt_beyond_the_context_before_running(tmp_path, capsys, tiny_text_model_dir):
+    """Found in review: the third prompt of a file, 400 tokens on a 256-token model, failed
+    the run when it got there (4 of 6 runs done, nothing written), without its name."""
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"question_id": "short", "prompt": "abc"}, {"question_id": "long-one", "prompt": "ab" * 200}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    code, err = run(capsys, "bench", "--prompts", str(path), "--model", str(tiny_text_model_dir), "--methods", "none",
+                    "--max-new-tokens", "2", "--no-chat-template")
+    assert code == 2 and "prompt 'long-one': prompt has" in err and "context is 256 tokens" in err, err
+    assert "bench:" not in err  # no run started
+
+
 def test_text_that_is_not_utf8_is_one_clear_error(capsys, tiny_text_model_dir):
     """Found in review: argv bytes that are not UTF-8 arrive as lone surrogates; the prompt
     ended in the tokenizer's TypeError (a traceback), and such a --stop could never match."""

@@ -67,12 +67,22 @@ def build_engines(args, methods: list[str], engine_config: EngineConfig, spec_co
 
 
 def encode_prompts(target, prompts: list[dict], engine_config: EngineConfig) -> list[list[int]]:
-    """Each prompt's first turn as token ids."""
-    from ..engine import SpeculativeEngine
+    """Each prompt's first turn as token ids; one the model cannot take (beyond its context)
+    is refused here, by its id, not when the run reaches it (found in review: minutes in,
+    and without saying which prompt)."""
+    from ..engine import SpeculativeEngine, check_prompt
 
     encoder = SpeculativeEngine(target.runtime, target.tokenizer)
-    return [encoder.encode(conversation(p.get("turns", [p["prompt"]])[:1], [], p.get("system")),
-                           engine_config.chat_template) for p in prompts]
+    encoded = []
+    for p in prompts:
+        ids = encoder.encode(conversation(p.get("turns", [p["prompt"]])[:1], [], p.get("system")),
+                             engine_config.chat_template)
+        try:
+            check_prompt(ids, target.runtime.max_positions, target.runtime.vocab_size)
+        except SpecDecodeError as error:
+            raise SpecDecodeError(f"prompt {p['question_id']!r}: {error}") from None
+        encoded.append(ids)
+    return encoded
 
 
 def describe_prompts(prompts: list[dict]) -> str:
