@@ -52,6 +52,21 @@ def test_stop_string_trims_accepted_drafts(text_model):
         assert len(result.token_ids) == free.text.find(stop) + len(stop)
 
 
+def test_a_stop_completed_by_the_last_token_of_the_budget_is_a_stop(text_model):
+    """The stop string ends on exactly the max_new_tokens-th token: finish_reason "stop"
+    and the text before it, plain and speculative (found in review: the tracker's test had
+    no token budget, and an engine that checked the budget first, "length", passed)."""
+    plain = SpeculativeEngine(text_model.runtime, text_model.tokenizer)
+    prompt = text_model.tokenizer("abcabcabc")["input_ids"]
+    free = plain.generate(prompt, SamplingParams(max_new_tokens=30, ignore_eos=True)).text  # a character a token
+    budget = next(n for n in range(6, 30) if free.find(free[n - 3:n]) == n - 3)  # the stop's first occurrence ends at n
+    stop = free[budget - 3:budget]
+    for engine in engines(text_model):
+        result = engine.generate(prompt, SamplingParams(max_new_tokens=budget, stop=(stop,), ignore_eos=True))
+        assert (result.finish_reason, result.text) == ("stop", free[:budget - 3]), engine.method
+        assert len(result.token_ids) == budget
+
+
 def test_eos_stops_and_is_not_emitted(text_model):
     plain = SpeculativeEngine(text_model.runtime, text_model.tokenizer)
     prompt = [5, 6, 7]
