@@ -376,6 +376,8 @@ def cmd_generate(args) -> int:
     from .control.router import Router, router_state_path, update_saved
     from .factory import drafter_key
 
+    if not args.prompt.strip():  # refused by encode, but only after the model loaded and calibrated
+        raise SpecDecodeError("the prompt is empty")
     _check_drafter_flags(args, [args.method])
     _check_k_flags(args, [args.method])
     configured = _spec_config(args, args.method)

@@ -250,6 +250,8 @@ def test_memory_refuses_a_budget_or_context_it_cannot_mean(capsys):
     assert code == 2 and "--k must be in 0..512" in err, err
     code, err = run(capsys, "check", "a", "b", "--no-calibration", "--k", "-2")  # accepted without calibration
     assert code == 2 and "--k must be >= 1, got -2" in err, err
+    code, err = run(capsys, "generate", " ", "--model", "/nowhere/model")  # found after loading and calibrating
+    assert code == 2 and "the prompt is empty" in err, err
     code, err = run(capsys, *memory, "--context", "100000")
     assert code == 2 and "--context 100000 is beyond the model's 8192 positions" in err, err
 
