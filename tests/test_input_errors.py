@@ -240,7 +240,7 @@ def test_flags_a_run_would_ignore_or_fail_on_late_are_refused_first(capsys, argv
     assert code == 2 and problem in err, err
 
 
-def test_memory_refuses_a_budget_or_context_it_cannot_mean(capsys):
+def test_budgets_ks_and_prompts_a_command_cannot_mean_are_refused_first(capsys):
     memory = ("memory", "--target", "135M", "--no-process")
     code, err = run(capsys, *memory, "--budget", "-1")
     assert code == 2 and "--budget must be a finite number > 0 GiB, got -1.0" in err, err
