@@ -268,6 +268,60 @@ def test_long_context_attention_agrees_with_the_torch_backend(tmp_path):
         assert (kernels_logits - torch_logits).abs().max().item() < 0.1 * scale, scale
 
 
+def _llama(path, **shape):
+    """A one-layer random Llama of the given shape (head_dim may differ from hidden / heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, num_hidden_layers=1, initializer_range=0.05, tie_word_embeddings=False,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, **shape)
+    LlamaForCausalLM(config).float().save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("case", ["wide heads", "many kv heads"])
+def test_shapes_whose_scratch_a_fixed_size_overflowed(tmp_path, case):
+    """Found in review (AddressSanitizer): o's input, heads x head_dim, was quantized into
+    codes sized for max(hidden, intermediate) (4 x 64 against 64: T = 65 corrupted the heap),
+    and a row's attention partials, kv_heads x key chunks, into a fixed 4,096 items (512 KV
+    heads beyond 2,048 tokens; 32 KV heads beyond 32,768). Each now agrees with torch."""
+    if case == "wide heads":
+        path = _llama(tmp_path / "m", hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
+        weights, steps = "q8_0", (65,)
+    else:
+        path = _llama(tmp_path / "m", hidden_size=512, intermediate_size=64, num_attention_heads=512,
+                      num_key_value_heads=512, head_dim=8, max_position_embeddings=4096)
+        weights, steps = "fp32", (2048, 60)  # 2,108 keys: 9 chunks of 512 KV heads, 4,608 items
+    ids = torch.randint(0, 97, (1, sum(steps)), generator=torch.Generator().manual_seed(0))
+    outputs = {}
+    for backend in ("kernels", "torch"):
+        runtime = load_native(path, torch.float32, weights, backend)
+        runtime.reset(sum(steps) + 8)
+        outputs[backend] = [runtime(part) for part in ids.split(list(steps), dim=1)][-1]
+        if backend == "kernels":
+            model, buffers = runtime.kernels.model, runtime.kernels.buffers
+            assert buffers["xq"].shape[1] >= 4 * 64 and model.partial_items >= 512 * 9 * (case != "wide heads")
+    scale = outputs["torch"].abs().max().item()
+    tolerance = 0.05 * scale if weights == "q8_0" else 1e-4  # Q8_0 activations against fp32
+    assert (outputs["kernels"] - outputs["torch"]).abs().max().item() < tolerance
+
+
+def test_a_tree_mask_of_another_shape_is_refused(tmp_path):
+    """Found in review: the kernels read mask[t T + j] for every t, j < T whatever the mask's
+    shape (a [2, 2] mask for 4 tokens read memory past it and gave different logits run to
+    run), and a row that saw no key was NaN. Both backends refuse them by name."""
+    path = save_tiny_model(tmp_path / "m", "llama", seed=2, num_layers=1)
+    for backend in ("kernels", "torch"):
+        runtime = load_native(path, torch.float32, "fp32", backend)
+        runtime.reset(16)
+        runtime(torch.tensor([[5, 6, 7, 8]]))
+        for mask in (torch.ones(2, 2, dtype=torch.bool), torch.ones(8, 4, dtype=torch.bool),
+                     torch.zeros(4, 4, dtype=torch.bool)):
+            with pytest.raises(SpecDecodeError, match=r"must be \[4, 4\] with each token seeing itself"):
+                runtime(torch.tensor([[9, 10, 11, 12]]), tree_mask=mask)
+
+
 def test_kernels_agree_with_the_torch_backend(tmp_path):
     path = save_tiny_model(tmp_path / "ref", "llama", seed=9, num_layers=2)
     ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(0))

@@ -84,9 +84,20 @@ def describe_model(model: kernels.Model, cfg, num_layers: int, kv_fmt: str, laye
     model.layers = ctypes.cast(layers, ctypes.POINTER(kernels.Layer))
 
 
-def attach_scratch(model: kernels.Model, cfg, rows: int, widest: int) -> dict[str, torch.Tensor]:
+def partial_items(cfg, capacity: int) -> int:
+    """Attention partials for a cache of ``capacity`` slots: at least one row's (every KV
+    head and key chunk of it), which the kernels need whatever the row grouping. A fixed
+    4,096 items overflowed beyond 1,048,576 / kv_heads tokens (32 KV heads: 32,768; found
+    in review)."""
+    return max(PARTIAL_ITEMS, cfg.num_kv_heads * -(-capacity // kernels.load().sd_key_chunk()))
+
+
+def attach_scratch(model: kernels.Model, cfg, rows: int, widest: int, items: int = PARTIAL_ITEMS) -> dict[str, torch.Tensor]:
     """Scratch buffers for ``rows`` rows, pointed to by ``model``; ``widest``: the widest
-    input a layer's linear takes (quantized activations, norms)."""
+    input a layer's linear takes (quantized activations, norms): at least the hidden size,
+    the intermediate size and o's input, heads x head_dim (a model whose heads were wider
+    than both wrote past the codes; found in review). ``items``: attention partials."""
+    widest = max(widest, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
     buffers = {
         "normed": torch.empty(rows, widest),
         "qkv": torch.empty(rows, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim),
@@ -95,11 +106,11 @@ def attach_scratch(model: kernels.Model, cfg, rows: int, widest: int) -> dict[st
         "xq": torch.empty(rows, widest, dtype=torch.int8),
         "xd": torch.empty(rows, widest // 32 + 1),
         "xs": torch.empty(rows, widest // 32 + 1),
-        "partial": torch.empty(PARTIAL_ITEMS, cfg.num_heads // cfg.num_kv_heads * (cfg.head_dim + 2)),
+        "partial": torch.empty(items, cfg.num_heads // cfg.num_kv_heads * (cfg.head_dim + 2)),
     }
     for name, tensor in buffers.items():
         setattr(model, name, tensor.data_ptr())
-    model.partial_items, model.max_rows = PARTIAL_ITEMS, rows
+    model.partial_items, model.max_rows = items, rows
     return buffers
 
 
@@ -164,8 +175,8 @@ class KernelHeadLayer:
         self.model = kernels.Model()
         self.model.batch = 1
         describe_model(self.model, c, 1, "fp32", self.layers)
-        # the qkv projection reads [embedding; feature], 2 hidden wide
-        self.buffers = attach_scratch(self.model, c, self.CHUNK, max(2 * c.hidden_size, c.intermediate_size))
+        self.widest = 2 * c.hidden_size  # the qkv projection reads [embedding; feature], 2 hidden wide
+        self.buffers = attach_scratch(self.model, c, self.CHUNK, self.widest)
         self.rope = (torch.empty(0), torch.empty(0))
         self.cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -174,6 +185,9 @@ class KernelHeadLayer:
         if k_cache.dtype != torch.float32 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise SpecDecodeError("the head's kernel layer needs a contiguous fp32 cache")
         capacity = k_cache.shape[1]
+        if partial_items(self.config, capacity) > self.model.partial_items:  # attention partials for the longer cache
+            self.buffers = attach_scratch(self.model, self.config, self.CHUNK, self.widest,
+                                          partial_items(self.config, capacity))
         if self.rope[0].shape[0] < capacity:
             self.rope = tuple(t.contiguous() for t in self.rope_of(torch.arange(capacity)))
             self.model.rope_cos, self.model.rope_sin = self.rope[0].data_ptr(), self.rope[1].data_ptr()
@@ -301,14 +315,15 @@ class KernelStack:
         for index in range(self.runtime.num_layers):
             self.layers[index].k_cache = k_cache[index].data_ptr()
             self.layers[index].v_cache = v_cache[index].data_ptr()
-        self._scratch(self.runtime.prefill_chunk * k_cache.shape[1])
+        self._scratch(self.runtime.prefill_chunk * k_cache.shape[1], partial_items(self.runtime.cfg, k_cache.shape[3]))
 
-    def _scratch(self, rows: int) -> None:
-        if rows <= self.max_rows:
+    def _scratch(self, rows: int, items: int = PARTIAL_ITEMS) -> None:
+        if rows <= self.max_rows and items <= self.model.partial_items:
             return
         cfg = self.runtime.cfg
+        rows, items = max(rows, self.max_rows), max(items, self.model.partial_items)
         self.buffers = {"hidden": torch.empty(rows, cfg.hidden_size),
-                        **attach_scratch(self.model, cfg, rows, max(cfg.hidden_size, cfg.intermediate_size))}
+                        **attach_scratch(self.model, cfg, rows, cfg.hidden_size, items)}
         self.max_rows = rows
 
     @property

@@ -631,6 +631,12 @@ class NativeRuntime:
             )
         if tree_mask is not None and num_new > self.prefill_chunk:
             raise SpecDecodeError(f"a token tree of {num_new} nodes exceeds prefill_chunk = {self.prefill_chunk}")
+        if tree_mask is not None and (tuple(tree_mask.shape) != (num_new, num_new)
+                                      or not bool(tree_mask.diagonal().all())):
+            # the kernels read mask[t * T + j] for every t, j < T whatever its shape: a smaller
+            # mask read memory past it, and a row that saw nothing was NaN (found in review)
+            raise SpecDecodeError(f"a tree mask over {num_new} new tokens must be [{num_new}, {num_new}] with each "
+                                  f"token seeing itself, got shape {list(tree_mask.shape)}")
         if any(not 0 <= layer <= self.num_layers for layer in capture):
             raise SpecDecodeError(f"capture layers must lie in 0..{self.num_layers}, got {capture}")
         if self.kernels is not None:
