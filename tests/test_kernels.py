@@ -307,6 +307,25 @@ def test_shapes_whose_scratch_a_fixed_size_overflowed(tmp_path, case):
     assert (outputs["kernels"] - outputs["torch"]).abs().max().item() < tolerance
 
 
+def test_an_eagle_head_the_kernels_cannot_pack_drafts_through_torch(tmp_path):
+    """Found in review: a head whose o input (1 head x 80) is not a multiple of the kernels'
+    32-wide blocks raised ConfigError while its proposer was built, where Medusa's heads
+    fall back to torch."""
+    from specdecode.proposers.eagle import EagleProposer
+    from specdecode.proposers.eagle_head import EagleConfig, EagleHead
+
+    path = _llama(tmp_path / "m", hidden_size=64, intermediate_size=64, num_attention_heads=1,
+                  num_key_value_heads=1, head_dim=80, max_position_embeddings=256)
+    runtime = load_native(path, torch.float32, "fp32", "kernels")
+    head = EagleHead(EagleConfig.for_target(runtime.cfg, 60))
+    proposer = EagleProposer(head, lambda ids: runtime.weights.embed_rows(ids).float())
+    assert proposer.layer is None and not proposer.kernels
+    plain = SpeculativeEngine(runtime).generate([5, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    spec = SpeculativeEngine(runtime, proposer=proposer, k=2).generate([5, 6, 7], SamplingParams(max_new_tokens=6,
+                                                                                                 ignore_eos=True))
+    assert spec.token_ids == plain.token_ids
+
+
 def test_a_tree_mask_of_another_shape_is_refused(tmp_path):
     """Found in review: the kernels read mask[t T + j] for every t, j < T whatever the mask's
     shape (a [2, 2] mask for 4 tokens read memory past it and gave different logits run to

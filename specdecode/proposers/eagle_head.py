@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import SpecDecodeError
+from ..config import ConfigError, SpecDecodeError
 from .base import DraftVocabulary
 
 
@@ -118,7 +118,7 @@ class EagleHead(DraftVocabulary, nn.Module):
         try:
             self.fast = {name: KernelLinear(PackedLinear.quantize(torch.cat([m.weight.detach() for m in mods]), fmt))
                          for name, mods in fused.items()}
-        except KernelsUnavailable:
+        except (KernelsUnavailable, ConfigError):  # no kernels here, or a width they cannot pack (as Medusa's)
             self.fast = None
         self.fast_format = fmt
         return self.fast is not None
