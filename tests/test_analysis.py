@@ -221,23 +221,28 @@ def test_k_sweep_compares_adaptive_with_the_best_fixed_k():
     assert k_sweep(summary, ["none", "ngram@2", "ngram@5"]) == {}  # nothing adaptive to compare
 
 
-def test_check_calibration_tau_is_the_mean_accepted_length(tmp_path, monkeypatch):
-    """Found in review: calibration summed the acceptance of the steps that drafted each
-    position, which overstates tau where a lookup drafts fewer than k tokens (1.865 for
-    1.833 on the real model). Five one-token drafts rejected and one of five accepted whole:
-    1 + 5 / 6 tokens a drafting pass, not 1 + 1/6 + 4."""
+def _calibrated(tmp_path, monkeypatch, steps: list[tuple[int, int]]):
+    """`check`'s calibration (ngram, k 5) on a tiny model, its runs replaced by one run of
+    ``steps`` (drafted, accepted): (the result, that run's stats)."""
     from specdecode import factory
     from specdecode.analysis.compat import calibrate
     from specdecode.metrics import GenerationStats
 
     stats = GenerationStats()
-    for _ in range(5):
-        stats.observe_step(1, 0)
-    stats.observe_step(5, 5)
+    for drafted, accepted in steps:
+        stats.observe_step(drafted, accepted)
     monkeypatch.setattr(factory, "calibration_runs", lambda *args, **kwargs: [stats])
     target = save_tiny_model(tmp_path / "t", seed=1, num_layers=2)
     save_char_tokenizer(target)
-    result = calibrate(str(target), "ngram", dtype="fp32", k=5)
+    return calibrate(str(target), "ngram", dtype="fp32", k=5), stats
+
+
+def test_check_calibration_tau_is_the_mean_accepted_length(tmp_path, monkeypatch):
+    """Found in review: calibration summed the acceptance of the steps that drafted each
+    position, which overstates tau where a lookup drafts fewer than k tokens (1.865 for
+    1.833 on the real model). Five one-token drafts rejected and one of five accepted whole:
+    1 + 5 / 6 tokens a drafting pass, not 1 + 1/6 + 4."""
+    result, stats = _calibrated(tmp_path, monkeypatch, [(1, 0)] * 5 + [(5, 5)])
     assert result["tau"] == pytest.approx(1 + 5 / 6) == pytest.approx(stats.tau)
     assert result["acceptance_per_position"] == pytest.approx([1 / 6] * 5)
 
@@ -247,18 +252,7 @@ def test_check_calibration_counts_the_steps_a_lookup_did_not_draft(tmp_path, mon
     a lookup that found no match on five steps of six (plain steps) and drafted five tokens
     on the sixth, all accepted, read tau 6.00 and 3.33x, where those steps give 1.83 tokens
     a pass (bench's tau) and 11 / (5 + v(5) + 5 c)."""
-    from specdecode import factory
-    from specdecode.analysis.compat import calibrate
-    from specdecode.metrics import GenerationStats
-
-    stats = GenerationStats()
-    for _ in range(5):
-        stats.observe_step(0, 0)
-    stats.observe_step(5, 5)
-    monkeypatch.setattr(factory, "calibration_runs", lambda *args, **kwargs: [stats])
-    target = save_tiny_model(tmp_path / "t", seed=1, num_layers=2)
-    save_char_tokenizer(target)
-    result = calibrate(str(target), "ngram", dtype="fp32", k=5)
+    result, stats = _calibrated(tmp_path, monkeypatch, [(0, 0)] * 5 + [(5, 5)])
     assert result["tau"] == pytest.approx(11 / 6) == pytest.approx(stats.tau)
     assert result["mean_acceptance_length"] == pytest.approx(6.0) and result["drafted_share"] == pytest.approx(1 / 6)
     assert result["expected_speedup_fixed_k"] == pytest.approx(11 / (5 + result["v_k"] + 5 * result["c"]))
