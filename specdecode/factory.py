@@ -90,8 +90,9 @@ def load_model(name: str, dtype: torch.dtype, runtime: str = "auto", weights: st
     carried = native.weights.carried
     requantized = sorted(name for name, how in carried.items() if how.startswith("requantized"))
     if requantized:
-        log(f"{len(requantized)} GGUF tensors are in a format {fmt} cannot carry exactly and were quantized a "
-            f"second time (e.g. {requantized[0]}: {carried[requantized[0]]})")
+        log(f"{len(requantized)} GGUF tensors are in a format {fmt} cannot carry exactly and were quantized "
+            f"(a second time where the GGUF's were quantized already; e.g. {requantized[0]}: "
+            f"{carried[requantized[0]]})")
     return LoadedModel(source, native, load_tokenizer(source))
 
 
@@ -105,9 +106,19 @@ def dense_weights(dtype: torch.dtype) -> str:
 
 
 def auto_candidates(source: ModelSource) -> list[str]:
-    """Formats ``--weights auto`` measures: a GGUF's own 4-bit blocks are the model itself,
-    so int4 competes; a checkpoint stored in 16 or 32 bits is never silently cut below 8."""
-    return ["q4_1", "q8_0", "bf16"] if source.gguf is not None else ["q8_0", "bf16"]
+    """Formats ``--weights auto`` measures: a GGUF whose layers are 4-bit blocks is a 4-bit
+    model, so int4 competes; one stored in 8, 16 or 32 bits, like any other checkpoint, is
+    never silently cut below 8 (any GGUF had int4 among them: an F16 GGUF was quantized to
+    4 bits unasked; found in review)."""
+    if source.gguf is None:
+        return ["q8_0", "bf16"]
+    from .models.loading import gguf_tensor_index
+    from .models.quant import GGML_4BIT
+
+    layers = [t for name, t in gguf_tensor_index(source.gguf, source.path).items()
+              if name.startswith("blk.") and name.endswith(".weight") and len(t.shape) == 2]
+    four_bit = sum(t.tensor_type in GGML_4BIT for t in layers)
+    return ["q4_1", "q8_0", "bf16"] if layers and 2 * four_bit >= len(layers) else ["q8_0", "bf16"]
 
 
 def choose_backend(source: ModelSource, dtype: torch.dtype, weights: str, backend: str, exact: bool | None,

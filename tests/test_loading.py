@@ -151,9 +151,10 @@ def test_weights_auto_times_a_short_context_model_within_its_context(tiny_llama_
     assert model.runtime.max_positions <= 256 and model.runtime(torch.tensor([[1, 2, 3]])).shape[-2] == 3
 
 
-def _tiny_gguf(arch: str, root):
+def _tiny_gguf(arch: str, root, qtype: str = "Q8_0"):
     """A 2-layer ``arch`` model written as llama.cpp writes it (q/k rows reordered for its
-    llama architecture only), Q8_0 linears; returns (path, transformers model)."""
+    llama architecture only), every linear in ``qtype`` (the embedding and the untied head
+    too, as llama.cpp's Q4_1 file type leaves them); returns (path, transformers model)."""
     import gguf
     import numpy as np
     import torch
@@ -176,10 +177,10 @@ def _tiny_gguf(arch: str, root):
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(97)
-    q8 = gguf.GGMLQuantizationType.Q8_0
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
 
     def linear(name, array):
-        writer.add_tensor(name, gguf.quants.quantize(array.astype(np.float32), q8), raw_dtype=q8)
+        writer.add_tensor(name, gguf.quants.quantize(array.astype(np.float32), kind), raw_dtype=kind)
 
     def reorder(array, heads):  # llama.cpp's q/k row order for its llama architecture
         return array.reshape(heads, 2, array.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(array.shape)
@@ -211,17 +212,20 @@ def _tiny_gguf(arch: str, root):
     return path, reference
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_linears_carried_from_a_gguf_keep_the_checkpoints_row_order(tmp_path, arch):
+@pytest.mark.parametrize("arch, qtype", [("llama", "Q8_0"), ("qwen2", "Q8_0"), ("llama", "Q4_1")])
+def test_linears_carried_from_a_gguf_keep_the_checkpoints_row_order(tmp_path, arch, qtype):
     """Found in review: the q/k rows read straight from a GGUF (int8/int4) were put back
     from llama.cpp's order for every architecture; it reorders them for llama only, so a
-    Qwen2 GGUF's q/k were scrambled (logits off by 9.8, argmax agreeing on 10%)."""
+    Qwen2 GGUF's q/k were scrambled (logits off by 9.8, argmax agreeing on 10%). Every
+    tensor is carried from the GGUF as it is (found in review: the test passed with nothing
+    carried, Q8_0 quantizing back to itself; and int4 quantized a Q4_1 embedding and
+    output head to Q8_0 again)."""
     import torch
     from safetensors.torch import save_file
 
     from specdecode.models.llama import load_native
 
-    path, reference = _tiny_gguf(arch, tmp_path / "gguf")
+    path, reference = _tiny_gguf(arch, tmp_path / "gguf", qtype)
     converted = tmp_path / "converted"
     converted.mkdir()
     save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(converted / "model.safetensors"))
@@ -231,7 +235,10 @@ def test_linears_carried_from_a_gguf_keep_the_checkpoints_row_order(tmp_path, ar
     ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = reference(ids).logits
-    runtime = load_native(converted, torch.float32, "q8_0", "torch", path)
+    fmt = qtype.lower()
+    runtime = load_native(converted, torch.float32, fmt, "torch", path)
+    carried = runtime.weights.carried
+    assert len(carried) == 2 + 2 * 7 and set(carried.values()) == {f"exact ({fmt})"}, carried
     runtime.reset(40)
     assert (runtime(ids) - expected).abs().max() < 1e-3
 
@@ -255,6 +262,29 @@ def test_a_gguf_that_scales_rope_is_refused_by_name(tmp_path, monkeypatch):
     writer.close()
     with pytest.raises(ModelNotFoundError, match="scales RoPE .*llama.rope.scaling.factor = 4.0.*rope_freqs"):
         resolve_model(str(path))
+    older = tmp_path / "scale-linear.gguf"  # the older key, which llama.cpp still reads (found in review)
+    writer = gguf.GGUFWriter(str(older), "llama")
+    writer.add_block_count(1)
+    writer.add_float32("llama.rope.scale_linear", 4.0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelNotFoundError, match="scales RoPE .*llama.rope.scale_linear = 4.0"):
+        resolve_model(str(older))
+
+
+@pytest.mark.parametrize("qtype, candidates", [("Q4_1", ["q4_1", "q8_0", "bf16"]), ("Q4_0", ["q4_1", "q8_0", "bf16"]),
+                                               ("Q8_0", ["q8_0", "bf16"]), ("F16", ["q8_0", "bf16"])])
+def test_weights_auto_offers_int4_for_a_4bit_gguf_only(tmp_path, qtype, candidates):
+    """Found in review: every GGUF had int4 among --weights auto's candidates, so an F16
+    GGUF was quantized to 4 bits unasked; a GGUF is 4-bit when its layers are."""
+    from specdecode.factory import auto_candidates
+    from specdecode.models.loading import ModelSource
+
+    path, _ = _tiny_gguf("llama", tmp_path / "gguf", qtype)
+    source = ModelSource(str(path), tmp_path / "converted", {}, gguf=path)
+    assert auto_candidates(source) == candidates
 
 
 def test_file_digests_are_remembered_by_stat_and_read_again_after_a_change(tmp_path, monkeypatch):

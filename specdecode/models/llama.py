@@ -220,7 +220,7 @@ class LlamaWeights(nn.Module):
             handles.update({name: handle for name in handle.keys()})
         reader = _GGUFTensors(gguf_path, cfg, Path(model_dir)) if gguf_path is not None and fmt in ("q8_0", "q4_1") else None
         loader = _CheckpointReader(handles, cfg, fmt, dtype, reader)
-        embed = loader.linear("model.embed_tokens.weight", embed_format(fmt))
+        embed = loader.embedding("model.embed_tokens.weight")
         layers = [loader.layer(i) for i in range(cfg.num_layers)]
         norm = loader.tensor("model.norm.weight").to(dtype)
         if cfg.tie_word_embeddings:
@@ -233,7 +233,7 @@ class LlamaWeights(nn.Module):
             loader.consumed.add("lm_head.weight")  # a tied head stored anyway is the embedding
             lm_head = embed
         else:
-            lm_head = loader.linear("lm_head.weight", embed_format(fmt))
+            lm_head = loader.embedding("lm_head.weight")
         loader.check_all_consumed(model_dir)
         model = cls(cfg, embed, layers, norm, lm_head, rope_tables(cfg, model_dir), dtype)
         model.carried = dict(reader.carried) if reader is not None else {}
@@ -338,6 +338,16 @@ class _CheckpointReader:
             return self._carried(name, fmt)
         return self._dense_or_quantized(self.tensor(name), fmt, None)
 
+    def embedding(self, name: str) -> PackedLinear:
+        """The token embedding or the output head: 8-bit where the layers are 4-bit
+        (``embed_format``), but a GGUF's own 4-bit blocks stay as they are (asking for Q8_0
+        de-quantized and quantized them again: an untied Q4_1 GGUF's logits moved by 0.16;
+        found in review)."""
+        fmt = embed_format(self.fmt)
+        if self.fmt == "q4_1" and self.gguf is not None and self.gguf.has(name) and self.gguf.is_4bit(name, exact=True):
+            fmt = "q4_1"
+        return self.linear(name, fmt)
+
     def fused(self, names: list[str], biases: list[str] | None) -> PackedLinear:
         bias = torch.cat([self.tensor(b) for b in biases]) if biases else None
         if self.gguf is not None and all(self.gguf.has(n) for n in names):
@@ -401,6 +411,13 @@ class _GGUFTensors:
 
     def has(self, name: str) -> bool:
         return self._gguf_name(name) in self.tensors
+
+    def is_4bit(self, name: str, exact: bool = False) -> bool:
+        """Whether the GGUF stores ``name`` in 4-bit blocks (``exact``: ones Q4_1 carries as
+        they are, Q4_0 and Q4_1)."""
+        from .quant import GGML_4BIT, GGML_Q4_0, GGML_Q4_1
+
+        return self.tensors[self._gguf_name(name)].tensor_type in ((GGML_Q4_0, GGML_Q4_1) if exact else GGML_4BIT)
 
     def linear(self, name: str, fmt: str) -> PackedLinear:
         from .quant import from_gguf

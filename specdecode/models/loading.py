@@ -235,11 +235,12 @@ def _refuse_scaled_rope(gguf_path: Path) -> None:
         return
     found = []
     for key, field in reader.fields.items():
-        if not key.endswith((".rope.scaling.type", ".rope.scaling.factor")) or not field.data:
+        # rope.scale_linear: the older key, which llama.cpp still reads (found in review)
+        if not key.endswith((".rope.scaling.type", ".rope.scaling.factor", ".rope.scale_linear")) or not field.data:
             continue
         value = field.parts[field.data[0]]
         value = bytes(value).decode(errors="replace") if field.types[0] == gguf.GGUFValueType.STRING else value[0]
-        if value not in ("none", 1.0):  # "none", or a factor of 1: no scaling
+        if value not in ("none", 0.0, 1.0):  # "none", or a factor of 1 (0: unset): no scaling
             found.append(f"{key} = {value}")
     if any(tensor.name == "rope_freqs.weight" for tensor in reader.tensors):
         found.append("the rope_freqs tensor")

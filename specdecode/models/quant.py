@@ -39,6 +39,8 @@ WEIGHT_CHOICES = {"fp32": "fp32", "bf16": "bf16", "int8": "q8_0", "int4": "q4_1"
 
 # GGML type ids (ggml.h) of the formats carried exactly
 GGML_F32, GGML_F16, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, GGML_BF16 = 0, 1, 2, 3, 8, 30
+GGML_Q4_K = 12
+GGML_4BIT = (GGML_Q4_0, GGML_Q4_1, GGML_Q4_K)  # GGUF block types of 4-bit weights
 
 
 class PackedLinear(nn.Module):
