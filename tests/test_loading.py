@@ -151,10 +151,12 @@ def test_weights_auto_times_a_short_context_model_within_its_context(tiny_llama_
     assert model.runtime.max_positions <= 256 and model.runtime(torch.tensor([[1, 2, 3]])).shape[-2] == 3
 
 
-def _tiny_gguf(arch: str, root, qtype: str = "Q8_0"):
+def _tiny_gguf(arch: str, root, qtype: str = "Q8_0", types: dict[str, str] | None = None):
     """A 2-layer ``arch`` model written as llama.cpp writes it (q/k rows reordered for its
     llama architecture only), every linear in ``qtype`` (the embedding and the untied head
-    too, as llama.cpp's Q4_1 file type leaves them); returns (path, transformers model)."""
+    too, as llama.cpp's Q4_1 file type leaves them) unless ``types`` names another for a
+    tensor (its GGUF name without .weight and block: "attn_v"); returns (path, transformers
+    model)."""
     import gguf
     import numpy as np
     import torch
@@ -177,9 +179,8 @@ def _tiny_gguf(arch: str, root, qtype: str = "Q8_0"):
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(97)
-    kind = getattr(gguf.GGMLQuantizationType, qtype)
-
     def linear(name, array):
+        kind = getattr(gguf.GGMLQuantizationType, (types or {}).get(name.split(".")[-2], qtype))
         writer.add_tensor(name, gguf.quants.quantize(array.astype(np.float32), kind), raw_dtype=kind)
 
     def reorder(array, heads):  # llama.cpp's q/k row order for its llama architecture
@@ -272,6 +273,42 @@ def test_a_gguf_that_scales_rope_is_refused_by_name(tmp_path, monkeypatch):
     writer.close()
     with pytest.raises(ModelNotFoundError, match="scales RoPE .*llama.rope.scale_linear = 4.0"):
         resolve_model(str(older))
+
+
+def test_a_fused_projection_of_mixed_gguf_block_types_loads_as_int4(tmp_path):
+    """Found in review: a Q8_0 attn_v beside Q4_1 q and k (what llama.cpp's Q4_K_M writes
+    where a width is no multiple of 256, SmolLM2's among them) failed --weights int4 with
+    "only layers of one format ... can be fused", naming no tensor. The 4-bit parts are
+    quantized to Q8_0 (which holds their values closely), and the load says so."""
+    import torch
+    from safetensors.torch import save_file
+
+    from specdecode.models.llama import load_native
+
+    path, reference = _tiny_gguf("llama", tmp_path / "gguf", "Q4_1", types={"attn_v": "Q8_0"})
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(converted / "model.safetensors"))
+    config = reference.config.to_dict()
+    config.pop("quantization_config", None)
+    (converted / "config.json").write_text(json.dumps(config, default=str))
+    runtime = load_native(converted, torch.float32, "q4_1", "torch", path)
+    carried = runtime.weights.carried
+    assert carried["blk.0.attn_v.weight"] == "exact (q8_0)" and carried["blk.0.ffn_up.weight"] == "exact (q4_1)"
+    assert carried["blk.0.attn_q.weight"].startswith("requantized (q8_0) from q4_1")
+    assert runtime.weights.layers[0].qkv.fmt == "q8_0" and runtime.weights.layers[0].o.fmt == "q4_1"
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(ids).logits
+    runtime.reset(40)
+    # q and k rounded to 8 bits: 4% of the largest logit here (to 4 bits, v: 25%)
+    assert (runtime(ids) - expected).abs().max() < 0.08 * expected.abs().max()
+    from specdecode import kernels
+
+    if kernels.available():  # the kernels take the layer's projections in two formats too
+        fast = load_native(converted, torch.float32, "q4_1", "kernels", path)
+        fast.reset(40)
+        assert (fast(ids) - expected).abs().max() < 0.3 * expected.abs().max()  # and 8-bit activations
 
 
 @pytest.mark.parametrize("qtype, candidates", [("Q4_1", ["q4_1", "q8_0", "bf16"]), ("Q4_0", ["q4_1", "q8_0", "bf16"]),

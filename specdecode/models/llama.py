@@ -352,6 +352,12 @@ class _CheckpointReader:
         bias = torch.cat([self.tensor(b) for b in biases]) if biases else None
         if self.gguf is not None and all(self.gguf.has(n) for n in names):
             parts = [self._carried(n, self.fmt) for n in names]
+            if len({part.fmt for part in parts}) > 1:  # e.g. a Q8_0 attn_v beside 4-bit q and k (llama.cpp's
+                # Q4_K_M where a width is no multiple of 256): the 4-bit parts go to Q8_0, which holds their
+                # values closely, and the load log says so (one format was refused with a message that named
+                # no tensor; found in review)
+                parts = [part if part.fmt == "q8_0" else self.gguf.requantized(name, part, "q8_0")
+                         for name, part in zip(names, parts)]
             fused = PackedLinear.concat(parts)
             if bias is not None:
                 fused.bias = nn.Parameter(bias.float(), requires_grad=False)
@@ -418,6 +424,11 @@ class _GGUFTensors:
         from .quant import GGML_4BIT, GGML_Q4_0, GGML_Q4_1
 
         return self.tensors[self._gguf_name(name)].tensor_type in ((GGML_Q4_0, GGML_Q4_1) if exact else GGML_4BIT)
+
+    def requantized(self, name: str, layer: PackedLinear, fmt: str) -> PackedLinear:
+        """``layer`` (carried for ``name``) quantized to ``fmt``, recorded as such."""
+        self.carried[self._gguf_name(name)] = f"requantized ({fmt}) from {layer.fmt}: fused with {fmt} parts"
+        return PackedLinear.quantize(layer.dequantize(), fmt)
 
     def linear(self, name: str, fmt: str) -> PackedLinear:
         from .quant import from_gguf
