@@ -85,7 +85,10 @@ def load_model(name: str, dtype: torch.dtype, runtime: str = "auto", weights: st
     if fmt == "auto":
         from .cost.formats import fastest_weights
 
-        fmt = fastest_weights(str(source.path.resolve()), dtype, auto_candidates(source), load)
+        # keyed by the files too: another checkpoint saved where this one was took its choice (a
+        # q8_0 that its 48-wide layers could not take; found in review)
+        key = f"{source.path.resolve()}{checkpoint_mark(source.path)}"
+        fmt = fastest_weights(key, dtype, auto_candidates(source), load)
     native = load(fmt)
     carried = native.weights.carried
     requantized = sorted(name for name, how in carried.items() if how.startswith("requantized"))
@@ -311,6 +314,12 @@ def _fingerprint_mark(path: Path) -> str:
     return f" sha256:{_file_fingerprint(path, stat.st_size, stat.st_mtime)}" if stat else ""
 
 
+def checkpoint_mark(directory: Path) -> str:
+    """Fingerprints of a checkpoint directory's config.json and first weight file."""
+    weights = min(directory.glob("*.safetensors"), default=directory / "model.safetensors")
+    return _fingerprint_mark(directory / "config.json") + _fingerprint_mark(weights)
+
+
 def drafter_key(spec: SpeculativeConfig) -> str:
     """How a drafter is named in cost profiles and reports. A head's name carries a
     fingerprint of its weights, so a retrained head is calibrated anew; a drafter that
@@ -333,8 +342,7 @@ def drafter_key(spec: SpeculativeConfig) -> str:
         return f"ngram{mark_sizes}"
     path = Path(spec.draft or "").expanduser()
     if spec.draft and path.exists():  # a draft model's files: one key by any path, a new one when they change
-        weights = path if path.is_file() else min(path.glob("*.safetensors"), default=path / "model.safetensors")
-        return f"draft:{path.resolve()}{_fingerprint_mark(weights)}"
+        return f"draft:{path.resolve()}{_fingerprint_mark(path) if path.is_file() else checkpoint_mark(path)}"
     return f"draft:{spec.draft}"  # self:L, or a name the loader resolves
 
 

@@ -1070,6 +1070,24 @@ def test_weights_auto_leaves_out_a_format_the_file_cannot_take(tmp_path, monkeyp
         formats.fastest_weights("mixed-3", torch.float32, ["q4_1", "q8_0"], refuse)
 
 
+def test_weights_auto_measures_again_for_another_checkpoint_at_the_same_path(tmp_path, monkeypatch):
+    """Found in review: the measured choice was keyed by the directory's path, so a model
+    saved where another had been took its choice, one it could not load (q8_0 for 48-wide
+    layers: a ConfigError instead of bf16)."""
+    import shutil
+
+    from specdecode.cost import formats
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(formats, "step_ms", lambda runtimes: {name: {"q8_0": 1.0}.get(name, 2.0) for name in runtimes})
+    model = tmp_path / "model"
+    save_tiny_model(model, seed=1, num_layers=1)
+    assert load_model(str(model), torch.bfloat16).runtime.weight_format == "q8_0"
+    shutil.rmtree(model)
+    save_tiny_model(model, seed=2, num_layers=1, hidden_size=48, num_heads=3, num_kv_heads=1)
+    assert load_model(str(model), torch.bfloat16).runtime.weight_format == "bf16"
+
+
 def test_cost_caches_that_cannot_be_written_leave_the_run_going(tmp_path, monkeypatch, capsys):
     """Found in review: on a read-only cache (a pre-built image) the cost profile and the
     weight-format choice were measured for minutes, then saving them raised OSError."""
