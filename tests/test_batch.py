@@ -298,7 +298,7 @@ def test_rows_the_cap_keeps_plain_skip_their_k_choice_between_rechecks(model_dir
     engine.batch_cost = lambda rows, width, context: 100.0 + rows * width  # now drafts are nearly free
     for _ in range(engine.recheck_every + 1):
         engine.step()
-    assert sum(r.stats.draft_tokens for r in rows) > 0
+    assert sum(r.stats.draft_tokens for r in rows) > drafted  # (> 0 held with no recheck: found in review)
     engine.run()
     assert [r.generated for r in rows] == expected
 
@@ -438,10 +438,41 @@ def test_prefix_cache_stands_aside_for_hidden_state_drafters_and_foreign_writes(
                                          (prompt, SamplingParams(max_new_tokens=4), 0)], True,
                                make_drafter=Capturing, k=2)
     assert a.cached_tokens == b.cached_tokens == 0
+    # no lookup, no query (found in review: every admitted prompt counted as looked up, a
+    # server with caching off too, so the hit rate read from the counters was wrong)
+    assert a.looked_up == b.looked_up == 0 and engine.prefix_queries == 0
     engine.add(prompt, SamplingParams(max_new_tokens=4), speculate=False)
     runtime.reset(160, batch=3)  # the same tensors, but no longer the engine's
     engine.run()
     assert engine.prefix_hits == 0
+    off = BatchEngine(runtime, max_num_seqs=2, max_model_len=96)
+    off.prefix_caching = False  # --no-enable-prefix-caching
+    off.add(prompt, SamplingParams(max_new_tokens=2), speculate=False)
+    off.run()
+    assert off.prefix_queries == 0
+
+
+def test_an_audit_rerun_keeps_its_requests_cache_salt(model_dir):
+    """Found in review: the audit re-ran a salted request without its cache_salt, so its row
+    offered the tenant's prompt to every unsalted request (12 of 20 tokens cached, where
+    the salt should have kept it 0)."""
+    from specdecode.serve.audit import Auditor
+    from specdecode.serve.metrics import ServerMetrics
+
+    engine = BatchEngine(runtime_for(model_dir, "torch"), max_num_seqs=2, max_model_len=128)
+    auditor = Auditor(engine, 1.0, ServerMetrics("tiny-audit-salt"))
+    secret = [5, 6, 7, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    original = engine.add(secret, params, proposer=NgramProposer(), policy=2, cache_salt="tenant-a")
+    engine.run()
+    auditor.offer(original)
+    assert auditor.run_one()
+    rerun = engine.waiting[-1]
+    engine.run()
+    assert rerun.cache_salt == "tenant-a"
+    other = engine.add(secret[:12] + [40, 41], params)  # another tenant, no salt, guessing the prefix
+    engine.run()
+    assert other.cached_tokens == 0
 
 
 @needs_kernels

@@ -44,8 +44,11 @@ class Auditor:
             return False
         original = self.backlog.popleft()
         params = replace(original.params, seed=original.seed)  # the seed it drew with, if it was not given one
+        # prefilled in full: an independent re-run; under the request's cache_salt, since its row serves
+        # prefixes like any other (unsalted, a tenant's prompt was offered to every unsalted request; found
+        # in review)
         audit = self.engine.add(original.prompt_ids, params, f"{original.request_id}-audit", speculate=False,
-                                 reuse_prefix=False)  # prefilled in full: an independent re-run
+                                 reuse_prefix=False, cache_salt=original.cache_salt)
         audit.audit_of = original
         audit.task_type = original.task_type
         return True

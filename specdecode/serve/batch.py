@@ -347,7 +347,7 @@ class BatchEngine:
                     break
                 del self.waiting[index]
                 try:
-                    self._place(sequence, best, source)
+                    self._place(sequence, best, source, looked_up=owned and self._reusable(sequence))
                     capacity = min(len(sequence.prompt_ids) + sequence.params.max_new_tokens + 1
                                    + self._k_max(sequence), self.max_model_len)
                     if sequence.proposer is not None:
@@ -431,9 +431,12 @@ class BatchEngine:
                       if s.share_prefix and not s.prefill_done and s.cache_salt == sequence.cache_salt), default=0)
         return coming >= PREFIX_WAIT_MIN and coming > best
 
-    def _place(self, sequence: Sequence, best: int, source: int | None) -> None:
+    def _place(self, sequence: Sequence, best: int, source: int | None, looked_up: bool = True) -> None:
         """Give ``sequence`` a free cache row holding its ``best`` cached prefix, the entries
-        of row ``source`` (``_best_prefix``)."""
+        of row ``source`` (``_best_prefix``). ``looked_up``: whether its prompt was looked up
+        in the prefix cache (not with caching off, for a drafter that needs every prompt
+        state, or on a cache written from outside), counted as vLLM counts queries (every
+        prompt was: a server with caching off reported queries and a wrong hit rate)."""
         if source is not None and source in self.free_rows and best == len(self.row_tokens[source]):
             self.free_rows.remove(source)  # it holds nothing more: take it as it is
             row = source
@@ -449,8 +452,8 @@ class BatchEngine:
         self.row_tokens[row] = []
         sequence.cache_row = row
         sequence.prefilled = sequence.cached_tokens = best
-        sequence.looked_up = len(sequence.prompt_ids)
-        self.prefix_queries += len(sequence.prompt_ids)
+        sequence.looked_up = len(sequence.prompt_ids) if looked_up else 0
+        self.prefix_queries += sequence.looked_up
         self.prefix_hits += best
 
     @staticmethod
