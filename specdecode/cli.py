@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", default=None, help="JSONL or a JSON array: Spec-Bench question.jsonl (every turn, "
                        "each after the model's own reply to the one before), {prompt, category}, GSM8K, Alpaca, "
                        "ShareGPT or chat messages; default: our suite")
-    bench.add_argument("--methods", default="none,ngram", help="comma list of none, ngram, suffix, draft, eagle, tree, hf (transformers generate), llamacpp")
+    bench.add_argument("--methods", default="none,ngram", help="comma list of none, ngram, suffix, draft, eagle, tree, medusa, hf (transformers generate), llamacpp")
     bench.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
     bench.add_argument("--out", default=None, help="write per-prompt records and the summary as JSON")
     bench.add_argument("--repeats", type=int, default=1, help=REPEATS_HELP)
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--k", type=int, default=5, help="k for the calibration")
     check.add_argument("--no-calibration", action="store_true", help="tokenizer and architecture checks only")
 
-    train = verbs.add_parser("train", help="train drafters for a target: data (the target's answers), eagle (a head), store (suffix lookup's), export (a head for vLLM)")
+    train = verbs.add_parser("train", help="train drafters for a target: data (the target's answers), eagle (a head), medusa (heads), store (suffix lookup's), export (a head for vLLM)")
     train_verbs = train.add_subparsers(dest="train_verb", required=True)
     data = train_verbs.add_parser("data", help="the target's own answers to our training prompts, and local code for teacher forcing (resumable)")
     data.add_argument("--target", "--model", dest="model", default="default", help="'default' (SmolLM2-135M-Instruct), a HF directory or a .gguf file")
@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = verbs.add_parser("serve", help="OpenAI-compatible HTTP server: continuous batching, per-request speculation, Prometheus metrics")
     srv.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a HF directory or a .gguf file")
     srv.add_argument("--served-model-name", default=None, help="the model id clients send (default: SmolLM2-135M-Instruct, or --model)")
-    srv.add_argument("--speculative-config", default=None, help='JSON with vLLM\'s keys (method: ngram|suffix|eagle|eagle3|none, model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max) and ours ("num_speculative_tokens": "auto", preset, router); default: suffix, k auto, router on')
+    srv.add_argument("--speculative-config", default=None, help='JSON with vLLM\'s keys (method: ngram|suffix|eagle|eagle3|medusa|none (draft_model and tree are refused: not batched yet), model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max) and ours ("num_speculative_tokens": "auto", k_max, k_policy, preset, router); default: suffix, k auto, router on')
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
