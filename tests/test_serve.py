@@ -422,6 +422,78 @@ def test_api_key_and_full_queue(model_dir):
         assert response.status_code == 400 and "exceeds what the server holds" in response.json()["error"]["message"]
 
 
+def test_a_full_queue_is_a_503_and_an_audit_gives_its_row_back(model_dir, monkeypatch):
+    """Found in review: no test saw the 503 over HTTP (its JSON and Retry-After). And an
+    audit's re-run held its row to its end: with one row and no queue, a lone client got
+    "queue full" from a server whose gauges showed nothing running. The re-run now gives
+    the row back and runs again later. Steps are slowed so that a request lasts."""
+    from specdecode.serve.batch import BatchEngine
+
+    step = BatchEngine.step
+
+    def slow(self):
+        time.sleep(0.01)
+        return step(self)
+
+    monkeypatch.setattr(BatchEngine, "step", slow)
+    long = {"prompt": "abcabc", "max_tokens": 150, "temperature": 0, "ignore_eos": True}
+    short = {"prompt": "hi", "max_tokens": 2}
+
+    def wait_for(condition):
+        deadline = time.time() + 20
+        while not condition() and time.time() < deadline:
+            time.sleep(0.005)
+        assert condition()
+
+    client, state = make_client(model_dir, max_num_seqs=1, max_queued_requests=0)
+    with client, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        first = pool.submit(client.post, "/v1/completions", json=long)
+        wait_for(lambda: state.engine.running)
+        response = client.post("/v1/completions", json=short)
+        assert response.status_code == 503 and response.headers["Retry-After"] == "1"
+        assert response.json()["error"]["code"] == "overloaded"
+        assert first.result().status_code == 200
+    client, state = make_client(model_dir, max_num_seqs=1, max_queued_requests=0, audit_rate=1.0)
+    with client:
+        assert client.post("/v1/completions", json=long).status_code == 200
+        wait_for(lambda: any(getattr(s, "audit_of", None) is not None for s in list(state.engine.running)))
+        assert client.post("/v1/completions", json=short).status_code == 200
+        checked = state.metrics.audit_checked.labels(model_name="tiny")
+        wait_for(lambda: checked._value.get() >= 1)  # run again once the row was free
+        assert state.auditor.mismatches == []
+
+
+def test_an_error_while_failing_a_step_leaves_the_engine_serving(model_dir, monkeypatch):
+    """Found in review: ending the requests of a failed step detokenizes and calls their
+    listeners again, unguarded; when that failed too, the engine thread died, and the
+    request in flight and every later one waited forever."""
+    from specdecode.serve.batch import BatchEngine
+
+    step, finish = BatchEngine.step, BatchEngine._finish
+    trouble = {"step": 1, "finish": 1}
+
+    def bad_step(self):
+        if trouble["step"] and self.running:
+            trouble["step"] -= 1
+            raise RuntimeError("a step fails")
+        return step(self)
+
+    def bad_finish(self, sequence, reason, *args, **kwargs):
+        if trouble["finish"] and reason == "abort":
+            trouble["finish"] -= 1
+            raise ValueError("and so does ending its requests")
+        return finish(self, sequence, reason, *args, **kwargs)
+
+    monkeypatch.setattr(BatchEngine, "step", bad_step)
+    monkeypatch.setattr(BatchEngine, "_finish", bad_finish)
+    client, state = make_client(model_dir)
+    with client:
+        failed = client.post("/v1/completions", json={"prompt": "abcabc", "max_tokens": 8})
+        assert failed.status_code == 500 and trouble == {"step": 0, "finish": 0}
+        assert state.thread.is_alive()
+        assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
 def test_the_queue_limit_counts_the_requests_beyond_the_free_rows(model_dir):
     """Two free rows and room for one queued request: the fourth request at once gets 503
     with Retry-After (the engine does not run here, so all of them wait)."""

@@ -209,6 +209,11 @@ class ChatRequest(_Common):
 
 
 # -- the engine thread -------------------------------------------------------------------
+def _is_audit(sequence: Sequence) -> bool:
+    """Whether ``sequence`` is an audit's plain re-run (serve/audit.py), not a user request."""
+    return getattr(sequence, "audit_of", None) is not None
+
+
 @dataclass
 class ServerState:
     engine: BatchEngine
@@ -250,6 +255,7 @@ class ServerState:
                 self.wakeup.wait(0.05)
                 self.wakeup.clear()
                 continue
+            self._preempt_audits()
             try:
                 finished = engine.step()
             except Exception:  # never let the thread die: fail the batch, keep serving
@@ -279,7 +285,7 @@ class ServerState:
         """The running and waiting gauges: user requests only (the audit's plain re-runs
         are not traffic), from the engine thread and from each submission (which reads a copy
         of the engine's lists: the engine thread may change them meanwhile)."""
-        user = lambda sequences: sum(getattr(s, "audit_of", None) is None for s in list(sequences))  # noqa: E731
+        user = lambda sequences: sum(not _is_audit(s) for s in list(sequences))  # noqa: E731
         self.metrics.queue(user(self.engine.running), user(self.engine.waiting))
 
     def _count_tokens(self, sequences: list[Sequence]) -> None:
@@ -287,13 +293,26 @@ class ServerState:
         once its first token is out, and the tokens each step added. The audit's re-runs are
         not traffic."""
         for sequence in sequences:
-            if getattr(sequence, "audit_of", None) is not None or sequence.first_token_time is None:
+            if _is_audit(sequence) or sequence.first_token_time is None:
                 continue
             if not sequence.counted_prompt:
                 sequence.counted_prompt = True
                 self.metrics.first_token(len(sequence.prompt_ids), sequence.first_token_time - sequence.arrival)
             self.metrics.generated(sequence.output_tokens - sequence.counted_generated)
             sequence.counted_generated = sequence.output_tokens
+
+    def _preempt_audits(self) -> None:
+        """A user request waiting for a row that an audit's re-run holds takes it: the re-run
+        stops and goes back to the audit's backlog. (An audit held its row to its end: with
+        one row, a lone client got "queue full" from a server whose gauges showed nothing
+        running; found in review.)"""
+        engine = self.engine
+        if self.auditor is None or engine.free_rows or all(_is_audit(s) for s in list(engine.waiting)):
+            return
+        for sequence in list(engine.running):
+            if _is_audit(sequence) and not sequence.finished:
+                sequence.preempted = True
+                engine.abort(sequence)
 
     def _fail_all(self) -> list[Sequence]:
         engine = self.engine
@@ -303,12 +322,18 @@ class ServerState:
             if sequence.finished:  # finished in the failed step: reaped with the others, reported once
                 continue
             sequence.error = "internal error while decoding"
-            engine._finish(sequence, "abort")
+            try:
+                engine._finish(sequence, "abort")
+            except Exception:  # its text or listener failed again: end it without them, the thread lives on
+                logger.exception("ending request %s failed", sequence.request_id)
+                sequence.finish_reason = "abort"
+                if sequence.listener is not None:
+                    sequence.listener(sequence, StepOutput([], "", "abort"))
         engine._reap(failed)
         return failed
 
     def _finished(self, sequence: Sequence) -> None:
-        if getattr(sequence, "audit_of", None) is not None:
+        if _is_audit(sequence):
             self.auditor.offer(sequence)
             return
         saved = self.speculation.seconds_saved(sequence)
@@ -336,9 +361,13 @@ class ServerState:
         if not self.accepting:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down",
                            headers={"Retry-After": "5"})
+        if self.thread is not None and not self.thread.is_alive():  # nothing would ever answer it
+            raise APIError(503, "the server's engine has stopped; restart the server", "server_error",
+                           code="engine_stopped")
         # a request that a free row takes at the next step is not queued: only those beyond
         # the free rows count against --max-queued-requests
-        free_rows = len(self.engine.free_rows)
+        # rows held by audits' re-runs count as free: the engine takes them back (_preempt_audits)
+        free_rows = len(self.engine.free_rows) + sum(_is_audit(s) for s in list(self.engine.running))
         if index == 0 and self.engine.num_waiting + choices > self.max_queued_requests + free_rows:
             raise APIError(503, f"the request queue is full ({self.max_queued_requests} waiting); retry later",
                            "server_error", code="overloaded", headers={"Retry-After": "1"})

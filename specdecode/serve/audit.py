@@ -56,6 +56,9 @@ class Auditor:
     @torch.inference_mode()
     def compare(self, audit) -> None:
         original = audit.audit_of
+        if getattr(audit, "preempted", False):  # a user request took its row: run it again later
+            self.backlog.appendleft(original)
+            return
         if audit.finish_reason == "abort" or audit.error is not None:
             # the re-run failed (an engine error aborted it): nothing was compared, and an empty
             # output is no evidence of a mismatch (it was counted as one)
