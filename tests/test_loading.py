@@ -213,6 +213,19 @@ def _tiny_gguf(arch: str, root, qtype: str = "Q8_0", types: dict[str, str] | Non
     return path, reference
 
 
+def _converted(reference, directory):
+    """The transformers model ``reference`` saved as the conversion directory of its GGUF
+    (safetensors and config.json), as loading a GGUF makes one."""
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(directory / "model.safetensors"))
+    config = reference.config.to_dict()
+    config.pop("quantization_config", None)
+    (directory / "config.json").write_text(json.dumps(config, default=str))
+    return directory
+
+
 @pytest.mark.parametrize("arch, qtype", [("llama", "Q8_0"), ("qwen2", "Q8_0"), ("llama", "Q4_1")])
 def test_linears_carried_from_a_gguf_keep_the_checkpoints_row_order(tmp_path, arch, qtype):
     """Found in review: the q/k rows read straight from a GGUF (int8/int4) were put back
@@ -222,17 +235,11 @@ def test_linears_carried_from_a_gguf_keep_the_checkpoints_row_order(tmp_path, ar
     carried, Q8_0 quantizing back to itself; and int4 quantized a Q4_1 embedding and
     output head to Q8_0 again)."""
     import torch
-    from safetensors.torch import save_file
 
     from specdecode.models.llama import load_native
 
     path, reference = _tiny_gguf(arch, tmp_path / "gguf", qtype)
-    converted = tmp_path / "converted"
-    converted.mkdir()
-    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(converted / "model.safetensors"))
-    config = reference.config.to_dict()
-    config.pop("quantization_config", None)
-    (converted / "config.json").write_text(json.dumps(config, default=str))
+    converted = _converted(reference, tmp_path / "converted")
     ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = reference(ids).logits
@@ -281,17 +288,11 @@ def test_a_fused_projection_of_mixed_gguf_block_types_loads_as_int4(tmp_path):
     "only layers of one format ... can be fused", naming no tensor. The 4-bit parts are
     quantized to Q8_0 (which holds their values closely), and the load says so."""
     import torch
-    from safetensors.torch import save_file
 
     from specdecode.models.llama import load_native
 
     path, reference = _tiny_gguf("llama", tmp_path / "gguf", "Q4_1", types={"attn_v": "Q8_0"})
-    converted = tmp_path / "converted"
-    converted.mkdir()
-    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(converted / "model.safetensors"))
-    config = reference.config.to_dict()
-    config.pop("quantization_config", None)
-    (converted / "config.json").write_text(json.dumps(config, default=str))
+    converted = _converted(reference, tmp_path / "converted")
     runtime = load_native(converted, torch.float32, "q4_1", "torch", path)
     carried = runtime.weights.carried
     assert carried["blk.0.attn_v.weight"] == "exact (q8_0)" and carried["blk.0.ffn_up.weight"] == "exact (q4_1)"
