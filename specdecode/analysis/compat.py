@@ -222,7 +222,8 @@ def calibrate(target: str, draft: str, dtype: str = "bf16", k: int = 5) -> dict:
     first, later = acceptance_rates(runs)
 
     def speedup_at(n: int) -> float:  # the undrafted share stays plain steps at any k
-        return ((1 - share) + share * tau_two_rates(first, later, n)) / ((1 - share) + share * (profile.v(n, 256) + n * c))
+        tokens = (1 - share) + share * tau_two_rates(first, later, n)
+        return tokens / ((1 - share) + share * (profile.v(n, 256) + n * c))
 
     k_best, best = max(((n, speedup_at(n)) for n in range(1, min(10, most or 10) + 1)), key=lambda pair: pair[1],
                        default=(0, 1.0))

@@ -92,7 +92,8 @@ def partial_items(cfg, capacity: int) -> int:
     return max(PARTIAL_ITEMS, cfg.num_kv_heads * -(-capacity // kernels.load().sd_key_chunk()))
 
 
-def attach_scratch(model: kernels.Model, cfg, rows: int, widest: int, items: int = PARTIAL_ITEMS) -> dict[str, torch.Tensor]:
+def attach_scratch(model: kernels.Model, cfg, rows: int, widest: int,
+                   items: int = PARTIAL_ITEMS) -> dict[str, torch.Tensor]:
     """Scratch buffers for ``rows`` rows, pointed to by ``model``; ``widest``: the widest
     input a layer's linear takes (quantized activations, norms): at least the hidden size,
     the intermediate size and o's input, heads x head_dim (a model whose heads were wider
