@@ -256,8 +256,9 @@ def test_check_calibration_counts_the_steps_a_lookup_did_not_draft(tmp_path, mon
     assert result["tau"] == pytest.approx(11 / 6) == pytest.approx(stats.tau)
     assert result["mean_acceptance_length"] == pytest.approx(6.0) and result["drafted_share"] == pytest.approx(1 / 6)
     assert result["expected_speedup_fixed_k"] == pytest.approx(11 / (5 + result["v_k"] + 5 * result["c"]))
-    # at the best k too, five steps of six stay plain: at most (5 + 1 + k) / (5 + v(k)) < 11 / 5
-    assert result["expected_speedup_best_k"] < 11 / 5
+    # at the best k too, five steps of six stay plain: at most (5 + 1 + k) / (5 + v(k)) <= 16 / 6 at
+    # k <= 10, v >= 1 (every step drafting, it read up to 11 / v(10); the bound is the machine's profile's)
+    assert result["expected_speedup_best_k"] <= 16 / 6
 
 
 class _StepProfile:  # scoring T tokens costs 10 ms (1 + 0.1 (T - 1)): v(k) = 1 + 0.1 k
