@@ -456,7 +456,7 @@ def test_a_full_queue_is_a_503_and_an_audit_gives_its_row_back(model_dir, monkey
     client, state = make_client(model_dir, max_num_seqs=1, max_queued_requests=0, audit_rate=1.0)
     with client:
         assert client.post("/v1/completions", json=long).status_code == 200
-        wait_for(lambda: any(getattr(s, "audit_of", None) is not None for s in list(state.engine.running)))
+        wait_for(lambda: any(s.audit_of is not None for s in list(state.engine.running)))
         assert client.post("/v1/completions", json=short).status_code == 200
         checked = state.metrics.audit_checked.labels(model_name="tiny")
         wait_for(lambda: checked._value.get() >= 1)  # run again once the row was free

@@ -344,7 +344,7 @@ class _CheckpointReader:
         de-quantized and quantized them again: an untied Q4_1 GGUF's logits moved by 0.16;
         found in review)."""
         fmt = embed_format(self.fmt)
-        if self.fmt == "q4_1" and self.gguf is not None and self.gguf.has(name) and self.gguf.is_4bit(name, exact=True):
+        if self.fmt == "q4_1" and self.gguf is not None and self.gguf.has(name) and self.gguf.carries_4bit(name):
             fmt = "q4_1"
         return self.linear(name, fmt)
 
@@ -418,12 +418,12 @@ class _GGUFTensors:
     def has(self, name: str) -> bool:
         return self._gguf_name(name) in self.tensors
 
-    def is_4bit(self, name: str, exact: bool = False) -> bool:
-        """Whether the GGUF stores ``name`` in 4-bit blocks (``exact``: ones Q4_1 carries as
-        they are, Q4_0 and Q4_1)."""
-        from .quant import GGML_4BIT, GGML_Q4_0, GGML_Q4_1
+    def carries_4bit(self, name: str) -> bool:
+        """Whether the GGUF stores ``name`` in 4-bit blocks that Q4_1 carries as they are
+        (Q4_0 and Q4_1)."""
+        from .quant import GGML_Q4_0, GGML_Q4_1
 
-        return self.tensors[self._gguf_name(name)].tensor_type in ((GGML_Q4_0, GGML_Q4_1) if exact else GGML_4BIT)
+        return self.tensors[self._gguf_name(name)].tensor_type in (GGML_Q4_0, GGML_Q4_1)
 
     def requantized(self, name: str, layer: PackedLinear, fmt: str) -> PackedLinear:
         """``layer`` (carried for ``name``) quantized to ``fmt``, recorded as such."""

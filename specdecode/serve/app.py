@@ -211,7 +211,7 @@ class ChatRequest(_Common):
 # -- the engine thread -------------------------------------------------------------------
 def _is_audit(sequence: Sequence) -> bool:
     """Whether ``sequence`` is an audit's plain re-run (serve/audit.py), not a user request."""
-    return getattr(sequence, "audit_of", None) is not None
+    return sequence.audit_of is not None
 
 
 @dataclass

@@ -30,7 +30,7 @@ class Auditor:
     def offer(self, sequence) -> None:
         """A finished request; audited with probability ``rate`` if it speculated, greedily
         or with drafts that the target's own draws verify."""
-        if getattr(sequence, "audit_of", None) is not None:
+        if sequence.audit_of is not None:
             self.compare(sequence)
             return
         comparable = sequence.params.greedy or not getattr(sequence.proposer, "samples_drafts", False)
@@ -56,7 +56,7 @@ class Auditor:
     @torch.inference_mode()
     def compare(self, audit) -> None:
         original = audit.audit_of
-        if getattr(audit, "preempted", False):  # a user request took its row: run it again later
+        if audit.preempted:  # a user request took its row: run it again later
             self.backlog.appendleft(original)
             return
         if audit.finish_reason == "abort" or audit.error is not None:

@@ -106,6 +106,8 @@ class Sequence:
     ended_at_eos: bool = False  # its last token was EOS (in the count of output tokens, not in ``generated``)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     reported: bool = False  # the server has counted it finished (serve/app.py, _report)
+    audit_of: "Sequence | None" = None  # an audit's plain re-run of this request (serve/audit.py)
+    preempted: bool = False  # an audit's re-run stopped to give its row to a user request
     looked_up: int = 0  # prompt tokens looked up in it (0 until the sequence gets a row)
     reuse_prefix: bool = True  # False: prefill the whole prompt (the audit's independent re-run)
     share_prefix: bool = True  # False: its row serves no other prompt (running at a cache reset)
