@@ -241,6 +241,26 @@ def test_the_transformers_runtime_rolls_back_past_a_sliding_window():
     assert torch.allclose(runtime(ids[:, 20:])[0, -1], straight, atol=1e-5)
 
 
+
+def test_the_transformers_runtime_refuses_to_roll_back_a_recurrent_state():
+    """Found in review: transformers' crop cuts a Mamba layer's state not at all (a TypeError
+    from inside) and Qwen3-Next's linear attention only in part (greedy speculative output
+    differed from plain, silently). Plain decoding never rolls back and still runs."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdecode.config import SamplingParams, SpecDecodeError
+    from specdecode.engine import SpeculativeEngine
+    from specdecode.models.hf import HFRuntime
+    from specdecode.proposers.ngram import NgramProposer
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("mamba", vocab_size=97, hidden_size=32, state_size=8, num_hidden_layers=2)
+    runtime = HFRuntime(AutoModelForCausalLM.from_config(config).eval())
+    prompt, params = [5, 9, 14, 3, 7, 5, 9, 14, 3, 7, 5, 9, 14], SamplingParams(max_new_tokens=8, ignore_eos=True)
+    assert len(SpeculativeEngine(runtime).generate(prompt, params).token_ids) == 8
+    with pytest.raises(SpecDecodeError, match="mamba keeps a recurrent state"):
+        SpeculativeEngine(runtime, proposer=NgramProposer((2, 1)), k=4).generate(prompt, params)
+
 def test_a_longrope_model_past_its_original_context_and_a_stored_head_unlike_a_tied_one_are_refused(tmp_path):
     """Found in review: longrope's factors switch past the original context and the native
     runtime's single table did not (logits off by 8.8 at 200 tokens); a checkpoint whose

@@ -41,6 +41,13 @@ class HFRuntime:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot roll back to {length}; cache holds {self.length}")
         if length < self.length:
+            # a recurrent state (Mamba, Qwen3-Next's linear attention) cannot be cut back:
+            # transformers' crop left the rejected drafts in it (greedy output differed from
+            # plain decoding, silently) or failed inside with a TypeError (found in review)
+            if not getattr(self.cache, "is_croppable", True):
+                raise SpecDecodeError(f"{self.model.config.model_type} keeps a recurrent state that cannot be rolled "
+                                      "back past rejected drafts: speculative decoding cannot run on it "
+                                      "(use --method none)")
             self.cache.crop(length - self.length)  # transformers 5: negative = tokens to drop
         self.length = length
 
