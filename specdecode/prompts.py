@@ -42,7 +42,7 @@ def load_prompts(path: str | None, limit: int | None = None) -> list[dict]:
         if not file.is_file():
             raise SpecDecodeError(f"prompts file {path!r} not found")
         try:
-            text, origin = file.read_text(encoding="utf-8"), path
+            text, origin = file.read_text(encoding="utf-8-sig"), path  # a byte-order mark is not JSON
         except (UnicodeDecodeError, OSError) as error:
             raise SpecDecodeError(f"prompts file {path!r} cannot be read as UTF-8 text ({error})") from None
     prompts, per_category, lines_of, skipped = [], defaultdict(int), {}, []
@@ -99,8 +99,10 @@ def _records(text: str, origin: str):
 def json_lines(text: str, origin: str):
     """(line number, record) for each non-blank line of a JSONL text; a line that is not
     JSON is refused by ``origin`` and number (ConfigError). The prompt files and the
-    training data (``train/data.py``) read their lines through it."""
-    for number, line in enumerate(text.splitlines(), 1):
+    training data (``train/data.py``) read their lines through it. Lines end at "\n" only:
+    ``splitlines`` also broke them at U+2028, U+2029 and U+0085, which JSON allows raw in a
+    string (``json.dumps(ensure_ascii=False)`` writes them so), and refused valid files."""
+    for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:

@@ -375,3 +375,19 @@ def test_a_prompt_category_named_overall_is_refused(tmp_path):
     path.write_text(json.dumps({"category": "overall", "prompt": "hi"}) + "\n")
     with pytest.raises(SpecDecodeError, match="overall"):
         load_prompts(str(path))
+
+
+def test_prompt_files_with_a_byte_order_mark_or_raw_line_separators_in_strings_load(tmp_path):
+    """Found in review: a JSONL line holding U+2028, U+2029 or U+0085 raw inside a string
+    (valid JSON; ``json.dumps(ensure_ascii=False)`` writes it so) was cut there and refused,
+    and a file (JSONL or a JSON array) starting with a UTF-8 byte-order mark was refused."""
+    from specdecode.prompts import load_prompts
+
+    records = [{"category": "qa", "prompt": f"one{sep}two"} for sep in ("\u2028", "\u2029", "\u0085")]
+    jsonl = tmp_path / "raw.jsonl"
+    jsonl.write_text("".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in records), encoding="utf-8")
+    assert [p["prompt"] for p in load_prompts(str(jsonl))] == [r["prompt"] for r in records]
+    for name, text in (("bom.jsonl", json.dumps(records[0]) + "\n"), ("bom.json", json.dumps(records))):
+        path = tmp_path / name
+        path.write_text("\ufeff" + text, encoding="utf-8")
+        assert load_prompts(str(path))[0]["prompt"] == records[0]["prompt"]
