@@ -157,6 +157,46 @@ def test_cost_aware_k_rises_with_acceptance_and_falls_to_plain():
     assert max(gaps) <= 64 + 1
 
 
+def test_cost_aware_k_does_not_keep_offering_a_position_that_always_fails():
+    """Found in review: after each fully accepted draft the policy offered one position
+    more, optimistic about it even when that position had been rejected every time it was
+    tried (k 3, 4, 3, 4, ... for ever, where always 3 is faster)."""
+    profile = CostProfile("m", "fp32", "cpu", 2, contexts=[100], sizes=[1, 2, 3, 4, 5, 9, 11],
+                          step_ms=[[29, 29.6, 30.5, 31.4, 37, 61, 68.4]], drafters={"ngram": 0.02})
+    policy = CostAwareK(CostModel(profile, "ngram"), k_max=8, default_prior=0.5, default_later=0.5)
+    policy.start()
+    for _ in range(200):  # right for exactly the first 3 tokens of every draft
+        k = policy.choose(100)
+        policy.observe(k, min(k, 3))
+    assert policy.chosen[-20:] == [3] * 20, policy.chosen[-20:]
+
+
+def test_a_kind_of_draft_priced_out_is_tried_again_across_short_requests():
+    """Found in review: acceptance per kind of draft outlives requests (and a server's
+    sequences share it) but the probe countdown restarted at every request, so once a kind
+    was priced out, requests shorter than the probe interval never drafted it again."""
+    from specdecode.serve.batch import clone_policy
+
+    template = CostAwareK(CostModel(synthetic_profile(), "ngram"), k_max=6, default_prior=0.5, default_later=0.5)
+    label = ("prompt", 4)
+
+    def request(accept: bool) -> int:
+        policy = clone_policy(template)  # per request, as the server builds them
+        policy.start(0.5)
+        drafted = 0
+        for _ in range(template.base_probe_interval - 1):
+            policy.use_label(label)
+            k = policy.choose(100)
+            drafted += k > 0
+            policy.observe(k, k if accept else 0)
+        return drafted
+
+    for _ in range(10):  # this kind's drafts are rejected: priced out
+        request(False)
+    assert template.label_counts[label][0][0] / template.label_counts[label][0][1] < 0.3
+    assert sum(request(True) for _ in range(20)) > 20  # they are right now: probed, and drafted again
+
+
 def test_cost_aware_k_values_runs_of_acceptance():
     """A drafter that is either wrong at once or right for the whole draft (an n-gram
     copying a span) earns long drafts even though fewer than half its steps accept."""
@@ -496,13 +536,21 @@ def test_cli_route_retries_a_task_sent_to_plain_decoding(tiny_text_model_dir, ca
     prompt = "What is the capital of France?"
     Router(records={f"{classify(prompt)}/ngram": TaskRecord(alpha=0.05, speedup=0.6, weight=5.0)}).save(
         cli_state_path(tiny_text_model_dir))
-    methods = []
+    methods, drafted = [], []
     for _ in range(Router().retry_every + 1):
         code = cli.main(["generate", prompt, "--route", "--method", "ngram", "--model", str(tiny_text_model_dir),
-                         "--dtype", "fp32", "--no-chat-template", "--max-new-tokens", "3", "--json"])
+                         "--dtype", "fp32", "--no-chat-template", "--max-new-tokens", "24", "--json"])
         assert code == 0
-        methods.append(json_module.loads(capsys.readouterr().out)["route"]["method"])
+        record = json_module.loads(capsys.readouterr().out)
+        methods.append(record["route"]["method"])
+        drafted.append(record["stats"]["draft_tokens"])
     assert methods.count("none") >= Router().retry_every - 1 and "ngram" in methods, methods
+    # the retry drafted, so it measured the task again (found in review: it started from the
+    # measured acceptance, decoded plainly throughout, and the record never changed)
+    retried = methods.index("ngram")
+    assert drafted[retried] > 0, drafted
+    state = Router().load(cli_state_path(tiny_text_model_dir))
+    assert state.records[f"{classify(prompt)}/ngram"].weight > 5.0 * Router().decay
 
 
 def test_no_route_overrides_a_presets_route(tiny_text_model_dir, capsys):

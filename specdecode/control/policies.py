@@ -300,7 +300,40 @@ class CostModel:
                 for k, (v, factor) in enumerate(zip(table, self.steps.factors(k_max + 1)))]
 
 
-class CostAwareK(MeasuresDraftCost):
+class ProbeClock:
+    """When an adaptive policy that decodes plainly looks at speculation again: the plain
+    steps since its last probe and the interval now. Kept across requests, and shared by a
+    server's sequences (``serve.batch.clone_policy``): restarted at every request, requests
+    shorter than the interval never probed, so a task or a kind of draft once priced out
+    stayed out for good (found in review)."""
+
+    def __init__(self, interval: int):
+        self.plain_steps, self.interval = 0, interval
+
+
+class ProbesAcrossRequests:
+    """``plain_steps`` and ``probe_interval`` of the policy's shared ``clock``."""
+
+    clock: ProbeClock
+
+    @property
+    def plain_steps(self) -> int:
+        return self.clock.plain_steps
+
+    @plain_steps.setter
+    def plain_steps(self, value: int) -> None:
+        self.clock.plain_steps = value
+
+    @property
+    def probe_interval(self) -> int:
+        return self.clock.interval
+
+    @probe_interval.setter
+    def probe_interval(self, value: int) -> None:
+        self.clock.interval = value
+
+
+class CostAwareK(ProbesAcrossRequests, MeasuresDraftCost):
     name = "auto"
 
     def __init__(self, costs: CostModel, k_max: int = 10, decay: float = 0.85, first_decay: float = 0.95,
@@ -324,6 +357,7 @@ class CostAwareK(MeasuresDraftCost):
             probe_cost = max(self._v_table(256)[1] - 1.0, 0.0) + self._c
             probe_interval = min(max(8, math.ceil(probe_cost / probe_budget)), max_probe_interval)
         self.base_probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
+        self.clock = ProbeClock(probe_interval)
         self.label_counts: dict = {}  # use_label's: label -> (first, positions) counts
         self.start()
 
@@ -335,8 +369,6 @@ class CostAwareK(MeasuresDraftCost):
         # [successes, trials] of position 1, and of each position 2..k_max given the one before
         self.request_counts = self._fresh_counts()
         self.first_counts, self.position_counts = self.request_counts
-        self.plain_steps = 0
-        self.probe_interval = self.base_probe_interval
         self.probing = False
         self.explore_from = 0  # drafts of the last step, when all were accepted
         self.context = 0
@@ -396,7 +428,12 @@ class CostAwareK(MeasuresDraftCost):
             table = [self.costs.step_cost(k, taus[k], context, table)[0] for k in range(len(table))]
         k, speedup = best_k(self.alpha, table.__getitem__, self._c, self.k_max, tau=taus.__getitem__)
         depth = self.explore_from if explore else 0
-        if 0 < depth < self.k_max and k <= depth:
+        # not where position depth + 1's own evidence is clearly against it (its rate fell
+        # below half its prior, three straight rejections from the prior): found in review, a
+        # position learnt to fail every time was still offered after each fully accepted
+        # draft (k 3, 4, 3, 4, ... for ever where 3 is best). A position merely unlucky
+        # so far is still looked at, or its estimate, untried, would never recover.
+        if 0 < depth < self.k_max and k <= depth and self._worth_a_look(depth + 1):
             # the last step's drafts were all accepted: would one more pay if that position
             # were always right? Then look at it, since a position never drafted keeps its
             # prior. Always right after position depth, it adds what position depth added.
@@ -404,6 +441,10 @@ class CostAwareK(MeasuresDraftCost):
             if hopeful > max(speedup, 1.0 + self.margin):
                 return depth + 1
         return k if speedup > 1.0 + self.margin else 0
+
+    def _worth_a_look(self, position: int) -> bool:
+        successes, trials = self.position_counts[position - 2]
+        return successes >= 0.5 * self.priors[1] * trials
 
     def choose(self, context: int) -> int:
         self.context = context
@@ -452,7 +493,7 @@ class CostAwareK(MeasuresDraftCost):
         return f"auto(<= {self.k_max})"
 
 
-class TreeBudget(MeasuresDraftCost):
+class TreeBudget(ProbesAcrossRequests, MeasuresDraftCost):
     """``--k auto`` for tree drafters: a node budget per step, 0 = a plain step.
 
     A tree drafter ranks its nodes by confidence p_i, its estimate that node i will be
@@ -501,11 +542,10 @@ class TreeBudget(MeasuresDraftCost):
         probe_cost = max(self._v_table(256)[k_max] - 1.0, 0.0) + min(k_max, 8) * self._c
         self.base_probe_interval = min(max(8, math.ceil(probe_cost / probe_budget)), max_probe_interval)
         self.max_probe_interval = max_probe_interval
-        # the probe countdown runs across requests: reset at each, requests shorter than the
-        # interval never probed, so once the prior rate said "plain" nothing could move it
-        # again (found in review)
-        self.plain_steps = 0
-        self.probe_interval = self.base_probe_interval
+        # the probe countdown runs across requests (ProbeClock): reset at each, requests
+        # shorter than the interval never probed, so once the prior rate said "plain"
+        # nothing could move it again (found in review)
+        self.clock = ProbeClock(self.base_probe_interval)
         self.observed = 0  # steps the current request has observed
         self.start()
 

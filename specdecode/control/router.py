@@ -71,6 +71,7 @@ _THRESHOLD = 2.0  # evidence below this is "general"
 # --route`` record them).
 # ngram: acceptance at draft position 1 with fixed k = 5, greedy, fp32, on the built-in
 # suite (docs/adaptive.md); other drafters start from the policy's neutral 0.5.
+RETRY_PRIOR = 0.9  # the acceptance a retried task's request starts from: it drafts until it measures otherwise
 DEFAULT_PRIORS = {
     "ngram": {"code": 0.2, "structured": 0.35, "summarization": 0.35, "creative": 0.25, "general": 0.25},
 }
@@ -184,8 +185,15 @@ class Router:
         if record is None or record.weight < self.min_observations:
             seen = 0.0 if record is None else record.weight
             return Route(task, method, prior, f"{task}: learning ({seen:.1f} observations of {drafter})")
-        if record.speedup < 1.0 and self.requests[task] % self.retry_every:
-            return Route(task, "none", None, f"{task}: {drafter} measured {record.speedup:.2f}x (< 1), plain decoding")
+        if record.speedup < 1.0:
+            if self.requests[task] % self.retry_every:
+                return Route(task, "none", None, f"{task}: {drafter} measured {record.speedup:.2f}x (< 1), plain decoding")
+            # the retry starts optimistic, so it drafts and measures again: with the measured
+            # (low) acceptance as its prior the k policy decoded plainly from the first step,
+            # a request shorter than its probe interval drafted nothing, only a request that
+            # drafted is recorded, and the task stayed on plain decoding for good (found in review)
+            return Route(task, method, RETRY_PRIOR, f"{task}: {drafter} measured {record.speedup:.2f}x (< 1); "
+                         f"retried (every {self.retry_every} requests of the task)")
         return Route(task, method, prior, f"{task}: {drafter} measured {record.speedup:.2f}x, alpha {record.alpha:.2f}")
 
     def observe(self, task: str, drafter: str | None, alpha: float, speedup: float, tokens: int | None = None) -> None:
