@@ -918,6 +918,55 @@ def test_damaged_cost_caches_are_measured_again(tmp_path, monkeypatch, content):
     assert formats.fastest_weights("m", torch.float32, ["q8_0", "bf16"], lambda fmt: None) == "q8_0"
 
 
+@pytest.mark.parametrize("damage", [
+    {"acceptance": {"ngram": ["0.3", 0.5]}}, {"acceptance": {"ngram": [0.3]}}, {"acceptance": {"ngram": [float("nan"), 0.5]}},
+    {"drafters": {"ngram": "0.1"}}, {"contexts": []}, {"step_ms": [[10, 12], [20, 22, 30]]}, {"sizes": [2, 4, 8]},
+    {"batch_rows": [1, 2], "batch_widths": [1], "batch_ms": [[3.0]]}, {"head_sizes": [2], "head_full_ms": []}])
+def test_a_current_profile_with_fields_of_the_wrong_shape_is_measured_again(tmp_path, monkeypatch, damage):
+    """Found in review: a cached profile of the current version with a field of another type
+    or length loaded, then failed every request deep in a policy (a TypeError, an
+    IndexError, numpy's 'fp and xp are not of the same length')."""
+    import json
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    good = synthetic_profile()
+    good.acceptance = {"ngram": [0.3, 0.6]}
+    path = profile_module.profile_path("m", "fp32")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(good.to_dict()))
+    assert load_profile("m", "fp32") == good
+    path.write_text(json.dumps({**good.to_dict(), **damage}))
+    assert load_profile("m", "fp32") is None
+
+
+@pytest.mark.parametrize("timings", [{"bogus": 1.0}, {"q4_1": 1.0}, {"q8_0": -1.0}, {}, "[" * 100000])
+def test_a_weight_format_record_outside_the_candidates_is_measured_again(tmp_path, monkeypatch, timings):
+    """Found in review: a cached choice naming a format outside this run's candidates was
+    trusted for good (an unknown name failed every run; q4_1 would have cut an 8-bit model
+    to 4 bits), and deeply nested JSON ended in a RecursionError traceback."""
+    import json
+
+    from specdecode.cost import formats
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    cached = formats._path("m", torch.float32, ["q8_0", "bf16"])
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_text(timings if isinstance(timings, str) else json.dumps({"step_ms": timings}))
+    monkeypatch.setattr(formats, "step_ms", lambda runtimes: {"q8_0": 2.0, "bf16": 3.0})
+    assert formats.fastest_weights("m", torch.float32, ["q8_0", "bf16"], lambda fmt: None) == "q8_0"
+
+
+def test_deeply_nested_router_state_is_set_aside(tmp_path):
+    """Found in review: a router-state file of deeply nested JSON raised RecursionError,
+    which the loader did not catch: every `generate` ended in a traceback."""
+    from specdecode.control.router import Router
+
+    path = tmp_path / "router.json"
+    path.write_text("[" * 100000)
+    assert Router().load(path).records == {}
+    assert not path.exists() and (tmp_path / "router.json.unreadable").exists()
+
+
 def test_cache_files_are_written_whole_by_concurrent_writers(tmp_path):
     """Found in review: the profile's fixed temporary name raced (one writer renamed the
     other's file away: FileNotFoundError), and the weight-format cache was written in place."""

@@ -238,7 +238,7 @@ class Router:
                     raise ValueError(f"a record out of range: {record}")  # NaN or 3.0 as an acceptance failed requests
         except FileNotFoundError:  # another process set it aside meanwhile
             return self
-        except (ValueError, TypeError, AttributeError, OverflowError, OSError) as error:
+        except (ValueError, TypeError, AttributeError, OverflowError, OSError, RecursionError) as error:
             aside = path.with_name(path.name + ".unreadable")
             try:
                 os.replace(path, aside)  # kept for a look, out of the way of the next save

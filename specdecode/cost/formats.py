@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import statistics
 import sys
 from typing import Callable
@@ -90,8 +91,13 @@ def fastest_weights(model_key: str, dtype: torch.dtype, candidates: list[str], l
     if path.is_file():
         try:
             timings = json.loads(path.read_text())["step_ms"]
-            return min(timings, key=timings.get)
-        except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, not UTF-8, the wrong shape
+            # only a choice among this run's candidates, each timed: a record naming another
+            # format was trusted for good (found in review: an unknown name failed every run,
+            # a known one outside the candidates would have cut an 8-bit model to 4 bits)
+            if (isinstance(timings, dict) and timings and set(timings) <= set(candidates)
+                    and all(isinstance(t, (int, float)) and math.isfinite(t) and t > 0 for t in timings.values())):
+                return min(timings, key=timings.get)
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):  # not JSON, not UTF-8, the wrong shape
             pass  # a corrupt record is measured again
     print(f"specdecode: measuring which weight format decodes fastest here ({', '.join(candidates)}; once, cached)",
           file=sys.stderr, flush=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import math
 import platform
 import random
 import statistics
@@ -206,7 +207,37 @@ class CostProfile:
 
     @classmethod
     def from_dict(cls, data: dict) -> "CostProfile":
-        return cls(**data)
+        profile = cls(**data)
+        profile.check()
+        return profile
+
+    def check(self) -> None:
+        """ValueError unless every field has the shape and range the policies read: a cached
+        file of the current version with a field of another type (an acceptance as text, a
+        short step row, an empty context list) used to load, then failed every request deep
+        in a policy (found in review); ``load_profile`` measures such a file again."""
+        def numbers(values, low: float = 0.0, high: float = math.inf, strict: bool = False) -> bool:
+            return isinstance(values, list) and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                and (v > low if strict else v >= low) and v <= high for v in values)
+
+        problems = [
+            not (self.contexts and numbers(self.contexts, strict=True) and self.contexts == sorted(set(self.contexts))),
+            not (self.sizes and numbers(self.sizes, low=1) and self.sizes == sorted(set(self.sizes)) and self.sizes[0] == 1),
+            not (isinstance(self.step_ms, list) and len(self.step_ms) == len(self.contexts)
+                 and all(numbers(row, strict=True) and len(row) == len(self.sizes) for row in self.step_ms)),
+            not (isinstance(self.drafters, dict) and numbers(list(self.drafters.values()))),
+            not (isinstance(self.acceptance, dict) and all(numbers(v, high=1.0) and len(v) == 2
+                                                           for v in self.acceptance.values())),
+            not numbers([self.bandwidth_gbs, self.weight_bytes, self.kv_bytes_per_token, self.head_ms,
+                         self.head_next_ms, self.threads]),
+            not (numbers(self.batch_rows, low=1) and numbers(self.batch_widths, low=1) and isinstance(self.batch_ms, list)
+                 and len(self.batch_ms) == len(self.batch_rows)
+                 and all(numbers(row, strict=True) and len(row) == len(self.batch_widths) for row in self.batch_ms)),
+            not (numbers(self.head_sizes, low=1) and numbers(self.head_full_ms) and len(self.head_sizes) == len(self.head_full_ms)),
+        ]
+        if any(problems):
+            raise ValueError("a cost profile with fields of the wrong shape or range")
 
 
 # -- storage ------------------------------------------------------------------------
@@ -225,7 +256,7 @@ def load_profile(model_key: str, dtype: str) -> CostProfile | None:
         if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION:
             return None
         return CostProfile.from_dict(data)
-    except (OSError, ValueError, TypeError, AttributeError):  # unreadable, not JSON, not UTF-8, or the wrong fields
+    except (OSError, ValueError, TypeError, AttributeError, RecursionError):  # unreadable, not JSON, not UTF-8, the wrong fields
         return None  # a corrupt profile is re-measured
 
 
