@@ -100,6 +100,12 @@ def load_model(name: str, dtype: torch.dtype, runtime: str = "auto", weights: st
 
 
 def load_target(engine: EngineConfig, runtime: str = "auto") -> LoadedModel:
+    """The target ``engine`` names, loaded with its threads: ``--weights auto`` times the
+    formats on them and caches the choice under their count (found in review: `generate`,
+    `bench`, `analyze` and `check` set --threads only after loading, so the choice was
+    measured, and keyed, at the default count)."""
+    if engine.num_threads:
+        torch.set_num_threads(engine.num_threads)
     return load_model(engine.model, engine.torch_dtype, runtime, engine.weights, engine.backend, engine.exact,
                       engine.device, engine.prefill_chunk)
 

@@ -1358,3 +1358,20 @@ def test_tree_budget_probes_across_short_requests():
     empty.trim(TreeProposal(Tree.chain(torch.tensor([], dtype=torch.int64)), confidence=torch.tensor([])), 100, 1)
     empty.observe(0, 0)
     assert empty.choose(100) == 3  # the probe that drafted nothing is tried again at once
+
+
+def test_the_target_loads_with_the_threads_asked_for(monkeypatch):
+    """Found in review: `generate --threads 1` (and bench, analyze, check) loaded the target
+    before applying --threads, so `--weights auto` timed the formats, and cached its choice,
+    at the default thread count."""
+    from specdecode import factory
+    from specdecode.config import EngineConfig
+
+    seen, before = [], torch.get_num_threads()
+    monkeypatch.setattr(factory, "load_model", lambda *args, **kwargs: seen.append(torch.get_num_threads()))
+    try:
+        torch.set_num_threads(2)
+        factory.load_target(EngineConfig(model="x", num_threads=1))
+        assert seen == [1]
+    finally:
+        torch.set_num_threads(before)
