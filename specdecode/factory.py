@@ -354,11 +354,15 @@ def drafter_key(spec: SpeculativeConfig) -> str:
 
 def model_key(model: LoadedModel) -> str:
     """A model and how it runs (backend, weight format, dtype, and a prefill chunk shorter
-    than the profile's largest size, which splits those passes): each has its own costs."""
+    than the profile's largest size, which splits those passes): each has its own costs.
+    Keyed by the checkpoint's files as well as its path: another model saved at the path
+    took the costs and calibrated acceptances measured for the one before (found in review)."""
     from .cost.profile import SIZES
 
     describe = getattr(model.runtime, "describe", None)
-    key = f"{model.source.path.resolve()}|{describe() if describe else type(model.runtime).__name__}"
+    path = model.source.path
+    mark = _fingerprint_mark(path) if path.is_file() else checkpoint_mark(path)
+    key = f"{path.resolve()}{mark}|{describe() if describe else type(model.runtime).__name__}"
     chunk = getattr(model.runtime, "prefill_chunk", None)
     return key + (f"|chunk {chunk}" if isinstance(chunk, int) and chunk < max(SIZES) else "")
 

@@ -1375,3 +1375,20 @@ def test_the_target_loads_with_the_threads_asked_for(monkeypatch):
         assert seen == [1]
     finally:
         torch.set_num_threads(before)
+
+
+def test_another_checkpoint_at_the_same_path_has_costs_of_its_own(tmp_path):
+    """Found in review: the cost profile (v(k), drafter costs, calibrated acceptance) was
+    keyed by the checkpoint's path alone, so a model saved where another had been took its
+    costs."""
+    import shutil
+
+    from specdecode.factory import model_key
+
+    path = tmp_path / "model"
+    save_tiny_model(path, seed=1, num_layers=2)
+    first = model_key(load_model(path, torch.float32))
+    assert model_key(load_model(path, torch.float32)) == first
+    shutil.rmtree(path)
+    save_tiny_model(path, seed=2, num_layers=1)
+    assert model_key(load_model(path, torch.float32)) != first
