@@ -135,10 +135,14 @@ class _Common(BaseModel):
     speculative: SpeculativeOptions | None = None
     task_type: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: prefix reuse only within one salt
+    # vLLM's: the prompt's and each choice's token ids beside the text (always for a model
+    # without a tokenizer, whose text is empty: its tokens were lost; found in review)
+    return_token_ids: StrictBool | None = False
 
     @model_validator(mode="after")
     def _defaults_for_null(self):
         self.stream, self.n, self.ignore_eos = bool(self.stream), self.n or 1, bool(self.ignore_eos)
+        self.return_token_ids = bool(self.return_token_ids)
         if "echo" in type(self).model_fields:
             self.echo = bool(self.echo)
         return self
@@ -285,8 +289,12 @@ class ServerState:
         """The running and waiting gauges: user requests only (the audit's plain re-runs
         are not traffic), from the engine thread and from each submission (which reads a copy
         of the engine's lists: the engine thread may change them meanwhile)."""
-        user = lambda sequences: sum(not _is_audit(s) for s in list(sequences))  # noqa: E731
-        self.metrics.queue(user(self.engine.running), user(self.engine.waiting))
+        user = lambda sequences: sum(not _is_audit(s) and not s.finished for s in list(sequences))  # noqa: E731
+        engine = self.engine
+        # every row holds max_model_len token slots, held by the running sequences' tokens
+        held = sum(len(s.tokens) for s in list(engine.running) if not s.finished)
+        self.metrics.queue(user(engine.running), user(engine.waiting),
+                           held / (engine.max_num_seqs * engine.max_model_len))
 
     def _count_tokens(self, sequences: list[Sequence]) -> None:
         """Per step, as vLLM counts them: a request's prompt tokens and time to first token
@@ -339,6 +347,9 @@ class ServerState:
         saved = self.speculation.seconds_saved(sequence)
         self.metrics.finished(sequence.finish_reason, sequence.stats.wall_seconds, sequence.task_type, saved,
                               sequence.cached_tokens, sequence.looked_up)
+        self.metrics.request_done(len(sequence.prompt_ids), sequence.output_tokens, sequence.params.max_new_tokens,
+                                  sequence.arrival, sequence.scheduled_time, sequence.first_token_time,
+                                  sequence.finish_time if sequence.finish_time is not None else time.perf_counter())
         self.speculation.observe(sequence, self.metrics)
         if self.auditor is not None and sequence.finish_reason != "abort":
             self.auditor.offer(sequence)
@@ -378,10 +389,17 @@ class ServerState:
             now = time.perf_counter()
             if output.finish_reason != "abort":
                 self.metrics.step(output.drafted, output.accepted, sequence.task_type)
-            if sequence.last_emit is not None and output.token_ids:
+            # a step that produced only the EOS produced a token too (vLLM counts its gap; the
+            # usage and generation_tokens count it)
+            if sequence.last_emit is not None and (output.token_ids or (output.finish_reason and sequence.ended_at_eos)):
                 self.metrics.token_gap(now - sequence.last_emit)
             sequence.last_emit = now
             if output.finish_reason is not None:
+                # the last step's tokens and the running gauge before the client has its reply
+                # (they were updated after the step: a client reading /metrics on its response
+                # found its last tokens missing and its request still running; found in review)
+                self._count_tokens([sequence])
+                self._report_queue()
                 self._report(sequence)
             loop.call_soon_threadsafe(queue.put_nowait, (index, output))
 
@@ -686,14 +704,15 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
             for sequence in sequences:
                 state.abort(sequence)
             raise
+        token_ids = body.return_token_ids or tokenizer is None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream(sequences, queue, request_id, chat, include_usage, echo),
+            return StreamingResponse(stream(sequences, queue, request_id, chat, include_usage, echo, token_ids),
                                      media_type="text/event-stream")
-        return await collect(request, sequences, queue, request_id, chat, echo)
+        return await collect(request, sequences, queue, request_id, chat, echo, token_ids)
 
     async def collect(request: Request, sequences: list[Sequence], queue: asyncio.Queue, request_id: str,
-                      chat: bool, echo: str = ""):
+                      chat: bool, echo: str = "", token_ids: bool = False):
         texts = [[echo] for _ in sequences]
         done: set[int] = set()
         checked = time.perf_counter()
@@ -738,16 +757,25 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
             body.update(object="text_completion", choices=[
                 {"index": i, "text": "".join(text), "logprobs": None, "finish_reason": s.finish_reason,
                  "stop_reason": stop_reason(s)} for i, (s, text) in enumerate(zip(sequences, texts))])
+        if token_ids:  # where vLLM puts them: the prompt's per choice (completions) or per response (chat)
+            for choice, sequence in zip(body["choices"], sequences):
+                choice["token_ids"] = list(sequence.generated)
+                if not chat:
+                    choice["prompt_token_ids"] = list(sequence.prompt_ids)
+            if chat:
+                body["prompt_token_ids"] = list(sequences[0].prompt_ids)
         return JSONResponse(body)
 
     async def stream(sequences: list[Sequence], queue: asyncio.Queue, request_id: str, chat: bool,
-                     include_usage: bool, echo: str = ""):
+                     include_usage: bool, echo: str = "", token_ids: bool = False):
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         announced: set[int] = set()  # chat choices whose first chunk (with the role) went out
 
-        def chunk(index: int, text: str | None, finish: str | None) -> dict:
+        with_prompt_ids: set[int] = set()  # choices whose prompt token ids went out (token_ids)
+
+        def chunk(index: int, text: str | None, finish: str | None, ids: list[int] | None = None) -> dict:
             reason = stop_reason(sequences[index]) if finish is not None else None
             if chat:
                 delta = {} if text is None else {"content": text}
@@ -760,6 +788,11 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
                 choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish,
                           "stop_reason": reason}
             body = {"id": request_id, "object": kind, "created": created, "model": state.model_name, "choices": [choice]}
+            if token_ids:
+                choice["token_ids"] = list(ids or [])
+                if index not in with_prompt_ids:
+                    with_prompt_ids.add(index)
+                    (body if chat else choice)["prompt_token_ids"] = list(sequences[index].prompt_ids)
             if include_usage:  # OpenAI: every chunk but the last carries "usage": null
                 body["usage"] = None
             return body
@@ -773,14 +806,14 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
                 index, output = await queue.get()
                 sequence = sequences[index]
                 if output.finish_reason is None:
-                    if output.text:
-                        yield _sse(chunk(index, output.text, None))
+                    if output.text or (token_ids and output.token_ids):
+                        yield _sse(chunk(index, output.text, None, output.token_ids))
                     continue
                 if getattr(sequence, "error", None):
                     yield _sse({"error": {"message": sequence.error, "type": "server_error", "param": None,
                                           "code": None}})
                     break
-                final = chunk(index, output.text or None, output.finish_reason)  # the last text with the reason
+                final = chunk(index, output.text or None, output.finish_reason, output.token_ids)  # the last text with the reason
                 final["speculative"] = speculation_summary([sequence])
                 yield _sse(final)
                 done += 1
@@ -798,7 +831,7 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
     async def completions(request: Request, body: CompletionRequest):
         authorize(request)
         check_model(body.model)
-        if "max_completion_tokens" in (body.model_extra or {}):  # ignored, the reply ran to the default 16 tokens
+        if (body.model_extra or {}).get("max_completion_tokens") is not None:  # ignored, the reply ran to 16 tokens
             raise APIError(400, "max_completion_tokens is a chat parameter; completions take max_tokens",
                            param="max_completion_tokens")
         prompt_ids, text = encode_completion(body)

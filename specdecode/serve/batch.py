@@ -95,6 +95,7 @@ class Sequence:
     finish_reason: str | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
     arrival: float = field(default_factory=time.perf_counter)
+    scheduled_time: float | None = None  # when it first got a row (its queue time ends)
     first_token_time: float | None = None
     finish_time: float | None = None
     aborted: bool = False
@@ -453,6 +454,8 @@ class BatchEngine:
                 self.runtime.copy_prefix(source, row, best)
         self.row_tokens[row] = []
         sequence.cache_row = row
+        if sequence.scheduled_time is None:
+            sequence.scheduled_time = time.perf_counter()
         sequence.prefilled = sequence.cached_tokens = best
         sequence.looked_up = len(sequence.prompt_ids) if looked_up else 0
         self.prefix_queries += sequence.looked_up

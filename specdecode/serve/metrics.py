@@ -6,10 +6,12 @@ vLLM's series keep their names and labels under our prefix ``specdecode:`` (vLLM
 ``spec_decode_num_accepted_tokens_per_pos{position}``, and the request series
 ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
 ``e2e_request_latency_seconds`` (vLLM's bucket boundaries), ``num_requests_running``,
-``num_requests_waiting``, ``prompt_tokens``, ``generation_tokens`` and
-``request_success{finished_reason}``; every series carries ``model_name``. A dashboard
-built for vLLM reads ours after replacing ``vllm:`` with ``specdecode:``
-(docs/serving.md).
+``num_requests_waiting``, ``prompt_tokens``, ``generation_tokens``,
+``request_success{finished_reason}``, the per-request histograms (prompt and generation
+tokens, max_tokens, queue, prefill, decode and inference time, time per output token),
+``time_per_output_token_seconds`` and ``kv_cache_usage_perc``; every series carries
+``model_name``. vLLM's Grafana dashboard reads ours after replacing ``vllm:`` with
+``specdecode:`` (docs/serving.md).
 
 Ours, by task type (the router's label): acceptance, mean accepted length, seconds saved
 against plain decoding (estimated from the cost profile), and acceptance drift: the
@@ -34,13 +36,29 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
                960.0, 1920.0, 7680.0)
+REQUEST_LATENCY_BUCKETS = E2E_BUCKETS  # vLLM's for queue, prefill, decode and inference time
+TPOT_BUCKETS = ITL_BUCKETS
 DRIFT_WINDOW = 512  # drafted steps per task in the drift window
 
 
+def one_two_five_buckets(largest: int) -> list[int]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to ``largest``."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10 ** exponent
+            if value > largest:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, positions: int = 0):
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, positions: int = 0,
+                 max_model_len: int = 8192):
         """``positions``: the most draft tokens a step may score; their per-position series
-        exist from the start, at 0, as vLLM creates them."""
+        exist from the start, at 0, as vLLM creates them. ``max_model_len`` bounds the
+        token-count histograms' buckets, as vLLM's."""
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         r, m = self.registry, ["model_name"]
@@ -67,6 +85,30 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self.success = counter("request_success", "Finished requests", ["finished_reason"])
+        # per finished request, vLLM's histograms (its names, buckets and meanings)
+        def histogram(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, m, buckets=buckets, registry=r)
+
+        tokens = one_two_five_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request", tokens)
+        self.request_generation_tokens = histogram("request_generation_tokens", "Tokens generated per request", tokens)
+        self.request_max_generation = histogram("request_max_num_generation_tokens", "Tokens generated per request "
+                                                "(vLLM: the most over its n sequences; here each choice is one)", tokens)
+        self.request_max_tokens = histogram("request_params_max_tokens", "The max_tokens request parameter", tokens)
+        self.queue_time = histogram("request_queue_time_seconds", "Time waiting for a batch row",
+                                    REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "Time from getting a row to the first token",
+                                      REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "Time from the first token to the last",
+                                     REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "Time from getting a row to the last token",
+                                         REQUEST_LATENCY_BUCKETS)
+        self.request_tpot = histogram("request_time_per_output_token_seconds", "Decode time per output token after "
+                                      "the first, per request", TPOT_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "The inter-token gaps again, under vLLM's deprecated "
+                              "name (its dashboard reads it)", TPOT_BUCKETS)
+        self.kv_usage = gauge("kv_cache_usage_perc", "Share of the KV cache's token slots the running sequences hold "
+                              "(0 to 1)")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache")
         # ours, by task type
@@ -159,10 +201,32 @@ class ServerMetrics:
         however many tokens it brought, as vLLM records inter-token latency (one per
         token, each a share of the gap, read lower than vLLM's quantiles)."""
         self.labels(self.itl).observe(seconds)
+        self.labels(self.tpot).observe(seconds)
 
-    def queue(self, running: int, waiting: int) -> None:
+    def request_done(self, prompt_tokens: int, generated: int, max_tokens: int, arrival: float,
+                     scheduled: float | None, first_token: float | None, finish: float) -> None:
+        """A finished request's sizes and phases, as vLLM records them (the phases it
+        reached: a request aborted while it waited has a queue time only)."""
+        self.labels(self.request_prompt_tokens).observe(prompt_tokens)
+        self.labels(self.request_generation_tokens).observe(generated)
+        self.labels(self.request_max_generation).observe(generated)
+        self.labels(self.request_max_tokens).observe(max_tokens)
+        self.labels(self.queue_time).observe((scheduled if scheduled is not None else finish) - arrival)
+        if scheduled is None:
+            return
+        self.labels(self.inference_time).observe(finish - scheduled)
+        if first_token is None:
+            return
+        self.labels(self.prefill_time).observe(first_token - scheduled)
+        self.labels(self.decode_time).observe(finish - first_token)
+        if generated > 1:
+            self.labels(self.request_tpot).observe((finish - first_token) / (generated - 1))
+
+    def queue(self, running: int, waiting: int, kv_usage: float | None = None) -> None:
         self.labels(self.running).set(running)
         self.labels(self.waiting).set(waiting)
+        if kv_usage is not None:
+            self.labels(self.kv_usage).set(kv_usage)
 
     def kernel_threads(self, preferred: dict[str, int]) -> None:
         """The thread count decode passes prefer now, per kind of pass (``ThreadChoice.preferred``)."""

@@ -186,7 +186,8 @@ def build_state(engine_config: EngineConfig, speculative: str | None, max_num_se
         engine.decode_threads = ThreadChoice(decode_threads, profile.batch_time_ms if profile is not None else None,
                                              log=log)
     name = served_model_name or ("SmolLM2-135M-Instruct" if engine_config.model == "default" else engine_config.model)
-    metrics = ServerMetrics(name, positions=spec.k if isinstance(spec.k, int) else spec.k_max)
+    metrics = ServerMetrics(name, positions=spec.k if isinstance(spec.k, int) else spec.k_max,
+                            max_model_len=engine.max_model_len)
     choices = SpeculationChoices(drafters, spec.method, Router() if use_router else None, profile)
     state = ServerState(engine, name, metrics, choices, max_queued_requests, api_key, audit_rate)
     if audit_rate > 0:
