@@ -658,7 +658,7 @@ DEFAULT_VERIFIER = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the default model's 
 
 def cmd_train_export(args) -> int:
 
-    from .factory import load_head, load_target, log
+    from .factory import checkpoint_embedding, load_head, load_target, log
     from .proposers.eagle_formats import export_head
 
     if args.k < 1:
@@ -668,7 +668,7 @@ def cmd_train_export(args) -> int:
     target = load_target(engine_config)
     runtime = target.runtime
     head = load_head(args.head, target)
-    embed = runtime.weights.embed.dequantize().float() if args.format == "speculators" else None
+    embed = checkpoint_embedding(target) if args.format == "speculators" else None
     verifier = args.verifier or (DEFAULT_VERIFIER if args.model == "default" else args.model)
     architectures = target.source.config.get("architectures") or ["LlamaForCausalLM"]
     files = export_head(head, Path(args.out), args.format, verifier=verifier, max_positions=runtime.max_positions,

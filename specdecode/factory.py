@@ -219,8 +219,37 @@ def eagle_proposer(path: str | None, target: LoadedModel, tree_width: int = 1):
 
     head = load_head(path, target)  # refused without the native runtime
     weights = target.runtime.weights
+    stored = getattr(head, "stored_embedding", None)  # an imported head's own embedding, if it has one
     head = head.to(weights.device)  # beside the target: its features stay there
+    if stored is not None and not same_embedding(stored, checkpoint_embedding(target)):
+        # vLLM keeps a head's own embedding when it is not the target's, and drafts with it
+        log(f"the EAGLE head at {path} stores an embedding of its own (not the target's): drafting with it, as vLLM does")
+        stored = stored.to(weights.device)
+        return EagleProposer(head, lambda ids: stored[ids], tree_width=tree_width)
     return EagleProposer(head, lambda ids: weights.embed_rows(ids).float(), tree_width=tree_width)
+
+
+def checkpoint_embedding(target: LoadedModel) -> torch.Tensor:
+    """The target's token embedding [V, H] as its checkpoint holds it (float32): the
+    runtime's copy may be quantized (Q8_0 under --weights int8), and a head exported with
+    that copy carried another embedding than the target's (found in review)."""
+    from safetensors import safe_open
+
+    name = "model.embed_tokens.weight"
+    for file in sorted(target.source.path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            if name in handle.keys():
+                return handle.get_tensor(name).float()
+    return target.runtime.weights.embed.dequantize().float()  # a checkpoint we cannot read it from
+
+
+def same_embedding(stored: torch.Tensor, embedding: torch.Tensor, tolerance: float = 0.02) -> bool:
+    """Whether ``stored`` is ``embedding`` up to rounding (bf16, Q8_0: well under 1% of a
+    row's norm; another embedding differs by about its whole norm)."""
+    if stored.shape != embedding.shape:
+        return False
+    error = (stored.float() - embedding.float()).norm(dim=-1) / embedding.float().norm(dim=-1).clamp_min(1e-12)
+    return bool(error.max() <= tolerance)
 
 
 def _head_dir(path: str | None, target: LoadedModel, noun: str, default: Path, usage: str) -> Path:

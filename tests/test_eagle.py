@@ -255,6 +255,9 @@ def test_heads_export_to_vllm_layouts_and_import_back(targets, tmp_path, fmt):
 
     target = targets[0]
     head = random_head(target, 4)
+    with torch.no_grad():  # norms other than 1, so a mix-up of their names changes the drafts (found in review)
+        for parameter in head.parameters():
+            parameter.normal_(mean=1.0, std=0.3) if parameter.dim() == 1 else None
     head.save(tmp_path / "ours")  # bf16, like the export
     ours = EagleHead.load(tmp_path / "ours")
     embed = target.runtime.weights.embed_rows(torch.arange(target.runtime.vocab_size)).float()
@@ -266,6 +269,14 @@ def test_heads_export_to_vllm_layouts_and_import_back(targets, tmp_path, fmt):
     assert tensors[layer + "self_attn.q_proj.weight"].shape == (head.config.num_heads * head.config.head_dim,
                                                               2 * head.config.hidden_size)
     assert torch.equal(tensors["d2t"] + torch.arange(60), head.d2t)  # offsets: target = draft + d2t[draft]
+    # vLLM's names, written out here rather than read from the exporter's table (a mix-up in
+    # that table survives a round trip through it): llama_eagle3 norms the embedding with
+    # input_layernorm, the fused feature with hidden_norm, the MLP's input with post_attention_layernorm
+    theirs = {"input_norm.weight": "input_layernorm.weight", "hidden_norm.weight": "hidden_norm.weight",
+              "post_norm.weight": "post_attention_layernorm.weight", "q_proj.weight": "self_attn.q_proj.weight",
+              "down_proj.weight": "mlp.down_proj.weight"}
+    for name, their_name in theirs.items():
+        assert torch.equal(tensors[layer + their_name].float(), ours.state_dict()[name].float()), name
     assert tensors["t2d"].dtype == torch.bool and int(tensors["t2d"].sum()) == 60 and bool(tensors["t2d"][head.d2t].all())
     assert config["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2] and config["norm_before_residual"] is False
     if fmt == "eagle3":
@@ -299,7 +310,12 @@ def test_heads_export_to_vllm_layouts_and_import_back(targets, tmp_path, fmt):
     layers = config.pop("eagle_aux_hidden_state_layer_ids")
     config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, 2, 1]}
     (tmp_path / fmt / "config.json").write_text(json.dumps(config))
-    assert EagleHead.load(tmp_path / fmt, target_layers=3).config.capture_layers == (0, 2, 1)
+    # in ascending order, as vLLM gathers them whatever the list's order (found in review)
+    assert EagleHead.load(tmp_path / fmt, target_layers=3).config.capture_layers == (0, 1, 2)
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, 0, 1]}
+    (tmp_path / fmt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecDecodeError, match="twice"):
+        EagleHead.load(tmp_path / fmt, target_layers=3)
     config["eagle_aux_hidden_state_layer_ids"] = layers
     # a head trained with its own embedding drafts from another model than ours would
     config["embed_requires_grad"] = True
@@ -321,6 +337,34 @@ def test_heads_export_to_vllm_layouts_and_import_back(targets, tmp_path, fmt):
     save_file(tensors, str(tmp_path / fmt / "model.safetensors"))
     with pytest.raises(SpecDecodeError, match="no d2t map"):
         EagleHead.load(tmp_path / fmt)
+
+
+def test_an_imported_heads_own_embedding_is_what_it_drafts_with(tmp_path):
+    """Found in review: a speculators checkpoint's embed_tokens.weight was dropped, so a head
+    that stores an embedding other than the target's drafted from the target's, where vLLM
+    drafts from the stored one; and `train export` wrote the runtime's quantized copy of
+    the target's embedding (Q8_0 under --weights int8), not the checkpoint's."""
+    from safetensors.torch import load_file, save_file
+
+    from specdecode.factory import checkpoint_embedding, eagle_proposer
+    from specdecode.proposers.eagle_formats import export_head
+
+    path = save_tiny_model(tmp_path / "target", seed=33, num_layers=3)
+    target = load_model(path, torch.float32, weights="int8")
+    stored = load_file(str(path / "model.safetensors"))["model.embed_tokens.weight"].float()
+    quantized = target.runtime.weights.embed.dequantize().float()
+    assert not torch.equal(quantized, stored) and torch.equal(checkpoint_embedding(target), stored)
+    head = random_head(target, 5)
+    export_head(head, tmp_path / "head", "speculators", verifier="tiny", max_positions=256, embed=stored)
+    ids = torch.arange(10)
+    proposer = eagle_proposer(str(tmp_path / "head"), target)
+    assert torch.equal(proposer.embed_rows(ids), target.runtime.weights.embed_rows(ids).float())  # the target's own
+    tensors = load_file(str(tmp_path / "head" / "model.safetensors"))
+    other = torch.randn_like(tensors["embed_tokens.weight"].float())
+    tensors["embed_tokens.weight"] = other.to(torch.bfloat16)
+    save_file(tensors, str(tmp_path / "head" / "model.safetensors"))
+    proposer = eagle_proposer(str(tmp_path / "head"), target)
+    assert torch.equal(proposer.embed_rows(ids), other.to(torch.bfloat16).float()[ids])
 
 
 def test_heads_whose_layers_vllm_would_read_in_another_order_are_not_exported(targets, tmp_path):

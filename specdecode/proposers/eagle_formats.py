@@ -154,6 +154,16 @@ def import_head(directory: Path, raw: dict, fmt: str, target_layers: int | None 
             raise SpecDecodeError(f"{directory} does not name the target layers it reads; load it for a target")
         layers = capture_layers(target_layers)  # as this head was made for such a target
     try:
+        layers = [int(i) for i in layers]
+    except (TypeError, ValueError):
+        raise SpecDecodeError(f"{directory}: the target layers it reads must be integers, got {layers!r}") from None
+    if len(set(layers)) != len(layers):
+        raise SpecDecodeError(f"{directory}: it names target layer(s) twice: {layers}")
+    # vLLM hands the head the layers' states in ascending order, whatever order the config
+    # lists: read in the listed order, a head listing [2, 0, 1] drafted from another
+    # concatenation than it does in vLLM (found in review)
+    layers = sorted(layers)
+    try:
         hidden, heads = llama["hidden_size"], llama["num_attention_heads"]
         config = EagleConfig(hidden, llama["intermediate_size"], heads, llama.get("num_key_value_heads", heads),
                              llama.get("head_dim") or hidden // heads, llama.get("rms_norm_eps", 1e-6),
@@ -180,6 +190,9 @@ def import_head(directory: Path, raw: dict, fmt: str, target_layers: int | None 
         raise SpecDecodeError(f"{directory}/model.safetensors holds {unknown[:3]}{' ...' if len(unknown) > 3 else ''}, "
                               "which this EAGLE head does not compute; loading it would draft from a different model")
     head = EagleHead(config)
+    # a head's own embedding, where it stores one: vLLM drafts with it when it is not the
+    # target's (``factory.eagle_proposer`` does the same); it was dropped (found in review)
+    head.stored_embedding = tensors["embed_tokens.weight"].float() if "embed_tokens.weight" in tensors else None
     state = {ours: tensors[theirs].float() for ours, theirs in names.items()}
     offsets = tensors.get("d2t")
     if offsets is None and config.draft_vocab_size != config.target_vocab_size:
