@@ -637,6 +637,9 @@ def cmd_train(args) -> int:
         engine_config = _engine_config(args)
         _set_threads(engine_config)
         target = load_target(engine_config)
+        from .train.data import check_data_target, target_identity
+
+        check_data_target(Path(args.data), target_identity(target))  # the target's own answers, as for heads
         build_store(Path(args.data), Path(args.out), target.runtime.cfg.vocab_size, args.command, log=log)
         print(f"written to {args.out}/; use it with --method suffix --store {args.out}")
         return 0

@@ -511,3 +511,76 @@ def test_ship_head_refuses_heads_of_the_other_kind_and_ends_a_self_referring_cha
     spec.loader.exec_module(module)
     (head / "config.json").write_text(json.dumps({"recipe": {"init": str(head)}}))
     assert len(module.earlier_stages({"recipe": {"init": str(head)}})) == 1
+
+
+def test_training_sequences_pin_their_labels_held_out_prompts_and_max_length(tmp_path):
+    """The loss starts at the last prompt position (it predicts the first answer token); every
+    20th prompt of a category (ids ending 19, 39, ...) is held out; an answer cut off by
+    --max-length leaves a sequence with nothing to train, which is left out, and a data set
+    of only those is refused (found in review: it trained for minutes on loss 0). No other
+    test pinned the first two: they derive their expectations from the same fields."""
+    from specdecode.config import SpecDecodeError
+    from specdecode.train.eagle import trainable_sequences, training_sequences
+
+    rows = [("train-code-018", [1, 2, 3], [4, 5, 6]), ("train-code-019", [1, 2, 3, 7], [8, 9]),
+            ("train-math-039", [5, 6], [7, 8, 9, 10])]
+    (tmp_path / "answers.jsonl").write_text("".join(
+        json.dumps({"prompt_id": pid, "category": "x", "row": 0, "temperature": 0, "prompt_ids": prompt,
+                    "answer_ids": answer}) + "\n" for pid, prompt, answer in rows))
+    sequences = training_sequences(tmp_path, 0, 768, TINY_VOCAB)
+    assert [(s.ids, s.trained_from, s.held_out, s.greedy) for s in sequences] == [
+        ([1, 2, 3, 4, 5, 6], 2, False, True), ([1, 2, 3, 7, 8, 9], 3, True, True),
+        ([5, 6, 7, 8, 9, 10], 1, True, True)]
+    assert [s.ids for s in training_sequences(tmp_path, 0, 4, TINY_VOCAB)] == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    # the first two answers cut off after their prompts; the third keeps one token, held out
+    assert [s.ids for s in training_sequences(tmp_path, 0, 3, TINY_VOCAB)] == [[5, 6, 7]]
+    with pytest.raises(SpecDecodeError, match="--max-length 3"):
+        trainable_sequences(tmp_path, 0, 3, TINY_VOCAB)
+
+
+def test_batches_and_the_draft_vocabulary_do_not_depend_on_the_datas_order():
+    """Found in review: equal-length sequences kept their order in the data (which `train
+    data --batch` changes) and the fingerprint did not, so a run resumed on reordered data
+    trained some sequences twice in the epoch and others never; ties in token counts made
+    the draft vocabulary depend on that order too."""
+    import random
+
+    from specdecode.train.eagle import Sequence, batches, draft_vocabulary
+
+    rng = random.Random(0)
+    items = [(Sequence([rng.randrange(90) for _ in range(rng.choice((8, 12)))], 1, False), None) for _ in range(40)]
+    shuffled = items[:]
+    rng.shuffle(shuffled)
+    as_ids = lambda groups: [[tuple(s.ids) for s, _ in group] for group in groups]  # noqa: E731
+    assert as_ids(batches(items, 40, seed=3)) == as_ids(batches(shuffled, 40, seed=3))
+    tied = [Sequence([t, t], 0, False) for t in range(30)]  # every token counted twice: all tie
+    assert torch.equal(draft_vocabulary(tied, 8, 97, ()), draft_vocabulary(tied[::-1], 8, 97, ()))
+
+
+def test_train_data_refuses_an_answers_file_it_did_not_write(tiny_runtime, tmp_path):
+    """Found in review: resuming over a foreign answers.jsonl ended in a KeyError traceback."""
+    target = SimpleNamespace(runtime=tiny_runtime, tokenizer=CharTokenizer(), eos_token_ids=())
+    (tmp_path / "answers.jsonl").write_text('{"answer_ids": [5, 6]}\n')
+    with pytest.raises(ConfigError, match="record 1 has no 'prompt_id'"):
+        build_data(target, tmp_path, prompt_count=2, samples=0, max_new_tokens=4, corpus_tokens=0,
+                   encode=lambda text: [ord(c) % TINY_VOCAB for c in text[:20]])
+
+
+def test_the_summary_counts_the_corpus_training_reads_and_a_store_takes_its_targets_answers(tiny_runtime, tmp_path,
+                                                                                          capsys):
+    """Found in review: `train data --corpus-tokens 0` over a directory holding a corpus
+    reported an empty one (and the shipped manifests copy that summary), while training
+    reads it; `train store` indexed answers another target wrote (`train eagle` refuses them)."""
+    from specdecode import cli
+
+    target = SimpleNamespace(runtime=tiny_runtime, tokenizer=CharTokenizer(), eos_token_ids=())
+    settings = dict(prompt_count=2, samples=0, max_new_tokens=4, chunk_tokens=64,
+                    encode=lambda text: [ord(c) % TINY_VOCAB for c in text[:20]])
+    first = build_data(target, tmp_path, corpus_tokens=200, **settings)
+    again = build_data(target, tmp_path, corpus_tokens=0, **settings)
+    assert again.corpus_tokens == first.corpus_tokens > 0 and again.corpus_chunks == first.corpus_chunks
+    assert json.loads((tmp_path / "summary.json").read_text())["corpus_tokens"] == first.corpus_tokens
+    model = save_tiny_model(tmp_path / "other", seed=9)
+    code = cli.main(["train", "store", "--model", str(model), "--dtype", "fp32", "--data", str(tmp_path),
+                     "--out", str(tmp_path / "store")])
+    assert code != 0 and "answers written by another target" in capsys.readouterr().err

@@ -102,6 +102,17 @@ def _read_jsonl(path: Path) -> list[dict]:
     return records
 
 
+def _check_fields(path: Path, records: list[dict], fields: dict[str, type]) -> None:
+    """A clear error for a record of ours that lacks a field or holds another type (found in
+    review: a foreign answers.jsonl ended in a KeyError traceback when `train data` resumed)."""
+    for number, record in enumerate(records, 1):
+        bad = next((name for name, kind in fields.items()
+                    if not isinstance(record, dict) or not isinstance(record.get(name), kind)), None)
+        if bad is not None:
+            raise ConfigError(f"{path} record {number} has no {bad!r} ({fields[bad].__name__}): not a file "
+                              "`specdecode train data` wrote; use another --out")
+
+
 def _rewrite_complete(path: Path, records: list[dict]) -> None:
     """Keep only the records that were read whole (drops a torn last line)."""
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -185,6 +196,7 @@ def build_answers(target, out: Path, prompt_count: int | None, samples: int, tem
     keep_settings(out / "answers.settings.json", settings, "answers", optional=("target",))
     path = out / "answers.jsonl"
     records = _read_jsonl(path)
+    _check_fields(path, records, {"prompt_id": str, "prompt_ids": list, "answer_ids": list})
     rows_of: dict[str, int] = {}
     for record in records:
         rows_of[record["prompt_id"]] = rows_of.get(record["prompt_id"], 0) + 1
@@ -294,6 +306,7 @@ def build_corpus(tokenizer, out: Path, max_tokens: int, chunk_tokens: int, summa
                                                          "vocab_size": getattr(tokenizer, "vocab_size", None)},
                   "a corpus")
     records = _read_jsonl(path)
+    _check_fields(path, records, {"source": str, "ids": list})
     if records:  # the last file may have been cut short: it is read again
         records = [r for r in records if r["source"] != records[-1]["source"]]
     _rewrite_complete(path, records)
@@ -352,6 +365,10 @@ def build_data(target, out: Path, prompt_count: int | None = None, samples: int 
     build_answers(target, out, prompt_count, samples, temperature, max_new_tokens, seed, summary, encode, batch)
     if corpus_tokens:
         build_corpus(target.tokenizer, out, corpus_tokens, chunk_tokens, summary)
+    elif (out / "corpus.jsonl").is_file():  # none built now, but training reads what is there: say so
+        kept = _read_jsonl(out / "corpus.jsonl")
+        summary.corpus_chunks, summary.corpus_files = len(kept), len({r.get("source") for r in kept})
+        summary.corpus_tokens = sum(len(r.get("ids", ())) for r in kept)
     (out / "summary.json").write_text(json.dumps({**asdict(summary), "tokens_per_second": summary.tokens_per_second},
                                                  indent=1) + "\n")
     return summary

@@ -71,16 +71,19 @@ def training_sequences(data_dir: Path, corpus_tokens: int, max_length: int,
             ids = record["ids"][:max_length]
             sequences.append(Sequence(ids, 0, False))
             taken += len(ids)
-    return [s for s in sequences if len(s.ids) >= 3]
+    # a sequence with no position left to train (an answer cut off by --max-length) is left
+    # out: it trained nothing, and a run of them alone trained on loss 0 (found in review)
+    return [s for s in sequences if len(s.ids) >= 3 and s.trained_from <= len(s.ids) - 2]
 
 
 def trainable_sequences(data_dir: Path, corpus_tokens: int, max_length: int, vocab_size: int) -> list[Sequence]:
     """``training_sequences``, refused when none of them trains."""
     sequences = training_sequences(data_dir, corpus_tokens, max_length, vocab_size)
     if not any(not s.held_out for s in sequences):
-        raise SpecDecodeError(f"{data_dir} gives no training sequence of 3 tokens or more (with --max-length "
-                              f"{max_length} and --corpus-tokens {corpus_tokens}); build more with "
-                              "`specdecode train data`")
+        raise SpecDecodeError(f"{data_dir} gives no training sequence of 3 tokens or more with a token to train "
+                              f"(with --max-length {max_length}, which cuts answers after their prompts, and "
+                              f"--corpus-tokens {corpus_tokens}); build more with `specdecode train data` or "
+                              "raise --max-length")
     return sequences
 
 
@@ -91,7 +94,9 @@ def draft_vocabulary(sequences: list[Sequence], size: int, vocab_size: int, alwa
         if not sequence.held_out:
             counts.update(sequence.ids[max(sequence.trained_from, 0):])
     chosen = [t for t in always if 0 <= t < vocab_size]
-    for token, _ in counts.most_common():
+    # ties broken by id, not by the order the data lists the sequences in (which depends on
+    # `train data --batch`): the same data gives the same vocabulary (found in review)
+    for token, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
         if len(chosen) >= size:
             break
         if token not in chosen:
@@ -249,8 +254,12 @@ def check_common_settings(draft_vocab: int, minutes: float, lr: float, batch_tok
 
 
 def batches(items: list, batch_tokens: int, seed: int) -> list[list]:
-    """Sequences of similar length grouped up to ``batch_tokens`` padded tokens, shuffled."""
-    order = sorted(range(len(items)), key=lambda i: len(items[i][0].ids))
+    """Sequences of similar length grouped up to ``batch_tokens`` padded tokens, shuffled.
+    Equal lengths are ordered by content, not by their order in the data (which `train data
+    --batch` changes): a resumed run's batch offset then points into the same batches
+    (found in review: a reordered copy resumed trained 37 sequences twice and 23 never)."""
+    keys = [(len(s.ids), sequence_key(s.ids)) for s, _ in items]
+    order = sorted(range(len(items)), key=keys.__getitem__)
     groups, current = [], []
     for index in order:
         length = len(items[index][0].ids)
