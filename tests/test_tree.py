@@ -280,3 +280,44 @@ def test_tree_steps_count_a_rejection_only_where_the_walk_left_children_untaken(
     chain.observe_step(3, 1)  # chains keep their rule: shorter than the drafts is a rejection
     chain.observe_step(3, 3)
     assert chain.rejections == 1
+
+
+def test_the_engines_tree_steps_count_rejections_and_depths_as_the_walk_went(tiny_llama_dir):
+    """Found in review: the test above feeds GenerationStats by hand, so undoing the engine's
+    part of that fix (``observe_step(tree.size, len(path))``) passed every test. Through
+    the engine: a path that ends at a leaf above the tree's depth rejects nothing; one that
+    stops at a node whose child was wrong rejects once."""
+    from specdecode.control.policies import FixedK
+    from specdecode.engine import SpeculativeEngine
+    from specdecode.factory import load_model
+    from specdecode.proposers.base import TreeProposal
+
+    runtime = load_model(tiny_llama_dir, torch.float32).runtime
+    prompt = [5, 9, 14, 3, 7, 22]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    g1, g2 = SpeculativeEngine(runtime).generate(prompt, params).token_ids[:2]
+    wrong = lambda *right: next(t for t in range(3, 90) if t not in right)  # noqa: E731
+
+    class OneTree:  # the given tree at the first step, nothing after
+        name, drafts_trees = "stub", True
+
+        def __init__(self, tokens, parents):
+            self.tree, self.calls = tree(tokens, parents), 0
+
+        def start(self, prompt_ids, capacity):
+            self.calls = 0
+
+        def propose_tree(self, tokens, budget, params, generator):
+            self.calls += 1
+            return TreeProposal(self.tree if self.calls == 1 else tree([], []))
+
+    x = wrong(g1)
+    cases = {"leaf": ([x, g1, wrong(g2)], [0, 0, 1], 0, [1, 0]),  # root -> {x -> y, g1}: g1 taken, a leaf
+             "stopped": ([g1, x, wrong(g2)], [0, 0, 1], 1, [1, 0])}  # root -> {g1 -> wrong, x}: stops at g1
+    for name, (tokens, parents, rejections, accepted) in cases.items():
+        engine = SpeculativeEngine(runtime, proposer=OneTree(tokens, parents), k=FixedK(3))
+        result = engine.generate(prompt, params)
+        assert result.token_ids == SpeculativeEngine(runtime).generate(prompt, params).token_ids
+        stats = result.stats
+        assert (stats.rejections, stats.drafted_per_position, stats.accepted_per_position) == (
+            rejections, [1, 1], accepted), name
