@@ -446,7 +446,9 @@ def calibrate_acceptance(target: LoadedModel, proposer) -> tuple[float, float] |
     """(first, later) acceptance of ``proposer`` over the calibration runs
     (metrics.acceptance_rates); None if none ran."""
     runs = calibration_runs(target, proposer)
-    return acceptance_rates(runs) if runs else None
+    if not any(s.drafted_per_position and s.drafted_per_position[0] for s in runs):
+        return None  # nothing drafted: no evidence, not "never accepted" (cached, that was a prior of 0 for good)
+    return acceptance_rates(runs)
 
 
 def build_policy(spec: SpeculativeConfig, target: LoadedModel, proposer, dtype: str):

@@ -1392,3 +1392,20 @@ def test_another_checkpoint_at_the_same_path_has_costs_of_its_own(tmp_path):
     shutil.rmtree(path)
     save_tiny_model(path, seed=2, num_layers=1)
     assert model_key(load_model(path, torch.float32)) != first
+
+
+def test_a_calibration_that_drafted_nothing_gives_no_prior(monkeypatch):
+    """Found in review: calibration runs in which the drafter drafted nothing read as
+    acceptance (0, 0), cached for good as the drafter's prior: 'never accepted' where there
+    was no evidence at all."""
+    from specdecode import factory
+    from specdecode.metrics import GenerationStats
+
+    nothing = GenerationStats()
+    nothing.observe_step(0, 0)
+    monkeypatch.setattr(factory, "calibration_runs", lambda target, proposer: [nothing, nothing])
+    assert factory.calibrate_acceptance(None, None) is None
+    drafted = GenerationStats()
+    drafted.observe_step(2, 1)
+    monkeypatch.setattr(factory, "calibration_runs", lambda target, proposer: [nothing, drafted])
+    assert factory.calibrate_acceptance(None, None) == (1.0, 0.0)
