@@ -25,7 +25,7 @@ from safetensors.numpy import load_file, save_file
 
 from ..config import ConfigError, SamplingParams
 from .base import Proposal
-from .ngram import NgramProposer, lookup, match
+from .ngram import NgramProposer, lookup
 
 STORE_FILE = "tokens.safetensors"
 MAX_SAMPLE = 1024  # candidate positions a continuation is counted over (evenly spread over the matches)
@@ -182,15 +182,15 @@ class SuffixProposer(NgramProposer):
         for the request's own n-grams of 2+ tokens, ("store", n) for the store's longest
         match of the last n tokens (sequence None; in place of the start, that match's
         (n, low, high) in the store), ("prompt", 1) for a 1-gram."""
-        sequence = np.asarray(tokens, dtype=np.int64)
-        found = match(sequence, self.long_sizes)
+        self.index.update(tokens)
+        found = self.index.match(self.long_sizes)
         if found is None and self.store is not None:
             longest = self.store.longest_match(tokens[-self.store.max_n:], self.min_store_n)
             if longest[0]:  # its range too: propose drafts from it without a second lookup
                 return ("store", longest[0]), None, longest
         if found is None:
-            found = match(sequence, self.short_sizes)
-        return None if found is None else (("prompt", found[1]), sequence, found[0])
+            found = self.index.match(self.short_sizes)
+        return None if found is None else (("prompt", found[1]), tokens, found[0])
 
     def propose(
         self, tokens: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
