@@ -130,6 +130,38 @@ def test_greedy_batch_outputs_equal_each_request_alone(model_dir, backend, k):
     assert sorted(engine.free_rows) == list(range(5))
 
 
+@pytest.mark.parametrize("fails_in", ["propose", "start"])
+def test_a_drafter_that_fails_costs_its_request_the_speculation_not_the_batch(model_dir, fails_in, caplog):
+    """Found in review: a drafter's exception for one row failed the whole step, so every
+    running request failed with it. Now that row decodes on without speculation (drafts
+    are only proposals: its output is the same) and the others are untouched."""
+    rng = random.Random(7)
+    prompts = [random_prompt(rng) for _ in range(3)]
+    params = [SamplingParams(max_new_tokens=20, ignore_eos=True) for _ in prompts]
+    runtime = runtime_for(model_dir, "torch")
+    expected = alone_outputs(runtime, prompts, params, (NgramProposer, 3))
+
+    class Failing(NgramProposer):
+        calls = 0
+
+        def __getattribute__(self, name):
+            if name == fails_in:
+                type(self).calls += 1
+                if type(self).calls >= (1 if fails_in == "start" else 3):
+                    raise RuntimeError("a drafter bug")
+            return super().__getattribute__(name)
+
+    engine = BatchEngine(runtime_for(model_dir, "torch"), max_num_seqs=3, max_model_len=128,
+                         make_drafter=NgramProposer, make_policy=lambda: 3)
+    sequences = [engine.add(prompts[0], params[0], proposer=Failing(), policy=3)]
+    sequences += [engine.add(prompt, p) for prompt, p in zip(prompts[1:], params[1:])]
+    engine.run()
+    assert [s.generated for s in sequences] == expected
+    assert all(s.finish_reason == "length" and s.error is None for s in sequences)
+    assert sequences[0].proposer is None and "decodes without speculation" in caplog.text
+    assert all(s.stats.draft_tokens > 0 for s in sequences[1:])
+
+
 @needs_kernels
 def test_seeded_sampling_is_reproducible_whatever_runs_beside_it(model_dir):
     """A seeded sampled request draws the same tokens alone and among others (its own
@@ -510,8 +542,9 @@ def test_requests_arriving_together_wait_for_their_shared_prefix(model_dir):
 
 
 def test_a_failed_admission_or_an_abort_while_waiting_frees_everything(model_dir):
-    """A request whose drafter fails to start is failed alone (its row returned, the
-    others decode on); one aborted while it waits leaves the queue at once."""
+    """A request whose admission fails is failed alone (its row returned, the others decode
+    on); one whose drafter fails to start decodes without speculation; one aborted while it
+    waits leaves the queue at once."""
 
     class Broken(NgramProposer):
         def start(self, tokens, capacity):
@@ -521,13 +554,23 @@ def test_a_failed_admission_or_an_abort_while_waiting_frees_everything(model_dir
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     good = engine.add([5, 6, 7], params)
     broken = engine.add([5, 6, 8], params, proposer=Broken(), policy=2)
+    failing = engine.add([5, 6, 9], params)
     queued = engine.add([9, 10, 11], params)
     waiting = engine.add([12, 13], params)
     engine.abort(waiting)
     assert waiting.finish_reason == "abort" and all(s is not waiting for s in engine.waiting)
+    k_max = engine._k_max
+
+    def failing_admission(sequence):
+        if sequence is failing:
+            raise RuntimeError("admission exploded")
+        return k_max(sequence)
+
+    engine._k_max = failing_admission
     engine.run()
-    assert broken.finish_reason == "abort" and "admitting" in broken.error
-    assert len(good.generated) == len(queued.generated) == 4
+    assert failing.finish_reason == "abort" and "admitting" in failing.error
+    assert broken.proposer is None and broken.error is None
+    assert len(good.generated) == len(broken.generated) == len(queued.generated) == 4
     assert sorted(engine.free_rows) == [0, 1]
 
 

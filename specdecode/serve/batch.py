@@ -354,8 +354,11 @@ class BatchEngine:
                     capacity = min(len(sequence.prompt_ids) + sequence.params.max_new_tokens + 1
                                    + self._k_max(sequence), self.max_model_len)
                     if sequence.proposer is not None:
-                        sequence.proposer.start(sequence.tokens, capacity)
-                        sequence.policy.start(sequence.prior_alpha)
+                        try:
+                            sequence.proposer.start(sequence.tokens, capacity)
+                            sequence.policy.start(sequence.prior_alpha)
+                        except Exception:
+                            self._drafter_failed(sequence, "starting")
                 except Exception:  # fail this request alone, and keep its row
                     logger.exception("admitting request %s failed", sequence.request_id)
                     sequence.error = "internal error while admitting the request"
@@ -483,6 +486,15 @@ class BatchEngine:
             layers.update(getattr(sequence.proposer, "capture", ()) or ())
         return tuple(sorted(layers))
 
+    @staticmethod
+    def _drafter_failed(sequence: Sequence, doing: str) -> None:
+        """A drafter's error (from inside an ``except``) costs its request the speculation,
+        not the request, nor the other rows of the batch, which it failed with it before
+        (found in review): drafts are only proposals, so the output is the same."""
+        logger.exception("the drafter of request %s failed %s; it decodes without speculation from here",
+                         sequence.request_id, doing)
+        sequence.proposer = sequence.policy = None
+
     def _features(self, sequence: Sequence, features: torch.Tensor | None, layers: tuple[int, ...]):
         """The feature columns of the layers ``sequence``'s drafter reads, or None."""
         wanted = tuple(getattr(sequence.proposer, "capture", ()) or ())
@@ -502,7 +514,10 @@ class BatchEngine:
                                         last_only=True, capture=layers, threads=self.prefill_threads)
         features = self._features(sequence, out[1] if layers else None, layers)
         if features is not None:
-            sequence.proposer.observe(begin, features[0], sequence.tokens)
+            try:
+                sequence.proposer.observe(begin, features[0], sequence.tokens)
+            except Exception:
+                self._drafter_failed(sequence, "reading the prompt's states")
         synchronize(self.runtime.device)  # a GPU's chunk is charged here, not to the next row's drafting
         sequence.prefilled = end
         sequence.stats.prefill_seconds += time.perf_counter() - started
@@ -517,9 +532,13 @@ class BatchEngine:
             if skip and hasattr(sequence.policy, "tau"):  # the cap would let it draft nothing
                 wanted.append(0)
                 continue
-            if hasattr(sequence.policy, "use_label") and hasattr(sequence.proposer, "draft_label"):
-                sequence.policy.use_label(sequence.proposer.draft_label(sequence.tokens))
-            k = sequence.policy.choose(len(sequence.tokens)) if sequence.policy is not None else 0
+            try:
+                if hasattr(sequence.policy, "use_label") and hasattr(sequence.proposer, "draft_label"):
+                    sequence.policy.use_label(sequence.proposer.draft_label(sequence.tokens))
+                k = sequence.policy.choose(len(sequence.tokens)) if sequence.policy is not None else 0
+            except Exception:
+                self._drafter_failed(sequence, "choosing its drafts")
+                k = 0
             wanted.append(max(min(k, sequence.params.max_new_tokens - len(sequence.generated) - 1, room), 0))
         wanted = self._batch_cap(rows, wanted)
         if len(rows) >= 2:
@@ -527,12 +546,14 @@ class BatchEngine:
             self._capped_out[len(rows)] = 0 if any(adaptive) else self._capped_out.get(len(rows), 0) + 1
         plans, proposing = [], 0.0
         for sequence, k in zip(rows, wanted):
-            if k > 0:
+            proposal = Proposal.empty()
+            if k > 0 and sequence.proposer is not None:
                 began = time.perf_counter()
-                proposal = sequence.proposer.propose(sequence.tokens, k, sequence.params, sequence.generator)
+                try:
+                    proposal = sequence.proposer.propose(sequence.tokens, k, sequence.params, sequence.generator)
+                except Exception:
+                    self._drafter_failed(sequence, "drafting")
                 proposing = time.perf_counter() - began  # one row's: read below only when alone
-            else:
-                proposal = Proposal.empty()
             drafts = proposal.draft_ids[:k].to(torch.int64)
             usable = drafts_in_vocab(drafts, self.runtime.vocab_size)  # a bad id failed every row (found in review)
             plans.append((drafts[:usable], None if proposal.draft_probs is None else proposal.draft_probs[:usable]))
@@ -581,7 +602,10 @@ class BatchEngine:
                 sequence.policy.observe(drafts.numel(), accepted)
             self._commit(sequence, new_tokens, drafts.numel(), accepted)
             if row_features is not None and not sequence.finished:
-                sequence.proposer.observe(context - 1, row_features[0, :accepted + 1], sequence.tokens)
+                try:
+                    sequence.proposer.observe(context - 1, row_features[0, :accepted + 1], sequence.tokens)
+                except Exception:
+                    self._drafter_failed(sequence, "reading the accepted tokens' states")
 
     def _batch_cap(self, rows: list[Sequence], wanted: list[int]) -> list[int]:
         """Speculation under load: every row of a step is padded to the longest draft, so
