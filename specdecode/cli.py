@@ -515,7 +515,13 @@ def format_profile(profile, model: str) -> str:
     measured = f", measured {profile.measured_at}" if profile.measured_at else ""
     lines = [f"cost profile: {model} on {profile.machine}, {profile.threads} threads; {profile.runtime or profile.dtype}"
              f"{measured}"]
-    if profile.bandwidth_gbs:
+    # the bytes a step reads are known for the native runtime only (the transformers
+    # runtime's are 0: its limit lines divided by zero; found in review)
+    known = bool(profile.bandwidth_gbs and profile.weight_bytes)
+    if profile.bandwidth_gbs and not known:
+        lines.append(f"memory read bandwidth {profile.bandwidth_gbs:.1f} GB/s (measured); the bytes a step reads are "
+                     "not known for this runtime")
+    if known:
         lines.append(f"memory read bandwidth {profile.bandwidth_gbs:.1f} GB/s (measured); a single-token step reads "
                      f"{profile.weight_bytes / 1e6:.1f} MB of weights and {profile.kv_bytes_per_token / 1e3:.1f} kB of "
                      "keys and values per cached token")
@@ -527,7 +533,7 @@ def format_profile(profile, model: str) -> str:
                         for row in range(len(profile.contexts)))
         lines.append(f"{size:>4}{cells}")
     lines.append("v(T) = time to score T tokens / one decode step (T = 1); speculation with k drafts scores k + 1")
-    if profile.bandwidth_gbs:
+    if known:
         lines.append("T = 1 against the bandwidth limit (time to read the weights | the weights and the KV cache):")
         for row, context in enumerate(profile.contexts):
             weights, both = profile.bandwidth_limit_ms(context), profile.bandwidth_limit_ms(context, with_cache=True)

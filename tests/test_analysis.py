@@ -168,10 +168,13 @@ def test_analyze_writes_every_report(tiny_text_model_dir, tmp_path, capsys):
     assert {(r["temperature"], r["method"], r["category"]) for r in rows} == {
         (t, m, c) for t in (0.0, 1.0) for m in ("ngram", "ngram@2", "draft@2") for c in ("copy", "other", "overall")}
     for row in rows:
-        assert row["recommendation"] in ("HIGHLY_RECOMMENDED", "RECOMMENDED", "CONDITIONAL", "NOT_RECOMMENDED")
+        assert row["recommendation"] in ("HIGHLY_RECOMMENDED", "RECOMMENDED", "CONDITIONAL", "NOT_RECOMMENDED",
+                                         "NO_DRAFTS")
         assert row["cost_verdict"].startswith(("wins", "loses")) and "tau =" in row["cost_verdict"]
         assert row["predicted_speedup"] > 0 and row["measured_speedup"] > 0
-        assert any("throughput serving" in s for s in row["skip_checks"])
+        # judged only where the method drafted (found in review: a method that never drafted
+        # was judged as k = 1)
+        assert any("throughput serving" in s for s in row["skip_checks"]) == bool(row["drafts_per_pass"])
         assert any("outputs are short" in s for s in row["skip_checks"])  # 12 tokens < 20
         if row["temperature"] == 0.0:  # greedy in fp32: every method decodes plain decoding's text
             assert row["identical_to_plain"] == 1.0
@@ -315,3 +318,77 @@ def test_predicted_and_measured_speedups_are_medians_over_the_same_prompts():
     assert untimed["prediction_error"] is None and untimed["cost_verdict"].startswith("not timed")
     untimed.update(temperature=0.0, method="ngram", category="c")
     assert _table_rows({"categories": [untimed]})[0][8:11] == ["-", "-", "-"]
+
+
+def test_a_run_that_made_no_token_a_method_that_never_drafted_and_pooled_step_costs():
+    """Found in review: a speculative run that drew EOS first (0 tokens, plain made some)
+    counted as a 0.00x speedup; a method that never drafted read alpha 0.00 and "not
+    recommended" from no evidence, and a predicted 1.00x "would win"; the step cost beside
+    the pooled tau was a mean over prompts, so one prompt of 10 plain passes weighed as much
+    as one of 1,000 drafted passes and the verdict contradicted the prediction."""
+    from specdecode.analysis.analyzer import _table_rows, annotate, summarize_group
+
+    records = [_analyzed_record("none", "a", 100.0, 10), _analyzed_record("ngram", "a", 150.0, 10),
+               _analyzed_record("none", "b", 100.0, 10), _analyzed_record("ngram", "b", 0.0, 0)]
+    annotate(records, _StepProfile(), {"ngram": 0.0})
+    assert records[3]["speedup"] is None
+    group = summarize_group([records[1], records[3]], _StepProfile(), 0.0, "latency", 1)
+    assert group["measured_speedup"] == 1.5
+
+    plain_only = {**_analyzed_record("ngram", "c", 90.0, 10), "draft_tokens": 0, "accepted_tokens": 0,
+                  "steps_by_drafted": {"0": 2}, "alpha": None, "acceptance_per_position": [], "plain_steps_share": 1.0}
+    records = [_analyzed_record("none", "c", 100.0, 10), plain_only]
+    annotate(records, _StepProfile(), {"ngram": 0.0})
+    never = summarize_group([plain_only], _StepProfile(), 0.0, "throughput", 8)
+    assert never["alpha_mean"] is None and never["recommendation"] == "NO_DRAFTS"
+    assert "would win" not in never["cost_verdict"] and not any("throughput" in s for s in never["skip_checks"])
+    never.update(temperature=0.0, method="ngram", category="c")
+    assert _table_rows({"categories": [never]})[0][4] == "-"
+
+    long_run = {**_analyzed_record("ngram", "d", 100.0, 10), "steps_by_drafted": {"5": 1000}, "target_forwards": 1000,
+                "draft_tokens": 5000, "accepted_tokens": 400}
+    short_plain = {**_analyzed_record("ngram", "e", 100.0, 10), "steps_by_drafted": {"0": 10}, "target_forwards": 10,
+                   "draft_tokens": 0, "accepted_tokens": 0}
+    records = [_analyzed_record("none", "d", 100.0, 10), long_run, _analyzed_record("none", "e", 100.0, 10), short_plain]
+    annotate(records, _StepProfile(), {"ngram": 0.0})
+    pooled = summarize_group([long_run, short_plain], _StepProfile(), 0.0, "latency", 1)
+    assert pooled["step_cost"] == pytest.approx((1000 * 1.5 + 10 * 1.0) / 1010)  # v(5) = 1.5 here
+    assert "does not exceed" in pooled["cost_verdict"]  # tau 1.40 < 1.495
+
+
+def test_profile_tables_and_plots_take_what_they_are_given(tmp_path):
+    """Found in review: `profile --runtime hf` divided by zero printing its limit lines (the
+    transformers runtime reads 0 known bytes), and a "$" in a category name was parsed by
+    matplotlib as math, failing the plots after the whole run."""
+    from specdecode.bench.plots import plot_bench
+    from specdecode.cli import format_profile
+    from specdecode.cost.profile import CostProfile
+
+    profile = CostProfile("m", "fp32", "cpu", 2, contexts=[100], sizes=[1, 2], step_ms=[[10.0, 12.0]],
+                          bandwidth_gbs=30.0, weight_bytes=0, runtime="transformers, float32")
+    text = format_profile(profile, "tiny")
+    assert "not known for this runtime" in text and "limit" not in text
+    summary = {"tex $x^^2$": {"none": {"speedup": 1.0}, "ngram": {"speedup": 1.2}},
+               "overall": {"none": {"speedup": 1.0}, "ngram": {"speedup": 1.2}}}
+    records = [{"method": "ngram", "category": "tex $x^^2$", "acceptance_per_position": [0.5]}]
+    assert plot_bench(summary, records, tmp_path / "bench.png").is_file()
+
+
+def test_analyze_counts_memory_in_the_weight_format_it_ran(tiny_text_model_dir, tmp_path):
+    """Found in review: the memory report counted the weights at the KV dtype whatever
+    --weights was (int4 weights read as bf16: 3.2x too much for an 8B model, a false
+    "does not fit")."""
+    from specdecode.analysis.memory import deployment_memory
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "abcabcabcabc", "category": "copy"}) + "\n")
+    out = tmp_path / "analysis"
+    assert main(["analyze", "--model", str(tiny_text_model_dir), "--dtype", "bf16", "--weights", "int4",
+                 "--prompts", str(prompts), "--methods", "ngram@2", "--temperatures", "0", "--max-new-tokens", "4",
+                 "--no-chat-template", "--out", str(out)]) == 0
+    result = json.loads((out / "analysis.json").read_text())
+    entry = result["memory"]["ngram@2"]
+    reported = entry["total_gib"] * 2**30
+    int4, bf16 = (deployment_memory(str(tiny_text_model_dir), "ngram", "bf16", result["config"]["batch"],
+                                    entry["context"], 10, None, weights=w)["total"] for w in ("int4", "bf16"))
+    assert reported == pytest.approx(int4) and int4 < bf16

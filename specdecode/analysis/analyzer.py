@@ -32,7 +32,9 @@ SHORT_OUTPUT = 20  # tokens
 HIGH_VARIANCE = 0.05
 
 
-def acceptance_recommendation(mean_alpha: float, variance: float) -> str:
+def acceptance_recommendation(mean_alpha: float | None, variance: float) -> str:
+    if mean_alpha is None:  # nothing drafted: no acceptance to judge (it read as alpha 0, "not recommended")
+        return "NO_DRAFTS"
     if mean_alpha > 0.7 and variance < HIGH_VARIANCE:
         return "HIGHLY_RECOMMENDED"
     if mean_alpha > 0.5:
@@ -77,7 +79,7 @@ def _mean(values: list[float]) -> float:
 
 def summarize_group(rows: list[dict], profile, c: float, serving: str, batch: int) -> dict:
     alphas = [r["alpha"] for r in rows if r["alpha"] is not None and r["draft_tokens"]]
-    mean_alpha = _mean(alphas)
+    mean_alpha = _mean(alphas) if alphas else None
     variance = statistics.pvariance(alphas) if len(alphas) > 1 else 0.0
     drafted = sum(r["draft_tokens"] for r in rows)
     accepted = sum(r["accepted_tokens"] for r in rows)
@@ -97,8 +99,12 @@ def summarize_group(rows: list[dict], profile, c: float, serving: str, batch: in
     new_tokens = statistics.median(r["new_tokens"] for r in rows)
     context = int(statistics.median(_context(r) for r in rows))
     k_mean = drafted / passes if passes else 0.0  # drafts per target pass, plain steps included
-    step_cost = _mean([r["step_cost"] for r in rows])
-    plain_share = _mean([r["plain_steps_share"] for r in rows if r.get("plain_steps_share") is not None])
+    # pooled over the passes, as tau and k_mean are (a mean over prompts weighed a prompt of
+    # 10 passes as one of 1,000, and the verdict could contradict the prediction beside it)
+    steps = [sum(int(n) for n in r["steps_by_drafted"].values()) for r in rows]
+    step_cost = (sum(r["step_cost"] * n for r, n in zip(rows, steps)) / sum(steps)) if sum(steps) else 1.0
+    shared = [(r["plain_steps_share"], n) for r, n in zip(rows, steps) if r.get("plain_steps_share") is not None]
+    plain_share = sum(x * n for x, n in shared) / sum(n for _, n in shared) if shared and sum(n for _, n in shared) else 0.0
 
     balance = (f"tau = {tau:.2f} tokens per pass {'exceeds' if tau > step_cost else 'does not exceed'} the mean step "
                f"cost v + k c = {step_cost:.2f} (mean {k_mean:.1f} drafts or tree nodes per pass)")
@@ -107,7 +113,7 @@ def summarize_group(rows: list[dict], profile, c: float, serving: str, batch: in
     else:
         cost = (f"{'wins' if measured >= 1.0 else 'loses'}: {balance} -> predicted {predicted:.2f}x, "
                 f"measured {measured:.2f}x")
-    if measured is not None and measured < 1.0 <= predicted:
+    if measured is not None and measured < 1.0 < predicted:
         cost += " (the model's cost alone would win; per-step work outside the forward pass eats the margin)"
     if plain_share:
         cost += f"; adaptive k ran {plain_share:.0%} of steps as plain decoding"
@@ -116,7 +122,7 @@ def summarize_group(rows: list[dict], profile, c: float, serving: str, batch: in
         skips.append(f"skip: outputs are short (median {new_tokens:.0f} tokens < {SHORT_OUTPUT}); prefill dominates")
     if variance > HIGH_VARIANCE:
         skips.append(f"high variance of alpha across prompts ({variance:.3f} > {HIGH_VARIANCE}): route selectively, per request")
-    if serving == "throughput":
+    if serving == "throughput" and drafted:
         k = max(1, round(k_mean))
         v_batch = profile.time_ms(batch * (k + 1), context) / profile.time_ms(batch, context)
         if v_batch >= tau:
@@ -144,8 +150,9 @@ def annotate(records: list[dict], profile, costs: dict[str, float]) -> None:
         # None where plain decoding made no token (EOS first): no ratio, not a loss (a 0.0
         # pulled the median down and read as "loses"; found in review)
         # None too where the turn's prompt was not plain's (an earlier reply differed)
+        # and where this run made none (it drew EOS first): a 0.0 there was the same error
         r["speedup"] = (r["tokens_per_s"] / base["tokens_per_s"]
-                        if base["tokens_per_s"] and not r.get("context_differs") else None)
+                        if base["tokens_per_s"] and r["new_tokens"] and not r.get("context_differs") else None)
         # decode alone (prefill out), per token: what the router learns from the server and
         # `generate --route` too (one state held both kinds of figure; found in review)
         spec, plain_decode = (((x["seconds"] - x.get("prefill_seconds", 0.0)) / x["new_tokens"] if x["new_tokens"]
@@ -214,8 +221,13 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
         # the drafter whose memory counts: a draft model's (self:L or a path); prompt
         # lookup's; none beside the target for the rest (a token store, a head: small)
         draft = "ngram" if name == "ngram" else draft_model(args, [label], spec_config)
+        # the weights in the format the target runs in (--weights auto resolved): they were
+        # counted at the KV dtype whatever --weights was (found in review: int4 read as bf16)
+        fmt = getattr(target.runtime, "weight_format", None)
+        weights = {"q8_0": "int8", "q4_1": "int4", "float32": "fp32", "bfloat16": "bf16"}.get(fmt, fmt)
         report = deployment_memory(args.model, draft, engine_config.dtype, args.batch, None, 10, args.budget,
-                                   prefill_chunk=engine_config.prefill_chunk)
+                                   prefill_chunk=engine_config.prefill_chunk,
+                                   weights=weights if weights in ("fp32", "bf16", "int8", "int4") else None)
         memory[label] = {"total_gib": report["total"] / 2**30, "budget_gib": report["budget"] / 2**30, "fits": report["fits"],
                          "context": report["context"]}
     sweeps = {}
@@ -299,7 +311,8 @@ def _table_rows(result: dict) -> list[list[str]]:
         error = f"{row['prediction_error']:+.0%}" if row["prediction_error"] is not None else "-"
         rows.append([
             f"{row['temperature']:g}", row["method"], row["category"], str(row["prompts"]),
-            f"{row['alpha_mean']:.2f}", f"{row['alpha_variance']:.3f}", f"{row['tau']:.2f}",
+            "-" if row["alpha_mean"] is None else f"{row['alpha_mean']:.2f}", f"{row['alpha_variance']:.3f}",
+            f"{row['tau']:.2f}",
             " ".join(f"{p:.2f}" for p in row["acceptance_per_position"][:6]),
             _ratio(row["predicted_speedup"]), _ratio(row["measured_speedup"]), error,
             _same(row), row["recommendation"],

@@ -249,7 +249,8 @@ def format_check(result: CheckResult, calibration: dict | None) -> str:
                      f"acceptance by position {per_position}, tau {c['tau']:.2f} tokens per target pass at "
                      f"k={c['k']} ({c['drafted_share']:.0%} of the steps drafted; mean acceptance length of those "
                      f"{c['mean_acceptance_length']:.2f})")
-        lines.append(f"  cost profile: c = {c['c']:.3f}, v({c['k']}) = {c['v_k']:.2f} -> expected speedup "
+        lines.append(f"  cost profile: c = {c['c']:.3f}, v(T={c['k'] + 1}) = {c['v_k']:.2f} (k={c['k']} drafts and "
+                     f"the last token, as `specdecode profile` labels T) -> expected speedup "
                      f"{c['expected_speedup_fixed_k']:.2f}x at k={c['k']}; best k = {c['best_k']} "
                      f"({c['expected_speedup_best_k']:.2f}x{', plain decoding wins' if c['best_k'] == 0 else ''})")
     verdict = result.verdict

@@ -15,6 +15,9 @@ def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
+    # labels are names from the data (categories, methods): a "$" in one was parsed as
+    # math, and an invalid expression failed the report after the whole run (found in review)
+    matplotlib.rcParams["text.parse_math"] = False
     import matplotlib.pyplot as plt
 
     return plt
@@ -113,6 +116,7 @@ def plot_analysis(result: dict, out_dir: Path) -> list[Path]:
     for axis, method in zip(axes, methods):
         for category in categories:
             values = [by_key[(t, method, category)]["alpha_mean"] for t in temperatures if (t, method, category) in by_key]
+            values = [float("nan") if v is None else v for v in values]  # nothing drafted: no point
             if len(values) == len(temperatures):
                 style = dict(color="black", linewidth=2.5) if category == "overall" else {}
                 axis.plot(temperatures, values, marker="o", label=category, **style)
@@ -128,7 +132,8 @@ def plot_analysis(result: dict, out_dir: Path) -> list[Path]:
             names = [c for c in categories if c in rows]
             policies = sorted({key for c in names for key in sweep_policies(rows[c])})
             bars = [("best fixed k", [rows[c]["best_fixed_speedup"] for c in names])]
-            bars += [(policy, [rows[c].get(policy, {}).get("speedup", 0.0) for c in names]) for policy in policies]
+            # an untimed policy has no bar (a 0.0 drew it as a full loss)
+            bars += [(policy, [rows[c].get(policy, {}).get("speedup") for c in names]) for policy in policies]
             width = 0.8 / len(bars)
             for index, (label, values) in enumerate(bars):
                 _ratio_bars(axis, [i + index * width for i in range(len(names))], values, width, label)

@@ -11,6 +11,9 @@ def plot_bench(summary: dict, records: list[dict], path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
+    # labels are names from the data (categories, methods): a "$" in one was parsed as
+    # math, and an invalid expression failed the report after the whole run (found in review)
+    matplotlib.rcParams["text.parse_math"] = False
     import matplotlib.pyplot as plt
 
     categories = sorted(c for c in summary if c != "overall") + ["overall"]
