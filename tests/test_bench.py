@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from conftest import save_chat_model, save_tiny_model
 from specdecode import kernels
 from specdecode.bench.runner import run_records, summarize, warm_up
 from specdecode.config import SamplingParams, SpecDecodeError
@@ -391,3 +392,41 @@ def test_prompt_files_with_a_byte_order_mark_or_raw_line_separators_in_strings_l
         path = tmp_path / name
         path.write_text("\ufeff" + text, encoding="utf-8")
         assert load_prompts(str(path))[0]["prompt"] == records[0]["prompt"]
+
+
+def test_a_sampled_bench_draws_alike_for_every_method_and_a_bare_method_under_k_is_fixed(tmp_path, capsys):
+    """Found in review: sampling without --seed let every method draw its own seed, so plain
+    and prompt lookup sampled different texts ("same 0%", speedups over different lengths);
+    and a bare method under --k 4 was compared as an adaptive policy in the k sweep."""
+    from specdecode.bench.runner import is_fixed_k, k_sweep
+    from specdecode.cli import main
+
+    model = save_chat_model(tmp_path / "chat", seed=3)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"abcabc abcabc {i}", "category": "c"}) + "\n" for i in range(3)))
+    out = tmp_path / "b.json"
+    assert main(["bench", "--model", str(model), "--dtype", "fp32", "--prompts", str(prompts), "--methods", "ngram@3",
+                 "--max-new-tokens", "12", "--temperature", "1.0", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert isinstance(result["config"]["seed"], int)
+    assert result["summary"]["overall"]["ngram@3"]["identical_to_plain"] == 1.0  # the target's own draws verify
+    assert is_fixed_k("ngram", 4) and is_fixed_k("ngram", "4") and not is_fixed_k("ngram") and is_fixed_k("ngram@3")
+    summary = {"c": {m: {"speedup": s, "identical_to_plain": 1.0} for m, s in (("ngram@3", 1.1), ("ngram", 1.2))}}
+    assert k_sweep(summary, ["ngram@3", "ngram"], 4) == {}  # two fixed k: nothing adaptive to compare
+    assert "ngram" in k_sweep(summary, ["ngram@3", "ngram"])["ngram"]["c"]
+
+
+def test_the_transformers_peer_stops_at_the_context_and_attends_every_prompt_token(tmp_path):
+    """Found in review: the peer decoded past the model's positions (40 tokens against our
+    10), and without an attention mask transformers read pad id 0 (a model naming no EOS) in
+    the prompt as padding and masked those tokens out."""
+    from specdecode.bench.peers import HFPeer
+
+    path = save_tiny_model(tmp_path / "m", seed=12)
+    ours = SpeculativeEngine(load_model(path, torch.float32, backend="torch").runtime)
+    prompt = [1, 5, 0, 9, 13, 0, 5, 9, 13]
+    expected = ours.generate(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True)).token_ids
+    assert HFPeer(path, (), max_positions=256).generate(prompt, 12)[0] == expected
+    long_prompt = [(i * 7) % 90 + 3 for i in range(250)]
+    assert len(HFPeer(path, (), max_positions=256).generate(long_prompt, 40)[0]) == 6
+    assert len(ours.generate(long_prompt, SamplingParams(max_new_tokens=40, ignore_eos=True)).token_ids) == 6

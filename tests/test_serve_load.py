@@ -291,3 +291,25 @@ def test_bench_serve_names_an_unreachable_server_and_sends_the_key(model_dir, mo
             served_model(server.url)
         monkeypatch.setenv("OPENAI_API_KEY", "sekrit")
         assert served_model(server.url) == "tiny"
+
+
+def test_audits_wait_for_a_quiet_engine_and_bench_serve_waits_for_them(model_dir):
+    """Found in review: audits started in the milliseconds between a client's requests, so
+    bench-serve's speculative levels timed audit re-runs and its plain levels none; and its
+    wait for audits returned at once while the first ones were still queued (their count
+    was 0). Audits now start after a quiet spell, and /metrics shows those pending."""
+    import asyncio
+
+    import httpx
+
+    from specdecode.bench.serve import run_level, scrape, wait_for_audits
+
+    with ServerThread(model_dir, max_num_seqs=2, audit_rate=1.0) as server:
+        server.state.audit_idle_s = 1.0  # a quiet spell no gap between one client's requests reaches, however slow
+        texts = [[{"role": "user", "content": f"abcabc abc {i}"}] for i in range(6)]
+        asyncio.run(run_level(server.url, "tiny", texts, 40, "spec", 1, None, 0))  # closed loop, one client
+        during = scrape(httpx.get(f"{server.url}/metrics").text)
+        # none ran inside the level (requests that speculated are audited: the router may send some plain)
+        assert during["audit_requests_total"] == 0 and during["audit_pending"] > 0
+        done = wait_for_audits(server.url)
+        assert done["audit_pending"] == 0 and done["audit_requests_total"] == during["audit_pending"]

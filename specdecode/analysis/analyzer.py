@@ -232,16 +232,16 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
                          "context": report["context"]}
     sweeps = {}
     for temperature in temperatures:
-        sweep = k_sweep(summarize([r for r in records if r["temperature"] == temperature]), methods)
+        sweep = k_sweep(summarize([r for r in records if r["temperature"] == temperature]), methods, args.k)
         if sweep:
             sweeps[str(temperature)] = sweep
-    add_predicted_sweep(sweeps, table)
+    add_predicted_sweep(sweeps, table, args.k)
     result = {
         "k_sweep": sweeps,
         "config": {"model": args.model, "dtype": args.dtype, "methods": methods, "temperatures": temperatures,
                    "max_new_tokens": params.max_new_tokens, "prompts": args.prompts or "builtin",
                    "serving": args.serving, "batch": args.batch, "draft": draft_model(args, methods, spec_config),
-                   "repeats": args.repeats},
+                   "repeats": args.repeats, "k": args.k},
         "profile": {"machine": profile.machine, "threads": profile.threads, "drafter_costs": costs,
                     # keyed by tokens scored, T = k + 1, as `profile` and `bench` key it (was by k drafts)
                     "v": {str(k + 1): profile.v(k, 256) for k in (1, 2, 4, 6, 8, 10)}},
@@ -254,13 +254,13 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
     return result
 
 
-def add_predicted_sweep(sweeps: dict, table: list[dict]) -> None:
+def add_predicted_sweep(sweeps: dict, table: list[dict], default_k: object = "auto") -> None:
     """The k sweep once more on predicted speedups. A prediction depends only on a run's
     steps and the cost profile, not on how fast the machine happened to be, so it tells a
     worse choice of k apart from timing noise (when the texts decoded are the same)."""
     predicted = {(str(r["temperature"]), r["method"], r["category"]): r["predicted_speedup"] for r in table
                  if r["predicted_speedup"] is not None}
-    fixed_methods = [m for m in dict.fromkeys(r["method"] for r in table) if is_fixed_k(m)]
+    fixed_methods = [m for m in dict.fromkeys(r["method"] for r in table) if is_fixed_k(m, default_k)]
     for temperature, sweep in sweeps.items():
         for base, categories in sweep.items():
             for category, entry in categories.items():

@@ -69,7 +69,7 @@ def plot_analysis(result: dict, out_dir: Path) -> list[Path]:
                 axis.plot(range(1, len(rates) + 1), rates, marker="o", markersize=3, label=category, **style)
         # with a policy choosing k, position i is seen only in steps that drafted >= i, which
         # the policy chose after good steps: the curve need not fall
-        note = "" if is_fixed_k(method) else "\n(position i: steps that drafted at least i)"
+        note = "" if is_fixed_k(method, result["config"].get("k", "auto")) else "\n(position i: steps that drafted at least i)"
         axis.set(title=f"{method}, T={first:g}{note}", xlabel="draft position", ylabel="acceptance (mean over prompts)",
                  ylim=(0, 1), xlim=(0.5, longest + 0.5))
         axis.set_xticks(range(1, longest + 1, math.ceil(longest / 12)))  # whole positions, even for k = 1

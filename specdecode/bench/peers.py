@@ -27,7 +27,8 @@ LLAMACPP_INSTALL = (
 class HFPeer:
     label = "transformers generate(), fp32"
 
-    def __init__(self, model_dir, eos_ids: tuple[int, ...], device: torch.device | str = "cpu"):
+    def __init__(self, model_dir, eos_ids: tuple[int, ...], device: torch.device | str = "cpu",
+                 max_positions: int | None = None):
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
@@ -38,6 +39,9 @@ class HFPeer:
 
         self.model.generation_config = GenerationConfig()
         self.eos_ids = eos_ids
+        # our engine stops at the model's positions: so does the peer (found in review: it
+        # decoded past them, 40 tokens against 10, read as a divergence)
+        self.max_positions = max_positions
         if self.device.type != "cpu":
             self.label = f"transformers generate(), fp32, {self.device.type}"
 
@@ -53,9 +57,16 @@ class HFPeer:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
         eos = self.eos_ids
+        if self.max_positions is not None:
+            max_new_tokens = max(min(max_new_tokens, self.max_positions - len(prompt_ids)), 0)
+        if max_new_tokens == 0:
+            return [], 0.0
+        ids = torch.tensor([prompt_ids], device=self.device)
         started = time.perf_counter()
         with torch.inference_mode():
-            output = self.model.generate(torch.tensor([prompt_ids], device=self.device),
+            # every prompt token attended: without a mask transformers reads the pad id (0
+            # where the model names no EOS) as padding and masked those prompt tokens out
+            output = self.model.generate(ids, attention_mask=torch.ones_like(ids),
                                          generation_config=self.greedy(max_new_tokens))
             new = output[0, len(prompt_ids):].tolist()  # waits for the device
         seconds = time.perf_counter() - started
@@ -102,7 +113,7 @@ class LlamaCppPeer:
 def build_peer(name: str, target, context: int):
     """The peer for bench method ``name`` over the loaded target model."""
     if name == "hf":
-        return HFPeer(target.source.path, target.eos_token_ids, target.runtime.device)
+        return HFPeer(target.source.path, target.eos_token_ids, target.runtime.device, target.runtime.max_positions)
     if name == "llamacpp":
         return LlamaCppPeer(target.source.gguf, context, target.eos_token_ids)
     raise SpecDecodeError(f"unknown peer {name!r}; choose from {PEERS}")

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import platform
 import re
+import secrets
 import statistics
 import sys
 from collections import defaultdict
@@ -307,6 +308,11 @@ def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config
     if peers and not params.greedy:  # they were run greedily beside sampled decoding, and compared with it
         raise SpecDecodeError(f"{', '.join(peers)} decode greedily here; compare them at --temperature 0")
     check_repeats(args.repeats, params)
+    if not params.greedy and params.seed is None:
+        # one seed for every method: each drew its own (found in review: plain and prompt
+        # lookup sampled different texts, "same 0%", their speedups over different lengths)
+        params = dataclasses.replace(params, seed=secrets.randbits(31))
+        log(f"sampling with seed {params.seed} for every method (--seed sets it)")
     methods = ["none", *[m for m in dict.fromkeys(methods) if m != "none"]]  # the baseline first
     prompts = load_prompts(args.prompts, args.limit)
     log(f"loading {args.model} ({args.dtype}); {describe_prompts(prompts)} x {len(methods)} methods")
@@ -326,14 +332,15 @@ def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config
 
     summary = summarize(records)
     print_summary(summary, methods)
-    sweep = k_sweep(summary, methods)
+    sweep = k_sweep(summary, methods, args.k)
     if sweep:
         print_k_sweep(sweep)
     if args.out:
         payload = {
             "config": {"model": args.model, "dtype": args.dtype, "k": args.k, "k_policy": args.k_policy,
                        "k_max": args.k_max, "max_new_tokens": params.max_new_tokens,
-                       "temperature": params.temperature, "methods": methods, "repeats": args.repeats,
+                       "temperature": params.temperature, "seed": params.seed, "methods": methods,
+                       "repeats": args.repeats,
                        "draft": draft_model(args, methods, spec_config),
                        "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
                        "prompts": args.prompts or "builtin", "cost_profile": profile},
@@ -440,18 +447,20 @@ def print_summary(summary: dict, methods: list[str]) -> None:
                   f"max {row['divergence_margin_max']:.3f}")
 
 
-def is_fixed_k(spec: str) -> bool:
-    """'ngram@3' and 'eagle@6x3' (a tree of 6 nodes) run a fixed k; 'ngram', 'ngram@auto',
-    'ngram@threshold' and 'eagle@autox3' choose it."""
-    return (parse_method(spec)[1] or "").partition("x")[0].isdigit()
+def is_fixed_k(spec: str, default_k: object = "auto") -> bool:
+    """'ngram@3' and 'eagle@6x3' (a tree of 6 nodes) run a fixed k; 'ngram@auto',
+    'ngram@threshold' and 'eagle@autox3' choose it; a bare 'ngram' runs ``default_k`` (the
+    run's --k: found in review, 'ngram' under --k 4 was compared as an adaptive policy)."""
+    return (parse_method(spec)[1] or str(default_k)).partition("x")[0].isdigit()
 
 
-def k_sweep(summary: dict, methods: list[str]) -> dict:
+def k_sweep(summary: dict, methods: list[str], default_k: object = "auto") -> dict:
     """For each method run with several fixed k and adaptively (method@auto, @threshold):
-    per category, the best fixed k and how each adaptive policy compares with it."""
+    per category, the best fixed k and how each adaptive policy compares with it.
+    ``default_k``: the run's --k, what a method without @k ran."""
     result = {}
     for base in dict.fromkeys(parse_method(m)[0] for m in methods):
-        fixed = [m for m in methods if parse_method(m)[0] == base and is_fixed_k(m)]
+        fixed = [m for m in methods if parse_method(m)[0] == base and is_fixed_k(m, default_k)]
         adaptive = [m for m in methods if parse_method(m)[0] == base and m not in fixed]
         if not fixed or not adaptive or base in ("none", *PEERS):
             continue

@@ -66,7 +66,7 @@ def scrape(text: str) -> dict[str, float]:
     accepted tokens per draft position as ``per_pos/<position>``."""
     wanted = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
               "spec_decode_num_accepted_tokens_total", "generation_tokens_total", "audit_requests_total",
-              "audit_mismatches_total", "num_requests_running")
+              "audit_mismatches_total", "num_requests_running", "audit_pending")
     totals = dict.fromkeys(wanted, 0.0)
     for line in text.splitlines():
         if line.startswith("#"):
@@ -180,21 +180,21 @@ async def run_level(url: str, model: str, prompts: list, max_tokens: int, mode: 
     }
 
 
-def wait_for_audits(url: str, settle: float = 5.0, limit: float = 600.0) -> dict[str, float]:
-    """The server audits when idle: wait until its audit count stops moving (a server
-    without --audit-rate reports 0 at once)."""
+def wait_for_audits(url: str, limit: float = 600.0) -> dict[str, float]:
+    """The server audits when idle: wait until no audit is waiting or re-running
+    (``audit_pending``, set before a request's reply goes out; a server without
+    --audit-rate has no such sample). It used to wait for the audit count to stop moving,
+    and returned at once while the count was still 0 with the first audits queued (found
+    in review)."""
     import httpx
 
-    deadline, last, stable_since = time.time() + limit, None, time.time()
+    deadline = time.time() + limit
     while True:
-        totals = scrape(httpx.get(f"{url}/metrics", timeout=10).text)
-        if totals["audit_requests_total"] == 0 or time.time() > deadline:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        totals = scrape(text)
+        if ":audit_pending{" not in text or totals["audit_pending"] == 0 or time.time() > deadline:
             return totals
-        if totals["audit_requests_total"] != last:
-            last, stable_since = totals["audit_requests_total"], time.time()
-        elif time.time() - stable_since >= settle:
-            return totals
-        time.sleep(0.5)
+        time.sleep(0.25)
 
 
 def free_port() -> int:

@@ -127,6 +127,7 @@ class ServerMetrics:
                            "first-draft acceptance, by task type (1 = as calibrated)", task)
         self.audit_checked = counter("audit_requests", "Greedy requests re-run with plain decoding and compared")
         self.audit_mismatch = counter("audit_mismatches", "Audited requests whose output differed from plain decoding")
+        self.audit_pending = gauge("audit_pending", "Audits waiting for an idle engine or re-running now")
         self._lock = threading.Lock()
         self._task_totals: dict[str, list[float]] = {}  # task -> [drafted, accepted, drafted steps]
         self._windows: dict[str, deque] = {}
