@@ -357,6 +357,29 @@ def test_task_schedule_admits_the_running_rows_task_first(model_dir):
     assert running.cache_row is not None
 
 
+@needs_kernels
+def test_a_request_waiting_for_a_shared_prefix_does_not_hold_up_those_behind_it(model_dir):
+    """Found in review: a request waiting for a prefix another prompt is prefilling stopped
+    every admission, so a one-token prompt behind it, with a row free throughout, waited
+    out a long prompt's whole prefill. It now takes a free row at once; the waiting one
+    keeps a row, still copies the prefix, and every output is its output alone."""
+    rng = random.Random(0)
+    shared = [rng.randrange(3, 97) for _ in range(20)]
+    long_prompt = [rng.randrange(3, 97) for _ in range(150)]
+    first, second = (shared + [rng.randrange(3, 97) for _ in range(5)] for _ in range(2))
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    prompts = [long_prompt, first, second, [5]]
+    expected = alone_outputs(runtime_for(model_dir, "kernels"), prompts, [params] * 4, (None, 1))
+    engine = BatchEngine(runtime_for(model_dir, "kernels", prefill_chunk=8), max_num_seqs=4, max_model_len=200)
+    sequences = [engine.add(prompt, params) for prompt in prompts]
+    engine.step()
+    assert sequences[3].generated  # the one-token prompt decodes at the first step
+    engine.run()
+    assert [s.generated for s in sequences] == expected
+    assert sequences[2].cached_tokens == 20  # it waited for the shared prefix, and copied it
+    assert sorted(engine.free_rows) == [0, 1, 2, 3]
+
+
 def test_batch_time_comes_from_the_measured_batch_table():
     from specdecode.cost.profile import CostProfile
 
@@ -502,9 +525,17 @@ def test_an_audit_rerun_keeps_its_requests_cache_salt(model_dir):
     rerun = engine.waiting[-1]
     engine.run()
     assert rerun.cache_salt == "tenant-a"
+    assert rerun.cached_tokens == 0  # an independent re-run: prefilled in full, not from the request's row
     other = engine.add(secret[:12] + [40, 41], params)  # another tenant, no salt, guessing the prefix
     engine.run()
     assert other.cached_tokens == 0
+    # nor from a row that is running now: a salted prompt being decoded is not offered to others
+    running = engine.add(secret, SamplingParams(max_new_tokens=30, ignore_eos=True), cache_salt="tenant-a")
+    engine.step()
+    engine.step()
+    guess = engine.add(secret[:12] + [42, 43], params)
+    engine.run()
+    assert running.finished and guess.cached_tokens == 0
 
 
 @needs_kernels
