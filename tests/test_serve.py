@@ -294,6 +294,9 @@ def test_malformed_json_unknown_route_and_models(served):
     single = client.post("/v1/completions", json={"prompt": [[5, 6, 7]], "max_tokens": 2, "temperature": 0})
     assert single.status_code == 200 and single.json()["usage"]["prompt_tokens"] == 3
     assert client.get("/v1/nothing").status_code == 404
+    wrong_method = client.get("/v1/completions")  # a 405 names the methods the route takes, as HTTP asks
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    assert wrong_method.json()["error"]["type"] == "invalid_request_error"
     models = openai_client(client).models.list()
     assert [m.id for m in models.data] == ["tiny"]
     assert client.get("/health").status_code == 200

@@ -633,7 +633,8 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException):
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return error_response(error.status_code, str(error.detail), kind)
+        # its headers too: a 405's Allow names the methods the route takes (found in review: dropped)
+        return error_response(error.status_code, str(error.detail), kind, headers=getattr(error, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception):
