@@ -564,6 +564,14 @@ def test_train_data_refuses_an_answers_file_it_did_not_write(tiny_runtime, tmp_p
     with pytest.raises(ConfigError, match="record 1 has no 'prompt_id'"):
         build_data(target, tmp_path, prompt_count=2, samples=0, max_new_tokens=4, corpus_tokens=0,
                    encode=lambda text: [ord(c) % TINY_VOCAB for c in text[:20]])
+    # a damaged line with good ones after it is damage, not an interruption: the good records
+    # after it were dropped and the file rewritten without them (found in review)
+    good = json.dumps({"prompt_id": "train-code-000", "prompt_ids": [5], "answer_ids": [6]})
+    (tmp_path / "answers.jsonl").write_text(good + "\n{torn\n" + good + "\n")
+    with pytest.raises(ConfigError, match="line 2 is not JSON"):
+        build_data(target, tmp_path, prompt_count=2, samples=0, max_new_tokens=4, corpus_tokens=0,
+                   encode=lambda text: [ord(c) % TINY_VOCAB for c in text[:20]])
+    assert (tmp_path / "answers.jsonl").read_text().count("train-code-000") == 2  # nothing rewritten away
 
 
 def test_the_summary_counts_the_corpus_training_reads_and_a_store_takes_its_targets_answers(tiny_runtime, tmp_path,

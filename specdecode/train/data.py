@@ -94,11 +94,20 @@ def _read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     records = []
-    for line in path.read_text().splitlines():
+    lines = path.read_text().split("\n")
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for number, line in enumerate(lines):
+        if not line.strip():
+            continue
         try:
             records.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by an interruption: made again
-            break
+        except json.JSONDecodeError:
+            if number == last:  # the last line, cut by an interruption: made again
+                break
+            # anywhere else it is damage, not an interruption: dropping it and everything
+            # after it (then rewriting the file without them) lost good records silently
+            raise ConfigError(f"{path} line {number + 1} is not JSON, and lines after it are: the file is damaged; "
+                              "remove that line or use another --out") from None
     return records
 
 
