@@ -238,7 +238,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Parse; a --preset supplies defaults that explicit flags still override."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "preset", None):
+    if getattr(args, "preset", None) is not None:  # "" named no preset, and was ignored
         from .config import preset
 
         values = preset(args.preset)
@@ -250,8 +250,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args = parser.parse_args(argv)
     verb_parser = getattr(parser, "verb_parsers", {}).get(args.verb)
     # what each flag is when not given (a preset's value included): a flag that differs was given
+    # (a preset's drafter settings too: its ngram_sizes read as a flag the user gave, and
+    # `--preset code-assistant --method eagle` was refused; found in review)
     args.flag_defaults = {} if verb_parser is None else {
-        name: verb_parser.get_default(name) for name in ("k", "k_policy", "k_max")}
+        name: verb_parser.get_default(name) for name in ("k", "k_policy", "k_max", *DRAFTER_FLAGS)}
     return args
 
 

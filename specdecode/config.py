@@ -96,6 +96,7 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
+MAX_SERVED_K = 64  # draft tokens a served request (or the server's config) may fix: a /metrics series each
 MAX_K = 512  # draft tokens (or tree nodes) a step: the most rows one pass scores (MAX_PREFILL_CHUNK)
 DEFAULT_TREE_WIDTH = 3  # measured: docs/training.md, "Tree shape"
 MAX_TREE_WIDTH = 64
@@ -137,8 +138,9 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"method must be one of {METHODS}, got {self.method!r}")
-        if self.k != "auto" and not (isinstance(self.k, int) and self.k >= 1):
-            raise ConfigError(f"k (draft tokens per step) must be 'auto' or an integer >= 1, got {self.k!r}")
+        if self.k != "auto" and not (isinstance(self.k, int) and 1 <= self.k <= MAX_K):
+            # the most rows one pass scores, as k_max (found in review: --k 100000 ran, labelled so)
+            raise ConfigError(f"k (draft tokens per step) must be 'auto' or an integer in 1..{MAX_K}, got {self.k!r}")
         if self.k_policy not in K_POLICIES:
             raise ConfigError(f"k_policy must be one of {K_POLICIES}, got {self.k_policy!r}")
         if self.tree_width is None:

@@ -309,7 +309,8 @@ class SpeculativeEngine:
         where the request can, and the k policy (if it weighs costs) expects it to cost
         less than one pass of the head over every row."""
         decide = getattr(self.policy, "lazy", None)
-        self.last_lazy = bool(drafted and self._can_lazy(params) and (decide is None or decide(drafted)))
+        one_chunk = drafted + 1 <= getattr(self.target, "prefill_chunk", drafted + 1)  # else the pass returns them all
+        self.last_lazy = bool(drafted and one_chunk and self._can_lazy(params) and (decide is None or decide(drafted)))
         return {"lazy_logits": True} if self.last_lazy else {}
 
     def _score(self, inputs: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:

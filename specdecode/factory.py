@@ -72,9 +72,10 @@ def load_model(name: str, dtype: torch.dtype, runtime: str = "auto", weights: st
         raise ConfigError(f"the native runtime supports llama, mistral and qwen2, not {source.model_type!r}")
     use_native = runtime == "native" or (runtime == "auto" and source.native)
     if not use_native:
-        if weights not in ("auto", dense_weights(dtype)) or exact or backend != "auto":
+        if (weights not in ("auto", dense_weights(dtype)) or exact or backend != "auto"
+                or prefill_chunk != DEFAULT_PREFILL_CHUNK):  # (the chunk was ignored: found in review)
             raise ConfigError(f"{source.model_type!r} runs through transformers, which takes neither --weights, "
-                              "--exact nor --backend; use --dtype to choose its precision")
+                              "--exact, --backend nor --prefill-chunk; use --dtype to choose its precision")
         model = load_hf(source.path, dtype, device)
         return LoadedModel(source, model, load_tokenizer(source))
     backend, fmt = choose_backend(source, dtype, weights, backend, exact, device)
@@ -465,6 +466,15 @@ def build_policy(spec: SpeculativeConfig, target: LoadedModel, proposer, dtype: 
         if isinstance(spec.k, int) and spec.k > most:
             raise ConfigError(f"{spec.method} drafts at most {most} tokens a step (one per head); got k = {spec.k}")
         spec = replace(spec, k_max=min(spec.k_max, most))
+    chunk = getattr(target.runtime, "prefill_chunk", None)
+    if getattr(proposer, "drafts_trees", False) and isinstance(chunk, int):
+        # a tree of k nodes is scored with the last token in one pass of at most one prefill
+        # chunk: a larger k was cut to chunk - 1 without a word, to no drafts at chunk 1
+        # (found in review)
+        if chunk < 2 or (isinstance(spec.k, int) and spec.k >= chunk):
+            raise ConfigError(f"{spec.method} scores its tree and the last token in one pass of at most "
+                              f"--prefill-chunk {chunk} tokens: k must be below {chunk}, got {spec.k}")
+        spec = replace(spec, k_max=min(spec.k_max, chunk - 1))
     if spec.k != "auto":  # priced by the cached profile, if any, for logits on demand (FixedK)
         from .cost.profile import load_profile
 

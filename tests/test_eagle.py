@@ -632,3 +632,19 @@ def test_a_tree_never_outgrows_the_prefill_chunk(tmp_path):
     result = SpeculativeEngine(target.runtime, proposer=proposer, k=10).generate([5, 6, 7], GREEDY)
     assert result.token_ids == SpeculativeEngine(target.runtime).generate([5, 6, 7], GREEDY).token_ids
     assert result.stats.draft_tokens > 0 and max(result.stats.steps_by_drafted) == 7
+
+
+def test_a_tree_larger_than_a_prefill_chunk_is_refused_not_cut(tmp_path):
+    """Found in review: a tree of k nodes is scored with the last token in one prefill
+    chunk, and a larger k was cut to chunk - 1 without a word (to no drafts at all with
+    --prefill-chunk 1, still labelled k = 4); an adaptive budget is capped there."""
+    from specdecode.factory import build_policy
+
+    path = save_tiny_model(tmp_path / "t", seed=34, num_layers=3)
+    target = load_model(path, torch.float32, prefill_chunk=4)
+    proposer = EagleProposer(random_head(target, 6), lambda ids: target.runtime.weights.embed_rows(ids).float(),
+                             tree_width=3)
+    with pytest.raises(ConfigError, match="k must be below 4, got 4"):
+        build_policy(SpeculativeConfig(method="eagle", k=4), target, proposer, "fp32")
+    assert build_policy(SpeculativeConfig(method="eagle", k=3), target, proposer, "fp32").k_max == 3
+    assert build_policy(SpeculativeConfig(method="eagle", k="auto"), target, proposer, "fp32").k_max == 3

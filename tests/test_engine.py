@@ -277,7 +277,7 @@ def test_a_draft_without_a_tokenizer_beside_a_target_with_one_is_named(tmp_path,
 
 
 def test_k_below_one_is_refused(tiny_llama_dir):
-    with pytest.raises(ConfigError, match=r"k \(draft tokens per step\) must be 'auto' or an integer >= 1, got 0"):
+    with pytest.raises(ConfigError, match=r"k \(draft tokens per step\) must be 'auto' or an integer in 1..512, got 0"):
         SpeculativeConfig(method="ngram", k=0)
     runtime = load_model(tiny_llama_dir, torch.float32).runtime
     with pytest.raises(ConfigError, match="must be >= 1, got -2"):

@@ -428,3 +428,33 @@ def test_wrongly_typed_optional_config_fields_are_named(tmp_path, field, value):
 
         with pytest.raises(SpecDecodeError, match=f"config.json holds {field} "):
             resolve_shape(str(broken))
+
+
+def test_flags_and_configs_that_were_ignored_or_crashed_are_taken_or_refused(tmp_path, capsys, tiny_text_model_dir):
+    """Found in review: --prefill-chunk below 8 crashed the default generate (the cost
+    profile timed the output head on a pass it had split); a preset's n-gram sizes read as
+    a flag the user gave; --runtime hf ignored --prefill-chunk; a fixed k had no bound (a
+    served 100,000 made as many /metrics series); serve's config took keys its method
+    ignores; --preset '' was ignored."""
+    from specdecode.config import ConfigError, SpeculativeConfig
+    from specdecode.serve.server import parse_speculative_config
+
+    model = str(tiny_text_model_dir)
+    common = ("--model", model, "--dtype", "fp32", "--no-chat-template", "--max-new-tokens", "6", "--threads", "1")
+    code, err = run(capsys, "generate", "abcabcabc", *common, "--method", "ngram", "--prefill-chunk", "2")
+    assert code == 0, err
+    code, err = run(capsys, "generate", "abcabcabc", *common, "--preset", "code-assistant", "--method", "draft",
+                    "--draft", "self:1")
+    assert code == 0, err
+    code, err = run(capsys, "generate", "abcabcabc", *common, "--method", "ngram", "--ngram-sizes", "2",
+                    "--runtime", "hf", "--prefill-chunk", "7")
+    assert code == 2 and "nor --prefill-chunk" in err, err
+    code, err = run(capsys, "generate", "abcabcabc", *common, "--preset", "")
+    assert code == 2 and "unknown preset ''" in err, err
+    with pytest.raises(ConfigError, match="1..512"):
+        SpeculativeConfig(method="ngram", k=100_000)
+    for bad, why in (('{"method": "ngram", "num_speculative_tokens": 100000}', "1..64"),
+                     ('{"method": "eagle", "prompt_lookup_min": 4}', "ngram and suffix only"),
+                     ('{"method": "none", "k_max": 3}', "k_max and k_policy would be ignored")):
+        with pytest.raises(ConfigError, match=why):
+            parse_speculative_config(bad)

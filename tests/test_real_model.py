@@ -138,7 +138,7 @@ def test_cli_reports_bad_input_cleanly(capsys):
     assert main(["generate", "hi", "--model", "/nowhere/model"]) == 2
     assert "error: model '/nowhere/model' not found" in capsys.readouterr().err
     assert main(["generate", "hi", "--k", "0"]) == 2
-    assert "k (draft tokens per step) must be 'auto' or an integer >= 1, got 0" in capsys.readouterr().err
+    assert "k (draft tokens per step) must be 'auto' or an integer in 1..512, got 0" in capsys.readouterr().err
     assert main(["generate", "hi", "--k", "many"]) == 2
     assert "k must be 'auto' or an integer >= 1, got 'many'" in capsys.readouterr().err
 

@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..config import VLLM_METHODS, SamplingParams
+from ..config import MAX_SERVED_K, VLLM_METHODS, SamplingParams
 from ..engine import ContextLengthError, PromptError
 from ..metrics import GenerationStats
 from ..text import decode
@@ -75,8 +75,8 @@ class SpeculativeOptions(BaseModel):
     @field_validator("num_speculative_tokens")
     @classmethod
     def _positive(cls, value):
-        if isinstance(value, int) and not 1 <= value <= 64:
-            raise ValueError("num_speculative_tokens must be 'auto' or an integer in 1..64")
+        if isinstance(value, int) and not 1 <= value <= MAX_SERVED_K:
+            raise ValueError(f"num_speculative_tokens must be 'auto' or an integer in 1..{MAX_SERVED_K}")
         return value
 
 

@@ -7,7 +7,8 @@ import json
 import os
 from dataclasses import replace
 
-from ..config import VLLM_METHODS, ConfigError, EngineConfig, SpeculativeConfig, parse_int_list, parse_k
+from ..config import (MAX_SERVED_K, VLLM_METHODS, ConfigError, EngineConfig, SpeculativeConfig, parse_int_list,
+                      parse_k)
 from .app import ServerState, SpeculationChoices, create_app
 from .batch import BatchEngine, clone_policy
 from .metrics import ServerMetrics
@@ -74,16 +75,23 @@ def parse_speculative_config(text: str | dict | None) -> tuple[SpeculativeConfig
     k = data.get("num_speculative_tokens", "auto")
     if k != "auto":
         k = _spec_int(data, "num_speculative_tokens", 0)
+        if not 1 <= k <= MAX_SERVED_K:  # as a request's own; 100,000 made as many /metrics series (found in review)
+            raise ConfigError(f"--speculative-config num_speculative_tokens must be 'auto' or 1..{MAX_SERVED_K}, got {k}")
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise ConfigError(f"--speculative-config model must be a path or name, got {model!r}")
     if model is not None and method in ("none", "ngram"):  # it was taken and ignored
         raise ConfigError(f"--speculative-config model is the drafter's weights (eagle, medusa) or token store (suffix); "
                           f"method {data.get('method', 'suffix')!r} reads none")
-    if method == "none" and given & {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}:
-        # taken and ignored, as model above
-        raise ConfigError("--speculative-config method 'none' decodes plainly: num_speculative_tokens and "
-                          "prompt_lookup_min/max would be ignored")
+    if method == "none" and given & {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "k_max",
+                                     "k_policy"}:
+        # taken and ignored, as model above (k_max and k_policy too: found in review)
+        raise ConfigError("--speculative-config method 'none' decodes plainly: num_speculative_tokens, "
+                          "prompt_lookup_min/max, k_max and k_policy would be ignored")
+    if method not in ("none", "ngram", "suffix") and given & {"prompt_lookup_min", "prompt_lookup_max"}:
+        # the head drafters look up no n-grams (the CLI refuses --ngram-sizes for them; found in review)
+        raise ConfigError(f"--speculative-config prompt_lookup_min/max are read by methods ngram and suffix only; "
+                          f"method {data.get('method')!r} would ignore them")
     router = data.get("router", True)
     if not isinstance(router, bool):  # bool("false") is True: take JSON true/false only
         raise ConfigError(f"--speculative-config router must be true or false, got {router!r}")
