@@ -37,6 +37,81 @@ def test_logits_match_transformers(tmp_path, model_type):
         assert runtime.weights.layers[0].qkv.bias is not None
 
 
+def _randomize_norms(model_dir) -> None:
+    """Norm weights (and any biases) other than transformers' initial ones: with every norm
+    weight at 1, loading a norm into the wrong place, or not at all, went unnoticed."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    generator = torch.Generator().manual_seed(11)
+    for name, tensor in tensors.items():
+        if tensor.dim() == 1:
+            tensors[name] = 1.0 + 0.3 * torch.randn(tensor.shape, generator=generator) if "norm" in name else \
+                0.1 * torch.randn(tensor.shape, generator=generator)
+    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_logits_match_transformers_with_every_norm_its_own(tmp_path, model_type):
+    """Found in review: the tiny checkpoints kept every RMSNorm weight at 1, so the test
+    above passed with the layers' norms replaced by ones."""
+    model_dir = save_tiny_model(tmp_path / model_type, model_type, seed=4)
+    _randomize_norms(model_dir)
+    ids = torch.randint(0, 97, (1, 17), generator=torch.Generator().manual_seed(1))
+    for backend in ("torch", "kernels"):
+        runtime = load_native(model_dir, torch.float32, backend=backend)
+        runtime.reset(64)
+        torch.testing.assert_close(runtime(ids), hf_logits(model_dir, ids), atol=LOGITS_ATOL, rtol=0)
+
+
+def test_configs_read_as_transformers_reads_them(tmp_path):
+    """Found in review, each loaded without a word and computed other logits than
+    transformers (7-10 apart): a Mistral window with use_sliding_window false (Mistral
+    slides whatever that key says); rope_parameters read over rope_scaling (transformers
+    takes rope_scaling); an index over a model.safetensors beside it (transformers loads the
+    file); longrope's top-level original_max_position_embeddings (transformers reads it over
+    the inner one) slipped past the refusal of a switching table."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    mistral = save_tiny_model(tmp_path / "mistral", "mistral", seed=5)
+    config = json.loads((mistral / "config.json").read_text())
+    (mistral / "config.json").write_text(json.dumps({**config, "sliding_window": 16, "use_sliding_window": False}))
+    with pytest.raises(SpecDecodeError, match="sliding attention window"):
+        load_native(mistral, torch.float32)
+
+    ids = torch.randint(0, 97, (1, 60), generator=torch.Generator().manual_seed(2))
+    scaled = save_tiny_model(tmp_path / "scaled", seed=6)
+    config = json.loads((scaled / "config.json").read_text())
+    config.pop("rope_theta", None)
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    config["rope_scaling"] = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    (scaled / "config.json").write_text(json.dumps(config))
+    runtime = load_native(scaled, torch.float32, backend="torch")
+    runtime.reset(64)
+    torch.testing.assert_close(runtime(ids), hf_logits(scaled, ids), atol=LOGITS_ATOL, rtol=0)
+
+    beside = save_tiny_model(tmp_path / "a", seed=7)
+    other = save_tiny_model(tmp_path / "b", seed=8)
+    AutoModelForCausalLM.from_pretrained(other).save_pretrained(other, max_shard_size="20KB")
+    for name in (p.name for p in other.iterdir() if p.name.startswith("model-") or p.name.endswith("index.json")):
+        shutil.copy(other / name, beside / name)
+    runtime = load_native(beside, torch.float32, backend="torch")
+    runtime.reset(64)
+    torch.testing.assert_close(runtime(ids), hf_logits(beside, ids), atol=LOGITS_ATOL, rtol=0)
+
+    longrope = save_tiny_model(tmp_path / "longrope", seed=9)
+    config = json.loads((longrope / "config.json").read_text())
+    config.pop("rope_theta", None)
+    config["original_max_position_embeddings"] = 64
+    config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 256,
+                                 "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    (longrope / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecDecodeError, match="past 64 positions"):
+        load_native(longrope, torch.float32)
+
+
 def test_incremental_equals_full_prefix(tiny_llama_dir):
     """Prefill + one-token steps produce the same logits as one pass over everything."""
     runtime = load_native(tiny_llama_dir, torch.float32)

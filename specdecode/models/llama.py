@@ -79,13 +79,19 @@ class LlamaConfig:
         # transformers' MistralConfig reads an absent key as a 4,096-token window (found in
         # review: loaded here as full attention, the runtimes parted beyond 4,096 tokens)
         window = config.get("sliding_window", 4096 if model_type == "mistral" else None)
-        if window and config.get("use_sliding_window", model_type == "mistral"):
+        # transformers' Mistral slides whatever use_sliding_window says (it reads the key for
+        # Qwen2 only): a Mistral config with the key false loaded as full attention (found
+        # in review: logits off by 7.6)
+        slides = True if model_type == "mistral" else config.get("use_sliding_window", False)
+        if window and slides:
             raise SpecDecodeError(
                 f"{model_type} with a sliding attention window ({window}) is not supported by the "
                 "native runtime; use --runtime hf"
             )
         num_heads = config["num_attention_heads"]
-        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        # rope_scaling first, as transformers standardises them (found in review: the other
+        # order read a default rope_parameters over a linear rope_scaling; logits off by 7.2)
+        rope = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
         rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
         rope.setdefault("rope_type", rope.pop("type", "default"))
         # the optional fields too (found in review: "256" for max_position_embeddings, "1e-6"
@@ -131,8 +137,13 @@ def rope_inverse_frequencies(cfg: LlamaConfig, model_dir: Path | None) -> tuple[
     if cfg.rope["rope_type"] not in ROPE_INIT_FUNCTIONS:
         raise SpecDecodeError(f"unsupported RoPE type {cfg.rope['rope_type']!r}")
     hf_config = AutoConfig.from_pretrained(model_dir)
-    original = cfg.rope.get("original_max_position_embeddings") or getattr(
-        hf_config, "original_max_position_embeddings", None)
+    # as transformers' longrope reads it: a top-level original_max_position_embeddings over
+    # the one inside its RoPE parameters (found in review: the inner one bypassed the
+    # refusal below, logits off by 9.6)
+    standard = getattr(hf_config, "rope_parameters", None) or {}
+    original = getattr(hf_config, "original_max_position_embeddings", None) or \
+        (standard.get("original_max_position_embeddings") if isinstance(standard, dict) else None) or \
+        cfg.rope.get("original_max_position_embeddings")
     if cfg.rope["rope_type"] == "longrope" and original and cfg.max_positions > original:
         # its factors switch from short to long past the original context; one table cannot
         # (found in review: logits off by 8.8 at 200 tokens of a 64-token original)
@@ -498,10 +509,14 @@ def _outputs(logits: list, hidden: list | None, features: list | None):
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a Hugging Face checkpoint, as transformers picks them: those
-    that ``model.safetensors.index.json`` maps, else ``model.safetensors``, else every
+    """The safetensors files of a Hugging Face checkpoint, as transformers picks them:
+    ``model.safetensors``, else those that ``model.safetensors.index.json`` maps, else every
     ``*.safetensors`` (found in review: a leftover file beside the weights, or a Mistral
-    repository's ``consolidated.safetensors``, was read as part of the model)."""
+    repository's ``consolidated.safetensors``, was read as part of the model; and the index
+    was taken over a ``model.safetensors`` beside it, which transformers loads: logits off
+    by 8.6)."""
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
