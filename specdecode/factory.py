@@ -17,7 +17,7 @@ from .cost.theory import best_k, tau_conditional
 from .engine import SpeculativeEngine
 from .metrics import acceptance_rates
 from .models.hf import load_hf
-from .models.llama import DEFAULT_PREFILL_CHUNK, load_native
+from .models.llama import DEFAULT_PREFILL_CHUNK, checkpoint_files, load_native
 from .models.loading import ModelSource, load_tokenizer, resolve_model, sha256_file
 from .models.quant import WEIGHT_CHOICES
 from .proposers.draft_model import DraftModelProposer
@@ -237,7 +237,11 @@ def checkpoint_embedding(target: LoadedModel) -> torch.Tensor:
     from safetensors import safe_open
 
     name = "model.embed_tokens.weight"
-    for file in sorted(target.source.path.glob("*.safetensors")):
+    try:
+        files = checkpoint_files(target.source.path)  # the files the loader read, as transformers picks them
+    except SpecDecodeError:
+        files = []
+    for file in files:
         with safe_open(str(file), framework="pt") as handle:
             if name in handle.keys():
                 return handle.get_tensor(name).float()
@@ -356,6 +360,11 @@ def checkpoint_mark(directory: Path) -> str:
     return _fingerprint_mark(directory / "config.json") + _fingerprint_mark(weights)
 
 
+def files_mark(path: Path) -> str:
+    """The fingerprint of a model given as one file (a GGUF) or as a checkpoint directory."""
+    return _fingerprint_mark(path) if path.is_file() else checkpoint_mark(path)
+
+
 def drafter_key(spec: SpeculativeConfig) -> str:
     """How a drafter is named in cost profiles and reports. A head's name carries a
     fingerprint of its weights, so a retrained head is calibrated anew; a drafter that
@@ -378,7 +387,7 @@ def drafter_key(spec: SpeculativeConfig) -> str:
         return f"ngram{mark_sizes}"
     path = Path(spec.draft or "").expanduser()
     if spec.draft and path.exists():  # a draft model's files: one key by any path, a new one when they change
-        return f"draft:{path.resolve()}{_fingerprint_mark(path) if path.is_file() else checkpoint_mark(path)}"
+        return f"draft:{path.resolve()}{files_mark(path)}"
     return f"draft:{spec.draft}"  # self:L, or a name the loader resolves
 
 
@@ -391,8 +400,7 @@ def model_key(model: LoadedModel) -> str:
 
     describe = getattr(model.runtime, "describe", None)
     path = model.source.path
-    mark = _fingerprint_mark(path) if path.is_file() else checkpoint_mark(path)
-    key = f"{path.resolve()}{mark}|{describe() if describe else type(model.runtime).__name__}"
+    key = f"{path.resolve()}{files_mark(path)}|{describe() if describe else type(model.runtime).__name__}"
     chunk = getattr(model.runtime, "prefill_chunk", None)
     return key + (f"|chunk {chunk}" if isinstance(chunk, int) and chunk < max(SIZES) else "")
 

@@ -463,7 +463,7 @@ def test_cost_aware_k_keeps_acceptance_per_kind_of_draft_across_requests():
 
 def test_tree_budget_probes_and_returns_to_speculation():
     policy = TreeBudget(CostModel(synthetic_profile(), "ngram"), k_max=3, prior_rate=0.5)
-    policy.base_probe_interval = policy.probe_interval = 4
+    policy.base_probe_interval = policy.clock.interval = 4
     chosen = [policy.choose(100) for _ in range(5)]
     assert chosen == [0, 0, 0, 0, 3]  # the probe is a full tree
     for _ in range(6):  # the workload turns predictable: every node offered is accepted
@@ -1340,7 +1340,7 @@ def test_tree_budget_probes_across_short_requests():
     than the probe interval ever drafted again. The count now runs across requests, and a
     probe whose tree came back empty stays due."""
     policy = TreeBudget(CostModel(synthetic_profile(), "ngram"), k_max=3, prior_rate=1.0)
-    policy.base_probe_interval = policy.probe_interval = 20
+    policy.base_probe_interval = policy.clock.interval = 20
     probes = 0
     for _ in range(5):  # requests of 8 steps each, shorter than the interval
         policy.start()
@@ -1353,7 +1353,7 @@ def test_tree_budget_probes_across_short_requests():
                 policy.observe(0, 0)
     assert probes >= 1 and policy.prior_rate > 1.0
     empty = TreeBudget(CostModel(synthetic_profile(), "ngram"), k_max=3, prior_rate=0.5)
-    empty.base_probe_interval = empty.probe_interval = 2
+    empty.base_probe_interval = empty.clock.interval = 2
     assert [empty.choose(100) for _ in range(3)] == [0, 0, 3]
     empty.trim(TreeProposal(Tree.chain(torch.tensor([], dtype=torch.int64)), confidence=torch.tensor([])), 100, 1)
     empty.observe(0, 0)

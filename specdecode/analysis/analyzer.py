@@ -26,6 +26,7 @@ from ..bench.runner import (build_engines, check_repeats, describe_prompts, draf
                             k_sweep, needed_context, parse_method, record_key, run_records, summarize, sweep_policies,
                             turn_encoder, warm_up)
 from ..metrics import tau_of
+from ..models.quant import WEIGHT_CHOICES
 from ..prompts import load_prompts
 
 SHORT_OUTPUT = 20  # tokens
@@ -223,11 +224,9 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
         draft = "ngram" if name == "ngram" else draft_model(args, [label], spec_config)
         # the weights in the format the target runs in (--weights auto resolved): they were
         # counted at the KV dtype whatever --weights was (found in review: int4 read as bf16)
-        fmt = getattr(target.runtime, "weight_format", None)
-        weights = {"q8_0": "int8", "q4_1": "int4", "float32": "fp32", "bfloat16": "bf16"}.get(fmt, fmt)
+        weights = {fmt: name for name, fmt in WEIGHT_CHOICES.items()}.get(getattr(target.runtime, "weight_format", None))
         report = deployment_memory(args.model, draft, engine_config.dtype, args.batch, None, 10, args.budget,
-                                   prefill_chunk=engine_config.prefill_chunk,
-                                   weights=weights if weights in ("fp32", "bf16", "int8", "int4") else None)
+                                   prefill_chunk=engine_config.prefill_chunk, weights=weights)
         memory[label] = {"total_gib": report["total"] / 2**30, "budget_gib": report["budget"] / 2**30, "fits": report["fits"],
                          "context": report["context"]}
     sweeps = {}

@@ -311,29 +311,7 @@ class ProbeClock:
         self.plain_steps, self.interval = 0, interval
 
 
-class ProbesAcrossRequests:
-    """``plain_steps`` and ``probe_interval`` of the policy's shared ``clock``."""
-
-    clock: ProbeClock
-
-    @property
-    def plain_steps(self) -> int:
-        return self.clock.plain_steps
-
-    @plain_steps.setter
-    def plain_steps(self, value: int) -> None:
-        self.clock.plain_steps = value
-
-    @property
-    def probe_interval(self) -> int:
-        return self.clock.interval
-
-    @probe_interval.setter
-    def probe_interval(self, value: int) -> None:
-        self.clock.interval = value
-
-
-class CostAwareK(ProbesAcrossRequests, MeasuresDraftCost):
+class CostAwareK(MeasuresDraftCost):
     name = "auto"
 
     def __init__(self, costs: CostModel, k_max: int = 10, decay: float = 0.85, first_decay: float = 0.95,
@@ -451,9 +429,9 @@ class CostAwareK(ProbesAcrossRequests, MeasuresDraftCost):
         k = self._best(context, explore=True)
         self.probing = False
         if k == 0:
-            self.plain_steps += 1
-            if self.plain_steps > self.probe_interval:  # time to look again
-                self.plain_steps = 0
+            self.clock.plain_steps += 1
+            if self.clock.plain_steps > self.clock.interval:  # time to look again
+                self.clock.plain_steps = 0
                 self.probing = True
                 k = 1  # the cheapest look; a fully accepted probe is followed at once by another
         self.explore_from = 0
@@ -468,7 +446,7 @@ class CostAwareK(ProbesAcrossRequests, MeasuresDraftCost):
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
             if self.probing:  # the probe drafted nothing (no draft, or a batch's cap): it stays due
-                self.plain_steps = self.probe_interval + 1
+                self.clock.plain_steps = self.clock.interval + 1
             return
         decay = self.decay
         first = self.first_counts
@@ -482,18 +460,18 @@ class CostAwareK(ProbesAcrossRequests, MeasuresDraftCost):
         self.explore_from = drafted if accepted == drafted else 0
         if self.probing:
             if accepted == drafted:  # the drafts were right: look again at once
-                self.probe_interval = 0
+                self.clock.interval = 0
             elif self._best(self.context) == 0:  # still losing: look less often
-                self.probe_interval = min(max(self.probe_interval * 2, self.base_probe_interval),
+                self.clock.interval = min(max(self.clock.interval * 2, self.base_probe_interval),
                                           self.max_probe_interval)
             else:
-                self.probe_interval = self.base_probe_interval
+                self.clock.interval = self.base_probe_interval
 
     def describe(self) -> str:
         return f"auto(<= {self.k_max})"
 
 
-class TreeBudget(ProbesAcrossRequests, MeasuresDraftCost):
+class TreeBudget(MeasuresDraftCost):
     """``--k auto`` for tree drafters: a node budget per step, 0 = a plain step.
 
     A tree drafter ranks its nodes by confidence p_i, its estimate that node i will be
@@ -582,9 +560,9 @@ class TreeBudget(ProbesAcrossRequests, MeasuresDraftCost):
             budget = min(self.k_max, max(2, self.last_best + max(2, self.last_best // 2)))
         else:
             budget = 0
-            self.plain_steps += 1
-            if self.plain_steps > self.probe_interval:
-                self.plain_steps, self.probing, budget = 0, True, self.k_max
+            self.clock.plain_steps += 1
+            if self.clock.plain_steps > self.clock.interval:
+                self.clock.plain_steps, self.probing, budget = 0, True, self.k_max
         self.chosen.append(budget)
         return budget
 
@@ -627,7 +605,7 @@ class TreeBudget(ProbesAcrossRequests, MeasuresDraftCost):
         self.last_step = (None, None, 0)
         if drafted <= 0 and confidence is None:
             if self.probing:  # the probe drafted nothing: it stays due (as CostAwareK's)
-                self.plain_steps = self.probe_interval + 1
+                self.clock.plain_steps = self.clock.interval + 1
             return
         self.observed += 1
         self.kept_sizes.append(drafted)
@@ -646,9 +624,9 @@ class TreeBudget(ProbesAcrossRequests, MeasuresDraftCost):
         counts[1] = counts[1] * self.decay + 1
         if self.probing:
             if self.rate > 1.0 + self.margin:
-                self.probe_interval = self.base_probe_interval
+                self.clock.interval = self.base_probe_interval
             else:
-                self.probe_interval = min(max(self.probe_interval * 2, self.base_probe_interval), self.max_probe_interval)
+                self.clock.interval = min(max(self.clock.interval * 2, self.base_probe_interval), self.max_probe_interval)
 
     def describe(self) -> str:
         return f"auto tree(<= {self.k_max} nodes)"

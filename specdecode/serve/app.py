@@ -265,7 +265,6 @@ class ServerState:
                     logger.exception("starting an audit failed")
                 self.wakeup.wait(0.05 if self.auditor is None else min(0.05, self.audit_idle_s))
                 self.wakeup.clear()
-                self._report_audits()
                 continue
             if not all(_is_audit(s) for s in list(engine.running) + list(engine.waiting)):
                 idle_since = None  # user traffic: the next audit waits for a quiet spell again
