@@ -63,17 +63,40 @@ class TextTracker:
     def _decode(self, ids: list[int]) -> str:
         return decode(self.tokenizer, ids)
 
+    def _texts(self, end: int) -> tuple[str, int]:
+        """(the text of the tokens from the prefix offset up to ``end``, where the new text
+        starts in it)."""
+        ids = self.token_ids
+        prefix = self._decode(ids[self.prefix_offset:self.read_offset])
+        full = self._decode(ids[self.prefix_offset:end])
+        if prefix.endswith(REPLACEMENT) and not full.startswith(prefix):
+            # the prompt ended inside a character and the new tokens completed it: a
+            # byte-fallback decoder showed each of its bytes as a replacement character, so
+            # the completed character is skipped as one (found in review: the new text
+            # lost a character per extra byte, and a stop in them never fired)
+            return full, len(prefix.rstrip(REPLACEMENT)) + 1
+        return full, len(prefix)
+
     def _read(self, final: bool = False, end: int | None = None) -> str:
         """Text of the tokens past the read offset (up to ``end``, default all), once it is
         complete (or ``final``)."""
         end = len(self.token_ids) if end is None else end
-        ids = self.token_ids
-        prefix = self._decode(ids[self.prefix_offset:self.read_offset])
-        full = self._decode(ids[self.prefix_offset:end])
-        if len(full) <= len(prefix) or (full.endswith(REPLACEMENT) and not final):
+        full, start = self._texts(end)
+        if len(full) <= start or (full.endswith(REPLACEMENT) and not final):
             return ""  # nothing new yet, or a character still incomplete
         self.prefix_offset, self.read_offset = self.read_offset, end
-        return full[len(prefix):]
+        return full[start:]
+
+    def _complete_stop(self) -> bool:
+        """Whether the complete part of text still held back (its last token ends inside a
+        character) already completes a stop string; then it is taken, cut before the stop.
+        Found in review: a stop ending in a space that shares its token with the first byte
+        of an accented character was seen one token late, and that token was kept."""
+        full, start = self._texts(len(self.token_ids))
+        complete = full.rstrip(REPLACEMENT)[start:]
+        search_from = max(0, len(self.text) - self.longest_stop + 1)
+        tail = self.text[search_from:] + complete
+        return bool(complete) and any(stop in tail for stop in self.stop) and self._append(complete)
 
     def add(self, token_id: int) -> bool:
         """Append a token; True if a stop string now appears (text is cut before it)."""
@@ -81,9 +104,15 @@ class TextTracker:
         if self.tokenizer is None or self.stopped:
             return self.stopped
         if token_id in self.special_stops:
-            self.stopped, self.stop_reason = True, self.special_stops[token_id]
+            # the text before it, as an EOS there would leave it (a character left
+            # incomplete shows as a full decode shows it; found in review: it was dropped)
+            if not self._append(self._read(final=True, end=len(self.token_ids) - 1)):
+                self.stopped, self.stop_reason = True, self.special_stops[token_id]
             return True
-        return self._append(self._read())
+        piece = self._read()
+        if not piece and self.stop and self.read_offset < len(self.token_ids):
+            return self._complete_stop()
+        return self._append(piece)
 
     @property
     def watches_stops(self) -> bool:

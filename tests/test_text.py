@@ -15,13 +15,14 @@ SAMPLES = ["plain ascii text", "caf\u00e9 cr\u00e8me", "price: 5\u20ac each", "e
            "\u20ac\u20ac\u20ac", "a\u00e9\U0001F600\u4e2d"]
 
 
-def byte_level_tokenizer():
+def byte_level_tokenizer(merges=()):
     """Every byte one token (GPT-2's byte-to-unicode alphabet): multi-byte characters span
-    2-4 tokens, as in SmolLM2's byte-level BPE."""
+    2-4 tokens, as in SmolLM2's byte-level BPE; ``merges``: pairs also made one token."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {"<unk>": 0, "<|end|>": 1}
     vocab.update({ch: i + 2 for i, ch in enumerate(sorted(alphabet))})
-    backend = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+    vocab.update({a + b: len(vocab) + i for i, (a, b) in enumerate(merges)})
+    backend = Tokenizer(models.BPE(vocab, list(merges), unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
@@ -130,6 +131,45 @@ def test_a_special_token_stop_string_matches_its_token(tokenizer):
     tracker = TextTracker(tokenizer, ("<|end|>",))
     hits = [index for index, token in enumerate(spelled) if tracker.add(token)]
     assert hits[0] == len("ok<|end|>") - 1 and tracker.text == "ok"
+
+
+def test_a_special_token_stop_keeps_the_text_before_it_as_an_eos_would(tokenizer):
+    """The kept tokens end inside a character: their text shows as a full decode shows it,
+    as when an EOS ends the output there (found in review: the pending text was dropped)."""
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    kept = encode(tokenizer, "Hi \u00e9")[:-1]  # the first byte of the accented character
+    tracker = TextTracker(tokenizer, ("<|end|>",))
+    assert [tracker.add(token) for token in kept + [end]][-1]
+    assert tracker.text == tokenizer.decode(kept) == "Hi \ufffd" and tracker.stop_reason == "<|end|>"
+
+
+def test_a_prompt_ending_inside_a_character_loses_no_new_text(tokenizer):
+    """A prompt given as token ids that ends within a character (a continuation of an
+    output cut at max_tokens): the bytes that complete it are not shown, and nothing after
+    them is lost. Found in review: a byte-fallback decoder shows each pending byte as a
+    replacement character, and two characters of the new text were dropped, with a stop in
+    them."""
+    ids = encode(tokenizer, "ok \U0001F600abc")
+    cut = len(encode(tokenizer, "ok ")) + (3 if len(ids) > 6 else 0)  # 3 of the emoji's 4 bytes
+    assert cut < len(ids) - 3
+    tracker = TextTracker(tokenizer, context=ids[:cut])
+    for token in ids[cut:]:
+        tracker.add(token)
+    assert tracker.text + tracker.delta(final=True)[len(tracker.text):] == "abc"
+    stopped = TextTracker(tokenizer, ("ab",), context=ids[:cut])
+    hits = [index for index, token in enumerate(ids[cut:]) if stopped.add(token)]
+    assert hits[0] == len(ids) - cut - 2 and stopped.text == ""
+
+
+def test_a_stop_is_found_on_a_token_that_also_starts_a_character():
+    """A token holding the stop's last character and the first byte of the next character
+    (SmolLM2 has about 40 such, " \xc3"): the stop is found on it, not one token later."""
+    tokenizer = byte_level_tokenizer(merges=[("\u0120", "\u00c3")])  # GPT-2's space, byte 0xC3
+    ids = encode(tokenizer, "Q: \u00f1o")
+    assert len(ids) == 5  # "Q", ":", " \xc3", "\xb1", "o"
+    tracker = TextTracker(tokenizer, ("Q: ",))
+    hits = [index for index, token in enumerate(ids) if tracker.add(token)]
+    assert hits[0] == 2 and tracker.text == ""
 
 
 def test_streaming_holds_back_a_possible_stop_prefix(tokenizer):
