@@ -449,6 +449,69 @@ def test_chat_messages_reach_the_template_with_their_names_and_tool_calls(served
         tokenizer.chat_template = template
 
 
+def test_tool_call_arguments_reach_the_template_parsed_as_vllm_hands_them(served):
+    """Found in review: OpenAI's function.arguments (a JSON string) reached the template as
+    that string, so a template writing ``arguments | tojson`` (Qwen2.5's, Llama 3.1's)
+    showed the model double-encoded JSON; vLLM parses it first. Unparsable ones are a 400."""
+    client, state, _ = served
+    tokenizer = state.tokenizer
+    template = tokenizer.chat_template
+    tokenizer.chat_template = ("{% for m in messages %}{{ m.role }}:{% if m.tool_calls %}{% for c in m.tool_calls %}"
+                               "<{{ c.function.arguments | tojson }}>{% endfor %}{% else %}{{ m.content }}{% endif %}|"
+                               "{% endfor %}a:")
+    try:
+        def call(arguments):
+            return [{"role": "user", "content": "add"},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": arguments}}]}]
+        response = client.post("/v1/chat/completions", json={"messages": call('{"a": 1}'), "max_tokens": 1,
+                                                             "temperature": 0, "return_token_ids": True})
+        assert response.status_code == 200, response.text
+        rendered = 'user:add|assistant:<{"a": 1}>|a:'  # parsed, then written back by tojson
+        assert response.json()["prompt_token_ids"] == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        response = client.post("/v1/chat/completions", json={"messages": call("{not json"), "max_tokens": 1})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    finally:
+        tokenizer.chat_template = template
+
+
+def test_sampling_defaults_come_from_the_models_generation_config(tmp_path):
+    """As vLLM (--generation-config auto): a request that leaves temperature, top_p or top_k
+    out gets the checkpoint's (found in review: always 1.0 / 1.0 / off). top_k 1 there makes
+    every draw the argmax, so a request with no sampling parameters decodes greedily."""
+    model = save_chat_model(tmp_path / "model", seed=4)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "temperature": 0.6, "top_k": 1}))
+    client, state = make_client(model)
+    assert state.sampling_defaults == {"temperature": 0.6, "top_k": 1}
+    body = {"prompt": "abcabcabc", "max_tokens": 12}
+    with client:
+        greedy = client.post("/v1/completions", json={**body, "temperature": 0}).json()["choices"][0]["text"]
+        for seed in (1, 2):
+            assert client.post("/v1/completions", json={**body, "seed": seed}).json()["choices"][0]["text"] == greedy
+        hot = {client.post("/v1/completions", json={**body, "seed": seed, "top_k": 0, "temperature": 2.0}
+                           ).json()["choices"][0]["text"] for seed in (1, 2, 3)}
+        assert hot != {greedy}  # the request's own values win
+
+
+def test_bad_stop_strings_other_parameters_and_a_form_body_are_clear_errors(served):
+    """Found in review: a stop string holding a lone surrogate (valid JSON, not UTF-8) was a
+    500; verbosity and web_search_options were accepted and ignored; a JSON body sent with
+    curl -d's form type got "body: Input should be a valid dictionary"."""
+    client, _, _ = served
+    for path, body in (("/v1/completions", {"prompt": "ab", "max_tokens": 2, "stop": "\ud800"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab"}], "max_tokens": 2,
+                                                 "stop": ["x", "\udc80"]})):
+        response = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "stop", response.text
+    for extra in ({"verbosity": "low"}, {"web_search_options": {}}):
+        response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "ab"}],
+                                                              "max_tokens": 2, **extra})
+        assert response.status_code == 400 and response.json()["error"]["param"] == next(iter(extra))
+    response = client.post("/v1/completions", content='{"prompt": "ab", "max_tokens": 1}',
+                           headers={"content-type": "application/x-www-form-urlencoded"})
+    assert response.status_code == 415 and "application/json" in response.json()["error"]["message"]
+
+
 def test_api_key_and_full_queue(model_dir):
     client, state = make_client(model_dir, api_key="sekret", max_queued_requests=0)
     with client:

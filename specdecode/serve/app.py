@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..config import MAX_SERVED_K, VLLM_METHODS, SamplingParams
+from ..config import MAX_SERVED_K, VLLM_METHODS, ConfigError, SamplingParams
 from ..engine import ContextLengthError, PromptError
 from ..metrics import GenerationStats
 from ..text import decode
@@ -101,7 +101,7 @@ UNSUPPORTED_DEFAULTS = {
     # found in review, each accepted and ignored: vLLM's priority scheduling and prompt
     # embeddings, OpenAI's audio output and reasoning effort
     "priority": (None, 0), "prompt_embeds": (None,), "modalities": (None, ["text"]), "audio": (None,),
-    "reasoning_effort": (None,),
+    "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
 }
 
 
@@ -147,7 +147,9 @@ class _Common(BaseModel):
             self.echo = bool(self.echo)
         return self
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
+    def sampling(self, max_tokens: int, model_defaults: dict | None = None) -> SamplingParams:
+        """The request's sampling parameters; ``model_defaults``: the model's own for those it
+        leaves out (temperature, top_p, top_k from its generation_config.json, as vLLM)."""
         extra = self.model_extra or {}  # the keys this model does not declare
         for name, defaults in UNSUPPORTED_DEFAULTS.items():
             if not _is_default(extra.get(name), defaults):
@@ -162,10 +164,15 @@ class _Common(BaseModel):
             raise APIError(400, "stop strings must be non-empty", param="stop")
         if len(stop) > 4:
             raise APIError(400, "at most 4 stop strings", param="stop")
-        temperature = 1.0 if self.temperature is None else self.temperature
-        return SamplingParams(temperature=temperature, top_p=1.0 if self.top_p is None else self.top_p,
-                              top_k=max(self.top_k or 0, 0), max_new_tokens=max_tokens, stop=tuple(stop),
-                              seed=self.seed, ignore_eos=self.ignore_eos)
+        model_defaults = model_defaults or {}
+        chosen = {name: model_defaults.get(name, default) if getattr(self, name) is None else getattr(self, name)
+                  for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0))}
+        try:
+            return SamplingParams(temperature=chosen["temperature"], top_p=chosen["top_p"],
+                                  top_k=max(chosen["top_k"], 0), max_new_tokens=max_tokens, stop=tuple(stop),
+                                  seed=self.seed, ignore_eos=self.ignore_eos)
+        except ConfigError as error:  # a stop string that is not UTF-8 text (found in review: a 500)
+            raise APIError(400, str(error), param="stop" if "stop" in str(error) else None) from None
 
 
 class CompletionRequest(_Common):
@@ -177,12 +184,27 @@ class CompletionRequest(_Common):
     add_special_tokens: StrictBool | None = True
 
 
+def _parsed_arguments(call: dict) -> dict:
+    """A tool call as chat templates take it: OpenAI's API sends ``function.arguments`` as a
+    JSON string, and templates (Qwen2.5's, Llama 3.1's) read a mapping, so vLLM parses it
+    first (an empty one is {}). Found in review: handed over as the string, a template that
+    writes ``arguments | tojson`` showed the model double-encoded JSON."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"]) if function["arguments"].strip() else {}
+    except ValueError as error:
+        raise APIError(400, f"a tool call's function.arguments is not valid JSON: {error}", param="messages") from None
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
-    # handed to the chat template as sent, as vLLM does (found in review: dropped, so the
-    # model read another conversation than the client's)
+    # handed to the chat template as vLLM does, tool calls' arguments parsed (found in
+    # review: dropped, so the model read another conversation than the client's)
     name: str | None = None
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
@@ -191,6 +213,8 @@ class ChatMessage(BaseModel):
         message = {"role": self.role if self.role != "developer" else "system", "content": self.text()}
         message.update({key: value for key in ("name", "tool_calls", "tool_call_id")
                         if (value := getattr(self, key)) is not None})
+        if self.tool_calls is not None:
+            message["tool_calls"] = [_parsed_arguments(call) for call in self.tool_calls]
         return message
 
     def text(self) -> str:
@@ -234,6 +258,9 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     auditor: Any = None
     tokenizer: Any = None
+    # temperature, top_p and top_k for a request that leaves them out: the model's
+    # generation_config.json, as vLLM's --generation-config auto (serve.server.sampling_defaults)
+    sampling_defaults: dict = field(default_factory=dict)
     # audits start only after the engine has had nothing to do this long: in the few
     # milliseconds between a client's requests they ran inside its traffic (found in review:
     # bench-serve's speculative levels timed 4 audits' re-runs, its plain levels none)
@@ -622,6 +649,12 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
             authorize(request)
         except APIError as refused:
             return refused.response()
+        content_type = request.headers.get("content-type", "")
+        if content_type and content_type.split(";")[0].strip().lower() != "application/json":
+            # curl -d sends a form's type: FastAPI never read the JSON (found in review: "body:
+            # Input should be a valid dictionary", which names nothing the client can fix)
+            return error_response(415, f"the body must be JSON sent with 'Content-Type: application/json', "
+                                       f"not {content_type!r}")
         message, param = validation_message(error.errors())  # the field is OpenAI's param, not its type
         return error_response(400, message, param=param)
 
@@ -688,7 +721,7 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
 
     async def run(request: Request, body, prompt_ids, prompt_text, max_tokens, chat: bool,
                   max_tokens_param: str = "max_tokens"):
-        params = body.sampling(max_tokens)
+        params = body.sampling(max_tokens, state.sampling_defaults)
         if getattr(body, "suffix", None):
             raise APIError(400, "suffix (insertion) is not supported", param="suffix")
         if params.stop and tokenizer is None:

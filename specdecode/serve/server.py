@@ -7,8 +7,8 @@ import json
 import os
 from dataclasses import replace
 
-from ..config import (MAX_SERVED_K, VLLM_METHODS, ConfigError, EngineConfig, SpeculativeConfig, parse_int_list,
-                      parse_k)
+from ..config import (MAX_SERVED_K, VLLM_METHODS, ConfigError, EngineConfig, SamplingParams, SpeculativeConfig,
+                      parse_int_list, parse_k)
 from .app import ServerState, SpeculationChoices, create_app
 from .batch import BatchEngine, clone_policy
 from .metrics import ServerMetrics
@@ -203,7 +203,41 @@ def build_state(engine_config: EngineConfig, speculative: str | None, max_num_se
 
         state.auditor = Auditor(engine, audit_rate, metrics)
     state.tokenizer = target.tokenizer
+    state.sampling_defaults = sampling_defaults(target.source.path, log)
     return state
+
+
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k")  # those of generation_config.json a request may leave out
+
+
+def sampling_defaults(model_dir, log=None) -> dict:
+    """temperature, top_p and top_k from a checkpoint's generation_config.json where they
+    differ from transformers' defaults, as vLLM takes them (``--generation-config auto``,
+    its default): a request that leaves one out gets the model's (found in review: a
+    Llama 3 Instruct directory's 0.6 / 0.9 were ignored, and requests sampled at 1.0 / 1.0).
+    A setting we cannot apply (a repetition penalty, min_p) is named in the log."""
+    from pathlib import Path
+
+    from transformers import GenerationConfig
+
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        values = GenerationConfig.from_pretrained(str(path.parent)).to_diff_dict()
+    except (OSError, ValueError, TypeError) as error:
+        raise ConfigError(f"{path} could not be read: {error}") from None
+    defaults = {name: values[name] for name in SAMPLING_DEFAULTS if values.get(name) is not None}
+    try:
+        SamplingParams(temperature=float(defaults.get("temperature", 1.0)), top_p=float(defaults.get("top_p", 1.0)),
+                       top_k=max(int(defaults.get("top_k", 0)), 0))
+    except (ConfigError, TypeError, ValueError) as error:
+        raise ConfigError(f"{path}: its sampling defaults are not usable ({error})") from None
+    ignored = [name for name in ("repetition_penalty", "min_p") if values.get(name) not in (None, 1.0, 0.0)]
+    if log is not None and (defaults or ignored):
+        log(f"sampling defaults from {path.name} for requests that leave them out: {defaults or 'none'}"
+            + (f"; not applied (not supported): {', '.join(ignored)}" if ignored else ""))
+    return defaults
 
 
 def serving_threads() -> int:
