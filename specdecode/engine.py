@@ -11,6 +11,7 @@ Plain decoding is the same loop with no proposer (k = 0): one token scored, one 
 
 from __future__ import annotations
 
+import numbers
 import secrets
 import time
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from .config import SamplingParams, SpecDecodeError
+from .config import ConfigError, SamplingParams, SpecDecodeError
 from .control.policies import FixedK, KPolicy
 from .metrics import GenerationStats
 from .models import synchronize
@@ -131,6 +132,29 @@ class Generation:
     stats: GenerationStats
 
 
+def as_policy(k):
+    """A k policy: an integer (numpy's too, as a sweep over np.arange gives) is a fixed k;
+    anything else must choose k itself. Found in review: a numpy integer or a float was
+    taken for a policy and failed later with an AttributeError naming neither."""
+    if hasattr(k, "choose") and hasattr(k, "observe"):
+        return k
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+        raise ConfigError(f"k must be an integer >= 1 or a k policy, got {k!r}")
+    return FixedK(int(k))
+
+
+def check_own_cache(proposer, target) -> None:
+    """A draft model must keep a cache of its own: handed the target's runtime, its resets
+    and rollbacks rewrote the target's keys and values, and greedy output silently left
+    plain decoding's (found in review)."""
+    runtime = getattr(proposer, "runtime", None)
+    shared = runtime is target or (runtime is not None and getattr(runtime, "k_cache", None) is not None
+                                   and getattr(runtime, "k_cache", None) is getattr(target, "k_cache", None))
+    if shared:
+        raise ConfigError("the draft model runs on the target's own runtime and cache; load the draft separately "
+                          "(or use a layer-skip view: --draft self:L)")
+
+
 class SpeculativeEngine:
     def __init__(
         self,
@@ -144,10 +168,14 @@ class SpeculativeEngine:
         per step (``control.policies``: CostAwareK for ``--k auto``, ThresholdK)."""
         if proposer is not None:
             check_draft_vocabulary(proposer, target.vocab_size)
+            check_own_cache(proposer, target)
+            if getattr(target, "rolls_back", True) is False:  # before any request (found in review: mid-request)
+                raise SpecDecodeError(f"{target.describe()} keeps a recurrent state that cannot be rolled back past "
+                                      "rejected drafts: speculative decoding cannot run on it (use --method none)")
         self.target = target
         self.tokenizer = tokenizer
         self.proposer = proposer
-        self.policy = None if proposer is None else (FixedK(k) if isinstance(k, int) else k)
+        self.policy = None if proposer is None else as_policy(k)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.drafter: str | None = None  # the drafter's name in profiles and router records
         self.last_lazy = False  # whether the last step computed its logits on demand

@@ -71,6 +71,10 @@ def load_model(name: str, dtype: torch.dtype, runtime: str = "auto", weights: st
     if runtime == "native" and not source.native:
         raise ConfigError(f"the native runtime supports llama, mistral and qwen2, not {source.model_type!r}")
     use_native = runtime == "native" or (runtime == "auto" and source.native)
+    refusal = native_refusal(source) if use_native and runtime == "auto" else None
+    if refusal is not None:  # a Llama-family config the native runtime cannot compute: transformers can
+        log(f"{source.model_type}: {refusal.removesuffix('; use --runtime hf')}; running it through transformers")
+        use_native = False
     if not use_native:
         if (weights not in ("auto", dense_weights(dtype)) or exact or backend != "auto"
                 or prefill_chunk != DEFAULT_PREFILL_CHUNK):  # (the chunk was ignored: found in review)
@@ -98,6 +102,20 @@ def load_model(name: str, dtype: torch.dtype, runtime: str = "auto", weights: st
             f"(a second time where the GGUF's were quantized already; e.g. {requantized[0]}: "
             f"{carried[requantized[0]]})")
     return LoadedModel(source, native, load_tokenizer(source))
+
+
+def native_refusal(source: ModelSource) -> str | None:
+    """Why the native runtime cannot compute this Llama-family checkpoint (a sliding window,
+    MLP or o_proj biases, another activation, a RoPE it cannot tabulate), or None. With
+    ``--runtime auto`` such a model goes through transformers. Found in review: refused with
+    "use --runtime hf", which draft models (always auto) and ``check`` could not take."""
+    from .models.llama import LlamaConfig, NativeUnsupported, rope_inverse_frequencies
+
+    try:
+        rope_inverse_frequencies(LlamaConfig.from_hf(source.config), source.path)
+    except NativeUnsupported as error:
+        return str(error)
+    return None
 
 
 def load_target(engine: EngineConfig, runtime: str = "auto") -> LoadedModel:
@@ -207,8 +225,11 @@ def build_proposer(spec: SpeculativeConfig, target: LoadedModel, engine: EngineC
             raise ConfigError("--draft self:L needs the native runtime")
         num_layers = self_draft_layers(spec.draft, target.runtime.cfg.num_layers)
         return DraftModelProposer(target.runtime.layer_skip_view(num_layers))
-    if not resolve_model(spec.draft).native:  # --weights, --backend and --exact are the target's flags
-        engine = replace(engine, weights="auto", backend="auto", exact=None)
+    source = resolve_model(spec.draft)
+    if not source.native or native_refusal(source) is not None:
+        # a draft that runs through transformers: --weights, --backend, --exact and
+        # --prefill-chunk are the target's flags (found in review: the chunk refused the draft)
+        engine = replace(engine, weights="auto", backend="auto", exact=None, prefill_chunk=DEFAULT_PREFILL_CHUNK)
     draft = load_target(replace(engine, model=spec.draft))
     check_vocabularies(target, draft)
     return DraftModelProposer(draft.runtime)

@@ -458,3 +458,44 @@ def test_flags_and_configs_that_were_ignored_or_crashed_are_taken_or_refused(tmp
                      ('{"method": "none", "k_max": 3}', "k_max and k_policy would be ignored")):
         with pytest.raises(ConfigError, match=why):
             parse_speculative_config(bad)
+
+
+def test_a_draft_model_on_the_targets_own_cache_and_a_k_of_another_type(tiny_llama_dir):
+    """Found in review: a draft model handed the target's own runtime rewrote the target's
+    cache (greedy output silently left plain decoding's); a numpy integer k (a sweep over
+    np.arange) or a float was taken for a policy and failed later with an AttributeError."""
+    import numpy as np
+
+    from specdecode.config import ConfigError, SamplingParams
+    from specdecode.engine import SpeculativeEngine
+    from specdecode.factory import load_model
+    from specdecode.proposers.draft_model import DraftModelProposer
+
+    target = load_model(str(tiny_llama_dir), torch.float32, backend="torch")
+    with pytest.raises(ConfigError, match="the target's own runtime"):
+        SpeculativeEngine(target.runtime, proposer=DraftModelProposer(target.runtime), k=3)
+    draft = load_model(str(tiny_llama_dir), torch.float32, backend="torch")
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    plain = SpeculativeEngine(target.runtime).generate([5, 9, 11], params).token_ids
+    engine = SpeculativeEngine(target.runtime, proposer=DraftModelProposer(draft.runtime), k=np.int64(3))
+    assert engine.generate([5, 9, 11], params).token_ids == plain
+    for k in (3.0, True, "3"):
+        with pytest.raises(ConfigError, match="k must be an integer"):
+            SpeculativeEngine(target.runtime, proposer=DraftModelProposer(draft.runtime), k=k)
+
+
+def test_check_reads_configs_under_the_names_transformers_gives_them(tmp_path, capsys):
+    """Found in review: `check` read config.json's raw keys, so a GPT-2 target (n_layer) said
+    "self:L needs 1 <= L < 0", and a multimodal config (vocabulary in its text config) read
+    None for both models and passed."""
+    from specdecode.analysis.compat import config_value
+
+    assert config_value({"n_layer": 6}, "num_hidden_layers") == 6
+    assert config_value({"text_config": {"vocab_size": 262208}}, "vocab_size") == 262208
+    assert config_value({"vocab_size": True}, "vocab_size") is None
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", vocab_size=97, n_embd=32, n_layer=2, n_head=2)
+                                     ).save_pretrained(tmp_path / "gpt2")
+    code, err = run(capsys, "check", str(tmp_path / "gpt2"), "self:1", "--no-calibration")
+    assert code == 2 and "self:L needs the native runtime" in err

@@ -320,7 +320,9 @@ def test_the_transformers_runtime_rolls_back_past_a_sliding_window():
 def test_the_transformers_runtime_refuses_to_roll_back_a_recurrent_state():
     """Found in review: transformers' crop cuts a Mamba layer's state not at all (a TypeError
     from inside) and Qwen3-Next's linear attention only in part (greedy speculative output
-    differed from plain, silently). Plain decoding never rolls back and still runs."""
+    differed from plain, silently). A hybrid model (Bamba) is refused a speculative engine
+    at once; plain decoding never rolls back and runs, with the positions generate() passes
+    (found in review: without them Bamba's every step sat at position 0, output wrong)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from specdecode.config import SamplingParams, SpecDecodeError
@@ -329,12 +331,91 @@ def test_the_transformers_runtime_refuses_to_roll_back_a_recurrent_state():
     from specdecode.proposers.ngram import NgramProposer
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model("mamba", vocab_size=97, hidden_size=32, state_size=8, num_hidden_layers=2)
-    runtime = HFRuntime(AutoModelForCausalLM.from_config(config).eval())
-    prompt, params = [5, 9, 14, 3, 7, 5, 9, 14, 3, 7, 5, 9, 14], SamplingParams(max_new_tokens=8, ignore_eos=True)
-    assert len(SpeculativeEngine(runtime).generate(prompt, params).token_ids) == 8
-    with pytest.raises(SpecDecodeError, match="mamba keeps a recurrent state"):
-        SpeculativeEngine(runtime, proposer=NgramProposer((2, 1)), k=4).generate(prompt, params)
+    config = AutoConfig.for_model("bamba", vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                  initializer_range=0.2, attn_layer_indices=[1], mamba_d_state=8, mamba_n_heads=8,
+                                  mamba_d_head=16, mamba_n_groups=1, mamba_chunk_size=16)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    runtime = HFRuntime(model)
+    prompt, params = [5, 9, 14, 3, 7, 5, 9, 14, 3, 7, 5, 9, 14], SamplingParams(max_new_tokens=6, ignore_eos=True)
+    expected = list(prompt)
+    with torch.inference_mode():
+        for _ in range(6):  # the whole sequence each time, no cache
+            expected.append(int(model(input_ids=torch.tensor([expected]), use_cache=False).logits[0, -1].argmax()))
+    assert SpeculativeEngine(runtime).generate(prompt, params).token_ids == expected[len(prompt):]
+    assert runtime.rolls_back is False
+    with pytest.raises(SpecDecodeError, match="keeps a recurrent state"):
+        SpeculativeEngine(runtime, proposer=NgramProposer((2, 1)), k=4)
+
+
+def test_a_llama_family_model_the_native_runtime_cannot_compute_goes_through_transformers(tmp_path, capsys):
+    """Found in review: a sliding-window Mistral (and the other configs refused with "use
+    --runtime hf") could not be a draft model, whose runtime is always auto, nor go through
+    `check`. With --runtime auto and no native-only flag it now loads through transformers,
+    says so, and drafts token-identically to plain decoding."""
+    from specdecode.config import ConfigError, EngineConfig, SamplingParams, SpeculativeConfig
+    from specdecode.engine import SpeculativeEngine
+    from specdecode.factory import build_proposer, load_model
+    from specdecode.models.hf import HFRuntime
+
+    mistral = save_tiny_model(tmp_path / "mistral", "mistral", seed=5)
+    config = json.loads((mistral / "config.json").read_text())
+    (mistral / "config.json").write_text(json.dumps({**config, "sliding_window": 8}))
+    loaded = load_model(str(mistral), torch.float32)
+    assert isinstance(loaded.runtime, HFRuntime)
+    assert "sliding attention window (8)" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="runs through transformers"):
+        load_model(str(mistral), torch.float32, weights="int8")
+    target = load_model(str(save_tiny_model(tmp_path / "llama", "llama", seed=6)), torch.float32, backend="torch")
+    proposer = build_proposer(SpeculativeConfig(method="draft", draft=str(mistral), k=3), target,
+                              EngineConfig(model="x", dtype="fp32", backend="torch"))
+    assert isinstance(proposer.runtime, HFRuntime)
+    prompt, params = [5, 9, 14, 3, 7, 5, 9, 14, 3, 7, 5, 9, 14], SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = SpeculativeEngine(target.runtime).generate(prompt, params).token_ids
+    assert SpeculativeEngine(target.runtime, proposer=proposer, k=3).generate(prompt, params).token_ids == plain
+
+
+@pytest.mark.parametrize("model_type, sizes", [
+    ("mamba", dict(hidden_size=32, state_size=8, num_hidden_layers=2)),  # its state in cache_params
+    ("openai-gpt", dict(n_embd=32, n_layer=2, n_head=2, n_positions=64)),  # no cache at all
+])
+def test_the_transformers_runtime_refuses_a_model_that_takes_no_cache(model_type, sizes):
+    """Found in review: the cache went into the forward's **kwargs unread, every pass saw only
+    its own tokens, and plain greedy output was silently wrong from the first token."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdecode.models.hf import HFRuntime
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, vocab_size=97, **sizes))
+    with pytest.raises(SpecDecodeError, match="takes no past_key_values"):
+        HFRuntime(model)
+
+
+def test_the_transformers_runtime_reads_the_vocabulary_and_context_where_configs_keep_them():
+    """Found in review: a Gemma 3 (multimodal) config keeps its vocabulary in its text config
+    (an AttributeError traceback), and MPT its context as max_seq_len (read as 2,048, so a
+    long prompt failed inside transformers instead of with a context-length error)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, Gemma3Config
+
+    from specdecode.config import SamplingParams
+    from specdecode.engine import ContextLengthError, SpeculativeEngine
+    from specdecode.models.hf import HFRuntime
+
+    gemma = Gemma3Config(text_config=dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                          max_position_embeddings=128),
+                         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=2, image_size=28, patch_size=14),
+                         mm_tokens_per_image=4, image_token_index=96, boi_token_index=94, eoi_token_index=95)
+    runtime = HFRuntime(AutoModelForCausalLM.from_config(gemma))
+    assert (runtime.vocab_size, runtime.max_positions) == (97, 128)
+    mpt = AutoConfig.for_model("mpt", vocab_size=97, d_model=32, n_heads=2, n_layers=1, max_seq_len=32,
+                               expansion_ratio=2)
+    runtime = HFRuntime(AutoModelForCausalLM.from_config(mpt))
+    assert runtime.max_positions == 32
+    with pytest.raises(ContextLengthError, match="context is 32 tokens"):
+        SpeculativeEngine(runtime).generate(list(range(3, 43)), SamplingParams(max_new_tokens=4))
+
 
 def test_a_longrope_model_past_its_original_context_and_a_stored_head_unlike_a_tied_one_are_refused(tmp_path):
     """Found in review: longrope's factors switch past the original context and the native

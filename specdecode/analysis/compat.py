@@ -46,6 +46,21 @@ class CheckResult:
         return "COMPATIBLE (with warnings)" if any(s == "WARN" for _, s, _ in self.lines) else "COMPATIBLE"
 
 
+CONFIG_ALIASES = {"vocab_size": (), "hidden_size": ("n_embd", "d_model"), "num_hidden_layers": ("n_layer", "num_layers")}
+
+
+def config_value(config: dict, key: str):
+    """``key`` of a config.json, under the names transformers' configs give it (GPT-2's
+    n_layer), from its text config where a multimodal model keeps it there (Gemma 3);
+    None where it has none. Found in review: a Gemma 3 checkpoint's vocabulary read None
+    for both models and passed, and a GPT-2 target read 0 layers."""
+    for where in (config, config.get("text_config") if isinstance(config.get("text_config"), dict) else {}):
+        for name in (key, *CONFIG_ALIASES.get(key, ())):
+            if isinstance(where.get(name), int) and not isinstance(where.get(name), bool):
+                return where[name]
+    return None
+
+
 def check_static(target: str, draft: str) -> CheckResult:
     """Tokenizer and architecture checks; reads configs and tokenizers, not weights."""
     result = CheckResult(target, draft)
@@ -53,15 +68,20 @@ def check_static(target: str, draft: str) -> CheckResult:
     if is_head(draft):
         return check_head(result, target_source, head_directory(draft), head_kind(draft))
     if draft.startswith("self:"):
-        self_draft_layers(draft, target_source.config.get("num_hidden_layers", 0))
+        if not target_source.native:  # as generate says it
+            raise ConfigError("--draft self:L needs the native runtime (a Llama-family target), "
+                              f"not {target_source.model_type!r}")
+        self_draft_layers(draft, config_value(target_source.config, "num_hidden_layers") or 0)
     if draft.startswith("self:") or draft == "ngram":
         result.add("drafter", "OK", f"{draft} uses the target's own tokenizer and weights")
         return result
     draft_source = resolve_model(draft)
     target_tok, draft_tok = load_tokenizer(target_source), load_tokenizer(draft_source)
 
-    t_vocab, d_vocab = target_source.config.get("vocab_size"), draft_source.config.get("vocab_size")
-    if t_vocab != d_vocab:
+    t_vocab, d_vocab = config_value(target_source.config, "vocab_size"), config_value(draft_source.config, "vocab_size")
+    if t_vocab is None or d_vocab is None:
+        result.add("vocabulary size", "WARN", f"not in the configs (target {t_vocab}, draft {d_vocab})")
+    elif t_vocab != d_vocab:
         result.add("vocabulary size", "FAIL", f"target {t_vocab}, draft {d_vocab}")
     else:
         result.add("vocabulary size", "OK", f"{t_vocab} in both configs")
@@ -144,7 +164,7 @@ def check_head(result: CheckResult, target_source, directory: Path, kind: str = 
         result.add("head files", "FAIL", str(error))
         return result
     c, config = head.config, target_source.config
-    vocab, hidden, layers = config.get("vocab_size"), config.get("hidden_size"), config.get("num_hidden_layers")
+    vocab, hidden, layers = (config_value(config, key) for key in ("vocab_size", "hidden_size", "num_hidden_layers"))
     what = f"{c.num_heads} Medusa heads, " if kind == "medusa" else ""
     result.add("head files", "OK", f"{directory} ({what}{sum(p.numel() for p in head.parameters()) / 1e6:.1f}M parameters)")
     result.add("vocabulary size", "OK" if c.target_vocab_size == vocab else "FAIL",

@@ -7,24 +7,56 @@ crops the DynamicCache.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from ..config import SpecDecodeError
 from . import device_label
 
 
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "context_length", "seq_length")
+
+
 class HFRuntime:
     def __init__(self, model):
         self.model = model.eval().requires_grad_(False)
         config = model.config
-        self.vocab_size = config.vocab_size
-        self.max_positions = getattr(config, "max_position_embeddings", None) or 2048
+        parameters = inspect.signature(model.forward).parameters
+        if "past_key_values" not in parameters:
+            # Mamba keeps its state in cache_params, RWKV in state, GPT-1 keeps none: the cache
+            # handed over went into **kwargs, and every pass saw only its own tokens (found in
+            # review: plain greedy output silently wrong from the first token)
+            raise SpecDecodeError(f"{config.model_type} takes no past_key_values cache, which the transformers "
+                                  "adapter decodes with; it cannot run here")
+        self.takes_positions = "position_ids" in parameters
+        # multimodal configs (Gemma 3, Llama 4, Mllama) keep these in their text config
+        # (found in review: an AttributeError traceback on vocab_size)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.vocab_size = getattr(text, "vocab_size", None) or getattr(config, "vocab_size", None)
+        if not isinstance(self.vocab_size, int):
+            raise SpecDecodeError(f"{config.model_type}'s config names no vocabulary size")
+        # the first context key set, from the text config (found in review: MPT's max_seq_len
+        # was not read, and a long prompt failed inside transformers)
+        self.max_positions = next((value for key in CONTEXT_KEYS for where in (text, config)
+                                   if isinstance(value := getattr(where, key, None), int) and value > 0), 2048)
+        # a recurrent layer (Mamba's in a hybrid, Qwen3-Next's linear attention) cannot be cut
+        # back past rejected drafts: known here, a speculative engine refuses it at once
+        self.rolls_back = self._cache_croppable()
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.backend, self.weight_format, self.exact = "transformers", str(self.dtype).removeprefix("torch."), False
         self.cache = None
         self.length = 0
         self.capacity = 0
+
+    def _cache_croppable(self) -> bool:
+        from transformers import DynamicCache
+
+        try:
+            return bool(getattr(DynamicCache(config=self.model.config), "is_croppable", True))
+        except Exception:  # noqa: BLE001 - a config transformers builds no cache from: rollback says later
+            return True
 
     def reset(self, capacity: int, batch: int = 1) -> None:
         from transformers import DynamicCache
@@ -58,12 +90,17 @@ class HFRuntime:
         num_new = input_ids.shape[1]
         if self.length + num_new > self.capacity:
             raise SpecDecodeError(f"sequence of {self.length + num_new} tokens exceeds the context {self.capacity}")
+        # the positions, as generate() passes them: a model that does not derive them from
+        # the cache (Bamba) put every step at 0 without them (found in review)
+        extra = ({"position_ids": torch.arange(self.length, self.length + num_new, device=self.device)[None]}
+                 if self.takes_positions else {})
         out = self.model(
             input_ids=input_ids.to(self.device),
             past_key_values=self.cache,
             use_cache=True,
             output_hidden_states=return_hidden,
             logits_to_keep=1 if last_only else 0,
+            **extra,
         )
         self.length += num_new
         if return_hidden:

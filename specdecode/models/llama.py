@@ -47,6 +47,12 @@ def not_positive_ints(config: dict, keys) -> list[str]:
         isinstance(config[key], bool) or not isinstance(config[key], int) or config[key] < 1)]
 
 
+class NativeUnsupported(SpecDecodeError):
+    """A checkpoint whose config the native runtime cannot compute exactly, but transformers
+    can: with ``--runtime auto`` and no native-only flag, the model goes through transformers
+    (``factory.load_model``)."""
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     model_type: str
@@ -72,9 +78,9 @@ class LlamaConfig:
                                   "runtime needs to read the checkpoint")
         model_type = config.get("model_type")
         if config.get("hidden_act", "silu") != "silu":
-            raise SpecDecodeError(f"native runtime supports hidden_act 'silu' only, got {config['hidden_act']!r}")
+            raise NativeUnsupported(f"native runtime supports hidden_act 'silu' only, got {config['hidden_act']!r}")
         if config.get("mlp_bias"):
-            raise SpecDecodeError("mlp_bias=True (biases on the MLP projections) is not supported by the native "
+            raise NativeUnsupported("mlp_bias=True (biases on the MLP projections) is not supported by the native "
                                   "runtime; use --runtime hf")
         # transformers' MistralConfig reads an absent key as a 4,096-token window (found in
         # review: loaded here as full attention, the runtimes parted beyond 4,096 tokens)
@@ -84,10 +90,14 @@ class LlamaConfig:
         # in review: logits off by 7.6)
         slides = True if model_type == "mistral" else config.get("use_sliding_window", False)
         if window and slides:
-            raise SpecDecodeError(
+            raise NativeUnsupported(
                 f"{model_type} with a sliding attention window ({window}) is not supported by the "
                 "native runtime; use --runtime hf"
             )
+        if config.get("attention_bias") and model_type not in ("qwen2", "mistral"):
+            # transformers' Llama puts a bias on o_proj too, which the native runtime lacks
+            raise NativeUnsupported(f"{model_type} with attention_bias (a bias on every attention projection, "
+                                    "o_proj.bias too) is not supported by the native runtime; use --runtime hf")
         num_heads = config["num_attention_heads"]
         # rope_scaling first, as transformers standardises them (found in review: the other
         # order read a default rope_parameters over a linear rope_scaling; logits off by 7.2)
@@ -118,8 +128,9 @@ class LlamaConfig:
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             max_positions=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=config.get("tie_word_embeddings", False),
-            # attention_bias also puts a bias on o_proj, which the loader refuses by name
-            qkv_bias=model_type == "qwen2" or config.get("attention_bias", False),
+            # Qwen2 always has q/k/v biases; transformers' Mistral has none whatever
+            # attention_bias says (a Llama's attention_bias is refused above)
+            qkv_bias=model_type == "qwen2",
             rope=rope,
         )
 
@@ -135,7 +146,7 @@ def rope_inverse_frequencies(cfg: LlamaConfig, model_dir: Path | None) -> tuple[
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if cfg.rope["rope_type"] not in ROPE_INIT_FUNCTIONS:
-        raise SpecDecodeError(f"unsupported RoPE type {cfg.rope['rope_type']!r}")
+        raise NativeUnsupported(f"unsupported RoPE type {cfg.rope['rope_type']!r}")
     hf_config = AutoConfig.from_pretrained(model_dir)
     # as transformers' longrope reads it: a top-level original_max_position_embeddings over
     # the one inside its RoPE parameters (found in review: the inner one bypassed the
@@ -147,7 +158,7 @@ def rope_inverse_frequencies(cfg: LlamaConfig, model_dir: Path | None) -> tuple[
     if cfg.rope["rope_type"] == "longrope" and original and cfg.max_positions > original:
         # its factors switch from short to long past the original context; one table cannot
         # (found in review: logits off by 8.8 at 200 tokens of a 64-token original)
-        raise SpecDecodeError(f"RoPE type 'longrope' changes its factors past {original} positions, which the "
+        raise NativeUnsupported(f"RoPE type 'longrope' changes its factors past {original} positions, which the "
                               "native runtime's single table does not; use --runtime hf")
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[cfg.rope["rope_type"]](hf_config, "cpu")
     return inv_freq.float(), float(scaling)
