@@ -183,14 +183,28 @@ def choose_backend(source: ModelSource, dtype: torch.dtype, weights: str, backen
     return "kernels", fmt
 
 
+def padded_alike(target: LoadedModel, draft: LoadedModel) -> bool:
+    """Both have the same tokenizer, whose every id is below both models' vocabulary size."""
+    if target.tokenizer is None or draft.tokenizer is None:
+        return False
+    vocabulary = target.tokenizer.get_vocab()
+    return (vocabulary == draft.tokenizer.get_vocab()
+            and max(vocabulary.values(), default=-1) < min(target.runtime.vocab_size, draft.runtime.vocab_size))
+
+
 def check_vocabularies(target: LoadedModel, draft: LoadedModel) -> None:
-    if draft.runtime.vocab_size != target.runtime.vocab_size:
+    """The draft must map every token to the target's id. Embeddings padded to different
+    sizes are fine where both tokenizers are the same and fit in both (Qwen2.5's 0.5B-7B
+    and 14B-72B; found in review: refused as "must share the target's tokenizer")."""
+    if draft.runtime.vocab_size != target.runtime.vocab_size and not padded_alike(target, draft):
         raise VocabularyMismatchError(
             f"vocabulary mismatch: target {target.source.name!r} has {target.runtime.vocab_size} "
             f"tokens, draft {draft.source.name!r} has {draft.runtime.vocab_size}; a draft model "
             "must share the target's tokenizer"
         )
     if target.tokenizer is not None and draft.tokenizer is not None:
+        if padded_alike(target, draft):
+            return
         if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
             raise VocabularyMismatchError(
                 f"vocabulary mismatch: target {target.source.name!r} and draft "
@@ -232,7 +246,7 @@ def build_proposer(spec: SpeculativeConfig, target: LoadedModel, engine: EngineC
         engine = replace(engine, weights="auto", backend="auto", exact=None, prefill_chunk=DEFAULT_PREFILL_CHUNK)
     draft = load_target(replace(engine, model=spec.draft))
     check_vocabularies(target, draft)
-    return DraftModelProposer(draft.runtime)
+    return DraftModelProposer(draft.runtime, target.runtime.vocab_size)
 
 
 def eagle_proposer(path: str | None, target: LoadedModel, tree_width: int = 1):

@@ -456,3 +456,28 @@ def test_drafts_outside_the_vocabulary_or_the_budget_are_cut_not_scored(tmp_path
     result = SpeculativeEngine(target.runtime, None, _OversizedTree(), k=4).generate(long_prompt, budget)
     assert result.token_ids == plain.generate(long_prompt, budget).token_ids
     assert max(result.stats.steps_by_drafted) <= 4
+
+
+@pytest.mark.parametrize("target_rows, draft_rows", [(112, 97), (97, 112)])
+def test_a_draft_whose_embeddings_are_padded_to_another_size_drafts_losslessly(tmp_path, target_rows, draft_rows):
+    """Found in review: a target and draft with the same tokenizer but embeddings padded to
+    different sizes (Qwen2.5-32B with Qwen2.5-0.5B) were refused as "must share the target's
+    tokenizer". The draft's logits are fitted to the target's vocabulary: greedy output
+    equals plain decoding, and sampled drafts carry probabilities over the target's ids."""
+    from conftest import save_char_tokenizer
+
+    paths = {}
+    for name, rows, seed in (("target", target_rows, 7), ("draft", draft_rows, 8)):
+        paths[name] = save_tiny_model(tmp_path / name, seed=seed, vocab_size=rows, num_layers=1 + (name == "target"))
+        save_char_tokenizer(paths[name])
+    target = load_model(str(paths["target"]), torch.float32, backend="torch")
+    proposer = build_proposer(SpeculativeConfig(method="draft", draft=str(paths["draft"]), k=3), target,
+                              EngineConfig(model=str(paths["target"]), dtype="fp32", backend="torch"))
+    prompt, params = [5, 9, 11, 5, 9, 30, 40], SamplingParams(max_new_tokens=20, ignore_eos=True)
+    plain = SpeculativeEngine(target.runtime).generate(prompt, params).token_ids
+    assert SpeculativeEngine(target.runtime, proposer=proposer, k=3).generate(prompt, params).token_ids == plain
+    proposer.start(prompt, 64)
+    proposal = proposer.propose(prompt, 3, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    assert proposal.draft_probs.shape == (3, target_rows)
+    assert torch.allclose(proposal.draft_probs.sum(-1), torch.ones(3))
+    assert proposal.draft_probs[:, 97:].sum() == 0  # no id past the tokenizer's is ever drawn

@@ -18,6 +18,7 @@ def check_draft_vocabulary(proposer, vocab_size: int) -> None:
     token accepted), failed mid-request when sampling, or on the target's ids in the
     draft's embedding (found in review)."""
     own = getattr(getattr(proposer, "runtime", None), "vocab_size", None)
+    own = getattr(proposer, "vocab_size", own) if own is not None else None  # a draft model's, fitted to the target's
     if own is not None and own != vocab_size:
         raise VocabularyMismatchError(f"vocabulary mismatch: the target has {vocab_size} tokens, the draft model "
                                       f"{own}; a draft model must share the target's tokenizer")
