@@ -95,6 +95,11 @@ def load_model(name: str, dtype: torch.dtype, runtime: str = "auto", weights: st
         key = f"{source.path.resolve()}{checkpoint_mark(source.path)}"
         fmt = fastest_weights(key, dtype, auto_candidates(source), load)
     native = load(fmt)
+    if fmt == "bf16" and source.gguf is not None:
+        rounded = gguf_tensors_rounded_to_bf16(source)
+        if rounded:  # found in review: said nothing, where the other formats' second quantization is logged
+            log(f"{rounded} GGUF tensors are stored in a format bf16 cannot hold exactly and were rounded to bf16 "
+                "(--weights int4 carries Q4_0/Q4_1 blocks exactly, int8 Q8_0 blocks)")
     carried = native.weights.carried
     requantized = sorted(name for name, how in carried.items() if how.startswith("requantized"))
     if requantized:
@@ -102,6 +107,16 @@ def load_model(name: str, dtype: torch.dtype, runtime: str = "auto", weights: st
             f"(a second time where the GGUF's were quantized already; e.g. {requantized[0]}: "
             f"{carried[requantized[0]]})")
     return LoadedModel(source, native, load_tokenizer(source))
+
+
+def gguf_tensors_rounded_to_bf16(source: ModelSource) -> int:
+    """How many of a GGUF's matrices are stored in another type than BF16: --weights bf16
+    rounds their values (an F32 or F16 matrix's too, unless it holds bf16 numbers only)."""
+    from .models.loading import gguf_tensor_index
+    from .models.quant import GGML_BF16
+
+    return sum(1 for t in gguf_tensor_index(source.gguf, source.path).values()
+               if len(t.shape) == 2 and t.tensor_type != GGML_BF16)
 
 
 def native_refusal(source: ModelSource) -> str | None:
@@ -178,9 +193,32 @@ def choose_backend(source: ModelSource, dtype: torch.dtype, weights: str, backen
             raise ConfigError(f"without the CPU kernels the weights are stored in --dtype ({dense}), not {weights}")
         log(f"CPU kernels unavailable ({reason}); running on torch")
         return "torch", dense
+    shape = kernel_shape_refusal(source)
+    if shape is not None:  # found in review: the defaults failed on a model torch runs exactly
+        if backend == "kernels" or exact or quantized or fmt not in ("auto", dense):
+            raise ConfigError(f"{shape}: --backend kernels, --exact and --weights int8/int4 need them; "
+                              "use --backend torch")
+        log(f"{shape}; running on torch")
+        return "torch", dense
     if fmt == "auto" and dtype == torch.float32:
         fmt = "fp32"
     return "kernels", fmt
+
+
+def kernel_shape_refusal(source: ModelSource) -> str | None:
+    """Why the CPU kernels cannot run this model's attention, or None."""
+    from .models.cpu_runtime import check_attention_shape
+    from .models.llama import LlamaConfig
+
+    try:
+        config = LlamaConfig.from_hf(source.config)
+    except SpecDecodeError:  # a config the native loader refuses: it says so itself, later
+        return None
+    try:
+        check_attention_shape(config)
+    except SpecDecodeError as error:
+        return str(error)
+    return None
 
 
 def padded_alike(target: LoadedModel, draft: LoadedModel) -> bool:

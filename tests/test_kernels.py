@@ -521,3 +521,31 @@ def test_a_failed_build_is_not_tried_again_and_leaves_nothing_behind(tmp_path, m
     with pytest.raises(KeyboardInterrupt):
         kernels.build(force=True)
     assert list((tmp_path / "kernels" / "key").iterdir()) == []
+
+
+def test_cache_files_keep_the_mode_a_plain_write_gives_them(tmp_path, monkeypatch):
+    """Found in review: the built library and every cache file came out of tempfile as
+    0600/0700, so a second user of a shared cache could not load the kernels (EACCES) and
+    lost int8/int4/--exact; they now have the mode the umask gives a plain write."""
+    import os
+    import subprocess
+
+    from specdecode.models.loading import write_atomic
+
+    mask = os.umask(0o022)
+    try:
+        monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+        monkeypatch.setattr(kernels, "_build_key", lambda compiler, march: "key")
+
+        def compiled(command, **kwargs):  # the compiler writes into the staging file as it is
+            with open(command[-1], "wb") as library:
+                library.write(b"\x7fELF")
+            return subprocess.CompletedProcess(command, 0, "", "")
+
+        monkeypatch.setattr(kernels.subprocess, "run", compiled)
+        library = kernels.build(force=True)
+        assert library.stat().st_mode & 0o777 == 0o755
+        write_atomic(tmp_path / "record.json", "{}")
+        assert (tmp_path / "record.json").stat().st_mode & 0o777 == 0o644
+    finally:
+        os.umask(mask)

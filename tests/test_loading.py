@@ -151,12 +151,12 @@ def test_weights_auto_times_a_short_context_model_within_its_context(tiny_llama_
     assert model.runtime.max_positions <= 256 and model.runtime(torch.tensor([[1, 2, 3]])).shape[-2] == 3
 
 
-def _tiny_gguf(arch: str, root, qtype: str = "Q8_0", types: dict[str, str] | None = None):
+def _tiny_gguf(arch: str, root, qtype: str = "Q8_0", types: dict[str, str] | None = None, tokenizer: bool = False):
     """A 2-layer ``arch`` model written as llama.cpp writes it (q/k rows reordered for its
     llama architecture only), every linear in ``qtype`` (the embedding and the untied head
     too, as llama.cpp's Q4_1 file type leaves them) unless ``types`` names another for a
     tensor (its GGUF name without .weight and block: "attn_v"); returns (path, transformers
-    model)."""
+    model). ``tokenizer``: with a byte tokenizer's metadata, so the file loads as a model."""
     import gguf
     import numpy as np
     import torch
@@ -179,6 +179,14 @@ def _tiny_gguf(arch: str, root, qtype: str = "Q8_0", types: dict[str, str] | Non
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(97)
+    if tokenizer:
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(94)])
+        writer.add_token_scores([0.0] * 97)
+        writer.add_token_types([2, 3, 3] + [6] * 94)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+
     def linear(name, array):
         kind = getattr(gguf.GGMLQuantizationType, (types or {}).get(name.split(".")[-2], qtype))
         writer.add_tensor(name, gguf.quants.quantize(array.astype(np.float32), kind), raw_dtype=kind)
@@ -296,7 +304,7 @@ def test_a_fused_projection_of_mixed_gguf_block_types_loads_as_int4(tmp_path):
     runtime = load_native(converted, torch.float32, "q4_1", "torch", path)
     carried = runtime.weights.carried
     assert carried["blk.0.attn_v.weight"] == "exact (q8_0)" and carried["blk.0.ffn_up.weight"] == "exact (q4_1)"
-    assert carried["blk.0.attn_q.weight"].startswith("requantized (q8_0) from q4_1")
+    assert carried["blk.0.attn_q.weight"] == "requantized (q8_0): fused with q8_0 parts"
     assert runtime.weights.layers[0].qkv.fmt == "q8_0" and runtime.weights.layers[0].o.fmt == "q4_1"
     ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -310,6 +318,22 @@ def test_a_fused_projection_of_mixed_gguf_block_types_loads_as_int4(tmp_path):
         fast = load_native(converted, torch.float32, "q4_1", "kernels", path)
         fast.reset(40)
         assert (fast(ids) - expected).abs().max() < 0.3 * expected.abs().max()  # and 8-bit activations
+
+
+def test_a_fused_part_goes_to_q8_0_from_the_ggufs_own_values(tmp_path):
+    """Found in review: a Q5_0 q/k beside a Q8_0 v went Q5_0 -> Q4_1 -> Q8_0 under --weights
+    int4, keeping the 4-bit error at 8-bit cost; the part is now quantized from the GGUF's
+    values, as quantizing them to Q8_0 directly gives."""
+    import torch
+
+    from specdecode.models.llama import load_native
+    from specdecode.models.quant import PackedLinear
+
+    path, reference = _tiny_gguf("llama", tmp_path / "gguf", "Q5_0", types={"attn_v": "Q8_0"})
+    runtime = load_native(_converted(reference, tmp_path / "converted"), torch.float32, "q4_1", "torch", path)
+    q_proj = reference.model.layers[0].self_attn.q_proj.weight.detach()
+    loaded = runtime.weights.layers[0].qkv.dequantize()[:q_proj.shape[0]]
+    assert torch.equal(loaded, PackedLinear.quantize(q_proj, "q8_0").dequantize())
 
 
 @pytest.mark.parametrize("qtype, candidates", [("Q4_1", ["q4_1", "q8_0", "bf16"]), ("Q4_0", ["q4_1", "q8_0", "bf16"]),
@@ -430,3 +454,50 @@ def test_a_cache_that_cannot_be_written_is_named_before_a_conversion(monkeypatch
     (tmp_path / "model.gguf").write_bytes(b"not read: the cache is checked first")
     with pytest.raises(loading.SpecDecodeError, match="cannot write the model cache .*SPECDECODE_CACHE"):
         resolve_model(str(tmp_path / "model.gguf"))
+
+
+def test_a_shape_the_kernels_cannot_take_runs_on_torch_by_default(tmp_path, capsys):
+    """Found in review: with the default flags a Llama whose head_dim is 12 failed ("none of
+    the weight formats loads this model") although the torch backend runs it exactly; only
+    a flag that needs the kernels is refused now, naming --backend torch."""
+    import torch
+
+    from conftest import save_tiny_model
+    from specdecode.config import ConfigError
+    from specdecode.factory import load_model
+
+    path = save_tiny_model(tmp_path / "m", seed=1, num_layers=1, hidden_size=48, num_heads=4, num_kv_heads=2)
+    model = load_model(str(path), torch.float32)
+    assert model.runtime.backend == "torch" and "running on torch" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="use --backend torch"):
+        load_model(str(path), torch.float32, weights="int8")
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_memory_prices_a_ggufs_layers_as_int4_carries_them(tmp_path, qtype):
+    """Found in review: `memory --weights int4` priced every layer at 4 bits, but a GGUF's
+    Q8_0 layers keep their 8 bits under int4, so an 8-bit file's weights read 32% low."""
+    import torch
+
+    from specdecode.analysis.memory import deployment_memory
+    from specdecode.factory import load_model
+
+    path, _ = _tiny_gguf("llama", tmp_path / "gguf", qtype, tokenizer=True)
+    estimate = deployment_memory(str(path), None, "bf16", 1, 64, 0, None, "int4")["models"]["target"]["weights"]
+    weights = load_model(str(path), torch.bfloat16, weights="int4").runtime.weights
+    loaded = sum(t.numel() * t.element_size() for t in [*weights.parameters(), *weights.buffers()])
+    assert abs(estimate - loaded) < 0.1 * loaded
+
+
+def test_a_quantized_gguf_loaded_as_bf16_says_its_values_were_rounded(tmp_path, capsys):
+    """Found in review: --weights bf16 rounded a Q4_1 file's values (79% of them) without a
+    word, where every other second quantization is logged."""
+    import torch
+
+    from specdecode.factory import load_model
+
+    path, _ = _tiny_gguf("llama", tmp_path / "gguf", "Q4_1", tokenizer=True)
+    load_model(str(path), torch.bfloat16, weights="int4")
+    assert "rounded to bf16" not in capsys.readouterr().err
+    load_model(str(path), torch.bfloat16, weights="bf16")
+    assert "16 GGUF tensors are stored in a format bf16 cannot hold exactly" in capsys.readouterr().err

@@ -66,6 +66,11 @@ class Shape:
     head_dim: int = 0
     checkpoint_bytes: int | None = None  # size of its safetensors files, for a real checkpoint
     gguf: bool = False  # converted from a GGUF, whose blocks int8/int4 read by file I/O
+    # of a GGUF: the share of the layers' weights it stores as Q8_0, which stay 8-bit under
+    # int4 (found in review: priced at 4 bits, a Q8_0 file read 32% low), and whether its
+    # embedding is 4-bit blocks int4 carries as they are
+    gguf_8bit_share: float = 0.0
+    gguf_4bit_embedding: bool = False
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -123,6 +128,17 @@ def resolve_shape(name: str) -> Shape:
     shape = Shape.from_config(name, source.config)
     shape.checkpoint_bytes = sum(f.stat().st_size for f in source.path.glob("*.safetensors"))
     shape.gguf = source.gguf is not None
+    if shape.gguf:
+        from ..models.loading import gguf_tensor_index
+        from ..models.quant import GGML_Q4_0, GGML_Q4_1, GGML_Q8_0
+
+        tensors = gguf_tensor_index(source.gguf, source.path)
+        layers = [t for name, t in tensors.items() if name.startswith("blk.") and name.endswith(".weight")
+                  and len(t.shape) == 2]
+        total = sum(math.prod(t.shape) for t in layers)
+        shape.gguf_8bit_share = sum(math.prod(t.shape) for t in layers if t.tensor_type == GGML_Q8_0) / max(total, 1)
+        embedding = tensors.get("token_embd.weight")
+        shape.gguf_4bit_embedding = embedding is not None and embedding.tensor_type in (GGML_Q4_0, GGML_Q4_1)
     return shape
 
 
@@ -137,7 +153,11 @@ def model_memory(shape: Shape, weights: str, kv_dtype: str, batch: int, context:
         raise ConfigError(f"KV dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
     layers = shape.layers if layers is None else layers
     embedding_format = "int8" if weights == "int4" else weights
-    stored = ((shape.layer_parameters(layers) + shape.hidden) * BYTES[weights]
+    layer_bytes = BYTES[weights]
+    if weights == "int4" and shape.gguf:  # as the loader carries a GGUF's blocks (models.quant.from_gguf)
+        layer_bytes = shape.gguf_8bit_share * BYTES["int8"] + (1 - shape.gguf_8bit_share) * BYTES["int4"]
+        embedding_format = "int4" if shape.gguf_4bit_embedding else "int8"
+    stored = ((shape.layer_parameters(layers) + shape.hidden) * layer_bytes
               + shape.embedding_parameters * BYTES[embedding_format])
     rope = 2 * shape.max_positions * shape.head_dim * 4
     weight_bytes = 0.0 if shares_weights else stored + rope

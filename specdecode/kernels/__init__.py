@@ -111,7 +111,7 @@ def _build_key(compiler: str, march: str) -> str:
 def build(force: bool = False, march: str | None = None) -> Path:
     """Compile the library for this machine if its cached build is missing; its path."""
     march = march or _march()
-    from ..models.loading import cache_dir
+    from ..models.loading import cache_dir, shared_mode
 
     compiler = _compiler()
     if compiler is None:
@@ -130,6 +130,7 @@ def build(force: bool = False, march: str | None = None) -> Path:
                                     capture_output=True, text=True)
             if result.returncode != 0:
                 raise KernelsUnavailable(f"building the CPU kernels failed:\n{result.stderr.strip()[-2000:]}")
+            shared_mode(staging, 0o777)  # a library others may load from a shared cache
             os.replace(staging, target)
         finally:  # a failed or interrupted build leaves no half-written library behind
             if os.path.exists(staging):

@@ -378,7 +378,7 @@ class _CheckpointReader:
                 # Q4_K_M where a width is no multiple of 256): the 4-bit parts go to Q8_0, which holds their
                 # values closely, and the load log says so (one format was refused with a message that named
                 # no tensor; found in review)
-                parts = [part if part.fmt == "q8_0" else self.gguf.requantized(name, part, "q8_0")
+                parts = [part if part.fmt == "q8_0" else self.gguf.requantized(name, "q8_0")
                          for name, part in zip(names, parts)]
             fused = PackedLinear.concat(parts)
             if bias is not None:
@@ -447,10 +447,13 @@ class _GGUFTensors:
 
         return self.tensors[self._gguf_name(name)].tensor_type in (GGML_Q4_0, GGML_Q4_1)
 
-    def requantized(self, name: str, layer: PackedLinear, fmt: str) -> PackedLinear:
-        """``layer`` (carried for ``name``) quantized to ``fmt``, recorded as such."""
-        self.carried[self._gguf_name(name)] = f"requantized ({fmt}) from {layer.fmt}: fused with {fmt} parts"
-        return PackedLinear.quantize(layer.dequantize(), fmt)
+    def requantized(self, name: str, fmt: str) -> PackedLinear:
+        """``name`` in ``fmt`` from the GGUF's own values, recorded as fused with ``fmt``
+        parts. Found in review: the part already converted to the format asked for was
+        quantized again (a Q5_0 q_proj went Q5_0 -> Q4_1 -> Q8_0 and kept the 4-bit error)."""
+        layer = self.linear(name, fmt)
+        self.carried[self._gguf_name(name)] += f": fused with {fmt} parts"
+        return layer
 
     def linear(self, name: str, fmt: str) -> PackedLinear:
         from .quant import from_gguf

@@ -72,6 +72,16 @@ class ModelSource:
         return self.model_type in NATIVE_ARCHITECTURES
 
 
+def shared_mode(path, mode: int) -> None:
+    """Give a file or folder made by ``tempfile`` (0600 / 0700, its own user's only) the
+    mode a plain open or mkdir would have (``mode`` less the umask), so a cache shared by
+    several users stays readable to them. Found in review: a second user's dlopen of the
+    built kernels failed with EACCES, and with it every int8/int4/--exact run."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, mode & ~mask)
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` whole or not at all: a temporary file of this process's own
     beside it, renamed over it. Two processes saving the same cache file, or one stopped
@@ -82,6 +92,7 @@ def write_atomic(path: Path, text: str) -> None:
     try:
         with os.fdopen(handle, "w") as file:
             file.write(text)
+        shared_mode(temporary, 0o666)
         os.replace(temporary, path)
     except BaseException:
         if os.path.exists(temporary):
@@ -332,6 +343,7 @@ def _convert_gguf(gguf_path: Path, source_sha: str, target: Path) -> None:
         # de-quantizes the whole model (found in review: a traceback after it)
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".convert-{target.name}-", dir=target.parent))
+        shared_mode(staging, 0o777)
     except OSError as error:
         raise SpecDecodeError(f"cannot write the model cache {target.parent} ({error.strerror or error}), where "
                               f"{gguf_path.name} is converted once: set SPECDECODE_CACHE (or XDG_CACHE_HOME) to a "
