@@ -95,6 +95,43 @@ def test_incremental_proposals_equal_a_fresh_pass_over_the_committed_sequence(ta
         assert drafts == fresh_proposal(target, head, tokens, k), tokens
 
 
+class Alternating:
+    """A k policy that drafts ``k`` and takes a plain step in turn."""
+
+    name = "alternating"
+
+    def __init__(self, k: int):
+        self.k_max, self.steps = k, 0
+
+    def start(self, prior_alpha=None) -> None:
+        self.steps = 0
+
+    def choose(self, context: int) -> int:
+        self.steps += 1
+        return self.k_max if self.steps % 2 else 0
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        pass
+
+    def describe(self) -> str:
+        return "alternating"
+
+
+def test_the_head_is_fed_on_plain_steps_too(targets):
+    """Found in review: no test would notice an engine that stopped handing the head the
+    target's states on a plain step (k = 0): the head would draft nothing for the rest of
+    the request, output still lossless. With k and plain steps in turn, every draft equals
+    a fresh head's over the committed sequence."""
+    target = targets[0]
+    head = random_head(target, 7)
+    weights = target.runtime.weights
+    proposer = Recording(head, lambda ids: weights.embed_rows(ids).float())
+    SpeculativeEngine(target.runtime, proposer=proposer, k=Alternating(3)).generate([5, 9, 14, 22, 5, 9], GREEDY)
+    assert len(proposer.seen) >= 10
+    for tokens, k, drafts in proposer.seen[:10]:
+        assert drafts and drafts == fresh_proposal(target, head, tokens, k), tokens
+
+
 def test_a_draft_vocabulary_set_after_the_proposer_was_built_maps_its_drafts(targets):
     """Found in review: the proposer copied the head's draft -> target map when it was
     built, so a vocabulary set afterwards was drafted through the old map (lossless, but
