@@ -227,7 +227,9 @@ def self_draft_layers(draft: str, total: int) -> int:
     except ValueError:
         raise ConfigError(f"draft self:L needs an integer layer count, got {draft!r}") from None
     if not 1 <= layers < total:
-        raise ConfigError(f"draft self:L needs 1 <= L < {total} (the target's layers), got {layers}")
+        default = f" ({DEFAULT_SELF_DRAFT} is --method draft's drafter when --draft is not given)" \
+            if draft == DEFAULT_SELF_DRAFT else ""
+        raise ConfigError(f"draft self:L needs 1 <= L < {total} (the target's layers), got {layers}{default}")
     return layers
 
 
