@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--schedule", default="fcfs", choices=["fcfs", "task"], help="admission order: arrival, or requests of the running rows' task type first (docs/serving.md)")
     srv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="start a prompt from the longest prefix it shares with a cache row (a system prompt, earlier turns) instead of prefilling it again; on by default, as in vLLM (docs/serving.md)")
     srv.add_argument("--prefill-threads", type=int, default=None, help="kernel threads for prefill chunks (default: every core when --threads is left to its default, else --threads): a chunk is long and compute bound, so it may use the core the front end keeps")
-    srv.add_argument("--audit-rate", type=float, default=0.0, help="fraction of speculative requests (greedy, and seeded sampled ones whose drafter does not sample) re-run plainly when idle and compared (/metrics)")
+    srv.add_argument("--audit-rate", type=float, default=0.0, help="fraction of speculative requests (greedy, and sampled ones whose drafter does not sample, with the seed they drew) re-run plainly when idle and compared (/metrics)")
     srv.add_argument("--replicas", type=int, default=None, help="serve N replicas of the engine behind Ray Serve's proxy (pip install 'specdecode[ray]'; docs/serving.md)")
     srv.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     srv.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"])
@@ -777,7 +777,8 @@ def cmd_serve(args) -> int:
         from .serve.server import ray_application, serve_ray
 
         application = ray_application(config, args.speculative_config, args.replicas, args.max_num_seqs,
-                                      args.max_queued_requests, api_key=args.api_key, max_model_len=args.max_model_len,
+                                      args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
+                                      api_key=args.api_key, max_model_len=args.max_model_len,
                                       served_model_name=args.served_model_name, audit_rate=args.audit_rate,
                                       schedule=args.schedule, prefix_caching=args.enable_prefix_caching,
                                       prefill_threads=args.prefill_threads)

@@ -52,3 +52,62 @@ def test_two_replicas_serve_the_same_answers(tmp_path):
                                SamplingParams(max_new_tokens=8, ignore_eos=True)).text for p in prompts]
     assert [text for text, _ in answers] == expected
     assert len({replica for _, replica in answers}) == 2  # both replicas answered
+
+
+def test_sigterm_lets_a_stream_in_flight_finish(tmp_path):
+    """Found in review: under --replicas the driver blocked in Ray's wait, which takes
+    Ctrl-C only; SIGTERM killed it and cut every stream in flight, and --shutdown-timeout
+    never reached the deployment. Now the replicas drain behind the proxy."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import save_char_tokenizer
+
+    torch.manual_seed(0)  # wide enough that a long stream takes seconds on the torch backend
+    config = AutoConfig.for_model("llama", vocab_size=97, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path / "m")
+    save_char_tokenizer(tmp_path / "m")
+    port = free_port()
+    command = [str(Path(sys.executable).parent / "specdecode"), "serve", "--model", str(tmp_path / "m"), "--replicas",
+               "1", "--speculative-config", '{"method": "none"}', "--dtype", "fp32", "--backend", "torch", "--threads",
+               "1", "--port", str(port), "--shutdown-timeout", "30"]
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base, received = f"http://127.0.0.1:{port}", []
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+
+        def stream():
+            body = {"prompt": "abc", "max_tokens": 1200, "ignore_eos": True, "temperature": 0, "stream": True}
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        received.append(line[6:])
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        while not received and reader.is_alive():
+            time.sleep(0.05)
+        server.send_signal(signal.SIGTERM)
+        reader.join(120)
+        assert server.wait(120) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert received and received[-1] == "[DONE]" and len(received) > 100

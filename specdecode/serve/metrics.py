@@ -125,7 +125,7 @@ class ServerMetrics:
                                     "fastest, by kind of pass (alone: one sequence, one token; drafts: one sequence scoring drafts; batch)", ["kind"])
         self.drift = gauge("acceptance_drift", "First-draft acceptance over the last drafted steps / calibrated "
                            "first-draft acceptance, by task type (1 = as calibrated)", task)
-        self.audit_checked = counter("audit_requests", "Greedy requests re-run with plain decoding and compared")
+        self.audit_checked = counter("audit_requests", "Requests re-run with plain decoding and compared (greedy, and sampled with the seed they drew)")
         self.audit_mismatch = counter("audit_mismatches", "Audited requests whose output differed from plain decoding")
         self.audit_pending = gauge("audit_pending", "Audits waiting for an idle engine or re-running now")
         self._lock = threading.Lock()

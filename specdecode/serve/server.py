@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import sys
+import threading
 from dataclasses import replace
 
 from ..config import (MAX_SERVED_K, VLLM_METHODS, ConfigError, EngineConfig, SamplingParams, SpeculativeConfig,
@@ -270,12 +273,14 @@ def serve(state: ServerState, host: str, port: int, shutdown_timeout: float) -> 
 
 
 def ray_application(engine_config: EngineConfig, speculative: str | None, replicas: int, max_num_seqs: int,
-                    max_queued_requests: int, **state_kwargs):
+                    max_queued_requests: int, shutdown_timeout: float = 30.0, **state_kwargs):
     """The same app on Ray Serve: ``replicas`` replicas, each loading its own engine.
 
     Ray Serve's backpressure takes our queue limit: a replica accepts at most
     ``max_num_seqs + max_queued_requests`` requests at once (``max_ongoing_requests``),
-    and Ray's proxy queues at most ``max_queued_requests`` more before it answers 503."""
+    and Ray's proxy queues at most ``max_queued_requests`` more before it answers 503.
+    ``shutdown_timeout``: how long a replica being stopped lets its requests finish
+    (Ray's ``graceful_shutdown_timeout_s``; found in review: not passed on)."""
     try:
         from ray import serve
     except ImportError:
@@ -297,6 +302,7 @@ def ray_application(engine_config: EngineConfig, speculative: str | None, replic
     deployment = serve.deployment(serve.ingress(build)(), name="specdecode")
     return deployment.options(num_replicas=replicas, max_ongoing_requests=max_num_seqs + max(max_queued_requests, 1),
                               max_queued_requests=max(max_queued_requests, 1),
+                              graceful_shutdown_timeout_s=max(shutdown_timeout, 0.0),
                               ray_actor_options={"num_cpus": 0}).bind()
 
 
@@ -306,5 +312,19 @@ def serve_ray(application, host: str, port: int) -> None:
     from ray import serve
 
     ray.init(include_dashboard=False, ignore_reinit_error=True)
+    # SIGTERM (and Ctrl-C) stop the deployment as Ray stops a replica: requests in flight
+    # finish for up to the deployment's graceful_shutdown_timeout_s. Found in review: the
+    # driver blocked in Ray's wait, which takes Ctrl-C only, and SIGTERM cut every stream.
+    # Set after ray.init (whose own handler ends the driver at once) and before the
+    # deployment can take a request.
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
     serve.start(http_options={"host": host, "port": port})
-    serve.run(application, name="specdecode", route_prefix="/", blocking=True)
+    serve.run(application, name="specdecode", route_prefix="/", blocking=False)
+    while not stop.wait(1.0):
+        pass
+    print("specdecode: stopping; requests in flight may finish (--shutdown-timeout)", file=sys.stderr, flush=True)
+    serve.delete("specdecode")  # the replicas drain behind a proxy that still streams their replies
+    serve.shutdown()
+    ray.shutdown()
