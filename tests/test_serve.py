@@ -1044,3 +1044,59 @@ def test_a_labelled_request_is_routed_by_its_label(served):
         assert methods.count("none") >= 2, methods
     finally:
         router.records, router.requests = saved_records, saved_requests
+
+
+def test_a_stalled_stream_whose_client_left_frees_its_row_at_once(served, monkeypatch):
+    """Found in review: a client that stopped reading (the server's send waiting on a full
+    socket buffer) and then went away left the stream's generator suspended at a yield; its
+    row was freed only by the next cyclic garbage collection, and until then the request
+    decoded on (and could finish as "length", not "abort")."""
+    import gc
+
+    from specdecode.serve.batch import BatchEngine
+
+    client, state, _ = served
+    app, rows = client.app, len(state.engine.free_rows)
+    step = BatchEngine.step
+
+    def slow(self):
+        time.sleep(0.02)
+        return step(self)
+
+    monkeypatch.setattr(BatchEngine, "step", slow)
+    body = json.dumps({"prompt": "abcabc", "max_tokens": 100, "temperature": 0, "ignore_eos": True,
+                       "stream": True}).encode()
+
+    async def stalled_then_gone():
+        sent, chunks, gone, never = False, 0, asyncio.Event(), asyncio.Event()
+
+        async def receive():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            nonlocal chunks
+            if message["type"] == "http.response.body" and message.get("body"):
+                chunks += 1
+                if chunks == 2:  # the socket's buffer is full: send waits, and the client leaves
+                    asyncio.get_running_loop().call_later(0.05, gone.set)
+                    await never.wait()
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 1), "server": ("testserver", 80)}
+        await app(scope, receive, send)
+        await asyncio.sleep(0.3)
+
+    gc.disable()
+    try:
+        asyncio.run(stalled_then_gone())
+        running, free = len(state.engine.running), len(state.engine.free_rows)
+    finally:
+        gc.enable()
+    assert (running, free) == (0, rows)

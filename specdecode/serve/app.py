@@ -632,6 +632,24 @@ def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
+class ClosingStream(StreamingResponse):
+    """A stream that frees its sequences' rows when the response ends, however it ends.
+    The body generator's own ``finally`` runs only when the generator is closed: a client
+    that stopped reading (its send waiting on a full socket) and then went away left the
+    generator suspended at a yield, closed by the next cyclic garbage collection; until
+    then its sequence decoded on and held its row (found in review)."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
 def create_app(state: ServerState, tokenizer) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -760,8 +778,9 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
         token_ids = body.return_token_ids or tokenizer is None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream(sequences, queue, request_id, chat, include_usage, echo, token_ids),
-                                     media_type="text/event-stream")
+            return ClosingStream(stream(sequences, queue, request_id, chat, include_usage, echo, token_ids),
+                                 lambda: [state.abort(s) for s in sequences if not s.finished],
+                                 media_type="text/event-stream")
         return await collect(request, sequences, queue, request_id, chat, echo, token_ids)
 
     async def collect(request: Request, sequences: list[Sequence], queue: asyncio.Queue, request_id: str,
