@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(bench)
 
     prof = verbs.add_parser("profile", help="measure what scoring n tokens and drafting cost on this machine (cached)")
-    prof.add_argument("--methods", default="ngram,draft", help="drafters to cost: ngram and/or draft (the --draft model)")
+    prof.add_argument("--methods", default=PROFILE_DEFAULT_METHODS, help="drafters to cost: ngram and/or draft (the --draft model)")
     prof.add_argument("--remeasure", action="store_true", help="measure again even if a cached profile exists")
     prof.add_argument("--json", action="store_true", help="print the profile as JSON")
     _add_model_args(prof)
@@ -480,6 +480,7 @@ def cmd_bench(args) -> int:
 
 
 PROFILE_DRAFTERS = ("ngram", "draft")
+PROFILE_DEFAULT_METHODS = "ngram,draft"  # the draft: --draft, or self:4 where the target has more layers
 
 
 def cmd_profile(args) -> int:
@@ -499,6 +500,12 @@ def cmd_profile(args) -> int:
     _set_threads(engine_config)
     log(f"loading {args.model} ({args.dtype})")
     target = load_target(engine_config, args.runtime)
+    layers = getattr(getattr(target.runtime, "cfg", None), "num_layers", 0)
+    if args.methods == PROFILE_DEFAULT_METHODS and args.draft is None and \
+            layers <= int(DEFAULT_SELF_DRAFT.split(":")[1]):  # found in review: the default failed on such a model
+        log(f"not costing the default draft {DEFAULT_SELF_DRAFT}: the target has {layers or 'no native'} layers "
+            "(give --draft, or --methods ngram)")
+        specs = [spec for spec in specs if spec.method != "draft"]
     drafters = {drafter_key(spec): build_proposer(spec, target, engine_config) for spec in specs}
     profile = cost_profile(target, args.dtype, drafters, force=args.remeasure)
     if args.json:

@@ -123,6 +123,8 @@ class SpeculativeConfig:
     k: draft tokens per step, or "auto" (the default): chosen per step by ``k_policy`` —
     "cost" (expected speedup from measured acceptance and the cost profile, 0 included)
     or "threshold" (the acceptance-threshold rule from the literature), at most ``k_max``.
+    The dataclass's method is prompt lookup, which needs nothing shipped for a target; the
+    CLI and the server default to "suffix".
     """
 
     method: str = "ngram"

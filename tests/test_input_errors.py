@@ -506,3 +506,10 @@ def test_method_draft_without_a_draft_names_its_default_when_it_does_not_fit(cap
     of a self:4 the user never typed."""
     code, err = run(capsys, "generate", "hi", "--model", str(tiny_llama_dir), "--method", "draft", "--k", "2")
     assert code == 2 and "self:4 is --method draft's drafter when --draft is not given" in err
+
+
+def test_profile_with_its_default_methods_runs_on_a_target_too_small_for_self_4(capsys, tiny_llama_dir):
+    """Found in review: `specdecode profile --model M`, as docs/adaptive.md shows it, failed
+    on any target of 4 layers or fewer (its default methods cost the self:4 draft)."""
+    code, err = run(capsys, "profile", "--model", str(tiny_llama_dir), "--backend", "torch", "--dtype", "fp32")
+    assert code == 0 and "not costing the default draft self:4" in err

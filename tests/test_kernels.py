@@ -549,3 +549,23 @@ def test_cache_files_keep_the_mode_a_plain_write_gives_them(tmp_path, monkeypatc
         assert (tmp_path / "record.json").stat().st_mode & 0o777 == 0o644
     finally:
         os.umask(mask)
+
+
+def test_saved_stores_and_heads_are_readable_by_the_other_users_of_a_cache(tmp_path):
+    """Found in review: safetensors writes its files 0600 whatever the umask, so a token
+    store, a head or a converted model in a shared cache was unreadable to other users."""
+    import os
+
+    from specdecode.proposers.eagle_head import EagleConfig, EagleHead
+    from specdecode.proposers.suffix import TokenStore
+
+    mask = os.umask(0o022)
+    try:
+        TokenStore([[1, 2, 3, 1, 2]], vocab_size=97).save(tmp_path / "store", {})
+        EagleHead(EagleConfig(hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1, head_dim=8,
+                              target_vocab_size=97, draft_vocab_size=97, capture_layers=(0,), rms_norm_eps=1e-6,
+                              rope_theta=10000.0)).save(tmp_path / "head")
+    finally:
+        os.umask(mask)
+    for path in (tmp_path / "store" / "tokens.safetensors", tmp_path / "head" / "model.safetensors"):
+        assert path.stat().st_mode & 0o777 == 0o644, path

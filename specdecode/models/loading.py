@@ -364,6 +364,7 @@ def _convert_gguf(gguf_path: Path, source_sha: str, target: Path) -> None:
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         save_file({k: v.contiguous() for k, v in state.items()}, staging / "model.safetensors")
+        shared_mode(staging / "model.safetensors", 0o666)  # safetensors writes 0600 (found in review)
         config = model.config.to_dict()
         config.pop("quantization_config", None)
         config["architectures"] = [type(model).__name__]

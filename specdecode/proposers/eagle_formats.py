@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ..config import SpecDecodeError
+from ..models.loading import shared_mode
 
 FORMATS = ("eagle3", "speculators")
 
@@ -122,6 +123,7 @@ def export_head(head, out: Path, fmt: str, verifier: str | None = None, max_posi
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    shared_mode(out / "model.safetensors", 0o666)  # safetensors writes 0600
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return [out / "config.json", out / "model.safetensors"]
 

@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import ConfigError, SpecDecodeError
+from ..models.loading import shared_mode
 from .base import DraftVocabulary
 
 
@@ -204,6 +205,7 @@ class EagleHead(DraftVocabulary, nn.Module):
         state = {name: t.detach().to(torch.bfloat16 if t.is_floating_point() else t.dtype).contiguous()
                  for name, t in self.state_dict().items()}
         save_file(state, str(directory / "model.safetensors"))
+        shared_mode(directory / "model.safetensors", 0o666)  # safetensors writes 0600
         config = asdict(self.config) | {"architecture": "specdecode-eagle3", **(metadata or {})}
         (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 

@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import ConfigError, SamplingParams, SpecDecodeError
+from ..models.loading import shared_mode
 from .base import DraftVocabulary, Proposal
 
 ARCHITECTURE = "specdecode-medusa"
@@ -143,6 +144,7 @@ class MedusaHeads(DraftVocabulary, nn.Module):
                  "blocks.bias": self.blocks.bias.detach().to(torch.bfloat16).contiguous(),
                  "d2t": self.d2t.detach().contiguous()}
         save_file(state, str(directory / "model.safetensors"))
+        shared_mode(directory / "model.safetensors", 0o666)  # safetensors writes 0600
         config = asdict(self.config) | {"architecture": ARCHITECTURE, **(metadata or {})}
         (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 

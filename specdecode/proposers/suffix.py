@@ -24,6 +24,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from ..config import ConfigError, SamplingParams
+from ..models.loading import shared_mode
 from .base import Proposal
 from .ngram import NgramProposer, lookup
 
@@ -151,6 +152,7 @@ class TokenStore:
         dtype = np.uint16 if self.separator < 1 << 16 else np.int32
         save_file({"tokens": self.tokens.astype(dtype)}, str(directory / STORE_FILE),
                   metadata={"vocab_size": str(self.vocab_size)})
+        shared_mode(directory / STORE_FILE, 0o666)  # safetensors writes 0600
         (directory / "store.json").write_text(json.dumps({"vocab_size": self.vocab_size, "tokens": len(self),
                                                            **meta}, indent=1) + "\n")
 
