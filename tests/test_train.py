@@ -53,6 +53,41 @@ def test_templated_training_prompts_share_no_content_with_the_suite():
     assert not shared, shared[:3]
 
 
+# words that say what a request asks for, not what it is about; spellings taken as one
+REQUEST_WORDS = set("a an the of to in and or is are be with that this for on it as by at from into your you i me my "
+                    "what how which who can write give please its their these those than then one two three each why "
+                    "does do did about between short explain main difference differences using use make".split())
+SPELLINGS = {"colour": "color", "autumn": "fall", "kilometres": "km", "kilometers": "km", "bacterium": "bacteria",
+             "leaves": "leaf"}
+
+
+def subject_words(text: str) -> set[str]:
+    def word(w):
+        w = SPELLINGS.get(w, w)
+        return w[:-1] if len(w) > 4 and w.endswith("s") and not w.endswith("ss") else w
+
+    return {word(w) for w in re.findall(r"[a-z0-9_]+", text[:400].lower()) if w not in REQUEST_WORDS and len(w) > 2}
+
+
+def test_no_training_prompt_asks_a_suite_question_in_other_words():
+    """Found in review: written and templated training prompts asked suite questions in other
+    words ("What's the difference between weather and climate?", "Why do leaves change color
+    in the fall?", a SQL query for the top customers by order amount, a train's average speed
+    over 180 km), so the shipped store held the target's answers to them (21 tokens in common
+    with its greedy answer to the suite prompt), where no eight-word run is shared. No
+    training prompt may hold every subject word of a suite prompt (3 in 4 of them at most),
+    nor share half of the two prompts' subject words."""
+    training = [(p["id"], subject_words(p["prompt"])) for p in training_prompts()]
+    close = []
+    for suite in load_prompts(None):
+        words = subject_words(suite["prompt"])
+        for identifier, theirs in training:
+            common = len(words & theirs)
+            if common >= 0.75 * len(words) or common >= 0.5 * len(words | theirs):
+                close.append((suite["question_id"], identifier))
+    assert not close, close
+
+
 def test_written_training_prompts_share_no_eight_word_run_with_the_suite():
     """The hand-written set: a hundred per category, and not even a phrase of eight words
     in common with a benchmark prompt (an exact-match check would miss a paraphrase)."""

@@ -115,9 +115,9 @@ _EXTRACTION_TEMPLATES = [
 ]
 
 _JSON_THINGS = [("a museum", "name, city, opened, collections"), ("a laptop", "brand, model, ram_gb, price_eur"),
-                ("a city", "name, country, population, landmarks"), ("a recipe", "name, servings, ingredients, minutes"),
+                ("a city", "name, country, population, landmarks"), ("a library loan", "title, borrower, due_date, renewals"),
                 ("a flight", "number, origin, destination, departure_time"), ("an employee", "name, role, team, start_date"),
-                ("a movie", "title, director, year, rating"), ("a planet", "name, moons, diameter_km, has_rings"),
+                ("a movie", "title, director, year, rating"), ("a mountain", "name, height_m, country, first_ascent"),
                 ("a song", "title, artist, album, length_seconds"), ("a hotel", "name, stars, rooms, amenities"),
                 ("a course", "code, title, credits, prerequisites"), ("a bike", "maker, gears, weight_kg, frame")]
 _JSON_THINGS += [("a restaurant", "name, cuisine, rating, open_days"), ("a phone", "brand, model, storage_gb, colors"),
@@ -145,7 +145,7 @@ _MATH += [(36, 14), (81, 9), (150, 25), (72, 18), (120, 45), (63, 27), (28, 16),
           (360, 15), (84, 21), (132, 11), (18, 42), (240, 60)]
 _MATH_TEMPLATES = [
     "What is {a} times {b}? Show your working.",
-    "A shop sells pens at {b} cents each. How much do {a} pens cost in euros? Explain.",
+    "A bakery charges {b} cents for a roll. What do {a} rolls cost in euros? Explain.",
     "Solve for x: {a}x + {b} = {c}. Give each step.",
     "A cyclist rides {a} km in {b} minutes. How fast is that in km/h?",
     "Find the greatest common divisor of {a} and {b}, showing the Euclidean algorithm.",
@@ -154,9 +154,9 @@ _MATH_TEMPLATES = [
     "What is {b} percent of {a}? Explain the calculation.",
 ]
 
-_TOPICS = ["photosynthesis", "how vaccines train the immune system", "why the sky is blue", "what a compiler does",
-           "how tides work", "the water cycle", "what inflation means", "how a hash table works",
-           "why leaves change colour in autumn", "how GPS finds a position", "what a black hole is",
+_TOPICS = ["photosynthesis", "how the heart pumps blood", "why the sea is salty", "what a compiler does",
+           "how tides work", "the water cycle", "what a mortgage is", "how a hash table works",
+           "how a microwave oven heats food", "how GPS finds a position", "what a black hole is",
            "how bread rises"]
 _TOPICS += ["how a bicycle stays upright", "what DNA does", "how earthquakes happen", "how a battery stores energy",
             "what a database index is", "how bees make honey", "why we dream", "how the internet routes a message",
