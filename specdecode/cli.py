@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -311,11 +312,15 @@ def _check_drafter_flags(args, methods: list[str]) -> None:
                                   f"{', '.join(names)} would ignore it")
 
 
-def check_writable(path: str | None, flag: str) -> None:
+def check_writable(path: str | None, flag: str, plot: bool = False) -> None:
     """Fail at the start, not after a run of many minutes, when the report cannot be
-    written where ``flag`` says (the folder is made now, as the run would)."""
+    written where ``flag`` says (the folder is made now, as the run would). ``plot``: the
+    run also draws its plot beside it, as the same name with .png."""
     if not path:
         return
+    if plot and Path(path).suffix.lower() == ".png":  # found in review: the plot overwrote the records
+        raise SpecDecodeError(f"{flag} {path}: names the JSON records, and the plot goes beside them as "
+                              f"{Path(path).with_suffix('.png').name}, the same file; give a .json name")
     import tempfile
 
     if Path(path).is_dir():  # found in review: checked as writable, the run's end then failed to write it
@@ -475,7 +480,7 @@ def cmd_bench(args) -> int:
         raise SpecDecodeError(f"--methods takes a comma list of methods, got {args.methods!r}")
     _check_drafter_flags(args, methods)
     _check_k_flags(args, methods)
-    check_writable(args.out, "--out")
+    check_writable(args.out, "--out", plot=True)
     return run_bench(args, methods, _engine_config(args), _spec_config, _sampling(args))
 
 
@@ -659,7 +664,7 @@ def cmd_train(args) -> int:
         print(f"written to {args.out}/; use it with --method suffix --store {args.out}")
         return 0
     check_settings(args.prompts, args.samples, args.temperature, args.max_new_tokens, args.corpus_tokens,
-                   args.chunk_tokens)
+                   args.chunk_tokens, args.batch, args.seed)
     engine_config = _engine_config(args)
     _set_threads(engine_config)
     target = load_target(engine_config)
@@ -759,8 +764,10 @@ def cmd_serve(args) -> int:
 
     from .serve.server import build_state, serve, serving_threads
 
-    if args.prefill_threads is not None and args.prefill_threads < 1:
-        raise SpecDecodeError(f"--prefill-threads must be >= 1, got {args.prefill_threads}")
+    most = 4 * (os.cpu_count() or 1)  # as --threads (EngineConfig); found in review: unbounded, a segfault
+    if args.prefill_threads is not None and not 1 <= args.prefill_threads <= most:
+        raise SpecDecodeError(f"--prefill-threads must be in 1..{most} (4x this machine's {os.cpu_count()} cores), "
+                              f"got {args.prefill_threads}")
     if not 1 <= args.port <= 65535:
         raise SpecDecodeError(f"--port must be in 1..65535, got {args.port}")
     if args.max_model_len is not None and args.max_model_len < 1:
@@ -822,7 +829,15 @@ def cmd_bench_serve(args) -> int:
         serve_args = shlex.split(args.serve_args)
     except ValueError as error:
         raise SpecDecodeError(f"--serve-args {args.serve_args!r}: {error}") from None
-    check_writable(args.out, "--out")
+    # found in review: a --port there bound the server elsewhere than bench-serve polled (a
+    # 15-minute wait), and with --url the server flags were dropped without a word
+    if args.url and serve_args:
+        raise SpecDecodeError("--serve-args starts a server, and --url uses one already running: give one of them")
+    placed = [arg for arg in serve_args if arg.split("=")[0] in ("--port", "--host")]
+    if placed:
+        raise SpecDecodeError(f"--serve-args may not set {placed[0].split('=')[0]}: bench-serve starts its server on "
+                              "a free port of 127.0.0.1 itself")
+    check_writable(args.out, "--out", plot=True)
     bench_serve(load_prompts(args.prompts, args.limit), levels, args.request_rate, args.num_prompts, args.max_tokens,
                 modes, args.url, serve_args, Path(args.out) if args.out else None, args.seed, rounds=args.rounds)
     return 0
@@ -838,7 +853,8 @@ def main(argv: list[str] | None = None) -> int:
     except SpecDecodeError as error:
         print(f"specdecode: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a line of its own after any half-drawn progress bar (found in review: nothing)
+        print("\nspecdecode: interrupted", file=sys.stderr)
         return 130
 
 

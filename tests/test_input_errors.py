@@ -513,3 +513,42 @@ def test_profile_with_its_default_methods_runs_on_a_target_too_small_for_self_4(
     on any target of 4 layers or fewer (its default methods cost the self:4 draft)."""
     code, err = run(capsys, "profile", "--model", str(tiny_llama_dir), "--backend", "torch", "--dtype", "fp32")
     assert code == 0 and "not costing the default draft self:4" in err
+
+
+def test_more_bad_input_is_one_clear_line_before_anything_loads(tmp_path, capsys, tiny_llama_dir, monkeypatch):
+    """Found in review: bench --out NAME.png wrote the plot over the records (exit 0);
+    --serve-args with --port bound the server where bench-serve never looked (a 15-minute
+    wait), and with --url they were dropped; a 13-digit train data --seed failed after the
+    model loaded, naming a derived number; serve --prefill-threads had no bound (a segfault);
+    Ctrl-C ended a run without a word."""
+    model = str(tiny_llama_dir)
+    for argv, problem in (
+            (("bench", "--model", model, "--out", str(tmp_path / "r.png")), "give a .json name"),
+            (("bench-serve", "--out", str(tmp_path / "s.PNG"), "--url", "http://127.0.0.1:9"), "give a .json name"),
+            (("bench-serve", "--serve-args=--model x --port 8123"), "--serve-args may not set --port"),
+            (("bench-serve", "--serve-args=--host=0.0.0.0"), "--serve-args may not set --host"),
+            (("bench-serve", "--url", "http://127.0.0.1:9", "--serve-args=--max-num-seqs 2"), "give one of them"),
+            (("train", "data", "--model", model, "--out", str(tmp_path / "d"), "--seed", str(10 ** 12)),
+             "--seed must be in 0.."),
+            (("serve", "--model", model, "--prefill-threads", "100000"), "--prefill-threads must be in 1..")):
+        code, err = run(capsys, *argv)
+        assert code == 2 and problem in err and "Traceback" not in err, (argv, err)
+    assert not (tmp_path / "d" / "answers.settings.json").exists()  # refused before the settings that bind a folder
+    from specdecode import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_memory", interrupted)
+    code, err = run(capsys, "memory", "--target", "135M")
+    assert code == 130 and "specdecode: interrupted" in err
+
+
+def test_a_kv_cache_too_large_for_memory_is_named_by_its_flags(tiny_llama_dir):
+    """Found in review: serve --max-num-seqs 100000 ended in the allocator's traceback."""
+    from specdecode.models.llama import load_native
+    from specdecode.serve.batch import BatchEngine
+
+    runtime = load_native(tiny_llama_dir, torch.float32, backend="torch")
+    with pytest.raises(SpecDecodeError, match="lower --max-num-seqs or --max-model-len"):
+        BatchEngine(runtime, max_num_seqs=10 ** 7)

@@ -627,3 +627,26 @@ def test_the_summary_counts_the_corpus_training_reads_and_a_store_takes_its_targ
     code = cli.main(["train", "store", "--model", str(model), "--dtype", "fp32", "--data", str(tmp_path),
                      "--out", str(tmp_path / "store")])
     assert code != 0 and "answers written by another target" in capsys.readouterr().err
+
+
+def test_train_data_leaves_out_prompts_beyond_the_context_and_reads_only_utf8(tiny_runtime, tmp_path, capsys):
+    """Found in review: on a target with a short context the first long training prompt
+    stopped the whole run ("shorten the prompt", naming none); settings written beside no
+    answers (a run stopped before its first) bound the folder for good; a data file that is
+    not UTF-8 ended every train command in a UnicodeDecodeError traceback."""
+    from specdecode.train.store import build_store
+
+    target = SimpleNamespace(runtime=tiny_runtime, tokenizer=CharTokenizer(), eos_token_ids=())
+    prompts = training_prompts(18)
+    context = tiny_runtime.max_positions
+    long = [p["id"] for p in prompts if len(p["prompt"]) >= context]
+    assert long and len(long) < len(prompts)  # the set holds both kinds among its first 18
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "answers.settings.json").write_text('{"seed": 99}\n')  # beside no answers: binds nothing
+    summary = build_data(target, tmp_path / "d", prompt_count=18, samples=0, max_new_tokens=2, corpus_tokens=0,
+                         encode=lambda text: [ord(c) % TINY_VOCAB for c in text])
+    assert summary.answers == len(prompts) - len(long)
+    assert f"{len(long)} training prompts do not fit" in capsys.readouterr().err
+    (tmp_path / "d" / "answers.jsonl").write_bytes(b'{"prompt_id": "caf\xe9"}\n')
+    with pytest.raises(ConfigError, match="cannot be read as UTF-8"):
+        build_store(tmp_path / "d", tmp_path / "store", TINY_VOCAB)

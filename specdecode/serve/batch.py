@@ -184,7 +184,14 @@ class BatchEngine:
         self.prefill_chunk = prefill_chunk or runtime.prefill_chunk
         self.make_drafter = make_drafter
         self.make_policy = make_policy
-        runtime.reset(self.max_model_len, batch=max_num_seqs)
+        try:
+            runtime.reset(self.max_model_len, batch=max_num_seqs)
+        except (RuntimeError, MemoryError) as error:  # found in review: an allocator's traceback
+            if "alloc" not in str(error).lower() and not isinstance(error, MemoryError):
+                raise
+            raise SpecDecodeError(f"the KV cache for {max_num_seqs} sequences of {self.max_model_len} tokens does not "
+                                  "fit in memory: lower --max-num-seqs or --max-model-len (`specdecode memory` "
+                                  "estimates what fits)") from None
         runtime.cache_owner = self  # another engine's reset, or a plain forward, would take it
         self.free_rows = deque(range(max_num_seqs))  # least recently freed first
         self.reaped: list[Sequence] = []  # the sequences the current step has finished so far

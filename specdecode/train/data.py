@@ -21,6 +21,7 @@ target's hidden states by one teacher-forced pass, which costs less than storing
 from __future__ import annotations
 
 import json
+import sys
 import sysconfig
 import time
 from dataclasses import asdict, dataclass, replace
@@ -90,11 +91,21 @@ def answer_rows(runtime, prompt_ids: list[int], row_params: list[SamplingParams]
     return answers
 
 
+def read_utf8(path: Path) -> str:
+    """A data file's text; one that is not UTF-8 is refused by name (found in review: a
+    UnicodeDecodeError traceback from every train command)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path} cannot be read as UTF-8 text ({error.reason} at byte {error.start}); "
+                          "was it written by `specdecode train`?") from None
+
+
 def _read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     records = []
-    lines = path.read_text().split("\n")
+    lines = read_utf8(path).split("\n")
     last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     for number, line in enumerate(lines):
         if not line.strip():
@@ -131,7 +142,7 @@ def read_records(path: Path, fields: dict[str, type | tuple], vocab_size: int | 
     """The JSON lines of ``path`` (blank ones skipped), each checked to hold ``fields`` (name
     -> type) and, with ``vocab_size``, token ids inside the vocabulary in its list fields; a
     bad line is refused by file and line number."""
-    for number, record in json_lines(path.read_text(), str(path)):
+    for number, record in json_lines(read_utf8(path), str(path)):
         problem = next((f"no {name!r} ({getattr(kind, '__name__', 'number')})" for name, kind in fields.items()
                         if not isinstance(record, dict) or not isinstance(record.get(name), kind)), None)
         if problem is None:
@@ -186,14 +197,16 @@ def keep_settings(path: Path, settings: dict, what: str, optional: tuple[str, ..
     recipe made (``optional``: fields that files written before them may lack, unchecked)."""
     if path.is_file():
         try:
-            saved = json.loads(path.read_text())
+            saved = json.loads(read_utf8(path))
         except json.JSONDecodeError:
             saved = None
         if isinstance(saved, dict):
             for name in optional:
                 saved.setdefault(name, settings[name])
-        if saved != settings:
-            raise ConfigError(f"{path.parent} holds {what} made with {path.read_text().strip()}; "
+        made = path.parent / "answers.jsonl" if what == "answers" else None
+        if saved != settings and not (made is not None and (not made.is_file() or made.stat().st_size == 0)):
+            # (settings beside no answers at all, from a run stopped before its first, bind nothing)
+            raise ConfigError(f"{path.parent} holds {what} made with {read_utf8(path).strip()}; "
                               f"use another --out to build with {json.dumps(settings)}")
     path.write_text(json.dumps(settings) + "\n")
 
@@ -223,6 +236,13 @@ def build_answers(target, out: Path, prompt_count: int | None, samples: int, tem
     row_params = [SamplingParams(max_new_tokens=max_new_tokens)]
     row_params += [SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)] * samples
     todo = [p for p in prompts if p["id"] not in done]
+    context = getattr(target.runtime, "max_positions", None)
+    if context is not None:  # a prompt the target's context cannot hold with an answer is left out, by name
+        long = [p["id"] for p in todo if len(encode(p["prompt"])) >= context]
+        if long:  # found in review: the first one stopped the whole run, naming no prompt
+            print(f"specdecode: {len(long)} training prompts do not fit this target's context of {context} tokens "
+                  f"and are left out (e.g. {long[0]})", file=sys.stderr)
+            todo = [p for p in todo if p["id"] not in set(long)]
     index_of = {p["id"]: i for i, p in enumerate(prompts)}
     progress = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="answers", unit="prompt")
     with path.open("a") as sink:
@@ -352,7 +372,13 @@ def build_corpus(tokenizer, out: Path, max_tokens: int, chunk_tokens: int, summa
 
 
 def check_settings(prompt_count: int | None, samples: int, temperature: float, max_new_tokens: int, corpus_tokens: int,
-                   chunk_tokens: int, batch: int = 1) -> None:
+                   chunk_tokens: int, batch: int = 1, seed: int = 0) -> None:
+    # every row's seed (row_seed in answer_batched) must be a signed 64-bit integer: found in
+    # review, a 13-digit --seed failed only after the target had loaded, naming a derived number
+    prompts = len(training_prompts(prompt_count))
+    if not (0 <= seed and (seed * 1_000_003 + prompts) * MAX_SAMPLES + MAX_SAMPLES < 2 ** 63):
+        raise ConfigError(f"--seed must be in 0..{(2 ** 63 // MAX_SAMPLES - MAX_SAMPLES - prompts) // 1_000_003} "
+                          f"(the seeds of every answer derive from it), got {seed}")
     if ((prompt_count is not None and prompt_count < 1) or not 0 <= samples < MAX_SAMPLES or max_new_tokens < 1
             or corpus_tokens < 0 or chunk_tokens < 16 or batch < 1):
         raise ConfigError(f"train data needs --prompts >= 1, 0 <= --samples < {MAX_SAMPLES}, --max-new-tokens >= 1, "
@@ -366,7 +392,7 @@ def build_data(target, out: Path, prompt_count: int | None = None, samples: int 
                seed: int = 0, encode=None, batch: int = 16) -> DataSummary:
     """Answers then corpus into ``out`` (resuming what is there); the summary, also
     written to ``out/summary.json``."""
-    check_settings(prompt_count, samples, temperature, max_new_tokens, corpus_tokens, chunk_tokens, batch)
+    check_settings(prompt_count, samples, temperature, max_new_tokens, corpus_tokens, chunk_tokens, batch, seed)
     if target.tokenizer is None:
         raise ConfigError("train data needs a target with a tokenizer (its chat template renders the prompts)")
     out.mkdir(parents=True, exist_ok=True)

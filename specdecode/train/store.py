@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..config import ConfigError
 from ..models.loading import sha256_file
-from .data import read_records
+from .data import read_records, read_utf8
 from ..proposers.suffix import STORE_FILE, TokenStore
 
 
@@ -40,7 +40,7 @@ def build_store(data: Path, out: Path, vocab_size: int, command: str | None = No
     recipe = {}
     for name in ("summary.json", "answers.settings.json"):
         if (data / name).is_file():
-            recipe[name.removesuffix(".json")] = json.loads((data / name).read_text())
+            recipe[name.removesuffix(".json")] = json.loads(read_utf8(data / name))
     meta = {"answers": len(answers), "data": recipe, "command": command}
     store.save(out, meta)
     files = {name: {"sha256": sha256_file(out / name), "bytes": (out / name).stat().st_size}
