@@ -31,9 +31,10 @@ import torch.nn.functional as F
 from ..config import ConfigError, SpecDecodeError
 from ..proposers.eagle_head import EagleConfig, EagleHead
 from .data import read_records
+from .prompts import held_out
 from .loop import Checkpoint, learning_rate
 
-HELD_OUT_EVERY = 20  # prompts whose index within their category % 20 == 19 are held out for evaluation
+HELD_OUT_EVERY = 20  # one written prompt, and one templated filler, in 20 per category held out (prompts.held_out)
 SHARD_TOKENS = 65536
 STEP_DECAY = 0.8
 EVAL_STEPS = 7  # the held-out report: chains of k = 1..7 drafts
@@ -58,9 +59,8 @@ def training_sequences(data_dir: Path, corpus_tokens: int, max_length: int,
     for record in read_records(answers_path, answer_fields, vocab_size):
         if not record["answer_ids"]:
             continue
-        index = int(record["prompt_id"].rsplit("-", 1)[-1]) if record["prompt_id"].rsplit("-", 1)[-1].isdigit() else 0
         ids = (record["prompt_ids"] + record["answer_ids"])[:max_length]
-        sequences.append(Sequence(ids, len(record["prompt_ids"]) - 1, index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1,
+        sequences.append(Sequence(ids, len(record["prompt_ids"]) - 1, held_out(record["prompt_id"], HELD_OUT_EVERY),
                                   record["temperature"] == 0))
     corpus_path = data_dir / "corpus.jsonl"
     taken = 0

@@ -309,6 +309,30 @@ def _category_prompts(category: str) -> list[str]:
     raise ValueError(f"unknown category {category!r}")
 
 
+def _prompts_per_filler(category: str) -> int:
+    """A templated category's prompts per filler (a function, a subject, a passage...):
+    ``_category_prompts`` lists each filler's prompts together, one per template."""
+    templates = {"code": _CODE_TEMPLATES, "creative": _CREATIVE_TEMPLATES, "extraction": _EXTRACTION_TEMPLATES,
+                 "json": _JSON_TEMPLATES, "math": _MATH_TEMPLATES, "open_qa": _QA_TEMPLATES,
+                 "summarization": _SUMMARY_TEMPLATES, "template": _TEMPLATE_TEMPLATES,
+                 "translation": _TRANSLATION_TEMPLATES}[category]
+    return len(templates) * (2 if category == "translation" else 1)  # a sentence goes into two languages
+
+
+def held_out(prompt_id: str, every: int = 20) -> bool:
+    """Whether a training prompt is kept for evaluation: one in ``every`` of a category's
+    written prompts, and of its templated prompts every prompt of one filler in ``every``.
+    Found in review: held out by position, each held-out templated prompt's filler (its
+    passage, function or topic) was trained under the other templates, and the reported
+    held-out agreement measured the templates being learned. Ids of another form: not held out."""
+    kind, _, rest = prompt_id.partition("-")
+    category, _, number = rest.rpartition("-")
+    if not number.isdigit() or category not in CATEGORIES:
+        return False
+    index = int(number) if kind == "written" else int(number) // _prompts_per_filler(category)
+    return index % every == every - 1
+
+
 @lru_cache(maxsize=1)
 def written_prompts() -> dict[str, list[str]]:
     """The hand-written training requests, by category, in file order."""
