@@ -549,16 +549,17 @@ def test_ship_head_refuses_heads_of_the_other_kind_and_ends_a_self_referring_cha
 
 
 def test_training_sequences_pin_their_labels_held_out_prompts_and_max_length(tmp_path):
-    """The loss starts at the last prompt position (it predicts the first answer token); every
-    20th prompt of a category (ids ending 19, 39, ...) is held out; an answer cut off by
+    """The loss starts at the last prompt position (it predicts the first answer token); the
+    templated prompts of one filler in 20 are held out (filler 2, of 8 prompts each:
+    train-code-019 and train-math-017; train-code-008 is filler 1, trained); an answer cut off by
     --max-length leaves a sequence with nothing to train, which is left out, and a data set
     of only those is refused (found in review: it trained for minutes on loss 0). No other
     test pinned the first two: they derive their expectations from the same fields."""
     from specdecode.config import SpecDecodeError
     from specdecode.train.eagle import trainable_sequences, training_sequences
 
-    rows = [("train-code-018", [1, 2, 3], [4, 5, 6]), ("train-code-019", [1, 2, 3, 7], [8, 9]),
-            ("train-math-039", [5, 6], [7, 8, 9, 10])]
+    rows = [("train-code-008", [1, 2, 3], [4, 5, 6]), ("train-code-019", [1, 2, 3, 7], [8, 9]),
+            ("train-math-017", [5, 6], [7, 8, 9, 10])]
     (tmp_path / "answers.jsonl").write_text("".join(
         json.dumps({"prompt_id": pid, "category": "x", "row": 0, "temperature": 0, "prompt_ids": prompt,
                     "answer_ids": answer}) + "\n" for pid, prompt, answer in rows))
