@@ -15,14 +15,13 @@ Used for docs/adaptive.md ("How far the k policy is from its ceiling").
 """
 
 import argparse
-import json
 from collections import Counter
-from pathlib import Path
 
-from specdecode.config import EngineConfig, SamplingParams, SpeculativeConfig
-from specdecode.factory import build_engine, cost_profile, load_store, load_target
-from specdecode.prompts import load_prompts
+from specdecode.config import EngineConfig, SamplingParams
+from specdecode.factory import cost_profile, load_store, load_target
 from specdecode.proposers.suffix import SuffixProposer
+
+from plain_outputs import plain_outputs  # scripts/plain_outputs.py
 
 K_MAX = 8
 parser = argparse.ArgumentParser()
@@ -36,16 +35,7 @@ config = EngineConfig()
 target = load_target(config)
 proposer = SuffixProposer(load_store(None, target))
 profile = cost_profile(target, config.dtype)
-if args.outputs and Path(args.outputs).is_file():
-    records = json.loads(Path(args.outputs).read_text())
-else:
-    plain = build_engine(config, SpeculativeConfig(method="none"), target=target)
-    records = []
-    for prompt in load_prompts(None, args.limit):
-        ids = plain.encode(prompt["prompt"])
-        records.append({"prompt_ids": ids, "output": plain.generate(ids, SamplingParams(max_new_tokens=128)).token_ids})
-    if args.outputs:
-        Path(args.outputs).write_text(json.dumps(records))
+records = plain_outputs(config, target, args.limit, args.outputs)
 
 # per output, per position: (label, accepted of K_MAX drafts, drafts offered, context)
 positions = []

@@ -14,16 +14,15 @@ tau over the cost profile's v(k + 1) as a rough speedup.
 
 import argparse
 import heapq
-import json
-from pathlib import Path
 
 import numpy as np
 
-from specdecode.config import EngineConfig, SamplingParams, SpeculativeConfig
-from specdecode.factory import build_engine, cost_profile, load_store, load_target
-from specdecode.prompts import load_prompts
+from specdecode.config import EngineConfig, SamplingParams
+from specdecode.factory import cost_profile, load_store, load_target
 from specdecode.proposers.ngram import match
 from specdecode.proposers.suffix import MAX_SAMPLE, SuffixProposer
+
+from plain_outputs import plain_outputs  # scripts/plain_outputs.py
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--limit", type=int, default=None, help="suite prompts per category (default: all)")
@@ -35,16 +34,7 @@ target = load_target(config)
 store = load_store(None, target)
 proposer = SuffixProposer(store)
 params = SamplingParams()
-if args.outputs and Path(args.outputs).is_file():
-    records = json.loads(Path(args.outputs).read_text())
-else:
-    plain = build_engine(config, SpeculativeConfig(method="none"), target=target)
-    records = []
-    for prompt in load_prompts(None, args.limit):
-        ids = plain.encode(prompt["prompt"])
-        records.append({"prompt_ids": ids, "output": plain.generate(ids, SamplingParams(max_new_tokens=128)).token_ids})
-    if args.outputs:
-        Path(args.outputs).write_text(json.dumps(records))
+records = plain_outputs(config, target, args.limit, args.outputs)
 
 
 def chain(tokens, budget):
