@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import replace
 
 from ..config import (MAX_SERVED_K, VLLM_METHODS, ConfigError, EngineConfig, SamplingParams, SpeculativeConfig,
@@ -326,5 +327,6 @@ def serve_ray(application, host: str, port: int) -> None:
         pass
     print("specdecode: stopping; requests in flight may finish (--shutdown-timeout)", file=sys.stderr, flush=True)
     serve.delete("specdecode")  # the replicas drain behind a proxy that still streams their replies
+    time.sleep(2.0)  # the proxy's last chunks on their way out (a loaded machine cut the tail before [DONE])
     serve.shutdown()
     ray.shutdown()
