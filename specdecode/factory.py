@@ -221,27 +221,29 @@ def kernel_shape_refusal(source: ModelSource) -> str | None:
     return None
 
 
-def padded_alike(target: LoadedModel, draft: LoadedModel) -> bool:
-    """Both have the same tokenizer, whose every id is below both models' vocabulary size."""
-    if target.tokenizer is None or draft.tokenizer is None:
+def padded_alike(target_tokenizer, draft_tokenizer, target_size: int, draft_size: int) -> bool:
+    """Both have the same tokenizer, whose every id is below both models' vocabulary size
+    (embeddings padded to different sizes around it). ``check`` asks it of configs."""
+    if target_tokenizer is None or draft_tokenizer is None:
         return False
-    vocabulary = target.tokenizer.get_vocab()
-    return (vocabulary == draft.tokenizer.get_vocab()
-            and max(vocabulary.values(), default=-1) < min(target.runtime.vocab_size, draft.runtime.vocab_size))
+    vocabulary = target_tokenizer.get_vocab()
+    return vocabulary == draft_tokenizer.get_vocab() and max(vocabulary.values(), default=-1) < min(target_size,
+                                                                                                      draft_size)
 
 
 def check_vocabularies(target: LoadedModel, draft: LoadedModel) -> None:
     """The draft must map every token to the target's id. Embeddings padded to different
     sizes are fine where both tokenizers are the same and fit in both (Qwen2.5's 0.5B-7B
     and 14B-72B; found in review: refused as "must share the target's tokenizer")."""
-    if draft.runtime.vocab_size != target.runtime.vocab_size and not padded_alike(target, draft):
+    padded = padded_alike(target.tokenizer, draft.tokenizer, target.runtime.vocab_size, draft.runtime.vocab_size)
+    if draft.runtime.vocab_size != target.runtime.vocab_size and not padded:
         raise VocabularyMismatchError(
             f"vocabulary mismatch: target {target.source.name!r} has {target.runtime.vocab_size} "
             f"tokens, draft {draft.source.name!r} has {draft.runtime.vocab_size}; a draft model "
             "must share the target's tokenizer"
         )
     if target.tokenizer is not None and draft.tokenizer is not None:
-        if padded_alike(target, draft):
+        if padded:
             return
         if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
             raise VocabularyMismatchError(

@@ -82,9 +82,9 @@ def check_static(target: str, draft: str) -> CheckResult:
     if t_vocab is None or d_vocab is None:
         result.add("vocabulary size", "WARN", f"not in the configs (target {t_vocab}, draft {d_vocab})")
     elif t_vocab != d_vocab:
-        vocabulary = target_tok.get_vocab() if target_tok is not None and draft_tok is not None else None
-        if vocabulary is not None and vocabulary == draft_tok.get_vocab() and \
-                max(vocabulary.values(), default=-1) < min(t_vocab, d_vocab):  # as factory.padded_alike
+        from ..factory import padded_alike
+
+        if padded_alike(target_tok, draft_tok, t_vocab, d_vocab):
             result.add("vocabulary size", "OK", f"target {t_vocab}, draft {d_vocab}: embeddings padded to different "
                                                 "sizes around the same tokenizer")
         else:

@@ -236,9 +236,10 @@ def build_answers(target, out: Path, prompt_count: int | None, samples: int, tem
     row_params = [SamplingParams(max_new_tokens=max_new_tokens)]
     row_params += [SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)] * samples
     todo = [p for p in prompts if p["id"] not in done]
+    encoded = {p["id"]: encode(p["prompt"]) for p in todo}  # once: the context check and the answers read them
     context = getattr(target.runtime, "max_positions", None)
     if context is not None:  # a prompt the target's context cannot hold with an answer is left out, by name
-        long = [p["id"] for p in todo if len(encode(p["prompt"])) >= context]
+        long = [p["id"] for p in todo if len(encoded[p["id"]]) >= context]
         if long:  # found in review: the first one stopped the whole run, naming no prompt
             print(f"specdecode: {len(long)} training prompts do not fit this target's context of {context} tokens "
                   f"and are left out (e.g. {long[0]})", file=sys.stderr)
@@ -262,10 +263,10 @@ def build_answers(target, out: Path, prompt_count: int | None, samples: int, tem
             progress.set_postfix(tok_s=f"{summary.tokens_per_second:.1f}")
 
         if hasattr(target.runtime, "forward_rows"):  # any --batch: the rows' seeds do not depend on it
-            answer_batched(target, todo, index_of, row_params, seed, batch, encode, write)
+            answer_batched(target, todo, index_of, row_params, seed, batch, encoded, write)
         else:  # a runtime without ragged rows: a prompt's rows together, one generator per prompt
             for prompt in todo:
-                prompt_ids = encode(prompt["prompt"])
+                prompt_ids = encoded[prompt["id"]]
                 generator = torch.Generator().manual_seed(seed * 1_000_003 + index_of[prompt["id"]])
                 started = time.perf_counter()
                 answers = answer_rows(target.runtime, prompt_ids, row_params, target.eos_token_ids, generator)
@@ -289,16 +290,16 @@ def check_same_prompts(out: Path, records: list[dict], prompts: list[dict], enco
 
 
 def answer_batched(target, prompts: list[dict], index_of: dict[str, int], row_params: list[SamplingParams],
-                   seed: int, batch: int, encode, write) -> None:
+                   seed: int, batch: int, encoded: dict[str, list[int]], write) -> None:
     """Every row of every prompt through the continuous-batching engine, ``batch`` rows at
     a time (rows of different prompts at their own lengths). The greedy row is still the
     target's plain greedy decoding token for token (the kernels score a row of a batch as
     they would alone); a sampled row draws from its own seeded generator. Prompts are
     handed to ``write`` as their last row finishes (seconds: the wall time since the
-    previous hand-over, so the rates add up)."""
+    previous hand-over, so the rates add up). ``encoded``: each prompt's ids, by id."""
     from ..serve.batch import BatchEngine
 
-    encoded = [encode(p["prompt"]) for p in prompts]
+    encoded = [encoded[p["id"]] for p in prompts]
     longest = max((len(ids) for ids in encoded), default=0) + max(p.max_new_tokens for p in row_params) + 1
     engine = BatchEngine(target.runtime, None, target.eos_token_ids, max_num_seqs=batch,
                          max_model_len=min(longest, target.runtime.max_positions))
