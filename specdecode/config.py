@@ -7,6 +7,7 @@ never reaches the tensor code.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -75,6 +76,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < math.inf:
             raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        for name in ("top_k", "max_new_tokens", "seed"):  # a float top_k failed in topk() mid-decode (found in review)
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+                raise ConfigError(f"{name} must be an integer, got {value!r}")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -314,6 +316,12 @@ def test_bad_sampling_and_draft_flags():
     for bad in (2**63, -(2**63) - 1, 2**64):  # torch's manual_seed raised an overflow from deep inside
         with pytest.raises(ConfigError, match="seed must be a signed 64-bit integer"):
             SamplingParams(seed=bad)
+    # found in review: a float top_k or seed passed here and failed in topk() or the seed's
+    # mixing in the middle of a step
+    for field, bad in (("top_k", 4.0), ("top_k", 2.5), ("top_k", True), ("seed", 1.5), ("max_new_tokens", 8.0)):
+        with pytest.raises(ConfigError, match=f"{field} must be an integer"):
+            SamplingParams(**{field: bad})
+    assert SamplingParams(top_k=np.int64(4), seed=np.int32(3)).top_k == 4
     with pytest.raises(ConfigError, match="needs a draft model"):
         SpeculativeConfig(method="draft")
 

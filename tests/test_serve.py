@@ -493,6 +493,25 @@ def test_sampling_defaults_come_from_the_models_generation_config(tmp_path):
         assert hot != {greedy}  # the request's own values win
 
 
+def test_sampling_defaults_are_numbers_of_the_right_kind(tmp_path):
+    """Found in review: a generation_config.json with "top_k": 40.0 was checked as int(40.0)
+    but handed to requests as the float, so every request that left top_k out failed in its
+    first step, and the failure aborted every running request with it."""
+    from specdecode.serve.server import sampling_defaults
+
+    model = save_chat_model(tmp_path / "model", seed=4)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "temperature": 1, "top_k": 40.0}))
+    defaults = sampling_defaults(model)
+    assert defaults == {"temperature": 1.0, "top_k": 40} and type(defaults["top_k"]) is int
+    client, _ = make_client(model)
+    with client:
+        response = client.post("/v1/completions", json={"prompt": "abcabc", "max_tokens": 4, "seed": 1})
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4, response.text
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "top_k": 2.5}))
+    with pytest.raises(ConfigError, match="sampling defaults are not usable.*top_k must be a whole number"):
+        sampling_defaults(model)
+
+
 def test_bad_stop_strings_other_parameters_and_a_form_body_are_clear_errors(served):
     """Found in review: a stop string holding a lone surrogate (valid JSON, not UTF-8) was a
     500; verbosity and web_search_options were accepted and ignored; a JSON body sent with
@@ -1042,6 +1061,25 @@ def test_a_labelled_request_is_routed_by_its_label(served):
             assert response.status_code == 200, response.text
             methods.append(response.json()["speculative"]["method"])
         assert methods.count("none") >= 2, methods
+    finally:
+        router.records, router.requests = saved_records, saved_requests
+
+
+def test_a_retried_task_starts_from_the_routers_retry_prior(served):
+    """Found in review: the server replaced the route's prior with the task's measured
+    acceptance, so the retry of a task turned off (every retry_every-th request) started
+    from that low acceptance and decoded plainly instead of measuring again."""
+    from specdecode.control.router import RETRY_PRIOR, TaskRecord
+
+    _, state, _ = served
+    speculation = state.speculation
+    router, drafter = speculation.router, speculation.drafters["ngram"][2]
+    saved_records, saved_requests = dict(router.records), dict(router.requests)
+    router.records[f"creative/{drafter}"] = TaskRecord(alpha=0.05, speedup=0.8, weight=5.0)
+    try:
+        plans = [speculation.plan(None, "creative", "Write a poem.") for _ in range(router.retry_every)]
+        retried = [plan for plan in plans if plan.speculate]
+        assert len(retried) == 1 and retried[0].prior == RETRY_PRIOR, [(p.speculate, p.prior) for p in plans]
     finally:
         router.records, router.requests = saved_records, saved_requests
 

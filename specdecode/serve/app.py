@@ -509,7 +509,10 @@ class SpeculationChoices:
             with self.lock:  # the task: the request's label, else the router's classification; it may turn speculation off
                 route = self.router.route(prompt_text, method, drafter, task=task_type)
             task = route.task
-            prior = self.router.prior(task, drafter)
+            # the route's prior: on a retry of a task turned off, the optimistic one that lets
+            # the request draft and measure again (found in review: the measured, low
+            # acceptance was put back here, and a retried request decoded plainly)
+            prior = route.prior_alpha if route.prior_alpha is not None else self.router.prior(task, drafter)
             if route.method == "none" and (options is None or options.method is None):
                 return Plan(False, "none", None, None, None, task)
         elif prompt_text and task_type is None:

@@ -233,9 +233,18 @@ def sampling_defaults(model_dir, log=None) -> dict:
         raise ConfigError(f"{path} could not be read: {error}") from None
     defaults = {name: values[name] for name in SAMPLING_DEFAULTS if values.get(name) is not None}
     try:
-        SamplingParams(temperature=float(defaults.get("temperature", 1.0)), top_p=float(defaults.get("top_p", 1.0)),
-                       top_k=max(int(defaults.get("top_k", 0)), 0))
-    except (ConfigError, TypeError, ValueError) as error:
+        # the values requests get, as numbers of the right kind: a "top_k": 40.0 kept as a float
+        # failed every request that left top_k out, and each such failure aborted the batch
+        # (found in review); a top_k that is not a whole number is refused
+        defaults = {name: (float(value) if name != "top_k" else value) for name, value in defaults.items()}
+        if "top_k" in defaults:
+            top_k = defaults["top_k"]
+            if isinstance(top_k, bool) or float(top_k) != int(top_k):
+                raise ValueError(f"top_k must be a whole number, got {top_k!r}")
+            defaults["top_k"] = max(int(top_k), 0)
+        SamplingParams(temperature=defaults.get("temperature", 1.0), top_p=defaults.get("top_p", 1.0),
+                       top_k=defaults.get("top_k", 0))
+    except (ConfigError, TypeError, ValueError, OverflowError) as error:
         raise ConfigError(f"{path}: its sampling defaults are not usable ({error})") from None
     ignored = [name for name in ("repetition_penalty", "min_p") if values.get(name) not in (None, 1.0, 0.0)]
     if log is not None and (defaults or ignored):
