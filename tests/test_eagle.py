@@ -402,6 +402,13 @@ def test_an_imported_heads_own_embedding_is_what_it_drafts_with(tmp_path):
     save_file(tensors, str(tmp_path / "head" / "model.safetensors"))
     proposer = eagle_proposer(str(tmp_path / "head"), target)
     assert torch.equal(proposer.embed_rows(ids), other.to(torch.bfloat16).float()[ids])
+    # exported again, in either layout, it keeps that embedding (found in review: the
+    # speculators layout got the target's in its place and eagle3 none)
+    for fmt in ("speculators", "eagle3"):
+        export_head(EagleHead.load(tmp_path / "head"), tmp_path / f"again-{fmt}", fmt, verifier="tiny",
+                    max_positions=256, embed=stored)
+        again = eagle_proposer(str(tmp_path / f"again-{fmt}"), target)
+        assert torch.equal(again.embed_rows(ids), other.to(torch.bfloat16).float()[ids]), fmt
 
 
 def test_heads_whose_layers_vllm_would_read_in_another_order_are_not_exported(targets, tmp_path):
@@ -433,6 +440,10 @@ def _damaged(source, target, how: str):
     layer = next((p for p in ("midlayer.", "layers.0.") if p + "self_attn.q_proj.weight" in tensors), "")
     if how == "config field missing":
         del config["head_dim"]
+    elif how == "config not an object":
+        config = [config]
+    elif how == "size a string":  # found in review: a TypeError from torch
+        config["draft_vocab_size"] = str(config["draft_vocab_size"])
     elif how == "extra tensor":
         tensors[layer + "self_attn.q_proj.bias"] = torch.zeros(8)
     elif how == "wrong shape":
@@ -464,6 +475,9 @@ def _damaged(source, target, how: str):
     ("ours", "d2t outside the vocabulary", "outside \\[0, 97\\)"),
     ("ours", "d2t twice", "names a target id twice"),
     ("ours", "cut short", "not a readable safetensors file"),
+    ("ours", "config not an object", "not a JSON object"),
+    ("ours", "size a string", "draft_vocab_size must be an integer >= 1, got '60'"),
+    ("eagle3", "size a string", "draft_vocab_size must be an integer >= 1, got '60'"),
     ("eagle3", "extra tensor", "q_proj.bias'\\], which this EAGLE head does not compute"),
     ("eagle3", "d2t outside the vocabulary", "outside \\[0, 97\\)"),
     ("eagle3", "d2t twice", "names a target id twice"),
@@ -685,3 +699,24 @@ def test_a_tree_larger_than_a_prefill_chunk_is_refused_not_cut(tmp_path):
         build_policy(SpeculativeConfig(method="eagle", k=4), target, proposer, "fp32")
     assert build_policy(SpeculativeConfig(method="eagle", k=3), target, proposer, "fp32").k_max == 3
     assert build_policy(SpeculativeConfig(method="eagle", k="auto"), target, proposer, "fp32").k_max == 3
+
+
+def test_engines_handed_a_head_of_another_vocabulary_refuse_it(targets):
+    """Found in review: the engines checked only a draft model's vocabulary, so a head trained
+    for a 120-token target, handed to an engine directly, failed in the middle of a request
+    (an index error greedy, a size mismatch sampling), and so did a merged tree holding it."""
+    from specdecode.config import VocabularyMismatchError
+    from specdecode.proposers.merged_tree import MergedTreeProposer
+    from specdecode.proposers.ngram import NgramProposer
+    from specdecode.serve.batch import BatchEngine
+
+    target = targets[0]
+    head = EagleHead(EagleConfig.for_target(target.runtime.cfg, 60))
+    head.config.target_vocab_size = target.runtime.vocab_size + 23
+    eagle = proposer_for(target, head)
+    for proposer in (eagle, MergedTreeProposer(NgramProposer((3, 2, 1)), eagle)):
+        with pytest.raises(VocabularyMismatchError, match="trained for a target of"):
+            SpeculativeEngine(target.runtime, None, proposer, k=2)
+    batch = BatchEngine(target.runtime)
+    with pytest.raises(VocabularyMismatchError, match="trained for a target of"):
+        batch.add([5, 6, 7], SamplingParams(max_new_tokens=4), proposer=eagle)

@@ -172,6 +172,26 @@ def test_build_store_errors_name_the_problem(tmp_path):
         build_store(tmp_path / "empty", tmp_path / "store", 50, log=lambda m: None)
 
 
+def test_a_damaged_store_is_named(tmp_path):
+    """Found in review: a missing or broken store.json, or a cut tokens file, ended in a
+    traceback from json or safetensors."""
+    import shutil
+
+    write_answers(tmp_path / "data", [[3, 4, 5], [3, 4, 6, 7]])
+    build_store(tmp_path / "data", tmp_path / "store", vocab_size=50, command="make it", log=lambda m: None)
+    for damage, expected in ((lambda d: (d / "store.json").unlink(), "store.json does not exist"),
+                             (lambda d: (d / "store.json").write_text("{not json"), "not a token store's description"),
+                             (lambda d: (d / "store.json").write_text('{"tokens": 9}'), "not a token store's description"),
+                             (lambda d: (d / "store.json").write_text('{"vocab_size": "50"}'), "vocab_size must be an integer"),
+                             (lambda d: (d / "tokens.safetensors").write_bytes(b"\x08\x00"), "not a readable token store")):
+        damaged = tmp_path / "damaged"
+        shutil.rmtree(damaged, ignore_errors=True)
+        shutil.copytree(tmp_path / "store", damaged)
+        damage(damaged)
+        with pytest.raises(ConfigError, match=expected):
+            TokenStore.load(damaged)
+
+
 def test_store_must_match_the_target(targets, tmp_path):
     target = targets[0]
     vocab = target.runtime.cfg.vocab_size

@@ -17,6 +17,14 @@ def check_draft_vocabulary(proposer, vocab_size: int) -> None:
     handed the proposer directly drafted ids the target has not (greedy: silently cut, no
     token accepted), failed mid-request when sampling, or on the target's ids in the
     draft's embedding (found in review)."""
+    inner = getattr(proposer, "eagle", None)  # a merged tree's head
+    if inner is not None:
+        check_draft_vocabulary(inner, vocab_size)
+    head_config = getattr(getattr(proposer, "head", None), "config", None)
+    trained_for = getattr(head_config, "target_vocab_size", None)
+    if trained_for is not None and trained_for != vocab_size:  # an EAGLE head's: failed mid-request (found in review)
+        raise VocabularyMismatchError(f"vocabulary mismatch: the target has {vocab_size} tokens, the head was "
+                                      f"trained for a target of {trained_for}")
     own = getattr(getattr(proposer, "runtime", None), "vocab_size", None)
     own = getattr(proposer, "vocab_size", own) if own is not None else None  # a draft model's, fitted to the target's
     if own is not None and own != vocab_size:

@@ -74,7 +74,8 @@ def export_head(head, out: Path, fmt: str, verifier: str | None = None, max_posi
     """Write ``head`` to ``out`` in layout ``fmt``; returns the files written. ``verifier``:
     the target's name or path, and ``verifier_architectures`` its config's architectures
     (speculators names both); ``embed`` [V, H]: the target's token embedding, stored by
-    the speculators layout."""
+    the speculators layout. A head imported with an embedding of its own
+    (``stored_embedding``) is written with that one, in either layout."""
     from safetensors.torch import save_file
 
     if fmt not in FORMATS:
@@ -96,7 +97,17 @@ def export_head(head, out: Path, fmt: str, verifier: str | None = None, max_posi
                               "once, in ascending order, so they would feed it other features (a target of "
                               "fewer than 7 layers: train the head for one of 7 or more, or keep our layout)")
     llama = _llama_config(c) | ({"max_position_embeddings": max_positions} if max_positions else {})
+    # a head imported with an embedding of its own drafts with it: written in either layout,
+    # in place of the target's (found in review: re-exported, it became the target's, or none)
+    own = getattr(head, "stored_embedding", None)
+    if own is not None:
+        embed = own
     if fmt == "eagle3":
+        if own is not None:
+            if tuple(own.shape) != (c.target_vocab_size, c.hidden_size):
+                raise SpecDecodeError(f"the head's own embedding {tuple(own.shape)} does not fit it "
+                                      f"({c.target_vocab_size} x {c.hidden_size})")
+            tensors["embed_tokens.weight"] = own.to(torch.bfloat16).contiguous()
         config = {"architectures": ["LlamaForCausalLMEagle3"], **llama, "draft_vocab_size": c.draft_vocab_size,
                   "target_hidden_size": c.hidden_size, "eagle_aux_hidden_state_layer_ids": layers,
                   "norm_before_residual": False, "torch_dtype": "bfloat16"}
@@ -173,6 +184,7 @@ def import_head(directory: Path, raw: dict, fmt: str, target_layers: int | None 
                              raw.get("draft_vocab_size") or llama["vocab_size"], tuple(int(i) for i in layers))
     except KeyError as missing:
         raise SpecDecodeError(f"{directory}/config.json lacks {missing}") from None
+    check_sizes(config, directory)
     if raw.get("target_hidden_size") not in (None, config.hidden_size):
         raise SpecDecodeError(f"{directory}: target hidden size {raw['target_hidden_size']} differs from the "
                               f"head's {config.hidden_size}; not supported")
@@ -212,6 +224,19 @@ def import_head(directory: Path, raw: dict, fmt: str, target_layers: int | None 
         if t2d.shape != expected.shape or not torch.equal(t2d.bool(), expected):
             raise SpecDecodeError(f"{directory}: its t2d (the target ids it drafts) disagrees with its d2t")
     return head.eval()
+
+
+SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "target_vocab_size",
+               "draft_vocab_size")
+
+
+def check_sizes(config, directory) -> None:
+    """A head config's sizes are whole numbers >= 1, or an error naming the field (a
+    draft_vocab_size given as a string failed deep in torch; found in review)."""
+    for name in SIZE_FIELDS:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SpecDecodeError(f"{directory}/config.json: {name} must be an integer >= 1, got {value!r}")
 
 
 def read_tensors(path: Path) -> dict:

@@ -213,7 +213,7 @@ class EagleHead(DraftVocabulary, nn.Module):
     def load(cls, directory: Path, target_layers: int | None = None) -> "EagleHead":
         """A head written by ``save``, or by vLLM/EAGLE-3 or speculators (``eagle_formats``);
         ``target_layers`` places the layers a foreign checkpoint reads if it does not say."""
-        from .eagle_formats import detect, import_head, load_checked, read_tensors
+        from .eagle_formats import check_sizes, detect, import_head, load_checked, read_tensors
 
         directory = Path(directory)
         if not (directory / "config.json").is_file() or not (directory / "model.safetensors").is_file():
@@ -222,6 +222,8 @@ class EagleHead(DraftVocabulary, nn.Module):
             raw = json.loads((directory / "config.json").read_text())
         except json.JSONDecodeError as error:
             raise SpecDecodeError(f"{directory}/config.json is not valid JSON: {error}") from None
+        if not isinstance(raw, dict):
+            raise SpecDecodeError(f"{directory}/config.json does not describe an EAGLE head: not a JSON object")
         fmt = detect(raw)
         if fmt != "specdecode":
             return import_head(directory, raw, fmt, target_layers)
@@ -232,6 +234,7 @@ class EagleHead(DraftVocabulary, nn.Module):
         try:
             config = EagleConfig(**{k: v for k, v in raw.items() if k in fields})
             config.capture_layers = tuple(int(layer) for layer in config.capture_layers)
+            check_sizes(config, directory)
             head = cls(config)
         except (TypeError, ValueError, RuntimeError) as error:
             raise SpecDecodeError(f"{directory}/config.json does not describe a head: {error}") from None

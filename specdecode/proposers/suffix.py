@@ -161,8 +161,22 @@ class TokenStore:
         path = Path(directory) / STORE_FILE
         if not path.is_file():
             raise ConfigError(f"token store not found: {path} does not exist (build one with `specdecode train store`)")
-        info = json.loads((Path(directory) / "store.json").read_text())
-        return cls(load_file(str(path))["tokens"], int(info["vocab_size"]))
+        # a damaged store ended in a traceback from json or safetensors (found in review)
+        info_path = Path(directory) / "store.json"
+        if not info_path.is_file():
+            raise ConfigError(f"token store incomplete: {info_path} does not exist (rebuild it with `specdecode train store`)")
+        try:
+            vocab_size = json.loads(info_path.read_text())["vocab_size"]
+        except (ValueError, KeyError, TypeError) as error:
+            raise ConfigError(f"{info_path} is not a token store's description (valid JSON with vocab_size): "
+                              f"{error}") from None
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+            raise ConfigError(f"{info_path}: vocab_size must be an integer, got {vocab_size!r}")
+        try:
+            tokens = load_file(str(path))["tokens"]
+        except Exception as error:  # safetensors' own error type: a truncated or corrupt file
+            raise ConfigError(f"{path} is not a readable token store ({error})") from None
+        return cls(tokens, vocab_size)
 
 
 class SuffixProposer(NgramProposer):
