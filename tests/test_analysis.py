@@ -392,3 +392,27 @@ def test_analyze_counts_memory_in_the_weight_format_it_ran(tiny_text_model_dir, 
     int4, bf16 = (deployment_memory(str(tiny_text_model_dir), "ngram", "bf16", result["config"]["batch"],
                                     entry["context"], 10, None, weights=w)["total"] for w in ("int4", "bf16"))
     assert reported == pytest.approx(int4) and int4 < bf16
+
+
+def test_stats_written_as_json_hold_no_step_bookkeeping():
+    """Found in review: `generate --json` carried the last step's internal fields
+    (last_depth, last_rejected) beside the run's figures."""
+    from specdecode.metrics import GenerationStats
+
+    stats = GenerationStats()
+    stats.observe_step(3, 1)
+    record = stats.to_dict()
+    assert not [name for name in record if name.startswith("last_")] and record["tau"] == pytest.approx(2.0)
+
+
+def test_the_classifier_reads_a_long_prompt_in_bounded_time():
+    """Found in review: unbounded spans after a keyword made the classifier quadratic, 2 s for
+    "return " x 8000 (a prompt that fits the model's context), run on the server's event
+    loop once per choice."""
+    import time
+
+    for text in ("return " * 8000, "select " * 8000, "def f" * 20000):
+        began = time.perf_counter()
+        classify(text)
+        assert time.perf_counter() - began < 1.0, text[:10]  # about 0.03 s; 2-3 s before
+    assert classify("Write a Python function that returns the sum.\n" + "word " * 30000) == "code"

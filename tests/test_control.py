@@ -104,6 +104,10 @@ def test_profile_interpolates_over_sizes_and_contexts():
     assert profile.time_ms(6, 100) == pytest.approx(20)  # last slope (2 ms/token) extended
     with pytest.raises(KeyError, match="no cost for drafter 'draft:x'"):
         profile.c("draft:x")
+    # a last cell measured below the one before (noise on a flat profile) is not extended
+    # downwards: more tokens never cost less (found in review: v(512) 0.62 on such a profile)
+    flat = CostProfile("m", "fp32", "cpu", 2, contexts=[100], sizes=[1, 32, 64], step_ms=[[10, 11.7, 11.3]])
+    assert flat.time_ms(512, 100) == pytest.approx(11.3) and flat.v(511, 100) >= 1.0
 
 
 def test_profile_is_measured_once_cached_and_remeasured_on_request(tiny_llama_dir, monkeypatch):
@@ -169,6 +173,28 @@ def test_cost_aware_k_does_not_keep_offering_a_position_that_always_fails():
         k = policy.choose(100)
         policy.observe(k, min(k, 3))
     assert policy.chosen[-20:] == [3] * 20, policy.chosen[-20:]
+
+
+def test_cost_aware_k_looks_again_at_a_position_priced_out_once_drafts_turn_right():
+    """Found in review: a position whose rate fell below half its prior was never drafted
+    again, so its estimate froze and capped k for good (a label's counts outlive requests):
+    k 3 through 600 steps where every draft was accepted. It is looked at again after
+    4, 8, 16, ... fully accepted steps, and recovers when it is right."""
+    profile = CostProfile("m", "fp32", "cpu", 2, contexts=[100], sizes=[1, 2, 3, 4, 5, 9, 11],
+                          step_ms=[[29, 29.6, 30.5, 31.4, 37, 61, 68.4]], drafters={"ngram": 0.02})
+    policy = CostAwareK(CostModel(profile, "ngram"), k_max=8, default_prior=0.7, default_later=0.7)
+    label = ("prompt", 4)
+    policy.start()
+    for _ in range(20):  # right for exactly the first 3 tokens of every draft
+        policy.use_label(label)
+        k = policy.choose(100)
+        policy.observe(k, min(k, 3))
+    assert policy.conditional[2] < 0.35  # position 4: below half its prior
+    for _ in range(300):  # then every draft is right
+        policy.use_label(label)
+        k = policy.choose(100)
+        policy.observe(k, k)
+    assert max(policy.chosen[-20:]) > 3, policy.chosen[-20:]
 
 
 def test_a_kind_of_draft_priced_out_is_tried_again_across_short_requests():
@@ -474,6 +500,28 @@ def test_tree_budget_probes_and_returns_to_speculation():
     # no confidence: the step is not trimmed, and counts by its realized rate
     untrimmed = TreeProposal(Tree.chain(torch.tensor([1, 2])), passes=1)
     assert policy.trim(untrimmed, 100, passes=1) is untrimmed
+
+
+def test_tree_budget_probes_score_a_node_so_a_low_scale_can_recover():
+    """Found in review: after a wrong stretch the learnt scale made r(0) the best rate, every
+    probe's tree was trimmed to nothing, nothing was learnt from it, and the request stayed
+    plain through 2,000 steps of drafts that would all have been accepted."""
+    policy = TreeBudget(CostModel(synthetic_profile(), "ngram"), k_max=3, prior_rate=1.3)
+    for _ in range(12):  # sure and always wrong: the scale falls, trees shrink to nothing
+        policy.choose(100)
+        kept = policy.trim(chain_proposal([0.99, 0.98, 0.97]), 100, passes=2)
+        policy.observe(kept.tree.size, 0)
+    policy.base_probe_interval = policy.clock.interval = 4
+    kept_on_probes = []
+    for _ in range(400):  # now every draft is right
+        if policy.choose(100):
+            kept = policy.trim(chain_proposal([0.99, 0.98, 0.97]), 100, passes=2)
+            kept_on_probes.append(kept.tree.size) if policy.probing else None
+            policy.observe(kept.tree.size, kept.tree.size)
+        else:
+            policy.observe(0, 0)
+    assert kept_on_probes and min(kept_on_probes) >= 1
+    assert policy.chosen[-20:].count(0) <= 2 and policy.kept_sizes[-1] >= 2
 
 
 def test_tree_budget_starts_each_request_from_what_the_last_measured():

@@ -311,6 +311,9 @@ class ProbeClock:
         self.plain_steps, self.interval = 0, interval
 
 
+FIRST_LOOK_WAIT, MAX_LOOK_WAIT = 4, 256  # CostAwareK._may_look
+
+
 class CostAwareK(MeasuresDraftCost):
     name = "auto"
 
@@ -337,6 +340,7 @@ class CostAwareK(MeasuresDraftCost):
         self.base_probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
         self.clock = ProbeClock(probe_interval)
         self.label_counts: dict = {}  # use_label's: label -> (first, positions) counts
+        self.label_waits: dict = {}  # label -> {position: [looks refused, refusals before the next look]}
         self.start()
 
     def start(self, prior_alpha: float | None = None) -> None:
@@ -347,6 +351,8 @@ class CostAwareK(MeasuresDraftCost):
         # [successes, trials] of position 1, and of each position 2..k_max given the one before
         self.request_counts = self._fresh_counts()
         self.first_counts, self.position_counts = self.request_counts
+        self.request_waits: dict = {}  # as label_waits, for the request's own counts
+        self.waits = self.request_waits
         self.probing = False
         self.explore_from = 0  # drafts of the last step, when all were accepted
         self.context = 0
@@ -367,11 +373,13 @@ class CostAwareK(MeasuresDraftCost):
         long for the other."""
         if label is None:
             self.first_counts, self.position_counts = self.request_counts
+            self.waits = self.request_waits
             return
         counts = self.label_counts.get(label)
         if counts is None:
             counts = self.label_counts[label] = self._fresh_counts()
         self.first_counts, self.position_counts = counts
+        self.waits = self.label_waits.setdefault(label, {})
 
     @property
     def first(self) -> float:
@@ -411,7 +419,7 @@ class CostAwareK(MeasuresDraftCost):
         # position learnt to fail every time was still offered after each fully accepted
         # draft (k 3, 4, 3, 4, ... for ever where 3 is best). A position merely unlucky
         # so far is still looked at, or its estimate, untried, would never recover.
-        if 0 < depth < self.k_max and k <= depth and self._worth_a_look(depth + 1):
+        if 0 < depth < self.k_max and k <= depth and self._may_look(depth + 1):
             # the last step's drafts were all accepted: would one more pay if that position
             # were always right? Then look at it, since a position never drafted keeps its
             # prior. Always right after position depth, it adds what position depth added.
@@ -423,6 +431,23 @@ class CostAwareK(MeasuresDraftCost):
     def _worth_a_look(self, position: int) -> bool:
         successes, trials = self.position_counts[position - 2]
         return successes >= 0.5 * self.priors[1] * trials
+
+    def _may_look(self, position: int) -> bool:
+        """Whether to look at ``position`` after a fully accepted draft: where its evidence is
+        not clearly against it, or, where it is, once in a while, the wait doubling after
+        every look (4, 8, 16, ... refusals, at most ``MAX_LOOK_WAIT``). A position counts
+        only when drafted, so refused for good its estimate froze, and k stayed capped below
+        it for the life of the label even when every later draft was right (found in review:
+        k 3 through 600 fully accepted steps)."""
+        if self._worth_a_look(position):
+            self.waits.pop(position, None)
+            return True
+        wait = self.waits.setdefault(position, [0, FIRST_LOOK_WAIT])
+        wait[0] += 1
+        if wait[0] < wait[1]:
+            return False
+        wait[0], wait[1] = 0, min(2 * wait[1], MAX_LOOK_WAIT)
+        return True
 
     def choose(self, context: int) -> int:
         self.context = context
@@ -586,6 +611,12 @@ class TreeBudget(MeasuresDraftCost):
             return proposal
         rates = self._rates(proposal.confidence, passes)
         best = max(range(len(rates)), key=rates.__getitem__)
+        if self.probing and best == 0:
+            # a probe scores at least the most confident node: trimmed to nothing, it taught
+            # the scale nothing (observe learns only from kept nodes), so once the scale was
+            # low every later probe was trimmed too and the request never drafted again
+            # (found in review: perfect drafts after a wrong stretch, 0 nodes kept for good)
+            best = 1
         kept = proposal.best(best)
         self.last_step = (proposal.confidence, float(kept.confidence.sum()) if best else 0.0, passes)
         self.last_best = best

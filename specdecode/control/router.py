@@ -15,6 +15,7 @@ from a given passage), creative, general (questions, math, translation, chat).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -30,14 +31,14 @@ TASKS = ("code", "structured", "summarization", "creative", "general")
 # weighted evidence per task: (pattern, weight); patterns are case-insensitive
 _FEATURES: dict[str, list[tuple[re.Pattern, float]]] = {
     "code": [
-        (r"\b(def|class|return|import|lambda|function|const|let|var|public|static|void|fn|impl)\b[^.?!]*[(:{=]", 2.0),
+        (r"\b(def|class|return|import|lambda|function|const|let|var|public|static|void|fn|impl)\b[^.?!]{0,200}[(:{=]", 2.0),
         (r"```", 2.0),
         (r"^\s{2,}\S.*$", 0.5),  # indented lines
         (r"[;{}]\s*$", 1.0),
         (r"\b(python|javascript|typescript|rust|java|c\+\+|golang|sql|bash|regex|html|css)\b", 1.5),
         (r"\b(function|method|script|snippet|refactor|debug|compile|unit tests?|docstring|type hints?|bug)\b", 1.5),
         (r"`[A-Za-z_][\w.]*\(.*?\)`", 1.5),  # `name(args)`
-        (r"\b(select|insert|update|delete)\b .* \b(from|into|set|where)\b", 1.5),
+        (r"\b(select|insert|update|delete)\b .{0,200} \b(from|into|set|where)\b", 1.5),
         (r"\b(query|implementation|class|algorithm|linked list|stack|queue|api|endpoint|regex|recursion)\b", 1.0),
     ],
     "structured": [
@@ -85,12 +86,22 @@ def _passage_bonus(prompt: str) -> float:
     return 1.5 if prose else 0.0
 
 
+CLASSIFIED_CHARS = (16_000, 4_000)  # a prompt's head and tail read by the classifier
+
+
 def task_scores(prompt: str) -> dict[str, float]:
+    # Bounded work: the spans after a keyword are bounded, at most 3 hits of a pattern are
+    # counted, and a long prompt is read at its head and tail. Unbounded spans made the
+    # classifier quadratic, 2 s for a prompt of 8,000 tokens ("return " x 8000), run on the
+    # server's event loop (found in review).
+    head, tail = CLASSIFIED_CHARS
+    if len(prompt) > head + tail:
+        prompt = prompt[:head] + "\n\n" + prompt[-tail:]
     scores = {}
     for task, features in _COMPILED.items():
         score = 0.0
         for pattern, weight in features:
-            hits = len(pattern.findall(prompt))
+            hits = sum(1 for _ in itertools.islice(pattern.finditer(prompt), 3))
             score += weight * min(hits, 3) ** 0.5  # repeated evidence counts, sub-linearly
         scores[task] = score
     scores["summarization"] += _passage_bonus(prompt)

@@ -697,7 +697,8 @@ def clone_policy(template):
     """A fresh copy of a k policy for one sequence. Shared, not copied: the cost model and
     the drafting cost (``draft_cost``; the engine thread alone updates what it learns of
     step and draft costs, from single-row steps) and the acceptance per kind of draft
-    (``CostAwareK.label_counts``), all learnt over every request, and the probe countdown
+    (``CostAwareK.label_counts``, and ``label_waits``, when to look at a position priced
+    out), all learnt over every request, and the probe countdown
     (``clock``: plain steps since speculation was last tried, counted over every request)."""
-    shared = [getattr(template, name, None) for name in ("costs", "draft_cost", "label_counts", "clock")]
+    shared = [getattr(template, name, None) for name in ("costs", "draft_cost", "label_counts", "label_waits", "clock")]
     return copy.deepcopy(template, {id(value): value for value in shared if value is not None})
