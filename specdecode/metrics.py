@@ -156,7 +156,7 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         record = asdict(self)
-        del record["last_drafted"], record["last_accepted"]
+        del record["last_drafted"], record["last_accepted"], record["last_depth"], record["last_rejected"]
         for name in ("alpha", "trial_alpha", "first_alpha", "later_alpha", "tau", "acceptance_per_position", "tokens_per_s", "decode_tokens_per_s"):
             record[name] = getattr(self, name)
         return record

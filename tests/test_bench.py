@@ -340,6 +340,12 @@ def test_speedups_pair_only_turns_that_ran_plain_decodings_prompt():
     records = [record("none", 1, 100.0), record("draft", 1, 120.0), record("none", 2, 100.0),
                record("draft", 2, 60.0, context_differs=True)]
     assert summarize(records)["overall"]["draft"]["speedup"] == pytest.approx(1.2)
+    # a run that drew EOS first made no token: no ratio, as in analyze (found in review: a
+    # 0.0 in the median)
+    records = [record("none", 1, 100.0), record("draft", 1, 120.0), record("none", 2, 100.0),
+               record("draft", 2, 1.0)]
+    records[-1].update(tokens_per_s=0.0, new_tokens=0, seconds=0.01)
+    assert summarize(records)["overall"]["draft"]["speedup"] == pytest.approx(1.2)
 
 
 def test_a_method_with_no_prompt_timed_against_plain_has_no_speedup(capsys):

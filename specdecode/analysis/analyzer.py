@@ -22,9 +22,9 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from ..bench.runner import (build_engines, check_repeats, describe_prompts, draft_model, encode_prompts, is_fixed_k,
-                            k_sweep, needed_context, parse_method, record_key, run_records, summarize, sweep_policies,
-                            turn_encoder, warm_up)
+from ..bench.runner import (SEED_RULE, build_engines, check_repeats, describe_prompts, draft_model, encode_prompts,
+                            is_fixed_k, k_sweep, needed_context, parse_method, record_key, run_records, summarize,
+                            sweep_policies, turn_encoder, warm_up)
 from ..metrics import tau_of
 from ..models.quant import WEIGHT_CHOICES
 from ..prompts import load_prompts
@@ -120,7 +120,7 @@ def summarize_group(rows: list[dict], profile, c: float, serving: str, batch: in
         cost += f"; adaptive k ran {plain_share:.0%} of steps as plain decoding"
     skips = []
     if new_tokens < SHORT_OUTPUT:
-        skips.append(f"skip: outputs are short (median {new_tokens:.0f} tokens < {SHORT_OUTPUT}); prefill dominates")
+        skips.append(f"skip: outputs are short (median {new_tokens:g} tokens < {SHORT_OUTPUT}); prefill dominates")
     if variance > HIGH_VARIANCE:
         skips.append(f"high variance of alpha across prompts ({variance:.3f} > {HIGH_VARIANCE}): route selectively, per request")
     if serving == "throughput" and drafted:
@@ -240,7 +240,8 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
         "config": {"model": args.model, "dtype": args.dtype, "methods": methods, "temperatures": temperatures,
                    "max_new_tokens": params.max_new_tokens, "prompts": args.prompts or "builtin",
                    "serving": args.serving, "batch": args.batch, "draft": draft_model(args, methods, spec_config),
-                   "repeats": args.repeats, "k": args.k},
+                   "repeats": args.repeats, "k": args.k, "k_policy": getattr(args, "k_policy", None),
+                   "seed": params.seed, "seed_rule": SEED_RULE, "top_p": params.top_p, "top_k": params.top_k},
         "profile": {"machine": profile.machine, "threads": profile.threads, "drafter_costs": costs,
                     # keyed by tokens scored, T = k + 1, as `profile` and `bench` key it (was by k drafts)
                     "v": {str(k + 1): profile.v(k, 256) for k in (1, 2, 4, 6, 8, 10)}},
