@@ -48,14 +48,14 @@ eagle-head: install
 	$(BIN)/python scripts/ship_head.py data/eagle --data data/train --command "make eagle-head" \
 		--wall-time "$$(( ($$(date +%s) - start) / 60 )) min for make eagle-head on $$(nproc) cores of $$(uname -m), $$(date -u +%F)"
 
-# The shipped Medusa heads: the target's answers to the first 1,000 training prompts (greedy
-# plus one sampled row each; training reads every answer in data/train, so after
-# `make eagle-head` or `make suffix-store` all 2,884 prompts'), 100k tokens of the standard library, and 20 minutes
-# of training the heads' blocks. Resumable at every stage.
+# The shipped Medusa heads: the target's answers to all 2,884 training prompts (greedy plus
+# one sampled row each; the answers `make eagle-head` and `make suffix-store` use), 100k tokens
+# of the standard library, and 20 minutes of training the heads' blocks. Resumable at every
+# stage.
 MEDUSA_MINUTES ?= 20
 medusa-heads: install
 	start=$$(date +%s) && \
-	$(BIN)/specdecode train data --out data/train --prompts 1000 --batch 16 --corpus-tokens 300000 && \
+	$(BIN)/specdecode train data --out data/train --batch 16 --corpus-tokens 1000000 && \
 	$(BIN)/specdecode train medusa --data data/train --out data/medusa --minutes $(MEDUSA_MINUTES) --corpus-tokens 100000 && \
 	$(BIN)/python scripts/ship_head.py data/medusa --kind medusa --data data/train --command "make medusa-heads" \
 		--wall-time "$$(( ($$(date +%s) - start) / 60 )) min for make medusa-heads on $$(nproc) cores of $$(uname -m), $$(date -u +%F)"
