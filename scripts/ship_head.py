@@ -78,6 +78,24 @@ def main() -> int:
     if not data.is_dir():
         print(f"ship_head: --data {data} is not a directory (the manifest records its recipe)", file=sys.stderr)
         return 2
+    # the manifest's data recipe is read from --data: it must be the data the head learnt from
+    # (found in review: any directory was recorded, beside a recipe naming another target)
+    recipe = config.get("recipe") or {}
+    settings_path = data / "answers.settings.json"
+    data_target = json.loads(settings_path.read_text()).get("target") if settings_path.is_file() else None
+    if recipe.get("target") and data_target and data_target.split("|")[0] != recipe["target"].split("|")[0]:
+        print(f"ship_head: {data} holds answers of {data_target.split('|')[0]!r}; the head was trained for "
+              f"{recipe['target'].split('|')[0]!r}", file=sys.stderr)
+        return 2
+    if recipe.get("data"):
+        from specdecode.train.eagle import data_fingerprint, training_sequences
+
+        sequences = training_sequences(data, recipe.get("corpus_tokens", 0), recipe.get("max_length", 768))
+        held = data_fingerprint([(s, None) for s in sequences if not s.held_out])
+        if held != recipe["data"]:
+            print(f"ship_head: {data} is not the data {source} was trained on (its training sequences hash to "
+                  f"{held}, the head's recipe says {recipe['data']})", file=sys.stderr)
+            return 2
     earlier = earlier_stages(config)  # before copying: --init may be the shipped head itself
     destination.mkdir(parents=True, exist_ok=True)
     for name in FILES:

@@ -721,10 +721,14 @@ def _train_drafter(args, train, written: str) -> int:
         taus = ", ".join(f"k={k}: {t:.2f}" for k, t in report["chain_tau"].items())
         print(f"held-out acceptance: first token {report['first_token_agreement']:.1%}; chain tau {taus}")
     else:
-        print(f"held-out acceptance: not measured (the data holds no held-out greedy answers: the "
-              f"{HELD_OUT_EVERY}th, {2 * HELD_OUT_EVERY}th, ... prompt of each category is held out (ids ending in "
-              f"{HELD_OUT_EVERY - 1:03d}, ...), so with the nine categories interleaved `train data` needs at least "
-              f"{9 * (HELD_OUT_EVERY - 1) + 1} prompts)")
+        from .train.prompts import held_out, training_prompts
+
+        # (found in review: this still described the split by position, ids ending in 019)
+        first = next((i + 1 for i, p in enumerate(training_prompts()) if held_out(p["id"], HELD_OUT_EVERY)), None)
+        print(f"held-out acceptance: not measured (the data holds no held-out greedy answers, or none whose text "
+              f"no trained sequence holds: of each category the prompts of one filler (topic, function or "
+              f"passage) in {HELD_OUT_EVERY} and one written prompt in {HELD_OUT_EVERY} are held out; the first "
+              f"is the set's prompt {first}, so `train data` needs at least {first} prompts)")
     print(written.format(out=args.out))
     return 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -135,6 +136,24 @@ def test_rows_stop_at_their_own_eos(tiny_runtime):
 class CharTokenizer:
     def __call__(self, text):
         return {"input_ids": [ord(c) % TINY_VOCAB for c in text]}
+
+
+def test_a_smaller_corpus_budget_keeps_the_corpus_it_has():
+    """Found in review: on resume the last file's chunks were dropped (to be read again)
+    before the check that the corpus was already large enough, so every run with a smaller
+    --corpus-tokens deleted one file for good."""
+    import tempfile
+
+    from specdecode.train.data import DataSummary, build_corpus
+
+    with tempfile.TemporaryDirectory() as directory:
+        out = Path(directory)
+        build_corpus(CharTokenizer(), out, 20_000, 512, DataSummary())
+        before = (out / "corpus.jsonl").read_text()
+        for _ in range(2):
+            summary = DataSummary()
+            build_corpus(CharTokenizer(), out, 1_000, 512, summary)
+            assert (out / "corpus.jsonl").read_text() == before and summary.corpus_tokens >= 20_000
 
 
 def test_build_data_resumes_after_an_interruption(tiny_runtime, tmp_path):
@@ -546,6 +565,24 @@ def test_ship_head_refuses_heads_of_the_other_kind_and_ends_a_self_referring_cha
     spec.loader.exec_module(module)
     (head / "config.json").write_text(json.dumps({"recipe": {"init": str(head)}}))
     assert len(module.earlier_stages({"recipe": {"init": str(head)}})) == 1
+    # data the head did not learn from is refused, before anything is copied (found in review:
+    # the manifest recorded any --data beside a recipe naming another target and data)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "answers.jsonl").write_text(json.dumps({"prompt_id": "train-code-000", "prompt_ids": [5, 6, 7],
+                                                    "answer_ids": [8, 9], "temperature": 0}) + "\n")
+    (data / "answers.settings.json").write_text(json.dumps({"target": "llama 000000000000|hf backend"}))
+    eagle = tmp_path / "eagle"
+    eagle.mkdir()
+    (eagle / "model.safetensors").write_bytes(b"")
+    for recipe, problem in (({"target": "llama d578dc3159d1|kernels backend"}, "holds answers of 'llama 000000000000'"),
+                            ({"target": "llama 000000000000|kernels", "data": "0123456789abcdef"},
+                             "is not the data")):
+        (eagle / "config.json").write_text(json.dumps({"architecture": "specdecode-eagle3", "recipe": recipe}))
+        result = subprocess.run([sys.executable, str(script), str(eagle), "--data", str(data)], capture_output=True,
+                                text=True)
+        assert result.returncode == 2 and problem in result.stderr, result.stderr
+        assert shipped.stat().st_mtime_ns == before
 
 
 def test_training_sequences_pin_their_labels_held_out_prompts_and_max_length(tmp_path):
@@ -572,6 +609,32 @@ def test_training_sequences_pin_their_labels_held_out_prompts_and_max_length(tmp
     assert [s.ids for s in training_sequences(tmp_path, 0, 3, TINY_VOCAB)] == [[5, 6, 7]]
     with pytest.raises(SpecDecodeError, match="--max-length 3"):
         trainable_sequences(tmp_path, 0, 3, TINY_VOCAB)
+
+
+def test_a_held_out_prompt_whose_text_trained_elsewhere_is_not_evaluated(tmp_path):
+    """Found in review: held out by filler within a category, an extraction prompt's passage
+    was trained under summarization templates (and a held-out summarization passage's source
+    file in the corpus); those sequences agreed on 61% of first tokens against 41% for the
+    others. A held-out sequence whose prompt shares 48 tokens with trained text (prompts,
+    answers or corpus) is left out of the report; one sharing only a template is kept."""
+    from specdecode.train.eagle import SHARED_RUN, training_sequences
+
+    template = list(range(1, 41))  # a system prompt and task template: shorter than the run
+    passage = [50 + i % 40 for i in range(60)]
+    other = [10 + i % 30 for i in range(60)]
+    rows = [("train-summarization-032", template + passage, [4, 5, 6]),  # trained, holds the passage
+            ("train-extraction-018", template + passage, [7, 8]),  # held out (filler 2): that passage
+            ("train-extraction-016", template + other, [7, 9])]  # held out, only the template shared
+    (tmp_path / "answers.jsonl").write_text("".join(
+        json.dumps({"prompt_id": pid, "prompt_ids": prompt, "answer_ids": answer, "temperature": 0}) + "\n"
+        for pid, prompt, answer in rows))
+    assert SHARED_RUN > len(template)
+    sequences = training_sequences(tmp_path, 0, 768, TINY_VOCAB)
+    assert [(s.held_out, s.evaluated) for s in sequences] == [(False, True), (True, False), (True, True)]
+    # a corpus chunk holding the second passage: that prompt is no longer unseen either
+    (tmp_path / "corpus.jsonl").write_text(json.dumps({"ids": [3] + other + [3]}) + "\n")
+    sequences = training_sequences(tmp_path, 1000, 768, TINY_VOCAB)
+    assert [(s.held_out, s.evaluated) for s in sequences[:3]] == [(False, True), (True, False), (True, False)]
 
 
 def test_batches_and_the_draft_vocabulary_do_not_depend_on_the_datas_order():
@@ -646,7 +709,7 @@ def test_train_data_leaves_out_prompts_beyond_the_context_and_reads_only_utf8(ti
     (tmp_path / "d" / "answers.settings.json").write_text('{"seed": 99}\n')  # beside no answers: binds nothing
     summary = build_data(target, tmp_path / "d", prompt_count=18, samples=0, max_new_tokens=2, corpus_tokens=0,
                          encode=lambda text: [ord(c) % TINY_VOCAB for c in text])
-    assert summary.answers == len(prompts) - len(long)
+    assert summary.answers == summary.prompts == len(prompts) - len(long)  # (prompts counted those left out)
     assert f"{len(long)} training prompts do not fit" in capsys.readouterr().err
     (tmp_path / "d" / "answers.jsonl").write_bytes(b'{"prompt_id": "caf\xe9"}\n')
     with pytest.raises(ConfigError, match="cannot be read as UTF-8"):

@@ -244,6 +244,8 @@ def build_answers(target, out: Path, prompt_count: int | None, samples: int, tem
             print(f"specdecode: {len(long)} training prompts do not fit this target's context of {context} tokens "
                   f"and are left out (e.g. {long[0]})", file=sys.stderr)
             todo = [p for p in todo if p["id"] not in set(long)]
+            # answered are the prompts the data holds, not those left out (found in review)
+            summary.prompts -= len(long)
     index_of = {p["id"]: i for i, p in enumerate(prompts)}
     progress = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="answers", unit="prompt")
     with path.open("a") as sink:
@@ -337,7 +339,10 @@ def build_corpus(tokenizer, out: Path, max_tokens: int, chunk_tokens: int, summa
                   "a corpus")
     records = _read_jsonl(path)
     _check_fields(path, records, {"source": str, "ids": list})
-    if records:  # the last file may have been cut short: it is read again
+    # the last file may have been cut short: it is read again, where the corpus grows (found
+    # in review: dropped before the check below, every run with a smaller --corpus-tokens
+    # deleted one file that nothing read back)
+    if records and sum(len(r["ids"]) for r in records) < max_tokens:
         records = [r for r in records if r["source"] != records[-1]["source"]]
     _rewrite_complete(path, records)
     seen = {r["source"] for r in records}

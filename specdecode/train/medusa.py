@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from ..config import ConfigError
 from ..proposers.medusa import MedusaConfig, MedusaHeads
-from .eagle import (ChainTally, batches, check_common_settings, data_fingerprint, draft_vocabulary, extract_features,
-                    sequence_key, trainable_sequences)
+from .eagle import (SHARED_RUN, ChainTally, batches, check_common_settings, data_fingerprint, draft_vocabulary,
+                    extract_features, sequence_key, trainable_sequences)
 from .loop import Checkpoint, learning_rate
 
 HEAD_DECAY = 0.8
@@ -142,9 +142,12 @@ def train_medusa(target, data_dir: Path, out: Path, heads: int = 3, draft_vocab:
         features_dir = out / "features" / hashlib.sha1(f"{identity}|final".encode()).hexdigest()[:12]
         records = extract_features(runtime, sequences, (), features_dir, bar.update)
     train_items = [(s, records[sequence_key(s.ids)]) for s in sequences if not s.held_out]
-    eval_items = [(s, records[sequence_key(s.ids)]) for s in sequences if s.held_out]
+    eval_items = [(s, records[sequence_key(s.ids)]) for s in sequences if s.held_out and s.evaluated]
+    seen = sum(s.held_out and not s.evaluated for s in sequences)
     log(f"sequences: {len(train_items)} training ({sum(len(s.ids) for s, _ in train_items)} tokens), "
-        f"{len(eval_items)} held out; {heads} heads, draft vocabulary {config.draft_vocab_size} of {cfg.vocab_size}")
+        f"{len(eval_items)} held out" + (f" ({seen} more held out share {SHARED_RUN} prompt tokens with trained "
+                                         "text: not evaluated)" if seen else "")
+        + f"; {heads} heads, draft vocabulary {config.draft_vocab_size} of {cfg.vocab_size}")
 
     trainer = MedusaTrainer(medusa, lr)
     settings = {"lr": lr, "batch_tokens": batch_tokens, "corpus_tokens": corpus_tokens, "max_length": max_length,
@@ -156,7 +159,8 @@ def train_medusa(target, data_dir: Path, out: Path, heads: int = 3, draft_vocab:
     state = checkpoint.state
 
     report = evaluate_medusa(trainer, eval_items, batch_tokens)
-    report.update({"train_minutes": round(state["seconds"] / 60, 1), "epochs": state["epoch"], "steps": state["steps"],
+    report.update({"held_out_sharing_trained_text": seen,
+                   "train_minutes": round(state["seconds"] / 60, 1), "epochs": state["epoch"], "steps": state["steps"],
                    "train_tokens": sum(len(s.ids) for s, _ in train_items),
                    "parameters": sum(p.numel() for p in medusa.blocks.parameters())})
     medusa.save(out, {"target": getattr(getattr(target, "source", None), "name", None), "report": report,
