@@ -498,3 +498,23 @@ def test_a_mistral_config_without_a_window_key_has_transformers_window(tmp_path)
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(SpecDecodeError, match=r"sliding attention window \(4096\)"):
         load_native(path, torch.float32)
+
+
+@pytest.mark.parametrize("rope, problem", [
+    ({"rope_type": "linear"}, "RoPE parameters .* are not usable"),
+    ({"rope_type": "linear", "factor": "2"}, "factor must be a positive number, got '2'"),
+    ({"rope_type": "linear", "factor": 0}, "factor must be a positive number, got 0"),
+    ([1, 2], "rope_scaling must be an object"),
+    ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+])
+def test_malformed_or_partial_rope_parameters_are_refused_by_name(tmp_path, rope, problem):
+    """Found in review: a RoPE type without its factor, or a factor given as a string, ended
+    in a KeyError or TypeError from transformers; a factor of 0 loaded and gave NaN logits;
+    RoPE on half of each head built a table half as wide as the kernels read (past its end)."""
+    path = save_tiny_model(tmp_path / "model", seed=1)
+    config = json.loads((path / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config["rope_scaling"] = rope
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecDecodeError, match=problem):
+        load_native(path, torch.float32)

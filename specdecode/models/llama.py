@@ -22,6 +22,7 @@ prompt.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,7 +102,21 @@ class LlamaConfig:
         num_heads = config["num_attention_heads"]
         # rope_scaling first, as transformers standardises them (found in review: the other
         # order read a default rope_parameters over a linear rope_scaling; logits off by 7.2)
-        rope = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
+        key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+        rope = config.get(key) or {}
+        if not isinstance(rope, dict):  # (found in review: a TypeError from dict())
+            raise SpecDecodeError(f"config.json: {key} must be an object, got {rope!r}")
+        rope = dict(rope)
+        factor = rope.get("factor")
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
+                                   or not 0 < factor < float("inf")):
+            # (found in review: a factor of 0 loaded and gave NaN logits, a string failed in torch)
+            raise SpecDecodeError(f"config.json: {key}.factor must be a positive number, got {factor!r}")
+        partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):
+            # a table narrower than a head: the kernels read past its end (found in review)
+            raise NativeUnsupported(f"{model_type} with partial_rotary_factor {partial!r} (RoPE on part of each "
+                                    "head) is not supported by the native runtime; use --runtime hf")
         rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
         rope.setdefault("rope_type", rope.pop("type", "default"))
         # the optional fields too (found in review: "256" for max_position_embeddings, "1e-6"
@@ -147,7 +162,10 @@ def rope_inverse_frequencies(cfg: LlamaConfig, model_dir: Path | None) -> tuple[
 
     if cfg.rope["rope_type"] not in ROPE_INIT_FUNCTIONS:
         raise NativeUnsupported(f"unsupported RoPE type {cfg.rope['rope_type']!r}")
-    hf_config = AutoConfig.from_pretrained(model_dir)
+    try:
+        hf_config = AutoConfig.from_pretrained(model_dir)
+    except (KeyError, TypeError, ValueError) as error:  # transformers checks RoPE parameters as it reads them
+        raise SpecDecodeError(f"config.json: RoPE parameters {cfg.rope} are not usable ({error})") from None
     # as transformers' longrope reads it: a top-level original_max_position_embeddings over
     # the one inside its RoPE parameters (found in review: the inner one bypassed the
     # refusal below, logits off by 9.6)
@@ -160,7 +178,15 @@ def rope_inverse_frequencies(cfg: LlamaConfig, model_dir: Path | None) -> tuple[
         # (found in review: logits off by 8.8 at 200 tokens of a 64-token original)
         raise NativeUnsupported(f"RoPE type 'longrope' changes its factors past {original} positions, which the "
                               "native runtime's single table does not; use --runtime hf")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[cfg.rope["rope_type"]](hf_config, "cpu")
+    try:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[cfg.rope["rope_type"]](hf_config, "cpu")
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:  # transformers' own checks
+        raise SpecDecodeError(f"config.json: RoPE parameters {cfg.rope} are not usable ({error})") from None
+    if inv_freq.numel() != cfg.head_dim // 2:  # RoPE on part of each head: a narrower table than the kernels read
+        raise NativeUnsupported(f"RoPE type {cfg.rope['rope_type']!r} rotates {2 * inv_freq.numel()} of each head's "
+                                f"{cfg.head_dim} dimensions, which the native runtime does not; use --runtime hf")
+    if not (torch.isfinite(inv_freq).all() and math.isfinite(float(scaling))):
+        raise SpecDecodeError(f"config.json: RoPE parameters {cfg.rope} give non-finite frequencies")
     return inv_freq.float(), float(scaling)
 
 
