@@ -518,3 +518,18 @@ def test_malformed_or_partial_rope_parameters_are_refused_by_name(tmp_path, rope
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(SpecDecodeError, match=problem):
         load_native(path, torch.float32)
+
+
+def test_a_config_without_a_context_length_gets_transformers_default_for_its_type():
+    """Found in review: 2,048 positions for every type, where transformers gives a Qwen2
+    config 32,768 and a Mistral one 131,072 (longer prompts refused on the native path only)."""
+    from transformers import AutoConfig
+
+    from specdecode.models.llama import LlamaConfig
+
+    for model_type in ("llama", "mistral", "qwen2"):
+        config = AutoConfig.for_model(model_type, vocab_size=97, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      sliding_window=None).to_dict()
+        expected = config.pop("max_position_embeddings")
+        assert LlamaConfig.from_hf(config).max_positions == expected, model_type

@@ -48,6 +48,9 @@ def not_positive_ints(config: dict, keys) -> list[str]:
         isinstance(config[key], bool) or not isinstance(config[key], int) or config[key] < 1)]
 
 
+DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768}  # transformers' config defaults
+
+
 class NativeUnsupported(SpecDecodeError):
     """A checkpoint whose config the native runtime cannot compute exactly, but transformers
     can: with ``--runtime auto`` and no native-only flag, the model goes through transformers
@@ -141,7 +144,9 @@ class LlamaConfig:
             num_kv_heads=config.get("num_key_value_heads") or num_heads,
             head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            max_positions=config.get("max_position_embeddings", 2048),
+            # transformers' default where the config leaves it out (found in review: 2,048 for
+            # every type refused the longer prompts a Qwen2 or Mistral config allows)
+            max_positions=config.get("max_position_embeddings", DEFAULT_MAX_POSITIONS.get(model_type, 2048)),
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             # Qwen2 always has q/k/v biases; transformers' Mistral has none whatever
             # attention_bias says (a Llama's attention_bias is refused above)

@@ -48,8 +48,9 @@ class PackedLinear(nn.Module):
 
     Dense formats keep ``weight`` as a parameter (so ``named_parameters`` counts it and
     oneDNN may prepack it); block formats keep ``qweight`` and fp16 ``scales`` (and
-    ``mins`` for q4_1) as buffers. ``bias`` is always fp32 (``bias_cast`` follows the
-    torch path's dtype)."""
+    ``mins`` for q4_1) as buffers. ``bias`` is fp32 beside block formats and in the
+    dense format's dtype beside dense weights (bf16 for bf16); ``forward`` casts it to the
+    activations' dtype."""
 
     def __init__(self, rows: int, cols: int, fmt: str = "fp32", bias: bool = False, dtype: torch.dtype = torch.float32):
         super().__init__()
