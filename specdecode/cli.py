@@ -30,7 +30,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="auto", choices=["auto", "kernels", "torch"], help="specdecode's CPU kernels (batch invariant; the default where they build) or PyTorch's")
     exact = parser.add_mutually_exclusive_group()
     exact.add_argument("--exact", dest="exact", action="store_true", default=None, help="every scored row's logits bitwise independent of what else is scored, so greedy speculation equals plain decoding bit for bit (default wherever the kernels run)")
-    exact.add_argument("--no-exact", dest="exact", action="store_false", help="allow batch-dependent kernels (torch backend)")
+    exact.add_argument("--no-exact", dest="exact", action="store_false", help="the default made explicit: bitwise invariance where the kernels run, and the torch backend's batch-dependent kernels allowed (--exact refuses them)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs (cuda: torch backend)")
     parser.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per forward pass (bounds activation memory; at most 512)")
     parser.add_argument("--runtime", default="auto", choices=["auto", "native", "hf"], help="native Llama-family runtime or the transformers adapter")
@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("target", help="model name, HF directory or .gguf")
     check.add_argument("draft", help="model name, HF directory, .gguf, self:L, ngram, or heads: eagle / medusa (the shipped ones), eagle:DIR, medusa:DIR or DIR")
     check.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
-    check.add_argument("--k", type=int, default=5, help="k for the calibration")
+    check.add_argument("--k", type=int, default=None, help="k for the calibration (default 5, or as many as the drafter drafts if fewer: Medusa's heads)")
     check.add_argument("--no-calibration", action="store_true", help="tokenizer and architecture checks only")
 
     train = verbs.add_parser("train", help="train drafters for a target: data (the target's answers), eagle (a head), medusa (heads), store (suffix lookup's), export (a head for vLLM)")
@@ -275,8 +275,9 @@ def _spec_config(args, method: str, k: str | None = None) -> SpeculativeConfig:
         k, _, shape = k.partition("x")
         if not shape.isdigit():
             raise SpecDecodeError(f"a tree spec is K x WIDTH (e.g. eagle@6x3), got width {shape!r}")
-        if from_flag and width is not None and width != int(shape):  # --k 6x2 --tree-width 4 took 2 silently
-            raise SpecDecodeError(f"--k {k}x{shape} and --tree-width {width} give two tree widths; give one")
+        if width is not None and width != int(shape):  # --k 6x2 --tree-width 4 took 2 silently (eagle@6x3 too)
+            where = f"--k {k}x{shape}" if from_flag else f"{method}@{k}x{shape}"
+            raise SpecDecodeError(f"{where} and --tree-width {width} give two tree widths; give one")
         if method not in ("eagle", "tree"):  # it was dropped without a word
             raise SpecDecodeError(f"{k}x{shape}: a tree width is for eagle and tree; {method} drafts chains "
                                   f"(give k alone)")
@@ -310,6 +311,11 @@ def _check_drafter_flags(args, methods: list[str]) -> None:
         if value is not None and value != defaults.get(attr) and not any(name in readers for name in names):
             raise SpecDecodeError(f"{flag} is read by method {' or '.join(readers)} only; "
                                   f"{', '.join(names)} would ignore it")
+    width = getattr(args, "tree_width", None)
+    for method in methods:  # before loading: _spec_config refuses it too, once the engines are built
+        name, k = parse_method(method)
+        if width is not None and k and "x" in k and int(k.partition("x")[2]) != width:
+            raise SpecDecodeError(f"{method} and --tree-width {width} give two tree widths; give one")
 
 
 def check_writable(path: str | None, flag: str, plot: bool = False) -> None:
@@ -325,6 +331,9 @@ def check_writable(path: str | None, flag: str, plot: bool = False) -> None:
 
     if Path(path).is_dir():  # found in review: checked as writable, the run's end then failed to write it
         raise SpecDecodeError(f"{flag} {path}: is a directory; give a file name")
+    if plot and Path(path).with_suffix(".png").is_dir():  # the plot's place: a traceback at the end (found in review)
+        raise SpecDecodeError(f"{flag} {path}: the plot goes beside it as {Path(path).with_suffix('.png')}, "
+                              "which is a directory")
     parent = Path(path).parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -354,6 +363,10 @@ def _check_k_flags(args, methods: list[str]) -> None:
             raise SpecDecodeError(f"--k {args.k} would be ignored: {draft_nothing}")
     elif ignored and all(name in ("none", *PEERS) for name, _ in names):  # --method none --k-max 3 ran plain, rc 0
         raise SpecDecodeError(f"{' and '.join(ignored)} would be ignored: {draft_nothing}")
+    elif ignored and all(name in ("none", *PEERS) or (k is not None and k.split("x")[0] not in ("auto", "threshold"))
+                         for name, k in names):  # ngram@3 --k-max 5 ran at 3 and recorded k_max 5 (found in review)
+        raise SpecDecodeError(f"{' and '.join(ignored)} choose k under k auto; {', '.join(methods)} "
+                              f"{'fixes' if len(methods) == 1 else 'fix'} it, so they would be ignored")
 
 
 def _engine_config(args) -> EngineConfig:
@@ -493,7 +506,7 @@ def cmd_profile(args) -> int:
 
     engine_config = _engine_config(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if any(m not in PROFILE_DRAFTERS for m in methods):
+    if not methods or any(m not in PROFILE_DRAFTERS for m in methods):  # "" timed no drafter, saying nothing
         raise SpecDecodeError(f"profile --methods takes a comma list of {PROFILE_DRAFTERS}, got {args.methods!r}")
     _check_drafter_flags(args, methods)
     policy_flags = [flag for flag, value, default in (("--k", args.k, "auto"), ("--k-policy", args.k_policy, "cost"),
@@ -603,9 +616,15 @@ def cmd_analyze(args) -> int:
     if peers:  # a peer has no drafter to analyze: it failed after the target and the engines had loaded
         raise SpecDecodeError(f"--methods {','.join(peers)}: analyze measures drafters against plain decoding; "
                               f"compare {' and '.join(peers)} with `specdecode bench --methods none,{','.join(peers)}`")
+    if all(parse_method(m)[0] == "none" for m in methods):  # found in review: a traceback from the plots, after the run
+        raise SpecDecodeError(f"--methods {args.methods}: analyze measures drafters against plain decoding; "
+                              "name one (e.g. --methods none,ngram)")
+    if not args.out.strip():  # Path("") is the working directory
+        raise SpecDecodeError("--out is empty: name the directory the reports go to")
     _check_drafter_flags(args, methods)
     _check_k_flags(args, methods)
-    check_writable(str(Path(args.out) / "summary.md"), "--out")
+    for name in ("summary.md", "analysis.json", "report.html"):  # a directory in a report's place failed at the end
+        check_writable(str(Path(args.out) / name), "--out")
     analyze(args, _engine_config(args), _spec_config, _sampling(args), temperatures, methods, Path(args.out))
     print((Path(args.out) / "summary.md").read_text())
     log(f"wrote {args.out}: summary.md, analysis.json, report.html and PNG plots")
@@ -615,7 +634,7 @@ def cmd_analyze(args) -> int:
 def cmd_check(args) -> int:
     from .analysis.compat import calibrate, check_static, format_check
 
-    if args.k < 1:  # refused by the calibration only, so --no-calibration --k -2 passed
+    if args.k is not None and args.k < 1:  # refused by the calibration only, so --no-calibration --k -2 passed
         raise SpecDecodeError(f"--k must be >= 1, got {args.k}")
     result = check_static(args.target, args.draft)
     calibration = None
@@ -641,6 +660,10 @@ def cmd_train(args) -> int:
     from .train.data import build_data, check_settings
 
     out = getattr(args, "out", None)
+    if out is not None and not out.strip():  # Path("") is the working directory: it wrote there, reporting "/"
+        raise SpecDecodeError("--out is empty: name the directory to write")
+    if getattr(args, "corpus_tokens", 0) < 0:  # train eagle and medusa took -1 as 0 (train data refused it)
+        raise SpecDecodeError(f"--corpus-tokens must be >= 0, got {args.corpus_tokens}")
     if out:  # before the target loads and the work starts (found in review: a traceback after the load)
         check_writable(str(Path(out) / ".specdecode-write-check"), "--out")
 
@@ -778,6 +801,9 @@ def cmd_serve(args) -> int:
         raise SpecDecodeError(f"--max-model-len must be >= 1, got {args.max_model_len}")
     if not args.shutdown_timeout >= 0:
         raise SpecDecodeError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    from .serve.server import check_api_key
+
+    check_api_key(args.api_key)  # before Ray or the model starts
     if args.replicas is not None and args.device != "cpu":  # its replicas ask Ray for CPUs only
         raise SpecDecodeError("--replicas runs CPU replicas; serve one engine on the GPU without it (--device cuda)")
     decode_threads = None
@@ -824,6 +850,9 @@ def cmd_bench_serve(args) -> int:
         raise SpecDecodeError("--concurrency needs positive integers")
     if args.request_rate is not None and not 0 < args.request_rate < float("inf"):  # nan sent every request at once
         raise SpecDecodeError(f"--request-rate must be a finite number > 0, got {args.request_rate}")
+    if args.request_rate is not None and args.concurrency != "1,2,4,8":  # it ran open loop and dropped it (in review)
+        raise SpecDecodeError(f"--request-rate sends requests as they arrive (open loop); --concurrency "
+                              f"{args.concurrency} is for closed-loop runs: give one of the two")
     if args.rounds < 1:
         raise SpecDecodeError(f"--rounds must be at least 1, got {args.rounds}")
     if args.max_tokens < 1 or args.num_prompts < 1:
@@ -860,6 +889,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # a line of its own after any half-drawn progress bar (found in review: nothing)
         print("\nspecdecode: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `specdecode generate ... | head`: the reader left (found in review: a traceback)
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the final flush must not fail again
+        except (OSError, ValueError):  # stdout is no file (captured)
+            pass
+        return 141
 
 
 if __name__ == "__main__":

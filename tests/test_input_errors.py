@@ -115,10 +115,13 @@ def test_a_drafter_flag_no_method_reads_is_refused_before_loading(capsys, argv, 
 
 
 def test_a_drafter_flag_is_taken_when_one_of_the_bench_methods_reads_it(capsys):
-    """bench --methods none,eagle@4x2 --tree-width 3 reads the flag (eagle's default spec):
-    it gets past the check and fails later, on the model path."""
-    code, err = run(capsys, "bench", "--methods", "none,eagle@4x2", "--tree-width", "3", "--model", "/nowhere/model")
+    """bench --methods none,eagle@4 --tree-width 3 reads the flag (a spec without a width of
+    its own): it gets past the check and fails later, on the model path. Beside eagle@4x2
+    the flag would be ignored (found in review: it ran at width 2), and is refused."""
+    code, err = run(capsys, "bench", "--methods", "none,eagle@4", "--tree-width", "3", "--model", "/nowhere/model")
     assert code == 2 and "is read by" not in err and "/nowhere/model" in err, err
+    code, err = run(capsys, "bench", "--methods", "none,eagle@4x2", "--tree-width", "3", "--model", "/nowhere/model")
+    assert code == 2 and "eagle@4x2 and --tree-width 3 give two tree widths" in err, err
 
 
 def test_method_draft_without_draft_flag_uses_the_first_four_layers():
@@ -231,6 +234,17 @@ def test_a_transformers_draft_model_does_not_take_the_targets_flags(tmp_path, ti
     (["generate", "hi", "--k-max", "100000000"], "k_max must be in 1..512, got 100000000"),
     (["analyze", "--temperature", "0.9"], "--temperature 0.9: analyze runs every temperature --temperatures lists"),
     (["analyze", "--temperatures", "nan"], "--temperatures needs at least one value, each a finite number >= 0"),
+    # found in review (2026-11-27): each ran, ignoring the flag, or failed at the end with a traceback
+    (["bench", "--methods", "none,ngram@"], "'ngram@': give k after the @"),
+    (["bench", "--methods", "none,ngram@3", "--k-max", "5"], "--k-max choose k under k auto; none, ngram@3 fix it"),
+    (["bench", "--methods", "none,eagle@6x3", "--tree-width", "2"], "eagle@6x3 and --tree-width 2 give two tree widths"),
+    (["analyze", "--methods", "none"], "analyze measures drafters against plain decoding; name one"),
+    (["analyze", "--out", ""], "--out is empty"),
+    (["train", "data", "--out", " "], "--out is empty"),
+    (["train", "eagle", "--corpus-tokens", "-1"], "--corpus-tokens must be >= 0, got -1"),
+    (["profile", "--methods", ""], "profile --methods takes a comma list"),
+    (["serve", "--api-key", ""], "--api-key is empty"),
+    (["bench-serve", "--request-rate", "2", "--concurrency", "3"], "--concurrency 3 is for closed-loop runs"),
 ])
 def test_flags_a_run_would_ignore_or_fail_on_late_are_refused_first(capsys, argv, problem):
     """Found in review: flags ignored without a word (a fixed --k beside --k-max, --k with
@@ -254,6 +268,17 @@ def test_budgets_ks_and_prompts_a_command_cannot_mean_are_refused_first(capsys):
     assert code == 2 and "the prompt is empty" in err, err
     code, err = run(capsys, *memory, "--context", "100000")
     assert code == 2 and "--context 100000 is beyond the model's 8192 positions" in err, err
+
+
+def test_a_reader_that_leaves_a_pipe_ends_the_command_quietly(monkeypatch, capsys):
+    """Found in review: `specdecode generate ... | head` ended in a BrokenPipeError traceback."""
+    from specdecode import cli
+
+    def reader_gone(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "cmd_generate", reader_gone)
+    assert cli.main(["generate", "hi"]) == 141 and "Traceback" not in capsys.readouterr().err
 
 
 def test_bench_specs_with_auto_or_threshold_and_a_tree_width_still_parse():

@@ -381,3 +381,18 @@ def test_heads_of_a_width_the_kernels_cannot_pack_draft_through_torch(tmp_path):
     engine = build_engine(EngineConfig(dtype="fp32"), spec, target=target)
     plain = SpeculativeEngine(target.runtime)
     assert engine.generate([3, 4, 5], GREEDY).token_ids == plain.generate([3, 4, 5], GREEDY).token_ids
+
+
+def test_check_calibrates_heads_at_the_most_they_draft_by_default(targets, tmp_path, monkeypatch):
+    """Found in review: check's --k defaulted to 5, so `specdecode check default medusa`
+    failed on the shipped heads (3); without --k the calibration takes as many as they draft."""
+    from specdecode import factory
+    from specdecode.analysis.compat import calibrate
+
+    target = targets[1]
+    random_heads(target, 4).save(tmp_path / "heads")
+    seen = []
+    monkeypatch.setattr(factory, "calibration_runs", lambda loaded, proposer, k, **kw: seen.append(k) or [])
+    calibrate(str(target.source.path), str(tmp_path / "heads"), dtype="fp32")
+    calibrate(str(target.source.path), "ngram", dtype="fp32")
+    assert seen == [3, 5]

@@ -200,9 +200,15 @@ def check_head(result: CheckResult, target_source, directory: Path, kind: str = 
     return result
 
 
-def calibrate(target: str, draft: str, dtype: str = "bf16", k: int = 5) -> dict:
+DEFAULT_CHECK_K = 5
+
+
+def calibrate(target: str, draft: str, dtype: str = "bf16", k: int | None = None) -> dict:
     """Greedy acceptance of the drafter on the built-in calibration prompts, and the
-    speedup the cost profile predicts from it (at this k and at the best k)."""
+    speedup the cost profile predicts from it (at this k and at the best k). ``k`` None:
+    ``DEFAULT_CHECK_K``, or as many as the drafter drafts if fewer (found in review: the
+    default 5 refused the shipped Medusa heads, which draft 3)."""
+    given, k = k, DEFAULT_CHECK_K if k is None else k
     from ..cost.theory import tau_from_positions, tau_two_rates
     from ..metrics import acceptance_rates, tau_of
     from ..config import EngineConfig, SpeculativeConfig
@@ -217,6 +223,8 @@ def calibrate(target: str, draft: str, dtype: str = "bf16", k: int = 5) -> dict:
     loaded = load_target(config)
     proposer = build_proposer(spec, loaded, config)
     most = getattr(proposer, "max_drafts", None)  # Medusa heads draft one token each; others any k
+    if given is None and most is not None:
+        k = min(k, most)
     if most is not None and k > most:  # as generate and serve refuse it (it was lowered here, so the report answered another k)
         raise ConfigError(f"--k {k}: {spec.method} drafts at most {most} tokens a step (one per head)")
     runs = calibration_runs(loaded, proposer, k, max_new_tokens=48)

@@ -38,7 +38,9 @@ KNOWN_METHODS = ("none", "ngram", "suffix", "draft", "eagle", "tree", "medusa", 
 
 def parse_method(spec: str) -> tuple[str, str | None]:
     """'ngram' -> ('ngram', None: --k applies); 'ngram@3', 'draft@auto', 'ngram@threshold'."""
-    name, _, k = spec.partition("@")
+    name, at, k = spec.partition("@")
+    if at and not k:  # 'ngram@' ran as ngram, labelled 'ngram@' (found in review)
+        raise SpecDecodeError(f"{spec!r}: give k after the @ (an integer, auto or threshold), or leave the @ out")
     if name not in KNOWN_METHODS:
         raise SpecDecodeError(f"unknown bench method {name!r} in {spec!r}; choose from {KNOWN_METHODS}")
     if k and name in ("none", *PEERS):

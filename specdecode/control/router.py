@@ -282,7 +282,7 @@ def router_state_path(model: str = "default", engine_config=None) -> Path:
         pass
     if engine_config is not None:
         c = engine_config
-        identity += (f"|{c.dtype}|{c.weights}|{c.backend}|{c.device}|exact {c.exact}|threads {c.num_threads}|"
+        identity += (f"|{c.dtype}|{c.weights}|{c.backend}|{c.device}|exact {bool(c.exact)}|threads {c.num_threads}|"
                      f"chunk {c.prefill_chunk}|{machine_id()}")
     return cache_dir() / f"router-state-{hashlib.sha1(identity.encode()).hexdigest()[:12]}.json"
 

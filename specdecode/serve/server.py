@@ -149,6 +149,14 @@ def drafter_entry(spec: SpeculativeConfig, target, engine_config: EngineConfig):
     return make_proposer, make_policy, drafter_key(spec)
 
 
+def check_api_key(api_key: str | None) -> None:
+    """An empty key (``--api-key "$KEY"`` with KEY unset) is refused: it turned the check
+    on and let 'Authorization: Bearer ' through (found in review)."""
+    if api_key is not None and not api_key.strip():
+        raise ConfigError("--api-key is empty: give the key clients must send, or leave the flag out to serve "
+                          "without one")
+
+
 def build_state(engine_config: EngineConfig, speculative: str | None, max_num_seqs: int = 8,
                 max_queued_requests: int = 64, api_key: str | None = None, max_model_len: int | None = None,
                 served_model_name: str | None = None, audit_rate: float = 0.0, target=None,
@@ -166,6 +174,7 @@ def build_state(engine_config: EngineConfig, speculative: str | None, max_num_se
         raise ConfigError(f"--schedule must be one of {SCHEDULES}, got {schedule!r}")
     if not 0.0 <= audit_rate <= 1.0:
         raise ConfigError(f"--audit-rate must be in [0, 1], got {audit_rate}")
+    check_api_key(api_key)
     if target is None:
         log(f"loading {engine_config.model} ({engine_config.dtype})")
         target = load_target(engine_config)
