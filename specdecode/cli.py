@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs = verbs.add_parser("bench-serve", help="load a server with concurrent streamed requests: TTFT, TPOT, ITL, latency, throughput, with and without speculation")
     bs.add_argument("--url", default=None, help="a running server (default: start `specdecode serve` with --serve-args on a free port)")
     bs.add_argument("--serve-args", default="", help="flags for the server this command starts, e.g. \"--max-num-seqs 8\"")
-    bs.add_argument("--concurrency", default="1,2,4,8", help="comma list of concurrent clients (closed loop)")
+    bs.add_argument("--concurrency", default=None, help="comma list of concurrent clients (closed loop; default 1,2,4,8)")
     bs.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second instead of --concurrency")
     bs.add_argument("--prompts", default=None, help="JSONL as for bench, first turns only (default: our suite)")
     bs.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
@@ -322,8 +322,10 @@ def check_writable(path: str | None, flag: str, plot: bool = False) -> None:
     """Fail at the start, not after a run of many minutes, when the report cannot be
     written where ``flag`` says (the folder is made now, as the run would). ``plot``: the
     run also draws its plot beside it, as the same name with .png."""
-    if not path:
+    if path is None:
         return
+    if not path.strip():  # found in review: bench --out '' ran to the end and wrote nothing
+        raise SpecDecodeError(f"{flag} is empty: name the file to write")
     if plot and Path(path).suffix.lower() == ".png":  # found in review: the plot overwrote the records
         raise SpecDecodeError(f"{flag} {path}: names the JSON records, and the plot goes beside them as "
                               f"{Path(path).with_suffix('.png').name}, the same file; give a .json name")
@@ -845,14 +847,14 @@ def cmd_bench_serve(args) -> int:
     modes = list(dict.fromkeys(m.strip() for m in args.modes.split(",") if m.strip()))  # a mode once (the summary kept the last)
     if not modes or any(m not in MODES for m in modes):
         raise SpecDecodeError(f"--modes takes a comma list of {MODES}, got {args.modes!r}")
-    levels = list(dict.fromkeys(parse_int_list(args.concurrency, "--concurrency")))  # a level once
+    if args.request_rate is not None and args.concurrency is not None:  # it ran open loop and dropped it (in review)
+        raise SpecDecodeError(f"--request-rate sends requests as they arrive (open loop); --concurrency "
+                              f"{args.concurrency} is for closed-loop runs: give one of the two")
+    levels = list(dict.fromkeys(parse_int_list("1,2,4,8" if args.concurrency is None else args.concurrency, "--concurrency")))  # a level once
     if args.request_rate is None and (not levels or min(levels) < 1):
         raise SpecDecodeError("--concurrency needs positive integers")
     if args.request_rate is not None and not 0 < args.request_rate < float("inf"):  # nan sent every request at once
         raise SpecDecodeError(f"--request-rate must be a finite number > 0, got {args.request_rate}")
-    if args.request_rate is not None and args.concurrency != "1,2,4,8":  # it ran open loop and dropped it (in review)
-        raise SpecDecodeError(f"--request-rate sends requests as they arrive (open loop); --concurrency "
-                              f"{args.concurrency} is for closed-loop runs: give one of the two")
     if args.rounds < 1:
         raise SpecDecodeError(f"--rounds must be at least 1, got {args.rounds}")
     if args.max_tokens < 1 or args.num_prompts < 1:

@@ -80,6 +80,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
                 raise ConfigError(f"{name} must be an integer, got {value!r}")
+            if value is not None and type(value) is not int:  # a numpy seed overflowed in the seed's mixing
+                object.__setattr__(self, name, int(value))
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:

@@ -411,7 +411,7 @@ def test_the_classifier_reads_a_long_prompt_in_bounded_time():
     loop once per choice."""
     import time
 
-    for text in ("return " * 8000, "select " * 8000, "def f" * 20000):
+    for text in ("return " * 8000, "select " * 8000, "def f" * 20000, "\n" * 20000, "\n  " * 8000):
         began = time.perf_counter()
         classify(text)
         assert time.perf_counter() - began < 1.0, text[:10]  # about 0.03 s; 2-3 s before

@@ -436,3 +436,16 @@ def test_the_transformers_peer_stops_at_the_context_and_attends_every_prompt_tok
     long_prompt = [(i * 7) % 90 + 3 for i in range(250)]
     assert len(HFPeer(path, (), max_positions=256).generate(long_prompt, 40)[0]) == 6
     assert len(ours.generate(long_prompt, SamplingParams(max_new_tokens=40, ignore_eos=True)).token_ids) == 6
+
+
+def test_a_sampled_requests_seed_depends_on_the_prompt_and_turn_as_recorded():
+    """Found in review: one seed for every prompt gave a drafter that samples the same draws
+    on each; and the rule written into the JSON must be the one the code computes."""
+    import hashlib
+
+    from specdecode.bench.runner import SEED_RULE, request_seed
+
+    assert request_seed(7, "q1", 2) == int.from_bytes(hashlib.sha256(b"7|q1|2").digest()[:8], "little") >> 2
+    assert "[:8], 'little') >> 2" in SEED_RULE
+    seeds = {request_seed(7, f"q{i}", turn) for i in range(50) for turn in (1, 2)}
+    assert len(seeds) == 100 and all(0 <= s < 2 ** 62 for s in seeds)

@@ -321,7 +321,8 @@ def test_bad_sampling_and_draft_flags():
     for field, bad in (("top_k", 4.0), ("top_k", 2.5), ("top_k", True), ("seed", 1.5), ("max_new_tokens", 8.0)):
         with pytest.raises(ConfigError, match=f"{field} must be an integer"):
             SamplingParams(**{field: bad})
-    assert SamplingParams(top_k=np.int64(4), seed=np.int32(3)).top_k == 4
+    numpy_ints = SamplingParams(top_k=np.int64(4), seed=np.int32(3))
+    assert numpy_ints.top_k == 4 and type(numpy_ints.seed) is int and numpy_ints.seed == 3  # (an np.int32 seed overflowed)
     with pytest.raises(ConfigError, match="needs a draft model"):
         SpeculativeConfig(method="draft")
 

@@ -245,6 +245,8 @@ def test_a_transformers_draft_model_does_not_take_the_targets_flags(tmp_path, ti
     (["profile", "--methods", ""], "profile --methods takes a comma list"),
     (["serve", "--api-key", ""], "--api-key is empty"),
     (["bench-serve", "--request-rate", "2", "--concurrency", "3"], "--concurrency 3 is for closed-loop runs"),
+    (["bench-serve", "--request-rate", "2", "--concurrency", "1,2,4,8"], "--concurrency 1,2,4,8 is for closed-loop"),
+    (["bench", "--methods", "none,ngram", "--out", ""], "--out is empty"),
 ])
 def test_flags_a_run_would_ignore_or_fail_on_late_are_refused_first(capsys, argv, problem):
     """Found in review: flags ignored without a word (a fixed --k beside --k-max, --k with

@@ -258,7 +258,7 @@ def request_seed(seed: int, question_id, turn: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 2  # a positive signed 64-bit seed
 
 
-SEED_RULE = "per request: the first 62 bits of sha256('seed|question_id|turn')"
+SEED_RULE = "per request: int.from_bytes(sha256(f'{seed}|{question_id}|{turn}')[:8], 'little') >> 2"
 
 
 def record_key(record: dict) -> tuple:

@@ -33,7 +33,7 @@ _FEATURES: dict[str, list[tuple[re.Pattern, float]]] = {
     "code": [
         (r"\b(def|class|return|import|lambda|function|const|let|var|public|static|void|fn|impl)\b[^.?!]{0,200}[(:{=]", 2.0),
         (r"```", 2.0),
-        (r"^\s{2,}\S.*$", 0.5),  # indented lines
+        (r"^[ \t]{2,}\S.*$", 0.5),  # indented lines (spaces and tabs: \s also took newlines, quadratic on "\n" x 20000)
         (r"[;{}]\s*$", 1.0),
         (r"\b(python|javascript|typescript|rust|java|c\+\+|golang|sql|bash|regex|html|css)\b", 1.5),
         (r"\b(function|method|script|snippet|refactor|debug|compile|unit tests?|docstring|type hints?|bug)\b", 1.5),
@@ -47,7 +47,7 @@ _FEATURES: dict[str, list[tuple[re.Pattern, float]]] = {
         (r"[\[{]\s*\"", 1.0),
         (r"\[[a-z][a-z ]{1,20}\]", 1.5),  # [placeholder]
         (r"\b(template|fill in|form|fields?|keys?|schema|table|columns?|array of|list of objects)\b", 1.5),
-        (r"^\s*\w[\w ]{0,20}:\s*(\[|$)", 1.0),  # "Name: [name]" lines
+        (r"^[ \t]*\w[\w ]{0,20}:\s*(\[|$)", 1.0),  # "Name: [name]" lines
         (r"(\b\w[\w ]{0,15}:\s+){3,}", 1.5),  # inline blank fields "Name: Age: Town:"
     ],
     "summarization": [
@@ -282,7 +282,7 @@ def router_state_path(model: str = "default", engine_config=None) -> Path:
         pass
     if engine_config is not None:
         c = engine_config
-        identity += (f"|{c.dtype}|{c.weights}|{c.backend}|{c.device}|exact {bool(c.exact)}|threads {c.num_threads}|"
+        identity += (f"|{c.dtype}|{c.weights}|{c.backend}|{c.device}|exact {c.exact}|threads {c.num_threads}|"
                      f"chunk {c.prefill_chunk}|{machine_id()}")
     return cache_dir() / f"router-state-{hashlib.sha1(identity.encode()).hexdigest()[:12]}.json"
 
