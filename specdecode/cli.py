@@ -275,9 +275,8 @@ def _spec_config(args, method: str, k: str | None = None) -> SpeculativeConfig:
         k, _, shape = k.partition("x")
         if not shape.isdigit():
             raise SpecDecodeError(f"a tree spec is K x WIDTH (e.g. eagle@6x3), got width {shape!r}")
-        if width is not None and width != int(shape):  # --k 6x2 --tree-width 4 took 2 silently (eagle@6x3 too)
-            where = f"--k {k}x{shape}" if from_flag else f"{method}@{k}x{shape}"
-            raise SpecDecodeError(f"{where} and --tree-width {width} give two tree widths; give one")
+        if from_flag and width is not None and width != int(shape):  # --k 6x2 --tree-width 4 took 2 silently
+            raise SpecDecodeError(f"--k {k}x{shape} and --tree-width {width} give two tree widths; give one")
         if method not in ("eagle", "tree"):  # it was dropped without a word
             raise SpecDecodeError(f"{k}x{shape}: a tree width is for eagle and tree; {method} drafts chains "
                                   f"(give k alone)")
@@ -312,7 +311,7 @@ def _check_drafter_flags(args, methods: list[str]) -> None:
             raise SpecDecodeError(f"{flag} is read by method {' or '.join(readers)} only; "
                                   f"{', '.join(names)} would ignore it")
     width = getattr(args, "tree_width", None)
-    for method in methods:  # before loading: _spec_config refuses it too, once the engines are built
+    for method in methods:  # a bench spec's own width beside --tree-width (eagle@6x3 ran at 3; found in review)
         name, k = parse_method(method)
         if width is not None and k and "x" in k and int(k.partition("x")[2]) != width:
             raise SpecDecodeError(f"{method} and --tree-width {width} give two tree widths; give one")
@@ -850,7 +849,8 @@ def cmd_bench_serve(args) -> int:
     if args.request_rate is not None and args.concurrency is not None:  # it ran open loop and dropped it (in review)
         raise SpecDecodeError(f"--request-rate sends requests as they arrive (open loop); --concurrency "
                               f"{args.concurrency} is for closed-loop runs: give one of the two")
-    levels = list(dict.fromkeys(parse_int_list("1,2,4,8" if args.concurrency is None else args.concurrency, "--concurrency")))  # a level once
+    concurrency = "1,2,4,8" if args.concurrency is None else args.concurrency
+    levels = list(dict.fromkeys(parse_int_list(concurrency, "--concurrency")))  # a level once
     if args.request_rate is None and (not levels or min(levels) < 1):
         raise SpecDecodeError("--concurrency needs positive integers")
     if args.request_rate is not None and not 0 < args.request_rate < float("inf"):  # nan sent every request at once

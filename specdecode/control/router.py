@@ -33,7 +33,7 @@ _FEATURES: dict[str, list[tuple[re.Pattern, float]]] = {
     "code": [
         (r"\b(def|class|return|import|lambda|function|const|let|var|public|static|void|fn|impl)\b[^.?!]{0,200}[(:{=]", 2.0),
         (r"```", 2.0),
-        (r"^[ \t]{2,}\S.*$", 0.5),  # indented lines (spaces and tabs: \s also took newlines, quadratic on "\n" x 20000)
+        (r"^[ \t]{2,}\S.*$", 0.5),  # indented lines (\s took newlines too: quadratic on "\n" x 20000)
         (r"[;{}]\s*$", 1.0),
         (r"\b(python|javascript|typescript|rust|java|c\+\+|golang|sql|bash|regex|html|css)\b", 1.5),
         (r"\b(function|method|script|snippet|refactor|debug|compile|unit tests?|docstring|type hints?|bug)\b", 1.5),
