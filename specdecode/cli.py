@@ -640,7 +640,11 @@ def cmd_check(args) -> int:
     result = check_static(args.target, args.draft)
     calibration = None
     if result.compatible and not args.no_calibration:
-        calibration = calibrate(args.target, args.draft, args.dtype, args.k)
+        try:
+            calibration = calibrate(args.target, args.draft, args.dtype, args.k)
+        except SpecDecodeError:  # the static checks still hold: shown before the error (found in review)
+            print(format_check(result, None))
+            raise
     print(format_check(result, calibration))
     return 0 if result.compatible else 1
 

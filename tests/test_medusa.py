@@ -345,6 +345,18 @@ def test_check_and_serve_refuse_k_above_the_heads_before_calibrating(targets, tm
         drafter_entry(SpeculativeConfig(method="medusa", k=4, draft=draft), target, EngineConfig(dtype="fp32"))
 
 
+def test_check_shows_the_static_checks_before_refusing_k(targets, tmp_path, capsys):
+    """Found in review: `check TARGET HEADS --k 5` printed only the error, not the checks
+    that hold."""
+    from specdecode.cli import main
+
+    target = targets[1]
+    random_heads(target, 4).save(tmp_path / "heads")
+    assert main(["check", str(target.source.path), str(tmp_path / "heads"), "--dtype", "fp32", "--k", "5"]) == 2
+    captured = capsys.readouterr()
+    assert "verdict: COMPATIBLE" in captured.out and "drafts at most 3 tokens a step" in captured.err
+
+
 def test_bad_heads_configs_are_refused_by_name(targets, tmp_path):
     import json
 
