@@ -102,20 +102,18 @@ def export_head(head, out: Path, fmt: str, verifier: str | None = None, max_posi
     own = getattr(head, "stored_embedding", None)
     if own is not None:
         embed = own
+    written = own if fmt == "eagle3" else embed  # eagle3 stores only a head's own embedding
+    if written is not None and tuple(written.shape) != (c.target_vocab_size, c.hidden_size):
+        raise SpecDecodeError(f"{'the head' if own is not None else 'target'} embedding {tuple(written.shape)} does "
+                              f"not fit the head ({c.target_vocab_size} x {c.hidden_size})")
     if fmt == "eagle3":
         if own is not None:
-            if tuple(own.shape) != (c.target_vocab_size, c.hidden_size):
-                raise SpecDecodeError(f"the head's own embedding {tuple(own.shape)} does not fit it "
-                                      f"({c.target_vocab_size} x {c.hidden_size})")
             tensors["embed_tokens.weight"] = own.to(torch.bfloat16).contiguous()
         config = {"architectures": ["LlamaForCausalLMEagle3"], **llama, "draft_vocab_size": c.draft_vocab_size,
                   "target_hidden_size": c.hidden_size, "eagle_aux_hidden_state_layer_ids": layers,
                   "norm_before_residual": False, "torch_dtype": "bfloat16"}
     else:
         if embed is not None:
-            if tuple(embed.shape) != (c.target_vocab_size, c.hidden_size):
-                raise SpecDecodeError(f"target embedding {tuple(embed.shape)} does not fit the head "
-                                      f"({c.target_vocab_size} x {c.hidden_size})")
             tensors["embed_tokens.weight"] = embed.to(torch.bfloat16).contiguous()
         config = {
             "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",

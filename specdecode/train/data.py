@@ -243,7 +243,8 @@ def build_answers(target, out: Path, prompt_count: int | None, samples: int, tem
         if long:  # found in review: the first one stopped the whole run, naming no prompt
             print(f"specdecode: {len(long)} training prompts do not fit this target's context of {context} tokens "
                   f"and are left out (e.g. {long[0]})", file=sys.stderr)
-            todo = [p for p in todo if p["id"] not in set(long)]
+            left_out = set(long)
+            todo = [p for p in todo if p["id"] not in left_out]
             # answered are the prompts the data holds, not those left out (found in review)
             summary.prompts -= len(long)
     index_of = {p["id"]: i for i, p in enumerate(prompts)}

@@ -312,6 +312,18 @@ def batches(items: list, batch_tokens: int, seed: int) -> list[list]:
     return groups
 
 
+def split_items(sequences: list[Sequence], records: dict[str, dict]) -> tuple[list, list, int, str]:
+    """(trained items, evaluated items, held-out sequences not evaluated, a line saying so):
+    items pair a sequence with its feature record."""
+    train_items = [(s, records[sequence_key(s.ids)]) for s in sequences if not s.held_out]
+    eval_items = [(s, records[sequence_key(s.ids)]) for s in sequences if s.held_out and s.evaluated]
+    seen = sum(s.held_out and not s.evaluated for s in sequences)
+    described = (f"sequences: {len(train_items)} training ({sum(len(s.ids) for s, _ in train_items)} tokens), "
+                 f"{len(eval_items)} held out" + (f" ({seen} more held out share {SHARED_RUN} prompt tokens with "
+                                                  "trained text: not evaluated)" if seen else ""))
+    return train_items, eval_items, seen, described
+
+
 def data_fingerprint(items: list) -> str:
     """The training sequences a run trains on, as one short hash."""
     return hashlib.sha1("|".join(sorted(sequence_key(s.ids) for s, _ in items)).encode()).hexdigest()[:16]
@@ -355,13 +367,8 @@ def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_
         layers = ",".join(str(layer) for layer in config.capture_layers)
         features_dir = out / "features" / hashlib.sha1(f"{identity}|{layers}".encode()).hexdigest()[:12]
         records = extract_features(runtime, sequences, config.capture_layers, features_dir, bar.update)
-    train_items = [(s, records[sequence_key(s.ids)]) for s in sequences if not s.held_out]
-    eval_items = [(s, records[sequence_key(s.ids)]) for s in sequences if s.held_out and s.evaluated]
-    seen = sum(s.held_out and not s.evaluated for s in sequences)
-    log(f"sequences: {len(train_items)} training ({sum(len(s.ids) for s, _ in train_items)} tokens), "
-        f"{len(eval_items)} held out" + (f" ({seen} more held out share {SHARED_RUN} prompt tokens with trained "
-                                         "text: not evaluated)" if seen else "")
-        + f"; draft vocabulary {config.draft_vocab_size} of {cfg.vocab_size}")
+    train_items, eval_items, seen, described = split_items(sequences, records)
+    log(f"{described}; draft vocabulary {config.draft_vocab_size} of {cfg.vocab_size}")
 
     weights = runtime.weights
     embed = weights.embed.dequantize().float()

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from ..config import ConfigError
 from ..proposers.medusa import MedusaConfig, MedusaHeads
-from .eagle import (SHARED_RUN, ChainTally, batches, check_common_settings, data_fingerprint, draft_vocabulary,
-                    extract_features, sequence_key, trainable_sequences)
+from .eagle import (ChainTally, batches, check_common_settings, data_fingerprint, draft_vocabulary, extract_features,
+                    split_items, trainable_sequences)
 from .loop import Checkpoint, learning_rate
 
 HEAD_DECAY = 0.8
@@ -141,13 +141,8 @@ def train_medusa(target, data_dir: Path, out: Path, heads: int = 3, draft_vocab:
     with tqdm(total=sum(len(s.ids) for s in sequences), unit="tok", desc="target states") as bar:
         features_dir = out / "features" / hashlib.sha1(f"{identity}|final".encode()).hexdigest()[:12]
         records = extract_features(runtime, sequences, (), features_dir, bar.update)
-    train_items = [(s, records[sequence_key(s.ids)]) for s in sequences if not s.held_out]
-    eval_items = [(s, records[sequence_key(s.ids)]) for s in sequences if s.held_out and s.evaluated]
-    seen = sum(s.held_out and not s.evaluated for s in sequences)
-    log(f"sequences: {len(train_items)} training ({sum(len(s.ids) for s, _ in train_items)} tokens), "
-        f"{len(eval_items)} held out" + (f" ({seen} more held out share {SHARED_RUN} prompt tokens with trained "
-                                         "text: not evaluated)" if seen else "")
-        + f"; {heads} heads, draft vocabulary {config.draft_vocab_size} of {cfg.vocab_size}")
+    train_items, eval_items, seen, described = split_items(sequences, records)
+    log(f"{described}; {heads} heads, draft vocabulary {config.draft_vocab_size} of {cfg.vocab_size}")
 
     trainer = MedusaTrainer(medusa, lr)
     settings = {"lr": lr, "batch_tokens": batch_tokens, "corpus_tokens": corpus_tokens, "max_length": max_length,
