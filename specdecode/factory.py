@@ -60,7 +60,8 @@ class LoadedModel:
 
 
 def load_model(name: str, dtype: torch.dtype, runtime: str = "auto", weights: str = "auto", backend: str = "auto",
-               exact: bool | None = None, device: str = "cpu", prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> LoadedModel:
+               exact: bool | None = None, device: str = "cpu", prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+               cuda_graphs: bool = True) -> LoadedModel:
     """Resolve ``name`` and load it. The native runtime's backend and weight format come
     from ``choose_backend`` (EngineConfig documents the arguments)."""
     if runtime not in RUNTIMES:
@@ -85,7 +86,7 @@ def load_model(name: str, dtype: torch.dtype, runtime: str = "auto", weights: st
     backend, fmt = choose_backend(source, dtype, weights, backend, exact, device)
 
     def load(fmt: str, backend: str = backend):
-        return load_native(source.path, dtype, fmt, backend, source.gguf, prefill_chunk, device)
+        return load_native(source.path, dtype, fmt, backend, source.gguf, prefill_chunk, device, cuda_graphs)
 
     if fmt == "auto":
         from .cost.formats import fastest_weights
@@ -141,7 +142,7 @@ def load_target(engine: EngineConfig, runtime: str = "auto") -> LoadedModel:
     if engine.num_threads:
         torch.set_num_threads(engine.num_threads)
     return load_model(engine.model, engine.torch_dtype, runtime, engine.weights, engine.backend, engine.exact,
-                      engine.device, engine.prefill_chunk)
+                      engine.device, engine.prefill_chunk, engine.cuda_graphs)
 
 
 def dense_weights(dtype: torch.dtype) -> str:

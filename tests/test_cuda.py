@@ -124,3 +124,31 @@ def test_cuda_bandwidth_is_the_gpus():
     from specdecode.cost.profile import measure_bandwidth
 
     assert measure_bandwidth(device="cuda") > 2 * measure_bandwidth(device="cpu")
+
+
+def test_cuda_graphs_replay_what_the_eager_steps_compute(tmp_path):
+    """Small steps replay recorded CUDA graphs by default on the GPU (models/cuda_graphs.py):
+    each replay computes the eager step's logits, greedy output equals the eager runtime's
+    (fp32), with and without speculation, and bf16 runs through them too."""
+    path = save_tiny_model(tmp_path / "t", seed=15, num_layers=3)
+    graphed = load_model(path, torch.float32, device="cuda").runtime
+    eager = load_model(path, torch.float32, device="cuda", cuda_graphs=False).runtime
+    assert graphed.graphs is not None and eager.graphs is None
+    assert "CUDA graphs" in graphed.describe() and "CUDA graphs" not in eager.describe()
+    prompt = torch.tensor([[5, 9, 11, 5, 9, 11, 5]])
+    for runtime in (graphed, eager):
+        runtime.reset(64)
+        runtime(prompt)
+    for step in ([[7]], [[8, 9, 10]], [[11]], [[12]]):
+        ids = torch.tensor(step)
+        torch.testing.assert_close(graphed(ids), eager(ids), rtol=1e-5, atol=1e-5)
+    assert graphed.graphs.captures == 1 and graphed.graphs.replays == 2  # a shape is recorded on its second call
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    plain = SpeculativeEngine(eager).generate(prompt[0].tolist(), params).token_ids
+    assert SpeculativeEngine(graphed).generate(prompt[0].tolist(), params).token_ids == plain
+    for proposer in (NgramProposer(), DraftModelProposer(graphed.layer_skip_view(1))):
+        engine = SpeculativeEngine(graphed, proposer=proposer, k=4)
+        assert engine.generate(prompt[0].tolist(), params).token_ids == plain
+    bf16 = load_model(path, torch.bfloat16, device="cuda").runtime
+    engine = SpeculativeEngine(bf16, proposer=NgramProposer(), k=3)
+    assert len(engine.generate(prompt[0].tolist(), params).token_ids) == 30 and bf16.graphs.replays > 0

@@ -592,7 +592,7 @@ class NativeRuntime:
     """
 
     def __init__(self, weights: LlamaWeights, num_layers: int | None = None, backend: str = "torch",
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, cuda_graphs: bool = True):
         cfg = weights.cfg
         if backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -621,6 +621,11 @@ class NativeRuntime:
             from .cpu_runtime import KernelStack
 
             self.kernels = KernelStack(self)
+        self.graphs = None  # CUDA graphs of small steps (models/cuda_graphs.py): the torch backend on a GPU
+        if cuda_graphs and backend == "torch" and self.device.type == "cuda":
+            from .cuda_graphs import CudaGraphs
+
+            self.graphs = CudaGraphs(self)
 
     @property
     def weight_format(self) -> str:
@@ -639,8 +644,8 @@ class NativeRuntime:
 
     def describe(self) -> str:
         """How it runs; it also keys the cost profile (``device_label``)."""
-        return (f"{self.backend} backend{device_label(self.device)}, {self.weight_format} weights, "
-                f"{str(self.dtype).removeprefix('torch.')} KV cache")
+        return (f"{self.backend} backend{device_label(self.device)}{', CUDA graphs' if self.graphs else ''}, "
+                f"{self.weight_format} weights, {str(self.dtype).removeprefix('torch.')} KV cache")
 
     # -- cache management -------------------------------------------------------------
     def reset(self, capacity: int, batch: int = 1) -> None:
@@ -730,6 +735,10 @@ class NativeRuntime:
         if self.kernels is not None:
             return self.kernels.forward(input_ids, positions, tree_mask, last_only, return_hidden, capture,
                                         lazy_logits=lazy_logits)
+        if self.graphs is not None and num_new <= self.prefill_chunk and self.graphs.accepts(batch, num_new):
+            out = self.graphs.run(input_ids, positions, tree_mask, last_only, return_hidden, tuple(capture))
+            if out is not None:
+                return out
         def run(begin, stop, last):
             chunk_positions = None if positions is None else positions[begin:stop]
             return self._forward_torch(input_ids[:, begin:stop], chunk_positions, tree_mask, last, return_hidden,
@@ -831,6 +840,33 @@ class NativeRuntime:
         self.length = end
         return out
 
+    def _forward_static(self, input_ids, positions, start, tree_mask, last_only, return_hidden, capture=()):
+        """``_forward_torch`` with shapes and addresses that do not depend on the context,
+        what a CUDA graph records (``models/cuda_graphs.py``): ``start`` is a 0-dim device
+        tensor (the first new token's slot), ``positions`` [T] or None (then start + t),
+        ``tree_mask`` [T, T] (causal for a chain). The new tokens attend over the whole
+        cache under a mask that keeps the slots before ``start`` and the tree's own; the
+        caller advances the length."""
+        w, device = self.weights, self.device
+        num_new = input_ids.shape[1]
+        slots = start + torch.arange(num_new, device=device)  # [T]
+        if positions is None:
+            positions = slots
+        cos = w.rope_cos[positions][None, :, None, :].to(self.dtype)  # [1, T, 1, head_dim]
+        sin = w.rope_sin[positions][None, :, None, :].to(self.dtype)
+        mask = (torch.arange(self.capacity, device=device) < start).expand(num_new, -1).clone()  # [T, capacity]
+        mask.scatter_(1, slots.expand(num_new, -1), tree_mask)
+
+        def store(index, keys, values):  # [B, T, G, D] into the slots of every row
+            self.k_cache[index].index_copy_(2, slots, keys.transpose(1, 2))
+            self.v_cache[index].index_copy_(2, slots, values.transpose(1, 2))
+
+        def cached(index):
+            return self.k_cache[index], self.v_cache[index]
+
+        logits, hidden, features = self._layers_torch(input_ids, cos, sin, mask, store, cached, last_only, capture)
+        return _outputs([logits], [hidden] if return_hidden else None, [features] if capture else None)
+
     def _layers_torch(self, input_ids, cos, sin, mask, store, cached, last_only, capture):
         """The layer stack on torch ops: ``store(layer, keys, values)`` writes the new
         tokens' entries, ``cached(layer)`` gives the keys and values they attend over
@@ -867,12 +903,12 @@ class NativeRuntime:
 
     def layer_skip_view(self, num_layers: int) -> "NativeRuntime":
         """The first ``num_layers`` layers + final norm + head, sharing weights."""
-        return NativeRuntime(self.weights, num_layers, self.backend, self.prefill_chunk)
+        return NativeRuntime(self.weights, num_layers, self.backend, self.prefill_chunk, self.graphs is not None)
 
 
 def load_native(model_dir: Path, dtype: torch.dtype, weights: str | None = None, backend: str = "torch",
                 gguf_path: Path | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                device: str = "cpu") -> NativeRuntime:
+                device: str = "cpu", cuda_graphs: bool = True) -> NativeRuntime:
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):  # missing, unreadable or not JSON: resolve_model says which, by name
@@ -886,4 +922,4 @@ def load_native(model_dir: Path, dtype: torch.dtype, weights: str | None = None,
         # a no-op off the CPU; the kernels backend reads the plain weights, and a packed copy
         # beside them would hold the layers twice (found in review)
         loaded.pack_for_cpu()
-    return NativeRuntime(loaded, backend=backend, prefill_chunk=prefill_chunk)
+    return NativeRuntime(loaded, backend=backend, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs)

@@ -1,0 +1,140 @@
+"""CUDA graphs for the torch backend's small steps (decode, verification, token trees).
+
+On a GPU, a step of a 135M-parameter model is bound by launching its ~450 small kernels
+from Python one by one, not by memory or arithmetic (docs/performance.md, "GPU": a T = 1
+step took 13-14 ms at every context, about 165x what reading the weights takes there). A
+CUDA graph records one step's kernels once and replays them with a single launch.
+
+A graph replays fixed shapes and fixed addresses, so the step it records must not depend
+on the context length: ``NativeRuntime._forward_static`` attends over the whole cache
+under a mask built on the device from the start slot (a 0-dim tensor), writes the new
+keys and values with ``index_copy_`` at slots computed the same way, and gathers RoPE
+rows by position. Each (rows, new tokens, options) shape gets its own graph, recorded on
+the second call of that shape with that call's real inputs and replayed from then on (a
+shape met once, such as a short prompt's length, runs eagerly: recording costs several
+eager steps); the inputs are
+copied into the graph's static buffers before each replay and its outputs are copied out
+after it (a caller may keep them past the next step). Steps of more than ``max_tokens``
+tokens (prefill chunks) run eagerly: one launch per kernel matters little there.
+
+Graphs are kept per cache: a cache reallocated (``reset`` to a larger capacity or
+another row count) drops them. At most ``max_graphs`` are kept, least recently used
+first out; they share one memory pool.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_MAX_TOKENS = 64  # the largest token tree or k + 1 a step scores
+DEFAULT_MAX_GRAPHS = 64
+DEFAULT_RECORD_AFTER = 1  # eager calls of a shape before it is recorded
+MAX_SEEN = 4096  # shapes counted before the count starts over
+
+
+@dataclass
+class _Graph:
+    graph: "torch.cuda.CUDAGraph"
+    ids: torch.Tensor  # [B, T] token ids
+    start: torch.Tensor  # 0-dim: the slot of the first new token
+    positions: torch.Tensor | None  # [T] explicit positions (token trees), else None
+    tree: torch.Tensor  # [T, T] which new tokens each new token sees
+    outputs: tuple  # the graph's output tensors, overwritten by each replay
+
+
+class CudaGraphs:
+    """Captured steps of one ``NativeRuntime`` on a CUDA device."""
+
+    def __init__(self, runtime, max_tokens: int = DEFAULT_MAX_TOKENS, max_graphs: int = DEFAULT_MAX_GRAPHS,
+                 record_after: int = DEFAULT_RECORD_AFTER):
+        self.runtime = runtime
+        self.max_tokens = max_tokens
+        self.max_graphs = max_graphs
+        self.record_after = record_after
+        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.seen: dict[tuple, int] = {}  # eager calls per shape not yet recorded
+        self.pool = None
+        self.cache_key = None
+        self.captures = 0  # graphs captured so far (a test and the profile read it)
+        self.replays = 0
+
+    def accepts(self, batch: int, num_new: int) -> bool:
+        return batch * num_new <= self.max_tokens
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor | None, tree_mask: torch.Tensor | None,
+            last_only: bool, return_hidden: bool, capture: tuple[int, ...]):
+        """What ``NativeRuntime.forward`` returns for these inputs, through a graph (the
+        runtime's length advances as there), or None where the caller should run the step
+        eagerly: a shape met fewer than ``record_after`` times before."""
+        runtime = self.runtime
+        cache = (runtime.k_cache.data_ptr(), runtime.v_cache.data_ptr(), tuple(runtime.k_cache.shape))
+        if cache != self.cache_key:  # a new cache: the graphs read and write the old one's memory
+            self.graphs.clear()
+            self.cache_key = cache
+        batch, num_new = input_ids.shape
+        key = (batch, num_new, positions is not None, tree_mask is not None, last_only, return_hidden, tuple(capture))
+        entry = self.graphs.get(key)
+        if entry is None:
+            seen = self.seen.get(key, 0)
+            if seen < self.record_after:
+                if len(self.seen) >= MAX_SEEN:
+                    self.seen.clear()
+                self.seen[key] = seen + 1
+                return None
+            self.seen.pop(key, None)
+            entry = self._capture(key, input_ids, positions, tree_mask, last_only, return_hidden, tuple(capture))
+        else:
+            self.graphs.move_to_end(key)
+        entry.ids.copy_(input_ids)
+        entry.start.fill_(runtime.length)
+        if entry.positions is not None:
+            entry.positions.copy_(positions)
+        if tree_mask is not None:
+            entry.tree.copy_(tree_mask)
+        entry.graph.replay()
+        self.replays += 1
+        runtime.length += num_new
+        outputs = tuple(out.clone() for out in entry.outputs)
+        return outputs if len(outputs) > 1 else outputs[0]
+
+    def _capture(self, key, input_ids, positions, tree_mask, last_only, return_hidden, capture) -> _Graph:
+        runtime = self.runtime
+        device = runtime.device
+        batch, num_new = input_ids.shape
+        ids = input_ids.to(device=device, dtype=torch.long).clone()
+        start = torch.tensor(runtime.length, dtype=torch.long, device=device)
+        static_positions = None if positions is None else positions.to(device=device, dtype=torch.long).clone()
+        if tree_mask is None:
+            tree = torch.ones(num_new, num_new, dtype=torch.bool, device=device).tril_()
+        else:
+            tree = tree_mask.to(device=device, dtype=torch.bool).clone()
+
+        def step():
+            return runtime._forward_static(ids, static_positions, start, tree, last_only, return_hidden, capture)
+
+        graph, outputs = self._record(step)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        entry = _Graph(graph, ids, start, static_positions, tree, outputs)
+        self.graphs[key] = entry
+        self.captures += 1
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+        return entry
+
+    def _record(self, step):
+        """(graph, its outputs) for ``step``: warmed up on a side stream (kernel choice,
+        workspaces; the warm-up writes the cache entries the replay will), then recorded."""
+        device = self.runtime.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            outputs = step()
+        self.pool = graph.pool()
+        return graph, outputs

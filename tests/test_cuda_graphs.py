@@ -1,0 +1,144 @@
+"""The CUDA-graph step (models/cuda_graphs.py), checked on the CPU.
+
+A graph replays one recorded step with the same shapes and addresses, so two things can
+go wrong without a GPU in sight: the context-independent step it records
+(``NativeRuntime._forward_static``) may compute something else than the eager step, and
+the bookkeeping around it (static inputs copied in, outputs copied out, the length, one
+graph per shape, graphs dropped with their cache) may be off. Both are tested here with a
+recorder that replays by running the recorded step again; tests/test_cuda.py records real
+graphs where a GPU is lent.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import save_tiny_model
+from specdecode.config import SamplingParams
+from specdecode.engine import SpeculativeEngine
+from specdecode.models.cuda_graphs import CudaGraphs
+from specdecode.models.llama import load_native
+from specdecode.proposers.draft_model import DraftModelProposer
+from specdecode.proposers.ngram import NgramProposer
+
+
+class Rerun:
+    """A stand-in for a recorded graph: ``replay`` runs the step again and writes its
+    results into the first run's output tensors, as a graph writes into its own."""
+
+    def __init__(self, step):
+        self.step = step
+        out = step()
+        self.outputs = out if isinstance(out, tuple) else (out,)
+
+    def replay(self):
+        out = self.step()
+        for mine, new in zip(self.outputs, out if isinstance(out, tuple) else (out,)):
+            mine.copy_(new)
+
+
+@pytest.fixture
+def rerun(monkeypatch):
+    monkeypatch.setattr(CudaGraphs, "_record", lambda self, step: (lambda g: (g, g.outputs))(Rerun(step)))
+
+
+def runtime_pair(tmp_path, seed=30, layers=3):
+    path = save_tiny_model(tmp_path / "t", seed=seed, num_layers=layers)
+    eager = load_native(path, torch.float32, "fp32", "torch", prefill_chunk=32)
+    graphed = load_native(path, torch.float32, "fp32", "torch", prefill_chunk=32)
+    assert graphed.graphs is None  # on the CPU: graphs are for CUDA devices
+    graphed.graphs = CudaGraphs(graphed, max_tokens=16, record_after=0)
+    return eager, graphed
+
+
+def test_static_step_computes_the_eager_step(tmp_path, rerun):
+    """Chains, single tokens, trees with explicit positions, features and hidden states:
+    the same logits, cache entries and length as the eager path, at several lengths."""
+    eager, graphed = runtime_pair(tmp_path)
+    generator = torch.Generator().manual_seed(0)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    for runtime in (eager, graphed):
+        runtime.reset(64)
+    prompt = torch.randint(3, 90, (1, 20), generator=generator)
+    for runtime in (eager, graphed):  # longer than max_tokens: both run it eagerly
+        runtime(prompt)
+    assert graphed.graphs.captures == 0
+    steps = [
+        dict(num=1, kwargs=dict(last_only=True)),
+        dict(num=5, kwargs=dict(return_hidden=True, capture=(0, 2, 3))),
+        dict(num=1, kwargs=dict(last_only=True)),
+        dict(num=4, kwargs=dict(tree_mask=tree, positions=None, capture=(1,))),
+        dict(num=1, kwargs=dict(last_only=True)),
+    ]
+    for step in steps:
+        ids = torch.randint(3, 90, (1, step["num"]), generator=generator)
+        kwargs = dict(step["kwargs"])
+        if "positions" in kwargs:
+            kwargs["positions"] = eager.length + torch.tensor([0, 1, 1, 2])
+        out_eager, out_graphed = eager(ids, **kwargs), graphed(ids, **kwargs)
+        assert type(out_eager) is type(out_graphed)
+        for a, b in zip(out_eager if isinstance(out_eager, tuple) else (out_eager,),
+                        out_graphed if isinstance(out_graphed, tuple) else (out_graphed,)):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert eager.length == graphed.length
+        if "tree_mask" in kwargs:  # keep the tree's path 0 -> 2 -> 3, as the engine does
+            start = eager.length - 4
+            for runtime in (eager, graphed):
+                runtime.compact(torch.tensor([start, start + 2, start + 3]), start)
+    length = eager.length
+    torch.testing.assert_close(eager.k_cache[..., :length, :], graphed.k_cache[..., :length, :], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(eager.v_cache[..., :length, :], graphed.v_cache[..., :length, :], rtol=1e-5, atol=1e-5)
+    assert graphed.graphs.captures == 3 and graphed.graphs.replays == 5  # T=1 captured once, replayed 3 times
+
+
+def test_graph_outputs_are_copies_and_graphs_follow_their_cache(tmp_path, rerun):
+    eager, graphed = runtime_pair(tmp_path, seed=31)
+    graphed.reset(40)
+    graphed(torch.tensor([[5, 6, 7]]))
+    first = graphed(torch.tensor([[8]]))
+    kept = first.clone()
+    graphed(torch.tensor([[9]]))  # the same graph again: its output tensor is overwritten
+    assert torch.equal(first, kept)
+    assert graphed.graphs.captures == 2
+    graphed.reset(40)  # the same cache: the graphs stay
+    graphed(torch.tensor([[5, 6, 7]]))
+    assert graphed.graphs.captures == 2
+    graphed.reset(200)  # a larger cache: graphs recorded over the old one are dropped
+    assert graphed(torch.tensor([[5, 6, 7]])).shape[1] == 3
+    assert graphed.graphs.captures == 3 and len(graphed.graphs.graphs) == 1
+    graphed.graphs.max_graphs = 2
+    for count in (1, 2, 4):
+        graphed(torch.arange(5, 5 + count)[None])
+    assert len(graphed.graphs.graphs) == 2 and graphed.graphs.captures == 6
+
+
+def test_greedy_speculation_through_graphs_equals_eager_plain(tmp_path, rerun):
+    """The engine's steps through the graph path: plain, prompt lookup and a layer-skip
+    draft (its own runtime view, graphed too) give the eager plain output."""
+    eager, graphed = runtime_pair(tmp_path, seed=32)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    prompt = [5, 9, 11, 5, 9, 11, 5, 9]
+    plain = SpeculativeEngine(eager).generate(prompt, params).token_ids
+    assert SpeculativeEngine(graphed).generate(prompt, params).token_ids == plain
+    draft = graphed.layer_skip_view(1)
+    draft.graphs = CudaGraphs(draft, max_tokens=16)  # the default: recorded on a shape's second call
+    for proposer, k in ((NgramProposer(), 4), (DraftModelProposer(draft), 3)):
+        engine = SpeculativeEngine(graphed, proposer=proposer, k=k)
+        result = engine.generate(prompt, params)
+        assert result.token_ids == plain
+        assert result.stats.draft_tokens > 0
+    assert graphed.graphs.replays > 0 and draft.graphs.replays > 0
+
+
+def test_a_shape_is_recorded_on_its_second_call(tmp_path, rerun):
+    """A shape met once (a short prompt's length) runs eagerly; the second call of a shape
+    records it, and later calls replay it."""
+    _, graphed = runtime_pair(tmp_path, seed=33)
+    graphed.graphs = CudaGraphs(graphed, max_tokens=16)
+    graphed.reset(40)
+    for ids in ([[5, 6, 7, 8, 9]], [[10]], [[11]], [[12]], [[13]]):
+        graphed(torch.tensor(ids))
+    assert graphed.graphs.captures == 1 and graphed.graphs.replays == 3
+    assert graphed.length == 9
