@@ -142,3 +142,18 @@ def test_a_shape_is_recorded_on_its_second_call(tmp_path, rerun):
         graphed(torch.tensor(ids))
     assert graphed.graphs.captures == 1 and graphed.graphs.replays == 3
     assert graphed.length == 9
+
+
+def test_a_step_that_cannot_be_recorded_runs_eagerly_from_then_on(tmp_path, monkeypatch, capsys):
+    eager, graphed = runtime_pair(tmp_path, seed=34)
+
+    def refuse(self, step):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    monkeypatch.setattr(CudaGraphs, "_record", refuse)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    prompt = [5, 9, 11, 5, 9]
+    assert SpeculativeEngine(graphed).generate(prompt, params).token_ids == \
+        SpeculativeEngine(eager).generate(prompt, params).token_ids
+    assert graphed.graphs is None
+    assert "recording a CUDA graph failed (operation not permitted when stream is capturing)" in capsys.readouterr().err

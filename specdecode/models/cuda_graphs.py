@@ -24,6 +24,7 @@ first out; they share one memory pool.
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -85,7 +86,13 @@ class CudaGraphs:
                 self.seen[key] = seen + 1
                 return None
             self.seen.pop(key, None)
-            entry = self._capture(key, input_ids, positions, tree_mask, last_only, return_hidden, tuple(capture))
+            try:
+                entry = self._capture(key, input_ids, positions, tree_mask, last_only, return_hidden, tuple(capture))
+            except RuntimeError as error:  # an operation the device cannot record: run eagerly from now on
+                print(f"specdecode: recording a CUDA graph failed ({str(error).splitlines()[0]}); "
+                      "running every step without graphs", file=sys.stderr, flush=True)
+                self.runtime.graphs = None
+                return None
         else:
             self.graphs.move_to_end(key)
         entry.ids.copy_(input_ids)
