@@ -576,6 +576,9 @@ def format_profile(profile, model: str) -> str:
         lines.append(f"output head after the layers: on demand {profile.head_ms:.2f} ms for the first row read, "
                      f"{profile.head_next_ms:.2f} ms for each further one; one pass over {sizes} rows {passes} ms")
         lines.append("  greedy verification computes logits on demand where the k policy expects that to cost less")
+    if profile.graph_attention:
+        lines.append("CUDA graphs: the attention each step's recording kept, by measurement: "
+                     + ", ".join(f"T={size} {name}" for size, name in profile.graph_attention.items()))
     for name, c in profile.drafters.items():
         lines.append(f"drafter {name}: c = {c:.3f} of a target step per draft token")
     if profile.batch_ms:

@@ -43,19 +43,21 @@ def rerun(monkeypatch):
     monkeypatch.setattr(CudaGraphs, "_record", lambda self, step: (lambda g: (g, g.outputs))(Rerun(step)))
 
 
-def runtime_pair(tmp_path, seed=30, layers=3):
+def runtime_pair(tmp_path, seed=30, layers=3, attentions=("sdpa", "matmul")):
     path = save_tiny_model(tmp_path / "t", seed=seed, num_layers=layers)
     eager = load_native(path, torch.float32, "fp32", "torch", prefill_chunk=32)
     graphed = load_native(path, torch.float32, "fp32", "torch", prefill_chunk=32)
     assert graphed.graphs is None  # on the CPU: graphs are for CUDA devices
-    graphed.graphs = CudaGraphs(graphed, max_tokens=16, record_after=0)
+    graphed.graphs = CudaGraphs(graphed, max_tokens=16, record_after=0, attentions=attentions)
     return eager, graphed
 
 
-def test_static_step_computes_the_eager_step(tmp_path, rerun):
+@pytest.mark.parametrize("attentions", [("sdpa",), ("matmul",), ("sdpa", "matmul")])
+def test_static_step_computes_the_eager_step(tmp_path, rerun, attentions):
     """Chains, single tokens, trees with explicit positions, features and hidden states:
-    the same logits, cache entries and length as the eager path, at several lengths."""
-    eager, graphed = runtime_pair(tmp_path)
+    the same logits, cache entries and length as the eager path, at several lengths, with
+    either attention recorded (and with both, the one the timing kept)."""
+    eager, graphed = runtime_pair(tmp_path, attentions=attentions)
     generator = torch.Generator().manual_seed(0)
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
     for runtime in (eager, graphed):
@@ -91,6 +93,7 @@ def test_static_step_computes_the_eager_step(tmp_path, rerun):
     torch.testing.assert_close(eager.k_cache[..., :length, :], graphed.k_cache[..., :length, :], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(eager.v_cache[..., :length, :], graphed.v_cache[..., :length, :], rtol=1e-5, atol=1e-5)
     assert graphed.graphs.captures == 3 and graphed.graphs.replays == 5  # T=1 captured once, replayed 3 times
+    assert all(set(seconds) == set(attentions) for seconds in graphed.graphs.choices.values())
 
 
 def test_graph_outputs_are_copies_and_graphs_follow_their_cache(tmp_path, rerun):
@@ -157,3 +160,38 @@ def test_a_step_that_cannot_be_recorded_runs_eagerly_from_then_on(tmp_path, monk
         SpeculativeEngine(eager).generate(prompt, params).token_ids
     assert graphed.graphs is None
     assert "recording a CUDA graph failed (operation not permitted when stream is capturing)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("faster", ["sdpa", "matmul"])
+def test_each_shape_keeps_the_attention_its_replays_time_faster(tmp_path, monkeypatch, rerun, faster):
+    """Both attentions are recorded per shape and timed; the faster is replayed from then
+    on, and the profile reads the choice per T."""
+    monkeypatch.setattr(CudaGraphs, "_time", lambda self, graph: 1.0 if graph.step.__defaults__[0] == faster else 2.0)
+    eager, graphed = runtime_pair(tmp_path, seed=35)
+    kept = []
+    monkeypatch.setattr(type(graphed), "_forward_static", (lambda original: lambda self, *args: (
+        kept.append(args[-1]), original(self, *args))[1])(type(graphed)._forward_static))
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    prompt = [5, 9, 11, 5, 9, 11, 5]
+    plain = SpeculativeEngine(eager).generate(prompt, params).token_ids
+    assert SpeculativeEngine(graphed, proposer=NgramProposer(), k=3).generate(prompt, params).token_ids == plain
+    sizes = graphed.graphs.attention_by_size()
+    assert sizes and set(sizes.values()) == {faster}
+    # each shape is recorded once with each attention; every replay runs the faster one
+    graphs, slower = graphed.graphs, {"sdpa": "matmul", "matmul": "sdpa"}[faster]
+    assert graphs.replays > graphs.captures > 0
+    assert kept.count(slower) == graphs.captures and kept.count(faster) == graphs.captures + graphs.replays
+
+
+def test_the_profile_shows_and_keeps_the_attention_each_recording_kept():
+    from specdecode.cli import format_profile
+    from specdecode.cost.profile import CostProfile
+
+    profile = CostProfile("m", "bf16", "gpu", 16, contexts=[100], sizes=[1, 2], step_ms=[[2.4, 2.6]],
+                          graph_attention={"1": "sdpa", "2": "matmul"})
+    assert "T=1 sdpa, T=2 matmul" in format_profile(profile, "tiny")
+    assert CostProfile.from_dict(profile.to_dict()).graph_attention == {"1": "sdpa", "2": "matmul"}
+    with pytest.raises(ValueError):
+        CostProfile.from_dict({**profile.to_dict(), "graph_attention": {"1": 3}})
+    assert "CUDA graphs" not in format_profile(CostProfile("m", "bf16", "cpu", 2, contexts=[100], sizes=[1],
+                                                           step_ms=[[3.0]]), "tiny")

@@ -123,6 +123,9 @@ class CostProfile:
     # when the step table was measured (UTC, ISO 8601; "" in profiles older than the field).
     # A shared machine's costs drift: one Zen 4 measured v(4) = 1.22 one hour and 1.57 another
     measured_at: str = ""
+    # on a GPU with CUDA graphs (models/cuda_graphs.py): the attention each timed step's
+    # recording kept, by measurement, per T ("1": "sdpa", ...); {} elsewhere
+    graph_attention: dict[str, str] = field(default_factory=dict)
     version: int = PROFILE_VERSION
 
     def bandwidth_limit_ms(self, context: int, with_cache: bool = False) -> float:
@@ -237,6 +240,8 @@ class CostProfile:
                  and len(self.batch_ms) == len(self.batch_rows)
                  and all(numbers(row, strict=True) and len(row) == len(self.batch_widths) for row in self.batch_ms)),
             not (numbers(self.head_sizes, low=1) and numbers(self.head_full_ms) and len(self.head_sizes) == len(self.head_full_ms)),
+            not (isinstance(self.graph_attention, dict)
+                 and all(isinstance(k, str) and isinstance(v, str) for k, v in self.graph_attention.items())),
         ]
         if any(problems):
             raise ValueError("a cost profile with fields of the wrong shape or range")
@@ -542,10 +547,12 @@ def _get_profile(model_key: str, dtype: str, runtime, drafters: dict | None, for
         probe = None  # its buffer (256 MB)
         weight_bytes, kv_bytes = step_bytes(runtime)
         describe = getattr(runtime, "describe", None)
+        graphs = getattr(runtime, "graphs", None)
         bandwidth = statistics.median(samples) if samples else measure_bandwidth(device=device)
         profile = CostProfile(model_key, dtype, machine_id(), torch.get_num_threads(), contexts, sizes, table,
                               bandwidth_gbs=bandwidth, weight_bytes=weight_bytes, kv_bytes_per_token=kv_bytes,
                               runtime=describe() if describe else "", **measure_head(runtime),
+                              graph_attention=graphs.attention_by_size() if graphs is not None else {},
                               measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
         changed = True
     for name, proposer in (drafters or {}).items():

@@ -539,6 +539,30 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x32.to(x.dtype)
 
 
+def sdpa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of q [B, heads, T, D] over keys and values [B, kv_heads, S, D] (heads
+    grouped: query head h reads kv head h // (heads / kv_heads)) under a bool mask
+    broadcast to [T, S], through torch's scaled_dot_product_attention."""
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=q.shape[1] != keys.shape[1])
+
+
+def matmul_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``sdpa_attention`` as two batched products and a softmax (fp32): for a few query
+    rows over a long cache on a GPU, scaled_dot_product_attention's kernel choice took
+    121 us a layer for T = 2 over 4,065 slots on an H200 (cuDNN's), where T = 1 took 7
+    (docs/performance.md, "GPU"). Each kv head's query rows are one product's rows."""
+    batch, heads, num_new, dim = q.shape
+    groups = keys.shape[1]
+    rows = q.reshape(batch, groups, heads // groups * num_new, dim)
+    scores = torch.matmul(rows, keys.transpose(-1, -2)).float() * dim ** -0.5  # [B, G, rep * T, S]
+    scores = scores.view(batch, groups, heads // groups, num_new, -1).masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(batch, groups, heads // groups * num_new, -1)
+    return torch.matmul(probs, values).view(batch, heads, num_new, dim)
+
+
+ATTENTIONS = {"sdpa": sdpa_attention, "matmul": matmul_attention}
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -840,13 +864,14 @@ class NativeRuntime:
         self.length = end
         return out
 
-    def _forward_static(self, input_ids, positions, start, tree_mask, last_only, return_hidden, capture=()):
+    def _forward_static(self, input_ids, positions, start, tree_mask, last_only, return_hidden, capture=(),
+                        attention: str = "sdpa"):
         """``_forward_torch`` with shapes and addresses that do not depend on the context,
         what a CUDA graph records (``models/cuda_graphs.py``): ``start`` is a 0-dim device
         tensor (the first new token's slot), ``positions`` [T] or None (then start + t),
         ``tree_mask`` [T, T] (causal for a chain). The new tokens attend over the whole
         cache under a mask that keeps the slots before ``start`` and the tree's own; the
-        caller advances the length."""
+        caller advances the length. ``attention``: a name in ``ATTENTIONS``."""
         w, device = self.weights, self.device
         num_new = input_ids.shape[1]
         slots = start + torch.arange(num_new, device=device)  # [T]
@@ -864,13 +889,16 @@ class NativeRuntime:
         def cached(index):
             return self.k_cache[index], self.v_cache[index]
 
-        logits, hidden, features = self._layers_torch(input_ids, cos, sin, mask, store, cached, last_only, capture)
+        logits, hidden, features = self._layers_torch(input_ids, cos, sin, mask, store, cached, last_only, capture,
+                                                      ATTENTIONS[attention])
         return _outputs([logits], [hidden] if return_hidden else None, [features] if capture else None)
 
-    def _layers_torch(self, input_ids, cos, sin, mask, store, cached, last_only, capture):
+    def _layers_torch(self, input_ids, cos, sin, mask, store, cached, last_only, capture, attend=None):
         """The layer stack on torch ops: ``store(layer, keys, values)`` writes the new
         tokens' entries, ``cached(layer)`` gives the keys and values they attend over
-        (under ``mask``). Returns (logits, final hidden states, captured layer inputs)."""
+        (under ``mask``), ``attend(q, keys, values, mask)`` (default ``sdpa_attention``)
+        computes the attention. Returns (logits, final hidden states, captured layer inputs)."""
+        attend = attend or sdpa_attention
         cfg, w = self.cfg, self.weights
         batch, num_new = input_ids.shape
         num_heads, num_kv = cfg.num_heads, cfg.num_kv_heads
@@ -886,7 +914,7 @@ class NativeRuntime:
             q = qk[:, :, :num_heads].transpose(1, 2)  # [B, heads, T, D]
             store(index, qk[:, :, num_heads:], qkv[:, :, num_heads + num_kv:])
             keys, values = cached(index)
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=num_heads != num_kv)
+            attn = attend(q, keys, values, mask)
             hidden = hidden + _torch_linear(attn.transpose(1, 2).reshape(batch, num_new, -1), layer.o)
             normed = _rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
             gate, up = _torch_linear(normed, layer.gate_up).chunk(2, dim=-1)
