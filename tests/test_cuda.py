@@ -149,10 +149,22 @@ def test_cuda_graphs_replay_what_the_eager_steps_compute(tmp_path):
     for proposer in (NgramProposer(), DraftModelProposer(graphed.layer_skip_view(1))):
         engine = SpeculativeEngine(graphed, proposer=proposer, k=4)
         assert engine.generate(prompt[0].tolist(), params).token_ids == plain
-    graphed.reset(500)  # a larger cache drops the graphs and their pool; recording starts over
+    captures = graphed.graphs.captures
+    for runtime in (graphed, eager):  # a larger cache drops the graphs and their pool; recording starts over
+        runtime.reset(500)
+        runtime(prompt)
     for step in ([[7]], [[8]], [[9]]):
-        graphed(torch.tensor(step))
-    assert graphed.graphs is not None and graphed.graphs.captures > 1
+        torch.testing.assert_close(graphed(torch.tensor(step)), eager(torch.tensor(step)), rtol=1e-5, atol=1e-5)
+    assert not graphed.graphs.disabled and graphed.graphs.captures == captures + 1
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    for depths in ([0, 1, 1, 2], [0, 1, 1, 2], [0, 1, 1, 2]):  # a tree replayed from its second call
+        ids = torch.tensor([[13, 14, 15, 16]])
+        outputs = [runtime(ids, positions=runtime.length + torch.tensor(depths), tree_mask=tree)
+                   for runtime in (graphed, eager)]
+        torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+        for runtime in (graphed, eager):
+            runtime.compact(torch.tensor([runtime.length - 4, runtime.length - 2]), runtime.length - 4)
+    assert graphed.graphs.captures == captures + 2 and not graphed.graphs.disabled
     bf16 = load_model(path, torch.bfloat16, device="cuda").runtime
     engine = SpeculativeEngine(bf16, proposer=NgramProposer(), k=3)
     assert len(engine.generate(prompt[0].tolist(), params).token_ids) == 30 and bf16.graphs.replays > 0

@@ -158,7 +158,8 @@ def test_a_step_that_cannot_be_recorded_runs_eagerly_from_then_on(tmp_path, monk
     prompt = [5, 9, 11, 5, 9]
     assert SpeculativeEngine(graphed).generate(prompt, params).token_ids == \
         SpeculativeEngine(eager).generate(prompt, params).token_ids
-    assert graphed.graphs is None
+    assert graphed.graphs.disabled and not graphed.graphs.graphs
+    assert graphed.describe() == eager.describe()  # (the profile's key does not move mid-session)
     assert "recording a CUDA graph failed (operation not permitted when stream is capturing)" in capsys.readouterr().err
 
 
@@ -195,3 +196,71 @@ def test_the_profile_shows_and_keeps_the_attention_each_recording_kept():
         CostProfile.from_dict({**profile.to_dict(), "graph_attention": {"1": 3}})
     assert "CUDA graphs" not in format_profile(CostProfile("m", "bf16", "cpu", 2, contexts=[100], sizes=[1],
                                                            step_ms=[[3.0]]), "tiny")
+
+
+def test_tree_steps_of_one_shape_replay_each_trees_mask_and_positions(tmp_path, rerun):
+    """Token trees of one size with different shapes and depths replay one graph: each
+    replay reads its own tree mask and positions (found in review: a graph that kept the
+    first tree's passed every other test)."""
+    eager, graphed = runtime_pair(tmp_path, seed=36)
+    graphed.graphs.record_after = 1
+    generator = torch.Generator().manual_seed(1)
+    trees = [([0, 1, 1, 2], [-1, 0, 0, 1]), ([0, 1, 2, 3], [-1, 0, 1, 2]), ([0, 1, 1, 1], [-1, 0, 0, 0]),
+             ([0, 1, 2, 2], [-1, 0, 1, 1])]
+    for runtime in (eager, graphed):
+        runtime.reset(64)
+        runtime(torch.tensor([[5, 6, 7, 8, 9]]))
+    for depths, parents in trees:
+        mask = torch.eye(4, dtype=torch.bool)
+        for node, parent in enumerate(parents):
+            while parent >= 0:
+                mask[node, parent] = True
+                parent = parents[parent]
+        ids = torch.randint(3, 90, (1, 4), generator=generator)
+        outputs = [runtime(ids, positions=runtime.length + torch.tensor(depths), tree_mask=mask, return_hidden=True)
+                   for runtime in (eager, graphed)]
+        for a, b in zip(*outputs):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        start = eager.length - 4
+        for runtime in (eager, graphed):  # keep the root and its first child
+            runtime.compact(start + torch.tensor([0, 1]), start)
+    assert graphed.graphs.captures == 1 and graphed.graphs.replays == 3
+
+
+def test_matmul_attention_is_sdpa_with_fp32_scores():
+    """Grouped heads, scale and mask as scaled_dot_product_attention; in bf16 its scores are
+    computed in fp32 (found in review: rounded to bf16 first, the error against exact
+    attention reached 0.075 where |q.k| reached 300, against SDPA's 0.008)."""
+    from specdecode.models.llama import matmul_attention, sdpa_attention
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 9, 4, 64, generator=generator) * 3
+    keys = torch.randn(2, 3, 300, 64, generator=generator) * 3
+    values = torch.randn(2, 3, 300, 64, generator=generator)
+    mask = torch.rand(4, 300, generator=generator) < 0.7
+    mask[:, 0] = True
+    exact = sdpa_attention(q.double(), keys.double(), values.double(), mask)
+    torch.testing.assert_close(matmul_attention(q, keys, values, mask).double(), exact, rtol=1e-5, atol=1e-5)
+    rounded = [t.bfloat16() for t in (q, keys, values)]
+    exact = sdpa_attention(*[t.double() for t in rounded], mask)
+    assert (matmul_attention(*rounded, mask).double() - exact).abs().max() < 0.02
+
+
+def test_a_new_cache_drops_the_graphs_at_once(tmp_path, rerun):
+    """A serving engine's reset to its batch rows leaves the single-row graphs unused for
+    good: they go when the cache does, not at a next single-row step (found in review)."""
+    _, graphed = runtime_pair(tmp_path, seed=37)
+    graphed.reset(40)
+    graphed(torch.tensor([[5]]))
+    assert graphed.graphs.graphs
+    graphed.reset(40, batch=3)
+    assert not graphed.graphs.graphs and graphed.graphs.pool is None
+
+
+def test_the_router_keys_its_state_apart_without_cuda_graphs():
+    from specdecode.config import EngineConfig
+    from specdecode.control.router import router_state_path
+
+    paths = {router_state_path("default", EngineConfig(device="cuda", cuda_graphs=graphs)) for graphs in (True, False)}
+    assert len(paths) == 2
+    assert router_state_path("default", EngineConfig()) == router_state_path("default", EngineConfig(cuda_graphs=False))

@@ -284,6 +284,8 @@ def router_state_path(model: str = "default", engine_config=None) -> Path:
         c = engine_config
         identity += (f"|{c.dtype}|{c.weights}|{c.backend}|{c.device}|exact {c.exact}|threads {c.num_threads}|"
                      f"chunk {c.prefill_chunk}|{machine_id()}")
+        if c.device == "cuda" and not c.cuda_graphs:  # as the cost profile's key (the runtime's description)
+            identity += "|no CUDA graphs"
     return cache_dir() / f"router-state-{hashlib.sha1(identity.encode()).hexdigest()[:12]}.json"
 
 

@@ -70,6 +70,7 @@ class CudaGraphs:
         self.seen: dict[tuple, int] = {}  # eager calls per shape not yet recorded
         self.pool = None
         self.cache_key = None
+        self.disabled = False  # a recording failed: every step runs eagerly
         self.captures = 0  # graphs captured so far (a test and the profile read it)
         self.replays = 0
 
@@ -81,13 +82,12 @@ class CudaGraphs:
         """What ``NativeRuntime.forward`` returns for these inputs, through a graph (the
         runtime's length advances as there), or None where the caller should run the step
         eagerly: a shape met fewer than ``record_after`` times before."""
+        if self.disabled:
+            return None
         runtime = self.runtime
         cache = (runtime.k_cache.data_ptr(), runtime.v_cache.data_ptr(), tuple(runtime.k_cache.shape))
         if cache != self.cache_key:  # a new cache: the graphs read and write the old one's memory
-            self.graphs.clear()
-            # and their memory pool goes with the last of them: recording into its handle
-            # afterwards failed an assertion in torch's allocator (on an H200, 2026-11-27)
-            self.pool = None
+            self.drop()
             self.cache_key = cache
         batch, num_new = input_ids.shape
         key = (batch, num_new, positions is not None, tree_mask is not None, last_only, return_hidden, tuple(capture))
@@ -105,7 +105,8 @@ class CudaGraphs:
             except RuntimeError as error:  # an operation the device cannot record: run eagerly from now on
                 print(f"specdecode: recording a CUDA graph failed ({str(error).splitlines()[0]}); "
                       "running every step without graphs", file=sys.stderr, flush=True)
-                self.runtime.graphs = None
+                self.disabled = True
+                self.drop()
                 return None
         else:
             self.graphs.move_to_end(key)
@@ -120,6 +121,14 @@ class CudaGraphs:
         runtime.length += num_new
         outputs = tuple(out.clone() for out in entry.outputs)
         return outputs if len(outputs) > 1 else outputs[0]
+
+    def drop(self) -> None:
+        """Forget every graph (their cache is gone, or going) and their memory pool, which
+        goes with the last of them: recording into its handle afterwards failed an assertion
+        in torch's allocator (on an H200, 2026-11-27)."""
+        self.graphs.clear()
+        self.pool = None
+        self.cache_key = None
 
     def attention_by_size(self) -> dict[str, str]:
         """The attention kept per number of new tokens, as {"T": name} (the last shape of

@@ -554,7 +554,9 @@ def matmul_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     batch, heads, num_new, dim = q.shape
     groups = keys.shape[1]
     rows = q.reshape(batch, groups, heads // groups * num_new, dim)
-    scores = torch.matmul(rows, keys.transpose(-1, -2)).float() * dim ** -0.5  # [B, G, rep * T, S]
+    # scores in fp32, as SDPA keeps them: rounded to bf16 first, they lost up to 0.075 of a
+    # probability against its 0.008 where |q.k| reached 300 (found in review)
+    scores = torch.matmul(rows.float(), keys.float().transpose(-1, -2)) * dim ** -0.5  # [B, G, rep * T, S]
     scores = scores.view(batch, groups, heads // groups, num_new, -1).masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(batch, groups, heads // groups * num_new, -1)
     return torch.matmul(probs, values).view(batch, heads, num_new, dim)
@@ -646,7 +648,10 @@ class NativeRuntime:
 
             self.kernels = KernelStack(self)
         self.graphs = None  # CUDA graphs of small steps (models/cuda_graphs.py): the torch backend on a GPU
-        if cuda_graphs and backend == "torch" and self.device.type == "cuda":
+        # fixed here, as the description that keys the cost profile: a recording that fails
+        # later turns the graphs off (``graphs.disabled``) but does not change the key
+        self.cuda_graphs = bool(cuda_graphs and backend == "torch" and self.device.type == "cuda")
+        if self.cuda_graphs:
             from .cuda_graphs import CudaGraphs
 
             self.graphs = CudaGraphs(self)
@@ -668,7 +673,7 @@ class NativeRuntime:
 
     def describe(self) -> str:
         """How it runs; it also keys the cost profile (``device_label``)."""
-        return (f"{self.backend} backend{device_label(self.device)}{', CUDA graphs' if self.graphs else ''}, "
+        return (f"{self.backend} backend{device_label(self.device)}{', CUDA graphs' if self.cuda_graphs else ''}, "
                 f"{self.weight_format} weights, {str(self.dtype).removeprefix('torch.')} KV cache")
 
     # -- cache management -------------------------------------------------------------
@@ -682,6 +687,8 @@ class NativeRuntime:
             self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             if self.kernels is not None:
                 self.kernels.bind_cache(self.k_cache, self.v_cache)
+            if self.graphs is not None:  # recorded over the old cache: their memory goes now, not at the next step
+                self.graphs.drop()
         self.length = 0
         self.cache_owner = None  # a batched engine that keeps rows' entries across requests claims it
 
@@ -759,7 +766,7 @@ class NativeRuntime:
         if self.kernels is not None:
             return self.kernels.forward(input_ids, positions, tree_mask, last_only, return_hidden, capture,
                                         lazy_logits=lazy_logits)
-        if self.graphs is not None and num_new <= self.prefill_chunk and self.graphs.accepts(batch, num_new):
+        if self.graphs is not None and num_new <= self.prefill_chunk and self.graphs.accepts(batch, num_new):  # GPU
             out = self.graphs.run(input_ids, positions, tree_mask, last_only, return_hidden, tuple(capture))
             if out is not None:
                 return out
@@ -931,7 +938,7 @@ class NativeRuntime:
 
     def layer_skip_view(self, num_layers: int) -> "NativeRuntime":
         """The first ``num_layers`` layers + final norm + head, sharing weights."""
-        return NativeRuntime(self.weights, num_layers, self.backend, self.prefill_chunk, self.graphs is not None)
+        return NativeRuntime(self.weights, num_layers, self.backend, self.prefill_chunk, self.cuda_graphs)
 
 
 def load_native(model_dir: Path, dtype: torch.dtype, weights: str | None = None, backend: str = "torch",
