@@ -80,6 +80,10 @@ run | run-short)
         timeout 60 python3 -m specdecode.cli bench --device cuda --limit 1 --methods none --no-cuda-graphs \
             --out "$out/bench-eager.json" > "$out/bench-eager.log" 2>&1 || true
         grep -E '^(overall|outputs|  )' "$out/bench-eager.log" || tail -c 1500 "$out/bench-eager.log"
+        # the server on the GPU, its batched steps through the graphs
+        timeout 150 python3 -m specdecode.cli bench-serve --serve-args "--device cuda" --concurrency 1,8 \
+            --num-prompts 18 --max-tokens 128 --out "$out/serve.json" > "$out/serve.log" 2>&1 || true
+        tail -c 2500 "$out/serve.log"
         exit 0
     fi
     # the profile with CUDA graphs (the default) and without

@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--backend", default="auto", choices=["auto", "kernels", "torch"])
     srv.add_argument("--threads", type=int, default=None, help="kernel threads (default: decode passes on every core or on every core but one, whichever they measure faster while serving; the cost profile at every core but one; docs/serving.md)")
     srv.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill chunk; chunks interleave with decode steps")
-    srv.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="with --device cuda: no recorded CUDA graphs in the cost profile's and the calibration's steps (the batched steps that serve requests run without them either way)")
+    srv.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="with --device cuda: launch every kernel of a step from Python instead of replaying recorded CUDA graphs of the batched steps (and of the profile's and calibration's)")
     srv.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs (cuda: the torch backend, as for generate)")
     srv.set_defaults(exact=None)
 

@@ -1,4 +1,5 @@
-"""CUDA graphs for the torch backend's small steps (decode, verification, token trees).
+"""CUDA graphs for the torch backend's small steps (decode, verification, token trees,
+and the serving engine's batched steps).
 
 On a GPU, a step of a 135M-parameter model is bound by launching its ~450 small kernels
 from Python one by one, not by memory or arithmetic (docs/performance.md, "GPU": a T = 1
@@ -9,11 +10,12 @@ A graph replays fixed shapes and fixed addresses, so the step it records must no
 on the context length: ``NativeRuntime._forward_static`` attends over the whole cache
 under a mask built on the device from the start slot (a 0-dim tensor), writes the new
 keys and values with ``index_copy_`` at slots computed the same way, and gathers RoPE
-rows by position. Each (rows, new tokens, options) shape gets its own graph, recorded on
+rows by position; the batched engine's step (``_forward_rows_static``) does the same per
+row, with each row's cache row and start as device tensors. Each (rows, new tokens,
+options) shape gets its own graph, recorded on
 the second call of that shape with that call's real inputs and replayed from then on (a
 shape met once, such as a short prompt's length, runs eagerly: recording costs several
-eager steps); the inputs are
-copied into the graph's static buffers before each replay and its outputs are copied out
+eager steps); the inputs are copied into the graph's static buffers before each replay and its outputs are copied out
 after it (a caller may keep them past the next step). Steps of more than ``max_tokens``
 tokens (prefill chunks) run eagerly: one launch per kernel matters little there.
 
@@ -38,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_MAX_TOKENS = 64  # the largest token tree or k + 1 a step scores
+DEFAULT_MAX_TOKENS = 128  # rows x new tokens: the largest token tree (64), or 8 rows of k + 1 = 16
 DEFAULT_MAX_GRAPHS = 64
 DEFAULT_RECORD_AFTER = 1  # eager calls of a shape before it is recorded
 TIMED_REPLAYS = 3  # per candidate attention, when a shape is recorded
@@ -48,10 +50,7 @@ MAX_SEEN = 4096  # shapes counted before the count starts over
 @dataclass
 class _Graph:
     graph: "torch.cuda.CUDAGraph"
-    ids: torch.Tensor  # [B, T] token ids
-    start: torch.Tensor  # 0-dim: the slot of the first new token
-    positions: torch.Tensor | None  # [T] explicit positions (token trees), else None
-    tree: torch.Tensor  # [T, T] which new tokens each new token sees
+    inputs: dict  # name -> the static buffer a replay reads, filled before each one
     outputs: tuple  # the graph's output tensors, overwritten by each replay
 
 
@@ -82,6 +81,69 @@ class CudaGraphs:
         """What ``NativeRuntime.forward`` returns for these inputs, through a graph (the
         runtime's length advances as there), or None where the caller should run the step
         eagerly: a shape met fewer than ``record_after`` times before."""
+        runtime = self.runtime
+        batch, num_new = input_ids.shape
+        key = ("sequence", batch, num_new, positions is not None, tree_mask is not None, last_only, return_hidden,
+               tuple(capture))
+
+        def record():
+            device = runtime.device
+            inputs = {"ids": input_ids.to(device=device, dtype=torch.long).clone(),
+                      "start": torch.tensor(runtime.length, dtype=torch.long, device=device),
+                      "tree": (torch.ones(num_new, num_new, dtype=torch.bool, device=device).tril_() if tree_mask is None
+                               else tree_mask.to(device=device, dtype=torch.bool).clone())}
+            if positions is not None:
+                inputs["positions"] = positions.to(device=device, dtype=torch.long).clone()
+
+            def step(attention):
+                return runtime._forward_static(inputs["ids"], inputs.get("positions"), inputs["start"], inputs["tree"],
+                                               last_only, return_hidden, capture, attention)
+            return inputs, step
+
+        def fill(inputs):
+            inputs["ids"].copy_(input_ids)
+            inputs["start"].fill_(runtime.length)
+            if positions is not None:
+                inputs["positions"].copy_(positions)
+            if tree_mask is not None:
+                inputs["tree"].copy_(tree_mask)
+
+        outputs = self._run(key, record, fill)
+        if outputs is not None:
+            runtime.length += num_new
+        return outputs
+
+    def run_rows(self, input_ids: torch.Tensor, cache_rows: list[int], starts: list[int], last_only: bool,
+                 capture: tuple[int, ...]):
+        """What ``NativeRuntime.forward_rows`` returns for these inputs (the batched
+        engine's step: row b continues cache row ``cache_rows[b]`` after ``starts[b]``
+        tokens), through a graph, or None as for ``run``."""
+        runtime = self.runtime
+        rows, num_new = input_ids.shape
+        key = ("rows", rows, num_new, last_only, tuple(capture))
+
+        def record():
+            device = runtime.device
+            inputs = {"ids": input_ids.to(device=device, dtype=torch.long).clone(),
+                      "rows": torch.tensor(cache_rows, dtype=torch.long, device=device),
+                      "starts": torch.tensor(starts, dtype=torch.long, device=device)}
+
+            def step(attention):
+                return runtime._forward_rows_static(inputs["ids"], inputs["rows"], inputs["starts"], last_only, capture,
+                                                    attention)
+            return inputs, step
+
+        def fill(inputs):
+            inputs["ids"].copy_(input_ids)
+            inputs["rows"].copy_(torch.tensor(cache_rows, dtype=torch.long))
+            inputs["starts"].copy_(torch.tensor(starts, dtype=torch.long))
+
+        return self._run(key, record, fill)
+
+    def _run(self, key, record, fill):
+        """Replay ``key``'s graph with inputs ``fill`` writes into its buffers, recording it
+        first (``record() -> (inputs, step(attention))``) on the shape's due call; None
+        where the step should run eagerly. Returns copies of the graph's outputs."""
         if self.disabled:
             return None
         runtime = self.runtime
@@ -89,8 +151,6 @@ class CudaGraphs:
         if cache != self.cache_key:  # a new cache: the graphs read and write the old one's memory
             self.drop()
             self.cache_key = cache
-        batch, num_new = input_ids.shape
-        key = (batch, num_new, positions is not None, tree_mask is not None, last_only, return_hidden, tuple(capture))
         entry = self.graphs.get(key)
         if entry is None:
             seen = self.seen.get(key, 0)
@@ -101,7 +161,7 @@ class CudaGraphs:
                 return None
             self.seen.pop(key, None)
             try:
-                entry = self._capture(key, input_ids, positions, tree_mask, last_only, return_hidden, tuple(capture))
+                entry = self._capture(key, *record())
             except RuntimeError as error:  # an operation the device cannot record: run eagerly from now on
                 print(f"specdecode: recording a CUDA graph failed ({str(error).splitlines()[0]}); "
                       "running every step without graphs", file=sys.stderr, flush=True)
@@ -110,15 +170,9 @@ class CudaGraphs:
                 return None
         else:
             self.graphs.move_to_end(key)
-        entry.ids.copy_(input_ids)
-        entry.start.fill_(runtime.length)
-        if entry.positions is not None:
-            entry.positions.copy_(positions)
-        if tree_mask is not None:
-            entry.tree.copy_(tree_mask)
+        fill(entry.inputs)
         entry.graph.replay()
         self.replays += 1
-        runtime.length += num_new
         outputs = tuple(out.clone() for out in entry.outputs)
         return outputs if len(outputs) > 1 else outputs[0]
 
@@ -131,42 +185,31 @@ class CudaGraphs:
         self.cache_key = None
 
     def attention_by_size(self) -> dict[str, str]:
-        """The attention kept per number of new tokens, as {"T": name} (the last shape of
-        each T recorded), for the cost profile to show."""
+        """The attention kept per number of new tokens of a single sequence's step, as
+        {"T": name} (the last shape of each T recorded), for the cost profile to show."""
         chosen = {}
         for key, seconds in self.choices.items():
-            chosen[str(key[1])] = min(seconds, key=seconds.get)
+            if key[0] == "sequence":
+                chosen[str(key[2])] = min(seconds, key=seconds.get)
         return dict(sorted(chosen.items(), key=lambda item: int(item[0])))
 
-    def _capture(self, key, input_ids, positions, tree_mask, last_only, return_hidden, capture) -> _Graph:
-        runtime = self.runtime
-        device = runtime.device
-        batch, num_new = input_ids.shape
-        ids = input_ids.to(device=device, dtype=torch.long).clone()
-        start = torch.tensor(runtime.length, dtype=torch.long, device=device)
-        static_positions = None if positions is None else positions.to(device=device, dtype=torch.long).clone()
-        if tree_mask is None:
-            tree = torch.ones(num_new, num_new, dtype=torch.bool, device=device).tril_()
-        else:
-            tree = tree_mask.to(device=device, dtype=torch.bool).clone()
-
+    def _capture(self, key, inputs: dict, step) -> _Graph:
+        """Record ``step(attention)`` with each candidate attention, keep the one whose
+        replays time faster (each replay writes the same cache entries as the step it
+        stands for), and return it."""
         recorded, error = {}, None
         for attention in self.attentions:
-            def step(attention=attention):
-                return runtime._forward_static(ids, static_positions, start, tree, last_only, return_hidden, capture,
-                                               attention)
             try:
-                recorded[attention] = self._record(step)
+                recorded[attention] = self._record(lambda attention=attention: step(attention))
             except RuntimeError as failed:  # the other may still record
                 error = failed
         if not recorded:
             raise error
-        # each replay writes the same cache entries as the step it stands for
         seconds = {attention: self._time(graph) for attention, (graph, _) in recorded.items()}
         self.choices[key] = seconds
         graph, outputs = recorded[min(seconds, key=seconds.get)]
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        entry = _Graph(graph, ids, start, static_positions, tree, outputs)
+        entry = _Graph(graph, inputs, outputs)
         self.graphs[key] = entry
         self.captures += 1
         while len(self.graphs) > self.max_graphs:

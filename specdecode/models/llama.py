@@ -553,6 +553,8 @@ def matmul_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     (docs/performance.md, "GPU"). Each kv head's query rows are one product's rows."""
     batch, heads, num_new, dim = q.shape
     groups = keys.shape[1]
+    if mask.dim() == 4:  # [B, 1, T, S] (the batched engine's rows): broadcast over each group's heads
+        mask = mask[:, :, None]
     rows = q.reshape(batch, groups, heads // groups * num_new, dim)
     # scores in fp32, as SDPA keeps them: rounded to bf16 first, they lost up to 0.075 of a
     # probability against its 0.008 where |q.k| reached 300 (found in review)
@@ -815,6 +817,11 @@ class NativeRuntime:
         if self.kernels is not None:
             return self.kernels.forward(input_ids, None, None, last_only, return_hidden, capture,
                                         starts=list(starts), cache_rows=list(cache_rows), threads=threads)
+        if (self.graphs is not None and not return_hidden and num_new <= self.prefill_chunk
+                and self.graphs.accepts(batch, num_new)):  # GPU
+            out = self.graphs.run_rows(input_ids, list(cache_rows), list(starts), last_only, tuple(capture))
+            if out is not None:
+                return out
         def run(begin, stop, last):
             return self._forward_rows_torch(input_ids[:, begin:stop], cache_rows, [s + begin for s in starts], last,
                                             capture)
@@ -840,6 +847,28 @@ class NativeRuntime:
             return self.k_cache[index][rows, :, :end], self.v_cache[index][rows, :, :end]
 
         return self._layers_torch(input_ids, cos, sin, mask, store, cached, last_only, capture)
+
+    def _forward_rows_static(self, input_ids, rows, starts, last_only, capture=(), attention: str = "sdpa"):
+        """``_forward_rows_torch`` with shapes and addresses that do not depend on the rows'
+        lengths, what a CUDA graph records: ``rows`` and ``starts`` [n] are device tensors,
+        each row attends over its whole cache row under a causal mask from its start."""
+        w, device = self.weights, self.device
+        num_new = input_ids.shape[1]
+        positions = starts[:, None] + torch.arange(num_new, device=device)  # [n, T]
+        cos = w.rope_cos[positions][:, :, None, :].to(self.dtype)  # [n, T, 1, head_dim]
+        sin = w.rope_sin[positions][:, :, None, :].to(self.dtype)
+        mask = (torch.arange(self.capacity, device=device)[None, None, :] <= positions[:, :, None])[:, None]
+
+        def store(index, keys, values):  # [n, T, G, D] into each row's slots
+            self.k_cache[index][rows[:, None], :, positions] = keys
+            self.v_cache[index][rows[:, None], :, positions] = values
+
+        def cached(index):
+            return self.k_cache[index][rows], self.v_cache[index][rows]
+
+        logits, _, features = self._layers_torch(input_ids, cos, sin, mask, store, cached, last_only, capture,
+                                                 ATTENTIONS[attention])
+        return _outputs([logits], None, [features] if capture else None)
 
     def _forward_torch(self, input_ids, positions, tree_mask, last_only, return_hidden, capture=()):
         w, device = self.weights, self.device
