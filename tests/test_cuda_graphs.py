@@ -282,7 +282,8 @@ def test_batched_rows_replay_what_the_eager_rows_compute(tmp_path, rerun, attent
             runtime.forward_rows(ids, [row], [0])
         lengths[row] = count
     steps = [([0, 1, 2, 3], 1, {}), ([2, 0, 3, 1], 1, {}), ([1, 3], 3, dict(capture=(0, 2))), ([3, 1], 3, dict(capture=(0, 2))),
-             ([0, 2], 2, dict(last_only=True)), ([2, 0], 2, dict(last_only=True)), ([0, 1, 2, 3], 1, {})]
+             ([1, 3], 3, {}), ([0, 2], 2, dict(last_only=True)), ([2, 0], 2, dict(last_only=True)), ([0, 2], 2, {}),
+             ([0, 1, 2, 3], 1, {})]  # a shape with other options is another graph (found in review)
     for rows, num_new, kwargs in steps:
         ids = torch.randint(3, 90, (len(rows), num_new), generator=generator)
         starts = [lengths[row] for row in rows]
@@ -294,7 +295,7 @@ def test_batched_rows_replay_what_the_eager_rows_compute(tmp_path, rerun, attent
     for row, length in enumerate(lengths):
         torch.testing.assert_close(eager.k_cache[:, row, :, :length], graphed.k_cache[:, row, :, :length],
                                    rtol=1e-5, atol=1e-5)
-    assert graphed.graphs.captures == 7 and graphed.graphs.replays == 11  # the four prompts too (record_after 0)
+    assert graphed.graphs.captures == 9 and graphed.graphs.replays == 13  # the four prompts too (record_after 0)
 
 
 def test_the_batch_engine_through_graphs_equals_each_request_alone(tmp_path, rerun):
@@ -316,3 +317,38 @@ def test_the_batch_engine_through_graphs_equals_each_request_alone(tmp_path, rer
     engine.run()
     assert [s.generated for s in sequences] == alone
     assert graphed.graphs.replays > 0
+
+
+def test_recorded_steps_attend_over_a_bucket_that_holds_the_context(tmp_path, rerun):
+    """A recorded step attends over a power-of-two span of the cache from 256 that holds
+    its longest row, not the whole cache (found in review: graphed batched steps cost time
+    in proportion to --max-model-len); the span is part of the shape's key."""
+    import json
+
+    path = save_tiny_model(tmp_path / "t", seed=40, num_layers=2)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    eager, graphed = (load_native(path, torch.float32, "fp32", "torch", prefill_chunk=64) for _ in range(2))
+    graphed.graphs = CudaGraphs(graphed, record_after=0)
+    generator = torch.Generator().manual_seed(3)
+    for runtime in (eager, graphed):
+        runtime.reset(1500)
+    assert [graphed.graph_span(end) for end in (1, 256, 257, 700, 1400)] == [256, 256, 512, 1024, 1500]
+    prompt = torch.randint(3, 90, (1, 250), generator=generator)
+    for runtime in (eager, graphed):
+        runtime(prompt)  # longer than a chunk: eagerly
+    for num_new in (1, 8, 1):  # ends 251 (span 256), 259 and 260 (512)
+        ids = torch.randint(3, 90, (1, num_new), generator=generator)
+        torch.testing.assert_close(eager(ids), graphed(ids), rtol=1e-4, atol=1e-4)
+    spans = {key[3] for key in graphed.graphs.graphs if key[0] == "sequence"}
+    assert spans == {256, 512}
+    for runtime in (eager, graphed):
+        runtime.reset(1500, batch=2)
+        runtime.forward_rows(torch.randint(3, 90, (1, 200), generator=torch.Generator().manual_seed(4)), [0], [0])
+        for begin in range(0, 700, 100):
+            runtime.forward_rows(torch.randint(3, 90, (1, 100), generator=torch.Generator().manual_seed(begin)),
+                                 [1], [begin])
+    ids = torch.randint(3, 90, (2, 3), generator=generator)
+    torch.testing.assert_close(eager.forward_rows(ids, [0, 1], [200, 700]), graphed.forward_rows(ids, [0, 1], [200, 700]),
+                               rtol=1e-4, atol=1e-4)
+    assert ("rows", 2, 3, 1024, False, ()) in graphed.graphs.graphs

@@ -7,12 +7,14 @@ step took 13-14 ms at every context, about 165x what reading the weights takes t
 CUDA graph records one step's kernels once and replays them with a single launch.
 
 A graph replays fixed shapes and fixed addresses, so the step it records must not depend
-on the context length: ``NativeRuntime._forward_static`` attends over the whole cache
-under a mask built on the device from the start slot (a 0-dim tensor), writes the new
+on the exact context length: ``NativeRuntime._forward_static`` attends over a span of the
+cache under a mask built on the device from the start slot (a 0-dim tensor), writes the new
 keys and values with ``index_copy_`` at slots computed the same way, and gathers RoPE
 rows by position; the batched engine's step (``_forward_rows_static``) does the same per
-row, with each row's cache row and start as device tensors. Each (rows, new tokens,
-options) shape gets its own graph, recorded on
+row, with each row's cache row and start as device tensors. The slots attended over are a
+bucket (a power of two from 256, ``NativeRuntime.graph_span``) that holds the longest row:
+part of the shape's key, so a step costs about what its context does, not the cache. Each
+(rows, new tokens, span, options) shape gets its own graph, recorded on
 the second call of that shape with that call's real inputs and replayed from then on (a
 shape met once, such as a short prompt's length, runs eagerly: recording costs several
 eager steps); the inputs are copied into the graph's static buffers before each replay and its outputs are copied out
@@ -40,7 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_MAX_TOKENS = 128  # rows x new tokens: the largest token tree (64), or 8 rows of k + 1 = 16
+DEFAULT_MAX_TOKENS = 64  # new tokens of a single sequence's step: the largest token tree
+DEFAULT_MAX_ROW_TOKENS = 128  # rows x new tokens of a batched step: 8 rows of k + 1 = 16
 DEFAULT_MAX_GRAPHS = 64
 DEFAULT_RECORD_AFTER = 1  # eager calls of a shape before it is recorded
 TIMED_REPLAYS = 3  # per candidate attention, when a shape is recorded
@@ -58,8 +61,10 @@ class CudaGraphs:
     """Captured steps of one ``NativeRuntime`` on a CUDA device."""
 
     def __init__(self, runtime, max_tokens: int = DEFAULT_MAX_TOKENS, max_graphs: int = DEFAULT_MAX_GRAPHS,
-                 record_after: int = DEFAULT_RECORD_AFTER, attentions: tuple[str, ...] = ("sdpa", "matmul")):
+                 record_after: int = DEFAULT_RECORD_AFTER, attentions: tuple[str, ...] = ("sdpa", "matmul"),
+                 max_row_tokens: int = DEFAULT_MAX_ROW_TOKENS):
         self.runtime = runtime
+        self.max_row_tokens = max_row_tokens
         self.attentions = attentions
         self.choices: dict[tuple, dict[str, float]] = {}  # shape -> seconds a replay, per attention timed
         self.max_tokens = max_tokens
@@ -73,8 +78,10 @@ class CudaGraphs:
         self.captures = 0  # graphs captured so far (a test and the profile read it)
         self.replays = 0
 
-    def accepts(self, batch: int, num_new: int) -> bool:
-        return batch * num_new <= self.max_tokens
+    def accepts(self, batch: int, num_new: int, rows: bool) -> bool:
+        """Whether a step of ``batch`` x ``num_new`` tokens is recorded (``rows``: a
+        batched engine's step); longer ones, prefill chunks, run eagerly."""
+        return batch * num_new <= (self.max_row_tokens if rows else self.max_tokens)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor | None, tree_mask: torch.Tensor | None,
             last_only: bool, return_hidden: bool, capture: tuple[int, ...]):
@@ -83,8 +90,9 @@ class CudaGraphs:
         eagerly: a shape met fewer than ``record_after`` times before."""
         runtime = self.runtime
         batch, num_new = input_ids.shape
-        key = ("sequence", batch, num_new, positions is not None, tree_mask is not None, last_only, return_hidden,
-               tuple(capture))
+        span = runtime.graph_span(runtime.length + num_new)
+        key = ("sequence", batch, num_new, span, positions is not None, tree_mask is not None, last_only,
+               return_hidden, tuple(capture))
 
         def record():
             device = runtime.device
@@ -97,7 +105,7 @@ class CudaGraphs:
 
             def step(attention):
                 return runtime._forward_static(inputs["ids"], inputs.get("positions"), inputs["start"], inputs["tree"],
-                                               last_only, return_hidden, capture, attention)
+                                               span, last_only, return_hidden, capture, attention)
             return inputs, step
 
         def fill(inputs):
@@ -120,7 +128,8 @@ class CudaGraphs:
         tokens), through a graph, or None as for ``run``."""
         runtime = self.runtime
         rows, num_new = input_ids.shape
-        key = ("rows", rows, num_new, last_only, tuple(capture))
+        span = runtime.graph_span(max(starts) + num_new)
+        key = ("rows", rows, num_new, span, last_only, tuple(capture))
 
         def record():
             device = runtime.device
@@ -129,8 +138,8 @@ class CudaGraphs:
                       "starts": torch.tensor(starts, dtype=torch.long, device=device)}
 
             def step(attention):
-                return runtime._forward_rows_static(inputs["ids"], inputs["rows"], inputs["starts"], last_only, capture,
-                                                    attention)
+                return runtime._forward_rows_static(inputs["ids"], inputs["rows"], inputs["starts"], span, last_only,
+                                                    capture, attention)
             return inputs, step
 
         def fill(inputs):
@@ -190,7 +199,7 @@ class CudaGraphs:
         chosen = {}
         for key, seconds in self.choices.items():
             if key[0] == "sequence":
-                chosen[str(key[2])] = min(seconds, key=seconds.get)
+                chosen[str(key[2])] = min(seconds, key=seconds.get)  # (the longest span of each T measured last)
         return dict(sorted(chosen.items(), key=lambda item: int(item[0])))
 
     def _capture(self, key, inputs: dict, step) -> _Graph:

@@ -768,7 +768,7 @@ class NativeRuntime:
         if self.kernels is not None:
             return self.kernels.forward(input_ids, positions, tree_mask, last_only, return_hidden, capture,
                                         lazy_logits=lazy_logits)
-        if self.graphs is not None and num_new <= self.prefill_chunk and self.graphs.accepts(batch, num_new):  # GPU
+        if self.graphs is not None and num_new <= self.prefill_chunk and self.graphs.accepts(batch, num_new, False):  # GPU
             out = self.graphs.run(input_ids, positions, tree_mask, last_only, return_hidden, tuple(capture))
             if out is not None:
                 return out
@@ -818,7 +818,7 @@ class NativeRuntime:
             return self.kernels.forward(input_ids, None, None, last_only, return_hidden, capture,
                                         starts=list(starts), cache_rows=list(cache_rows), threads=threads)
         if (self.graphs is not None and not return_hidden and num_new <= self.prefill_chunk
-                and self.graphs.accepts(batch, num_new)):  # GPU
+                and self.graphs.accepts(batch, num_new, True)):  # GPU
             out = self.graphs.run_rows(input_ids, list(cache_rows), list(starts), last_only, tuple(capture))
             if out is not None:
                 return out
@@ -848,23 +848,24 @@ class NativeRuntime:
 
         return self._layers_torch(input_ids, cos, sin, mask, store, cached, last_only, capture)
 
-    def _forward_rows_static(self, input_ids, rows, starts, last_only, capture=(), attention: str = "sdpa"):
+    def _forward_rows_static(self, input_ids, rows, starts, span, last_only, capture=(), attention: str = "sdpa"):
         """``_forward_rows_torch`` with shapes and addresses that do not depend on the rows'
-        lengths, what a CUDA graph records: ``rows`` and ``starts`` [n] are device tensors,
-        each row attends over its whole cache row under a causal mask from its start."""
+        lengths, what a CUDA graph records: ``rows`` and ``starts`` [n] are device tensors;
+        each row attends over the first ``span`` slots of its cache row (a bucket at least
+        as long as the longest row's, ``graph_span``) under a causal mask from its start."""
         w, device = self.weights, self.device
         num_new = input_ids.shape[1]
         positions = starts[:, None] + torch.arange(num_new, device=device)  # [n, T]
         cos = w.rope_cos[positions][:, :, None, :].to(self.dtype)  # [n, T, 1, head_dim]
         sin = w.rope_sin[positions][:, :, None, :].to(self.dtype)
-        mask = (torch.arange(self.capacity, device=device)[None, None, :] <= positions[:, :, None])[:, None]
+        mask = (torch.arange(span, device=device)[None, None, :] <= positions[:, :, None])[:, None]  # [n, 1, T, span]
 
         def store(index, keys, values):  # [n, T, G, D] into each row's slots
             self.k_cache[index][rows[:, None], :, positions] = keys
             self.v_cache[index][rows[:, None], :, positions] = values
 
         def cached(index):
-            return self.k_cache[index][rows], self.v_cache[index][rows]
+            return self.k_cache[index][rows, :, :span], self.v_cache[index][rows, :, :span]
 
         logits, _, features = self._layers_torch(input_ids, cos, sin, mask, store, cached, last_only, capture,
                                                  ATTENTIONS[attention])
@@ -900,14 +901,23 @@ class NativeRuntime:
         self.length = end
         return out
 
-    def _forward_static(self, input_ids, positions, start, tree_mask, last_only, return_hidden, capture=(),
+    def graph_span(self, end: int) -> int:
+        """The cache slots a recorded step attends over when its longest row ends at
+        ``end``: the next power of two from 256, at most the capacity. Attending over the
+        whole cache cost time in proportion to --max-model-len, not to the context (found in
+        review: 8 rows at 16,384 slots ran 75x their eager step on the CPU); buckets keep
+        the graphs per shape few."""
+        return min(self.capacity, max(256, 1 << (end - 1).bit_length()))
+
+    def _forward_static(self, input_ids, positions, start, tree_mask, span, last_only, return_hidden, capture=(),
                         attention: str = "sdpa"):
         """``_forward_torch`` with shapes and addresses that do not depend on the context,
         what a CUDA graph records (``models/cuda_graphs.py``): ``start`` is a 0-dim device
         tensor (the first new token's slot), ``positions`` [T] or None (then start + t),
-        ``tree_mask`` [T, T] (causal for a chain). The new tokens attend over the whole
-        cache under a mask that keeps the slots before ``start`` and the tree's own; the
-        caller advances the length. ``attention``: a name in ``ATTENTIONS``."""
+        ``tree_mask`` [T, T] (causal for a chain). The new tokens attend over the first
+        ``span`` slots of the cache (``graph_span``) under a mask that keeps the slots before
+        ``start`` and the tree's own; the caller advances the length. ``attention``: a name
+        in ``ATTENTIONS``."""
         w, device = self.weights, self.device
         num_new = input_ids.shape[1]
         slots = start + torch.arange(num_new, device=device)  # [T]
@@ -915,7 +925,7 @@ class NativeRuntime:
             positions = slots
         cos = w.rope_cos[positions][None, :, None, :].to(self.dtype)  # [1, T, 1, head_dim]
         sin = w.rope_sin[positions][None, :, None, :].to(self.dtype)
-        mask = (torch.arange(self.capacity, device=device) < start).expand(num_new, -1).clone()  # [T, capacity]
+        mask = (torch.arange(span, device=device) < start).expand(num_new, -1).clone()  # [T, span]
         mask.scatter_(1, slots.expand(num_new, -1), tree_mask)
 
         def store(index, keys, values):  # [B, T, G, D] into the slots of every row
@@ -923,7 +933,7 @@ class NativeRuntime:
             self.v_cache[index].index_copy_(2, slots, values.transpose(1, 2))
 
         def cached(index):
-            return self.k_cache[index], self.v_cache[index]
+            return self.k_cache[index, :, :, :span], self.v_cache[index, :, :, :span]
 
         logits, hidden, features = self._layers_torch(input_ids, cos, sin, mask, store, cached, last_only, capture,
                                                       ATTENTIONS[attention])
