@@ -150,8 +150,9 @@ def test_cuda_graphs_replay_what_the_eager_steps_compute(tmp_path):
         engine = SpeculativeEngine(graphed, proposer=proposer, k=4)
         assert engine.generate(prompt[0].tolist(), params).token_ids == plain
     captures = graphed.graphs.captures
-    for runtime in (graphed, eager):  # a larger cache drops the graphs and their pool; recording starts over
-        runtime.reset(500)
+    for runtime in (graphed, eager):  # a new cache drops the graphs and their pool; recording starts over
+        runtime.reset(200, batch=2)
+        runtime.reset(200)
         runtime(prompt)
     for step in ([[7]], [[8]], [[9]]):
         torch.testing.assert_close(graphed(torch.tensor(step)), eager(torch.tensor(step)), rtol=1e-5, atol=1e-5)

@@ -105,10 +105,12 @@ def test_graph_outputs_are_copies_and_graphs_follow_their_cache(tmp_path, rerun)
     graphed(torch.tensor([[9]]))  # the same graph again: its output tensor is overwritten
     assert torch.equal(first, kept)
     assert graphed.graphs.captures == 2
-    graphed.reset(40)  # the same cache: the graphs stay
+    graphed.reset(200)  # within the capacity a runtime with graphs allocates (all 256 here): the graphs stay
+    assert graphed.capacity == 256
     graphed(torch.tensor([[5, 6, 7]]))
     assert graphed.graphs.captures == 2
-    graphed.reset(200)  # a larger cache: graphs recorded over the old one are dropped
+    graphed.reset(200, batch=2)  # a new cache: graphs recorded over the old one are dropped
+    graphed.reset(200)
     assert graphed(torch.tensor([[5, 6, 7]])).shape[1] == 3
     assert graphed.graphs.captures == 3 and len(graphed.graphs.graphs) == 1
     graphed.graphs.max_graphs = 2
@@ -333,7 +335,8 @@ def test_recorded_steps_attend_over_a_bucket_that_holds_the_context(tmp_path, re
     generator = torch.Generator().manual_seed(3)
     for runtime in (eager, graphed):
         runtime.reset(1500)
-    assert [graphed.graph_span(end) for end in (1, 256, 257, 700, 1400)] == [256, 256, 512, 1024, 1500]
+    assert graphed.capacity == 2048  # a runtime with graphs allocates room to grow
+    assert [graphed.graph_span(end) for end in (1, 256, 257, 700, 1400)] == [256, 256, 512, 1024, 2048]
     prompt = torch.randint(3, 90, (1, 250), generator=generator)
     for runtime in (eager, graphed):
         runtime(prompt)  # longer than a chunk: eagerly

@@ -36,6 +36,7 @@ from .quant import PackedLinear, check_block_shape
 
 BACKENDS = ("kernels", "torch")
 DEFAULT_PREFILL_CHUNK = 256
+GRAPHED_MIN_CAPACITY = 2048  # cache slots a runtime with CUDA graphs allocates at least (a power of two)
 
 
 OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
@@ -682,6 +683,8 @@ class NativeRuntime:
     def reset(self, capacity: int, batch: int = 1) -> None:
         """Allocate (or reuse) a cache for ``capacity`` tokens and set the length to 0."""
         cfg = self.cfg
+        if self.graphs is not None:  # room to grow: a new cache drops every recorded graph, and spans bound the attention
+            capacity = max(capacity, GRAPHED_MIN_CAPACITY, 1 << (capacity - 1).bit_length())
         capacity = min(capacity, cfg.max_positions)
         shape = (self.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
         if self.k_cache is None or self.k_cache.shape[1] != batch or self.k_cache.shape[3] < capacity:
