@@ -138,8 +138,9 @@ class CudaGraphs:
                       "starts": torch.tensor(starts, dtype=torch.long, device=device)}
 
             def step(attention):
-                return runtime._forward_rows_static(inputs["ids"], inputs["rows"], inputs["starts"], span, last_only,
-                                                    capture, attention)
+                logits, _, features = runtime._forward_rows_static(inputs["ids"], inputs["rows"], inputs["starts"], span,
+                                                                   last_only, capture, attention)
+                return (logits, features) if capture else logits
             return inputs, step
 
         def fill(inputs):

@@ -832,30 +832,19 @@ class NativeRuntime:
         return self._chunked(num_new, last_only, return_hidden, capture, run)
 
     def _forward_rows_torch(self, input_ids, cache_rows, starts, last_only, capture=()):
-        w, device = self.weights, self.device
-        input_ids = input_ids.to(device)
-        num_new = input_ids.shape[1]
-        rows = torch.tensor(cache_rows, device=device)
-        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(num_new, device=device)  # [n, T]
-        end = max(starts) + num_new
-        cos = w.rope_cos[positions][:, :, None, :].to(self.dtype)  # [n, T, 1, head_dim]
-        sin = w.rope_sin[positions][:, :, None, :].to(self.dtype)
-        mask = (torch.arange(end, device=device)[None, None, :] <= positions[:, :, None])[:, None]  # [n, 1, T, end]
-
-        def store(index, keys, values):  # [n, T, G, D] into each row's slots
-            self.k_cache[index][rows[:, None], :, positions] = keys
-            self.v_cache[index][rows[:, None], :, positions] = values
-
-        def cached(index):
-            return self.k_cache[index][rows, :, :end], self.v_cache[index][rows, :, :end]
-
-        return self._layers_torch(input_ids, cos, sin, mask, store, cached, last_only, capture)
+        """Eagerly: the rows' step over the slots up to the longest row's end."""
+        device = self.device
+        return self._forward_rows_static(input_ids.to(device), torch.tensor(cache_rows, device=device),
+                                         torch.tensor(starts, device=device), max(starts) + input_ids.shape[1],
+                                         last_only, capture)
 
     def _forward_rows_static(self, input_ids, rows, starts, span, last_only, capture=(), attention: str = "sdpa"):
-        """``_forward_rows_torch`` with shapes and addresses that do not depend on the rows'
-        lengths, what a CUDA graph records: ``rows`` and ``starts`` [n] are device tensors;
-        each row attends over the first ``span`` slots of its cache row (a bucket at least
-        as long as the longest row's, ``graph_span``) under a causal mask from its start."""
+        """The batched engine's step over ``rows`` [n] (cache rows) after ``starts`` [n]
+        tokens, device tensors: each row attends over the first ``span`` slots of its cache
+        row under a causal mask from its start. Eagerly ``span`` is the longest row's end;
+        a CUDA graph records it with a bucket that holds it (``graph_span``), so that its
+        shapes and addresses do not depend on the rows' lengths. Returns (logits, final
+        hidden states, captured layer inputs)."""
         w, device = self.weights, self.device
         num_new = input_ids.shape[1]
         positions = starts[:, None] + torch.arange(num_new, device=device)  # [n, T]
@@ -870,9 +859,7 @@ class NativeRuntime:
         def cached(index):
             return self.k_cache[index][rows, :, :span], self.v_cache[index][rows, :, :span]
 
-        logits, _, features = self._layers_torch(input_ids, cos, sin, mask, store, cached, last_only, capture,
-                                                 ATTENTIONS[attention])
-        return _outputs([logits], None, [features] if capture else None)
+        return self._layers_torch(input_ids, cos, sin, mask, store, cached, last_only, capture, ATTENTIONS[attention])
 
     def _forward_torch(self, input_ids, positions, tree_mask, last_only, return_hidden, capture=()):
         w, device = self.weights, self.device
