@@ -82,10 +82,11 @@ def test_cuda_eagle_chains_and_trees(tmp_path):
     eagle_on("cuda", tmp_path)
 
 
-def batch_on(device: str, tmp_path) -> None:
+def batch_on(device: str, tmp_path, prepare=None):
     """The serving engine on ``device``: concurrent greedy requests, plain and with prompt
     lookup, each equal to its output alone; seeded sampled rows with a sampling drafter
-    (the request's generator on the device) repeatable."""
+    (the request's generator on the device) repeatable. ``prepare(runtime)`` runs before
+    (tests/test_cuda_graphs.py gives the CPU runtime graphs); returns the runtime."""
     import random
 
     from specdecode.models.llama import load_native
@@ -93,6 +94,8 @@ def batch_on(device: str, tmp_path) -> None:
 
     path = save_tiny_model(tmp_path / "b", seed=14, num_layers=2)
     runtime = load_native(path, torch.float32, "fp32", "torch", prefill_chunk=16, device=device)
+    if prepare is not None:
+        prepare(runtime)
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 97) for _ in range(rng.randint(2, 6))] * rng.randint(1, 4) for _ in range(8)]
     greedy = SamplingParams(max_new_tokens=20, ignore_eos=True)
@@ -112,6 +115,7 @@ def batch_on(device: str, tmp_path) -> None:
         return [s.generated for s in rows]
 
     assert run_sampled() == run_sampled()
+    return runtime
 
 
 def test_cuda_batch_engine(tmp_path):

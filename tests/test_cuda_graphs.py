@@ -301,24 +301,13 @@ def test_batched_rows_replay_what_the_eager_rows_compute(tmp_path, rerun, attent
 
 
 def test_the_batch_engine_through_graphs_equals_each_request_alone(tmp_path, rerun):
-    """Concurrent greedy requests, plain and with prompt lookup, through the batched
-    engine on a graphed runtime: each equal to its eager output alone."""
-    import random
+    """The serving engine's check (tests/test_cuda.py: greedy rows, plain and with prompt
+    lookup, each equal to the request alone; seeded sampled rows repeatable) on a runtime
+    whose steps go through graphs, batched and single."""
+    from test_cuda import batch_on
 
-    from specdecode.serve.batch import BatchEngine
-
-    eager, graphed = runtime_pair(tmp_path, seed=39)
-    graphed.graphs.record_after = 1
-    rng = random.Random(4)
-    prompts = [[rng.randrange(3, 97) for _ in range(rng.randint(2, 6))] * rng.randint(1, 4) for _ in range(8)]
-    greedy = SamplingParams(max_new_tokens=20, ignore_eos=True)
-    alone = [SpeculativeEngine(eager).generate(p, greedy).token_ids for p in prompts]
-    engine = BatchEngine(graphed, max_num_seqs=4, max_model_len=128, make_drafter=NgramProposer,
-                         make_policy=lambda: 3)
-    sequences = [engine.add(p, greedy, speculate=i % 2 == 0) for i, p in enumerate(prompts)]
-    engine.run()
-    assert [s.generated for s in sequences] == alone
-    assert graphed.graphs.replays > 0
+    runtime = batch_on("cpu", tmp_path, prepare=lambda runtime: setattr(runtime, "graphs", CudaGraphs(runtime)))
+    assert any(key[0] == "rows" for key in runtime.graphs.graphs) and runtime.graphs.replays > 0
 
 
 def test_recorded_steps_attend_over_a_bucket_that_holds_the_context(tmp_path, rerun):
