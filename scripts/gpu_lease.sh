@@ -19,7 +19,10 @@
 # the sha256, and runs the CUDA tests, the profile with and without CUDA graphs, greedy
 # fp32 comparisons on the real model, and bench with and without CUDA graphs, writing logs
 # under $OUT, inside the 10 minutes a call may take (timeout_s 600; the steps' own limits
-# add up to 560 s). The whole suite ran there on 2026-11-26 (docs/performance.md, "GPU").
+# add up to 560 s). `run-short` (the same calls, `run-short` last) runs the CUDA tests, the
+# profile (v(T) with the attention each recorded shape kept), the step probe, bench with
+# CUDA graphs against plain without, and bench-serve on the GPU (limits: 530 s). The whole
+# suite ran there on 2026-11-26 (docs/performance.md, "GPU").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PARTS=(p0 p1 p2 p3)
@@ -72,6 +75,8 @@ run | run-short)
         > "$out/test_cuda.log" 2>&1 || true
     tail -16 "$out/test_cuda.log"
     if [ "$1" = run-short ]; then  # a second lease's few minutes: where a recorded step's time goes, and bench
+        timeout 60 python3 -m specdecode.cli profile --device cuda > "$out/profile.txt" 2>&1 || true
+        tail -14 "$out/profile.txt"  # v(T) with the attention each shape kept, and the choice per T
         timeout 60 python3 scripts/gpu_step_probe.py > "$out/probe.txt" 2>&1 || true
         grep -E '^(T=|sdpa)' "$out/probe.txt"
         timeout 100 python3 -m specdecode.cli bench --device cuda --limit 1 --methods none,suffix \
