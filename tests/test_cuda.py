@@ -130,15 +130,20 @@ def test_cuda_bandwidth_is_the_gpus():
     assert measure_bandwidth(device="cuda") > 2 * measure_bandwidth(device="cpu")
 
 
-def test_cuda_graphs_replay_what_the_eager_steps_compute(tmp_path):
+def graphs_on(device: str, tmp_path, attach=None) -> None:
     """Small steps replay recorded CUDA graphs by default on the GPU (models/cuda_graphs.py):
-    each replay computes the eager step's logits, greedy output equals the eager runtime's
-    (fp32), with and without speculation, and bf16 runs through them too."""
+    each replay computes the eager step's logits (chains, a tree, after a new cache), greedy
+    output equals the eager runtime's (fp32), with and without speculation, and bf16 runs
+    through them too. ``attach(runtime)`` gives a runtime graphs where the device does not
+    (tests/test_cuda_graphs.py runs this on the CPU with a stand-in recorder)."""
     path = save_tiny_model(tmp_path / "t", seed=15, num_layers=3)
-    graphed = load_model(path, torch.float32, device="cuda").runtime
-    eager = load_model(path, torch.float32, device="cuda", cuda_graphs=False).runtime
+    graphed = load_model(path, torch.float32, backend="torch", device=device).runtime
+    eager = load_model(path, torch.float32, backend="torch", device=device, cuda_graphs=False).runtime
+    if attach is not None:
+        attach(graphed)
     assert graphed.graphs is not None and eager.graphs is None
-    assert "CUDA graphs" in graphed.describe() and "CUDA graphs" not in eager.describe()
+    if device == "cuda":
+        assert "CUDA graphs" in graphed.describe() and "CUDA graphs" not in eager.describe()
     prompt = torch.tensor([[5, 9, 11, 5, 9, 11, 5]])
     for runtime in (graphed, eager):
         runtime.reset(64)
@@ -153,23 +158,29 @@ def test_cuda_graphs_replay_what_the_eager_steps_compute(tmp_path):
     for proposer in (NgramProposer(), DraftModelProposer(graphed.layer_skip_view(1))):
         engine = SpeculativeEngine(graphed, proposer=proposer, k=4)
         assert engine.generate(prompt[0].tolist(), params).token_ids == plain
-    captures = graphed.graphs.captures
     for runtime in (graphed, eager):  # a new cache drops the graphs and their pool; recording starts over
         runtime.reset(200, batch=2)
         runtime.reset(200)
-        runtime(prompt)
-    for step in ([[7]], [[8]], [[9]]):
+    assert not graphed.graphs.graphs
+    captures = graphed.graphs.captures
+    for step in ([[7]], [[8]], [[9]], [[10]]):  # (the shape was recorded before: once eagerly, then again)
         torch.testing.assert_close(graphed(torch.tensor(step)), eager(torch.tensor(step)), rtol=1e-5, atol=1e-5)
     assert not graphed.graphs.disabled and graphed.graphs.captures == captures + 1
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
-    for depths in ([0, 1, 1, 2], [0, 1, 1, 2], [0, 1, 1, 2]):  # a tree replayed from its second call
+    for _ in range(3):  # a tree replayed from its second call
         ids = torch.tensor([[13, 14, 15, 16]])
-        outputs = [runtime(ids, positions=runtime.length + torch.tensor(depths), tree_mask=tree)
+        outputs = [runtime(ids, positions=runtime.length + torch.tensor([0, 1, 1, 2]), tree_mask=tree)
                    for runtime in (graphed, eager)]
         torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
         for runtime in (graphed, eager):
             runtime.compact(torch.tensor([runtime.length - 4, runtime.length - 2]), runtime.length - 4)
     assert graphed.graphs.captures == captures + 2 and not graphed.graphs.disabled
-    bf16 = load_model(path, torch.bfloat16, device="cuda").runtime
+    bf16 = load_model(path, torch.bfloat16, backend="torch", device=device).runtime
+    if attach is not None:
+        attach(bf16)
     engine = SpeculativeEngine(bf16, proposer=NgramProposer(), k=3)
     assert len(engine.generate(prompt[0].tolist(), params).token_ids) == 30 and bf16.graphs.replays > 0
+
+
+def test_cuda_graphs_replay_what_the_eager_steps_compute(tmp_path):
+    graphs_on("cuda", tmp_path)

@@ -344,3 +344,12 @@ def test_recorded_steps_attend_over_a_bucket_that_holds_the_context(tmp_path, re
     torch.testing.assert_close(eager.forward_rows(ids, [0, 1], [200, 700]), graphed.forward_rows(ids, [0, 1], [200, 700]),
                                rtol=1e-4, atol=1e-4)
     assert ("rows", 2, 3, 1024, False, ()) in graphed.graphs.graphs
+
+
+def test_the_gpu_check_of_graphs_holds_on_the_cpu(tmp_path, rerun):
+    """tests/test_cuda.py's check of the recorded steps (counts of recordings and replays
+    included), run here with the stand-in recorder, so that a lease's few minutes do not
+    go to a test's own slips."""
+    from test_cuda import graphs_on
+
+    graphs_on("cpu", tmp_path, attach=lambda runtime: setattr(runtime, "graphs", CudaGraphs(runtime)))
