@@ -53,15 +53,18 @@ def test_cuda_bf16_leaves_the_cpu_packing_out(tmp_path):
     assert len(engine.generate([5, 9, 11, 5, 9, 11], params).token_ids) == 12
 
 
-def eagle_on(device: str, tmp_path) -> None:
+def eagle_on(device: str, tmp_path, attach=None) -> None:
     """EAGLE chains, dynamic trees and merged trees through the factory on ``device``:
-    greedy equal to plain, seeded sampling repeatable (written for the GPU; runs anywhere)."""
+    greedy equal to plain, seeded sampling repeatable (written for the GPU; runs anywhere).
+    ``attach(runtime)`` gives the target graphs where the device does not."""
     from specdecode.config import SpeculativeConfig
     from specdecode.factory import build_proposer
     from test_eagle import random_head
 
     target = load_model(save_tiny_model(tmp_path / "t", seed=13, num_layers=3), torch.float32, backend="torch",
                         device=device)
+    if attach is not None:
+        attach(target.runtime)
     random_head(target, seed=0).save(tmp_path / "head")
     prompt = [5, 9, 11, 5, 9, 11, 5]
     greedy = SamplingParams(max_new_tokens=30, ignore_eos=True)

@@ -353,3 +353,16 @@ def test_the_gpu_check_of_graphs_holds_on_the_cpu(tmp_path, rerun):
     from test_cuda import graphs_on
 
     graphs_on("cpu", tmp_path, attach=lambda runtime: setattr(runtime, "graphs", CudaGraphs(runtime)))
+
+
+def test_eagle_chains_and_trees_through_graphs(tmp_path, rerun):
+    """EAGLE's target steps capture layer inputs (features) and score trees: through the
+    graphs, greedy output equals plain decoding (tests/test_cuda.py's check)."""
+    from test_cuda import eagle_on
+
+    attached = []
+    eagle_on("cpu", tmp_path, attach=lambda runtime: attached.append(CudaGraphs(runtime)) or
+             setattr(runtime, "graphs", attached[-1]))
+    graphs = attached[0]
+    assert graphs.replays > 0 and any(key[-1] for key in graphs.graphs)  # a step that captured features
+    assert any(key[0] == "sequence" and key[5] for key in graphs.graphs)  # a tree step
