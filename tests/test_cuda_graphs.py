@@ -357,7 +357,7 @@ def test_the_gpu_check_of_graphs_holds_on_the_cpu(tmp_path, rerun):
 
 def test_eagle_chains_and_trees_through_graphs(tmp_path, rerun):
     """EAGLE's target steps capture layer inputs (features) and score trees: through the
-    graphs, greedy output equals plain decoding (tests/test_cuda.py's check)."""
+    graphs they run, and greedy output equals plain decoding (tests/test_cuda.py's check)."""
     from test_cuda import eagle_on
 
     attached = []
@@ -366,3 +366,27 @@ def test_eagle_chains_and_trees_through_graphs(tmp_path, rerun):
     graphs = attached[0]
     assert graphs.replays > 0 and any(key[-1] for key in graphs.graphs)  # a step that captured features
     assert any(key[0] == "sequence" and key[5] for key in graphs.graphs)  # a tree step
+    # (a random head's drafts are seldom accepted, so the output leans on the root's logits:
+    # the nodes' own logits through a recorded tree step are checked by graphs_on and
+    # test_static_step_computes_the_eager_step; found in review)
+
+
+def test_a_batched_engine_allocates_the_slots_it_asks_for(tmp_path, rerun):
+    """A single sequence's cache gets room to grow under graphs; a batched engine's rows,
+    allocated once at max_model_len, do not (found in review: up to 2x the slots that
+    `specdecode memory` counts)."""
+    import json
+
+    from specdecode.serve.batch import BatchEngine
+
+    path = save_tiny_model(tmp_path / "t", seed=41, num_layers=2)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
+    runtime = load_native(path, torch.float32, "fp32", "torch", prefill_chunk=64)
+    runtime.graphs = CudaGraphs(runtime)
+    runtime.reset(300)
+    assert runtime.capacity == 2048
+    runtime.reset(3000)
+    assert runtime.capacity == 4096
+    BatchEngine(runtime, max_num_seqs=2, max_model_len=3000)
+    assert runtime.capacity == 3000

@@ -680,10 +680,14 @@ class NativeRuntime:
                 f"{self.weight_format} weights, {str(self.dtype).removeprefix('torch.')} KV cache")
 
     # -- cache management -------------------------------------------------------------
-    def reset(self, capacity: int, batch: int = 1) -> None:
-        """Allocate (or reuse) a cache for ``capacity`` tokens and set the length to 0."""
+    def reset(self, capacity: int, batch: int = 1, exact_capacity: bool = False) -> None:
+        """Allocate (or reuse) a cache for ``capacity`` tokens and set the length to 0.
+        With CUDA graphs a cache gets room to grow (a new one drops every recorded graph;
+        spans bound the attention) unless ``exact_capacity``: a batched engine allocates
+        its rows once, at --max-model-len, and rounding would only take memory (found in
+        review: 1.6-2x the slots its estimate counted)."""
         cfg = self.cfg
-        if self.graphs is not None:  # room to grow: a new cache drops every recorded graph, and spans bound the attention
+        if self.graphs is not None and not exact_capacity:
             capacity = max(capacity, GRAPHED_MIN_CAPACITY, 1 << (capacity - 1).bit_length())
         capacity = min(capacity, cfg.max_positions)
         shape = (self.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)

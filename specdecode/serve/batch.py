@@ -185,7 +185,7 @@ class BatchEngine:
         self.make_drafter = make_drafter
         self.make_policy = make_policy
         try:
-            runtime.reset(self.max_model_len, batch=max_num_seqs)
+            runtime.reset(self.max_model_len, batch=max_num_seqs, exact_capacity=True)
         except (RuntimeError, MemoryError) as error:  # found in review: an allocator's traceback
             if "alloc" not in str(error).lower() and not isinstance(error, MemoryError):
                 raise
