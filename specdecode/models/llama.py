@@ -568,6 +568,11 @@ def matmul_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 ATTENTIONS = {"sdpa": sdpa_attention, "matmul": matmul_attention}
 
 
+def _power_of_two_from(n: int) -> int:
+    """The least power of two >= ``n`` (cache sizes and attention spans under CUDA graphs)."""
+    return 1 << (n - 1).bit_length()
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -688,7 +693,7 @@ class NativeRuntime:
         review: 1.6-2x the slots its estimate counted)."""
         cfg = self.cfg
         if self.graphs is not None and not exact_capacity:
-            capacity = max(capacity, GRAPHED_MIN_CAPACITY, 1 << (capacity - 1).bit_length())
+            capacity = max(GRAPHED_MIN_CAPACITY, _power_of_two_from(capacity))
         capacity = min(capacity, cfg.max_positions)
         shape = (self.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
         if self.k_cache is None or self.k_cache.shape[1] != batch or self.k_cache.shape[3] < capacity:
@@ -901,7 +906,7 @@ class NativeRuntime:
         whole cache cost time in proportion to --max-model-len, not to the context (found in
         review: 8 rows at 16,384 slots ran 75x their eager step on the CPU); buckets keep
         the graphs per shape few."""
-        return min(self.capacity, max(256, 1 << (end - 1).bit_length()))
+        return min(self.capacity, max(256, _power_of_two_from(end)))
 
     def _forward_static(self, input_ids, positions, start, tree_mask, span, last_only, return_hidden, capture=(),
                         attention: str = "sdpa"):
