@@ -21,7 +21,7 @@
 # under $OUT, inside the 10 minutes a call may take (timeout_s 600; the steps' own limits
 # add up to 560 s). `run-short` (the same calls, `run-short` last) runs the CUDA tests, the
 # profile (v(T) with the attention each recorded shape kept), the step probe, bench with
-# CUDA graphs against plain without, and bench-serve on the GPU (limits: 530 s). The whole
+# CUDA graphs against plain without, and bench-serve on the GPU (limits: 570 s). The whole
 # suite ran there on 2026-11-26 (docs/performance.md, "GPU").
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -79,6 +79,11 @@ run | run-short)
         tail -14 "$out/profile.txt"  # v(T) with the attention each shape kept, and the choice per T
         timeout 60 python3 scripts/gpu_step_probe.py > "$out/probe.txt" 2>&1 || true
         grep -E '^(T=|sdpa)' "$out/probe.txt"
+        # fp32 through the graphs (each recorded shape's attention chosen by timing): identical to plain
+        timeout 40 python3 -m specdecode.cli generate "Write a Python function that returns the n-th Fibonacci number." \
+            --device cuda --dtype fp32 --method suffix --compare --max-new-tokens 128 \
+            > "$out/compare-suffix.log" 2>&1 || true
+        tail -6 "$out/compare-suffix.log"
         timeout 100 python3 -m specdecode.cli bench --device cuda --limit 1 --methods none,suffix \
             --out "$out/bench.json" > "$out/bench.log" 2>&1 || true
         grep -E '^(overall|outputs|  )|CUDA graph' "$out/bench.log" || tail -c 1500 "$out/bench.log"
