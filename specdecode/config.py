@@ -111,6 +111,7 @@ DEFAULT_SELF_DRAFT = "self:4"  # --method draft without --draft: the target's fi
 
 
 DEFAULT_NGRAM_SIZES = (3, 2, 1)  # prompt lookup's n-gram sizes, longest first
+MAX_NGRAM = 64  # the longest n-gram looked up, and the most sizes tried a step
 
 
 @dataclass(frozen=True)
@@ -162,8 +163,11 @@ class SpeculativeConfig:
             raise ConfigError(f"k_max must be in 1..{MAX_K}, got {self.k_max}")
         if self.method == "draft" and not self.draft:
             raise ConfigError("method 'draft' needs a draft model: --draft PATH or --draft self:L")
-        if not self.ngram_sizes or any(n < 1 for n in self.ngram_sizes):
-            raise ConfigError(f"ngram_sizes must be positive integers, got {self.ngram_sizes}")
+        if (not self.ngram_sizes or len(self.ngram_sizes) > MAX_NGRAM
+                or any(not 1 <= n <= MAX_NGRAM for n in self.ngram_sizes)):
+            # each size is a lookup on every step: 10**10 of them ran out of memory (found in review)
+            raise ConfigError(f"ngram_sizes must be at most {MAX_NGRAM} integers in 1..{MAX_NGRAM}, "
+                              f"got {self.ngram_sizes}")
 
 
 WEIGHTS = ("auto", "fp32", "bf16", "int8", "int4")

@@ -232,6 +232,8 @@ def test_a_transformers_draft_model_does_not_take_the_targets_flags(tmp_path, ti
                                                                      "or tree only; draft would ignore it"),
     (["generate", "hi", "--method", "eagle", "--k", "6x2", "--tree-width", "4"], "give two tree widths"),
     (["generate", "hi", "--k-max", "100000000"], "k_max must be in 1..512, got 100000000"),
+    (["generate", "hi", "--method", "ngram", "--ngram-sizes", "10000000000000000000000"],
+     "ngram_sizes must be at most 64 integers in 1..64"),
     (["analyze", "--temperature", "0.9"], "--temperature 0.9: analyze runs every temperature --temperatures lists"),
     (["analyze", "--temperatures", "nan"], "--temperatures needs at least one value, each a finite number >= 0"),
     # found in review (2026-11-27): each ran, ignoring the flag, or failed at the end with a traceback

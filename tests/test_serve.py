@@ -783,6 +783,9 @@ def test_token_ids_come_back_without_a_tokenizer_and_on_request(tiny_llama_dir, 
     ('{"k_max": 2.5}', "k_max"), ('{"num_speculative_tokens": true}', "num_speculative_tokens"),
     ('{"num_speculative_tokens": -2}', "num_speculative_tokens"), ('{"model": 5}', "model"),
     ('{"preset": ["json-api"]}', "preset"), ('{"router": "false"}', "router"), ('{"router": 0}', "router"),
+    # a range of 10**10 n-gram sizes ran out of memory building it (found in review)
+    ('{"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 10000000000}', "prompt_lookup_max"),
+    ('{"method": "ngram", "prompt_lookup_max": 65}', "prompt_lookup_max"),
 ])
 def test_speculative_config_refuses_wrong_types_by_name(bad, key):
     # a ConfigError (not a raw TypeError/ValueError) is what the CLI reports cleanly

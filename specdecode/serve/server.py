@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import replace
 
-from ..config import (MAX_SERVED_K, VLLM_METHODS, ConfigError, EngineConfig, SamplingParams, SpeculativeConfig,
+from ..config import (MAX_NGRAM, MAX_SERVED_K, VLLM_METHODS, ConfigError, EngineConfig, SamplingParams, SpeculativeConfig,
                       parse_int_list, parse_k)
 from .app import ServerState, SpeculationChoices, create_app
 from .batch import BatchEngine, clone_policy
@@ -73,8 +73,8 @@ def parse_speculative_config(text: str | dict | None) -> tuple[SpeculativeConfig
         low = _spec_int(data, "prompt_lookup_min", None) if "prompt_lookup_min" in data else None
         high = _spec_int(data, "prompt_lookup_max", None) if "prompt_lookup_max" in data else None
         low, high = (low if low is not None else high), (high if high is not None else low)
-        if low > high:
-            raise ConfigError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {low} and {high}")
+        if not low <= high <= MAX_NGRAM:  # a range of 10**10 sizes ran out of memory (found in review)
+            raise ConfigError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max <= {MAX_NGRAM}, got {low} and {high}")
         ngram = tuple(range(high, low - 1, -1))
     k = data.get("num_speculative_tokens", "auto")
     if k != "auto":
