@@ -531,6 +531,31 @@ def test_bad_stop_strings_other_parameters_and_a_form_body_are_clear_errors(serv
     assert response.status_code == 415 and "application/json" in response.json()["error"]["message"]
 
 
+def test_unknown_keys_and_messages_without_content_are_refused_by_name(served):
+    """Found in review: a misspelt key ("temprature", "max_new_tokens", "stop_sequences")
+    ran with the default, and a message {"role": "user", "contents": ...} or with no content
+    at all was answered as an empty message."""
+    client, _, _ = served
+    chat = {"messages": [{"role": "user", "content": "ab"}], "max_tokens": 2}
+    for path, body, param in (("/v1/completions", {"prompt": "ab", "max_tokens": 2, "temprature": 0.5}, "temprature"),
+                              ("/v1/completions", {"prompt": "ab", "max_new_tokens": 2}, "max_new_tokens"),
+                              ("/v1/chat/completions", {**chat, "stop_sequences": ["c"]}, "stop_sequences"),
+                              ("/v1/chat/completions", {**chat, "prompt": "other"}, "prompt")):
+        response = client.post(path, json=body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+        assert param in response.json()["error"]["message"]
+    for message in ({"role": "user", "contents": "write a poem"}, {"role": "user"}, {"role": "system", "content": None},
+                    {"role": "user", "text": "hello"}):
+        response = client.post("/v1/chat/completions", json={"messages": [message], "max_tokens": 2})
+        assert response.status_code == 400 and "messages" in response.json()["error"]["message"], response.text
+    # what OpenAI's clients send that changes no answer still runs, and so does a null
+    for extra in ({"user": "u1", "metadata": {"a": "b"}, "store": False}, {"temprature": None}):
+        assert client.post("/v1/chat/completions", json={**chat, **extra}).status_code == 200
+    refused = {"role": "assistant", "content": None, "refusal": "no"}
+    assert client.post("/v1/chat/completions", json={**chat, "messages": [chat["messages"][0], refused,
+                                                                          chat["messages"][0]]}).status_code == 200
+
+
 def test_api_key_and_full_queue(model_dir):
     client, state = make_client(model_dir, api_key="sekret", max_queued_requests=0)
     with client:

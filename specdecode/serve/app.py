@@ -105,6 +105,13 @@ UNSUPPORTED_DEFAULTS = {
 }
 
 
+# Keys OpenAI's API or vLLM's takes that change nothing in the answer here, so a request
+# that sends them runs. Any other key this server does not declare is refused by name: a
+# misspelt "temprature" or "max_new_tokens" used to run with the default (found in review).
+IGNORED_KEYS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+                "safety_identifier", "request_id"}
+
+
 def _is_default(value, defaults: tuple) -> bool:
     """``value`` is one of ``defaults``, a bool only where a bool is: ``logprobs: 0`` asks
     for the chosen tokens' logprobs in OpenAI's completions, yet ``0 == False``."""
@@ -151,6 +158,10 @@ class _Common(BaseModel):
         """The request's sampling parameters; ``model_defaults``: the model's own for those it
         leaves out (temperature, top_p, top_k from its generation_config.json, as vLLM)."""
         extra = self.model_extra or {}  # the keys this model does not declare
+        unknown = sorted(key for key, value in extra.items()  # null asks for nothing, as everywhere
+                         if value is not None and key not in UNSUPPORTED_DEFAULTS and key not in IGNORED_KEYS)
+        if unknown:
+            raise APIError(400, f"unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
         for name, defaults in UNSUPPORTED_DEFAULTS.items():
             if not _is_default(extra.get(name), defaults):
                 raise APIError(400, f"{name} is not supported by this server (only its default)", param=name)
@@ -200,14 +211,23 @@ def _parsed_arguments(call: dict) -> dict:
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # a key not known here is refused: {"contents": ...} was read as an empty message (found in review)
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
+    refusal: str | None = None  # an assistant message sent back as OpenAI wrote it; not the template's
     # handed to the chat template as vLLM does, tool calls' arguments parsed (found in
     # review: dropped, so the model read another conversation than the client's)
     name: str | None = None
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_given(self):
+        # as OpenAI: only an assistant message that calls tools (or refused) may come without content
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal is not None)):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def for_template(self) -> dict:
         message = {"role": self.role if self.role != "developer" else "system", "content": self.text()}
