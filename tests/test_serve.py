@@ -556,6 +556,20 @@ def test_unknown_keys_and_messages_without_content_are_refused_by_name(served):
                                                                           chat["messages"][0]]}).status_code == 200
 
 
+def test_speculative_options_that_would_be_ignored_are_refused(served):
+    """Found in review: {"enabled": false, "method": "hydra"}, method "none" with a k, and
+    an empty method each ran (plainly, or with the server's default method)."""
+    client, _, _ = served
+    for options in ({"enabled": False, "method": "hydra"}, {"enabled": False, "num_speculative_tokens": 5},
+                    {"method": "none", "num_speculative_tokens": 3}, {"method": ""}):
+        response = client.post("/v1/completions", json={"prompt": "abcabc", "max_tokens": 2, "speculative": options})
+        error = response.json()["error"]
+        assert response.status_code == 400 and "speculative" in error["param"], (options, response.text)
+    for options in ({"enabled": False}, {"method": "none"}, {"method": "ngram", "num_speculative_tokens": 2}):
+        response = client.post("/v1/completions", json={"prompt": "abcabc", "max_tokens": 2, "speculative": options})
+        assert response.status_code == 200, (options, response.text)
+
+
 def test_api_key_and_full_queue(model_dir):
     client, state = make_client(model_dir, api_key="sekret", max_queued_requests=0)
     with client:

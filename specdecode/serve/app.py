@@ -79,6 +79,18 @@ class SpeculativeOptions(BaseModel):
             raise ValueError(f"num_speculative_tokens must be 'auto' or an integer in 1..{MAX_SERVED_K}")
         return value
 
+    @model_validator(mode="after")
+    def _nothing_ignored(self):
+        # found in review: each ran, the values unread ({"enabled": false, "method": "hydra"}
+        # too), as --speculative-config refuses them
+        if self.method is not None and not self.method:
+            raise ValueError("method must name a speculative method")
+        if not self.enabled and (self.method is not None or self.num_speculative_tokens is not None):
+            raise ValueError("enabled false decodes plainly: method and num_speculative_tokens would be ignored")
+        if self.method == "none" and self.num_speculative_tokens is not None:
+            raise ValueError("method 'none' decodes plainly: num_speculative_tokens would be ignored")
+        return self
+
 
 # Parameters of OpenAI's API (and vLLM's) that this server does not implement, with what
 # each may hold (its default, or asking for nothing): a request that sends the default still
