@@ -529,6 +529,11 @@ def test_bad_stop_strings_other_parameters_and_a_form_body_are_clear_errors(serv
     response = client.post("/v1/completions", content='{"prompt": "ab", "max_tokens": 1}',
                            headers={"content-type": "application/x-www-form-urlencoded"})
     assert response.status_code == 415 and "application/json" in response.json()["error"]["message"]
+    # and with no Content-Type at all (requests.post(data=...); found in review: the same riddle)
+    request = client.build_request("POST", "/v1/completions", content=b'{"prompt": "ab", "max_tokens": 1}')
+    assert "content-type" not in request.headers
+    response = client.send(request)
+    assert response.status_code == 415 and "no Content-Type" in response.json()["error"]["message"], response.text
 
 
 def test_unknown_keys_and_messages_without_content_are_refused_by_name(served):

@@ -708,6 +708,11 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
             # Input should be a valid dictionary", which names nothing the client can fix)
             return error_response(415, f"the body must be JSON sent with 'Content-Type: application/json', "
                                        f"not {content_type!r}")
+        if not content_type and any(tuple(e.get("loc", ())) == ("body",) and e.get("type") != "missing"
+                                    for e in error.errors()):
+            # a body sent with no type at all (requests.post(data=...)) is not read either (found in review)
+            return error_response(415, "the body must be JSON sent with 'Content-Type: application/json'; "
+                                       "the request had no Content-Type")
         message, param = validation_message(error.errors())  # the field is OpenAI's param, not its type
         return error_response(400, message, param=param)
 
