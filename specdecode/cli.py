@@ -419,6 +419,12 @@ def cmd_generate(args) -> int:
     log(f"running on {target.runtime.describe()}")
     engine = build_engine(engine_config, spec, args.runtime, target=target)
     prompt_ids = engine.encode(args.prompt, engine_config.chat_template)
+    context = target.runtime.max_positions
+    if len(prompt_ids) < context < len(prompt_ids) + params.max_new_tokens:
+        # found in review: cut at the context without a word, "length" as if --max-new-tokens
+        # had run out (the server refuses such a request; a CLI run says so and goes on)
+        log(f"warning: the prompt's {len(prompt_ids)} tokens + --max-new-tokens {params.max_new_tokens} exceed "
+            f"the model's context of {context} tokens: at most {context - len(prompt_ids)} new tokens")
     stream = None if args.json else (lambda text: print(text, end="", flush=True))
     if args.compare:
         from .bench.runner import warm_up

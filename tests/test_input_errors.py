@@ -480,6 +480,9 @@ def test_flags_and_configs_that_were_ignored_or_crashed_are_taken_or_refused(tmp
     assert code == 2 and "nor --prefill-chunk" in err, err
     code, err = run(capsys, "generate", "abcabcabc", *common, "--preset", "")
     assert code == 2 and "unknown preset ''" in err, err
+    # found in review: cut at the context (256 here) without a word, as if the budget had run out
+    code, err = run(capsys, "generate", "abcabcabc", *common[:-4], "--max-new-tokens", "1000", "--method", "ngram")
+    assert code == 0 and "exceed the model's context of 256 tokens: at most 247 new tokens" in err, err
     with pytest.raises(ConfigError, match="1..512"):
         SpeculativeConfig(method="ngram", k=100_000)
     for bad, why in (('{"method": "ngram", "num_speculative_tokens": 100000}', "1..64"),
