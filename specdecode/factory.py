@@ -349,12 +349,44 @@ def _head_dir(path: str | None, target: LoadedModel, noun: str, default: Path, u
 
 
 def _check_trained_for(noun: str, directory: Path, config, target: LoadedModel) -> None:
-    """Refuse a drafter trained for a target of another vocabulary or hidden size."""
+    """Refuse a drafter trained for a target of another vocabulary or hidden size, and say so
+    where its recipe names another checkpoint of the same shape (it still drafts: the output
+    stays lossless, but a head learnt on another model's states is seldom right)."""
     cfg = target.runtime.cfg
     if config.target_vocab_size != cfg.vocab_size or config.hidden_size != cfg.hidden_size:
         raise VocabularyMismatchError(
             f"{noun} at {directory}: trained for a target with {config.target_vocab_size} tokens and hidden size "
             f"{config.hidden_size}; {target.source.name!r} has {cfg.vocab_size} and {cfg.hidden_size}")
+    other = trained_for_another(directory, target.source)
+    if other is not None:  # found in review: another model's head drafted at 0% without a word
+        log(f"warning: {noun} at {directory}: trained for {other}; drafting anyway (the output stays the "
+            "target's, acceptance may be low)")
+
+
+def trained_for_another(directory: Path, source) -> str | None:
+    """"X, not Y" where the head at ``directory`` was trained for another checkpoint than
+    ``source``, else None. A head learns one target's hidden states, so sizes that fit are
+    not enough. Its recipe's checkpoint digest decides where it has one (a model moved or
+    named otherwise is still the same); else the target's name it was saved with."""
+    from .models.loading import DEFAULT_MODEL_NAMES
+
+    try:
+        saved = json.loads((Path(directory) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    saved = saved if isinstance(saved, dict) else {}
+    recipe = saved.get("recipe") if isinstance(saved.get("recipe"), dict) else {}
+    trained = recipe.get("target")
+    if isinstance(trained, str) and "|" in trained and source is not None:  # "llama <digest>|how it ran"
+        from .train.data import checkpoint_identity
+
+        ours = checkpoint_identity(source)
+        return None if trained.split("|")[0] == ours else f"checkpoint {trained.split('|')[0]!r}, not {ours!r}"
+    name = saved.get("target")
+    if not name or source is None:
+        return None
+    same = str(name) == str(source.name) or (str(name) in DEFAULT_MODEL_NAMES and source.is_default)
+    return None if same else f"{name}, not {source.name}"
 
 
 def load_head(path: str | None, target: LoadedModel):

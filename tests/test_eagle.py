@@ -538,6 +538,27 @@ def test_check_understands_heads(targets, tmp_path):
         assert exported.compatible and any(name == "captured layers" for name, _, _ in exported.lines), fmt
 
 
+def test_a_head_trained_for_another_checkpoint_warns_at_load(targets, tmp_path, capsys):
+    """Found in review: a head trained for another model of the same sizes was taken without
+    a word (lossless, acceptance 0). Its recipe's checkpoint digest decides, not the name."""
+    from specdecode.factory import load_head
+    from specdecode.train.data import checkpoint_identity
+
+    target = targets[0]
+    ours = checkpoint_identity(target.source)
+    random_head(target, 1).save(tmp_path / "other", {"target": str(target.source.name),
+                                                     "recipe": {"target": "llama 0123456789ab|kernels backend"}})
+    load_head(str(tmp_path / "other"), target)
+    assert f"trained for checkpoint 'llama 0123456789ab', not {ours!r}" in capsys.readouterr().err
+    # the same checkpoint under another name (a moved directory) is the same target
+    random_head(target, 1).save(tmp_path / "same", {"target": "/old/place", "recipe": {"target": f"{ours}|torch"}})
+    load_head(str(tmp_path / "same"), target)
+    assert "warning" not in capsys.readouterr().err
+    random_head(target, 1).save(tmp_path / "named", {"target": "some-other-model"})  # no recipe: the name decides
+    load_head(str(tmp_path / "named"), target)
+    assert "trained for some-other-model, not" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("width", [2, 3])
 def test_eagle_trees_are_lossless_and_well_formed(targets, width):
     """Greedy output through dynamic trees equals plain decoding (fp32 torch backend and the

@@ -188,15 +188,15 @@ def check_head(result: CheckResult, target_source, directory: Path, kind: str = 
                    f"{c.draft_vocab_size} target tokens can be drafted; the others never are (lossless)")
     else:
         result.add("draft vocabulary", "FAIL", f"it drafts target ids up to {highest}; the target has {vocab} tokens")
-    trained_for = json.loads((directory / "config.json").read_text()).get("target")
-    if trained_for:  # a head learns one target's hidden states: sizes that fit are not enough
-        from ..models.loading import DEFAULT_MODEL_NAMES
+    from ..factory import trained_for_another
 
-        same = str(trained_for) == str(target_source.name) or (
-            str(trained_for) in DEFAULT_MODEL_NAMES and target_source.is_default)  # the default by another name
-        result.add("trained for", "OK" if same else "WARN",
-                   str(trained_for) if same else f"{trained_for}, not {target_source.name}: its drafts are guesses "
-                                                 "at another model's features (lossless, but rarely accepted)")
+    other = trained_for_another(directory, target_source)
+    trained_for = json.loads((directory / "config.json").read_text()).get("target")
+    if other is not None:  # a head learns one target's hidden states: sizes that fit are not enough
+        result.add("trained for", "WARN", f"{other}: its drafts are guesses at another model's features "
+                                          "(lossless, but rarely accepted)")
+    elif trained_for:
+        result.add("trained for", "OK", str(trained_for))
     return result
 
 

@@ -163,20 +163,26 @@ def target_identity(target) -> str:
     of another target, or of the same one in another format, are not mixed into a resumed
     run. (The files' sizes stood for their contents until a review showed two checkpoints of
     one config, one a retrain of the other, sharing features and a checkpoint.)"""
-    import hashlib
-
-    from ..models.loading import sha256_file  # remembered per file: the GGUF is read once a machine
-
     describe = getattr(target.runtime, "describe", None)
     how = describe() if describe else type(target.runtime).__name__
     source = getattr(target, "source", None)
     if source is None:
         return how
+    return f"{checkpoint_identity(source)}|{how}"
+
+
+def checkpoint_identity(source) -> str:
+    """The checkpoint part of ``target_identity``: "<model_type> <digest of its config and
+    weight files>" (a head's recipe records it; loading a head for another checkpoint warns)."""
+    import hashlib
+
+    from ..models.loading import sha256_file
+
     digest = hashlib.sha1(json.dumps(source.config, sort_keys=True).encode())
     weights = sorted(Path(source.path).glob("*.safetensors")) + ([Path(source.gguf)] if source.gguf else [])
     for file in weights:
         digest.update(f"{file.name}:{sha256_file(file)};".encode())
-    return f"{source.config.get('model_type', 'model')} {digest.hexdigest()[:12]}|{how}"
+    return f"{source.config.get('model_type', 'model')} {digest.hexdigest()[:12]}"
 
 
 def check_data_target(data: Path, identity: str) -> None:
