@@ -137,6 +137,28 @@ def test_greedy_speculation_through_graphs_equals_eager_plain(tmp_path, rerun):
     assert graphed.graphs.replays > 0 and draft.graphs.replays > 0
 
 
+def test_prefill_runs_eagerly_whatever_its_length(tmp_path, rerun):
+    """Found in review: a prompt's last prefill chunk (last_only over its few tokens) was
+    recorded like a decode step. Each prompt length is a shape of its own and seldom comes
+    back, so the recordings cost several eager steps each and crowded the kept graphs."""
+    eager, graphed = runtime_pair(tmp_path, seed=39)
+    for runtime in (eager, graphed):
+        runtime.reset(64, batch=2)
+    for count in (3, 3, 3, 5, 5):  # the same short prompt length again and again
+        for row in (0, 1):
+            ids = torch.arange(5, 5 + count)[None]
+            for runtime in (eager, graphed):
+                out = runtime.forward_rows(ids, [row], [0], last_only=True)
+            torch.testing.assert_close(out, eager.forward_rows(ids, [row], [0], last_only=True))
+    graphed.reset(64)
+    for _ in range(3):
+        graphed.reset(64)
+        graphed(torch.tensor([[5, 6, 7, 8]]), last_only=True)  # the single-sequence prompt
+    assert graphed.graphs.captures == 0 and graphed.graphs.replays == 0
+    graphed(torch.tensor([[9]]), last_only=True)  # a decode step (one token) is recorded as ever
+    assert graphed.graphs.captures == 1
+
+
 def test_a_shape_is_recorded_on_its_second_call(tmp_path, rerun):
     """A shape met once (a short prompt's length) runs eagerly; the second call of a shape
     records it, and later calls replay it."""
@@ -297,7 +319,8 @@ def test_batched_rows_replay_what_the_eager_rows_compute(tmp_path, rerun, attent
     for row, length in enumerate(lengths):
         torch.testing.assert_close(eager.k_cache[:, row, :, :length], graphed.k_cache[:, row, :, :length],
                                    rtol=1e-5, atol=1e-5)
-    assert graphed.graphs.captures == 9 and graphed.graphs.replays == 13  # the four prompts too (record_after 0)
+    # the four prompts too (record_after 0); the two last_only steps are prefill, run eagerly
+    assert graphed.graphs.captures == 8 and graphed.graphs.replays == 11
 
 
 def test_the_batch_engine_through_graphs_equals_each_request_alone(tmp_path, rerun):

@@ -19,7 +19,11 @@ the second call of that shape with that call's real inputs and replayed from the
 shape met once, such as a short prompt's length, runs eagerly: recording costs several
 eager steps); the inputs are copied into the graph's static buffers before each replay and its outputs are copied out
 after it (a caller may keep them past the next step). Steps of more than ``max_tokens``
-tokens (prefill chunks) run eagerly: one launch per kernel matters little there.
+tokens run eagerly: one launch per kernel matters little there. So do a prompt's prefill
+chunks of any length (``last_only`` over several tokens): each length is a shape of its
+own and seldom comes back, so recording them evicted the decode graphs' neighbours from
+the ``max_graphs`` kept for nothing (found in review: 317 recordings for 138 replays in a
+simulated serving mix).
 
 The attention inside a recorded step is chosen by measurement, per shape, on the machine
 at hand: each shape is recorded once with torch's scaled_dot_product_attention and once
@@ -78,9 +82,12 @@ class CudaGraphs:
         self.captures = 0  # graphs captured so far (a test and the profile read it)
         self.replays = 0
 
-    def accepts(self, batch: int, num_new: int, rows: bool) -> bool:
+    def accepts(self, batch: int, num_new: int, rows: bool, last_only: bool = False) -> bool:
         """Whether a step of ``batch`` x ``num_new`` tokens is recorded (``rows``: a
-        batched engine's step); longer ones, prefill chunks, run eagerly."""
+        batched engine's step); longer ones, and prefill (``last_only`` over several
+        tokens), run eagerly."""
+        if last_only and num_new > 1:
+            return False
         return batch * num_new <= (self.max_row_tokens if rows else self.max_tokens)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor | None, tree_mask: torch.Tensor | None,

@@ -780,7 +780,8 @@ class NativeRuntime:
         if self.kernels is not None:
             return self.kernels.forward(input_ids, positions, tree_mask, last_only, return_hidden, capture,
                                         lazy_logits=lazy_logits)
-        if self.graphs is not None and num_new <= self.prefill_chunk and self.graphs.accepts(batch, num_new, False):  # GPU
+        if (self.graphs is not None and num_new <= self.prefill_chunk
+                and self.graphs.accepts(batch, num_new, False, last_only)):  # GPU
             out = self.graphs.run(input_ids, positions, tree_mask, last_only, return_hidden, tuple(capture))
             if out is not None:
                 return out
@@ -830,7 +831,7 @@ class NativeRuntime:
             return self.kernels.forward(input_ids, None, None, last_only, return_hidden, capture,
                                         starts=list(starts), cache_rows=list(cache_rows), threads=threads)
         if (self.graphs is not None and not return_hidden and num_new <= self.prefill_chunk
-                and self.graphs.accepts(batch, num_new, True)):  # GPU
+                and self.graphs.accepts(batch, num_new, True, last_only)):  # GPU
             out = self.graphs.run_rows(input_ids, list(cache_rows), list(starts), last_only, tuple(capture))
             if out is not None:
                 return out
