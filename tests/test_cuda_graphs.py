@@ -144,7 +144,7 @@ def test_prefill_runs_eagerly_whatever_its_length(tmp_path, rerun):
     eager, graphed = runtime_pair(tmp_path, seed=39)
     for runtime in (eager, graphed):
         runtime.reset(64, batch=2)
-    for count in (3, 3, 3, 5, 5):  # the same short prompt length again and again
+    for count in (3, 3, 3, 5, 5):  # the same short prompt lengths again and again
         for row in (0, 1):
             ids = torch.arange(5, 5 + count)[None]
             for runtime in (eager, graphed):
@@ -157,6 +157,11 @@ def test_prefill_runs_eagerly_whatever_its_length(tmp_path, rerun):
     assert graphed.graphs.captures == 0 and graphed.graphs.replays == 0
     graphed(torch.tensor([[9]]), last_only=True)  # a decode step (one token) is recorded as ever
     assert graphed.graphs.captures == 1
+    # and so is a draft model's catch-up after a fully accepted step: its last draft and the
+    # bonus token, last_only (found in review: sent eagerly by the first version of this rule)
+    for _ in range(3):
+        graphed(torch.tensor([[10, 11]]), last_only=True)
+    assert graphed.graphs.captures == 2 and graphed.graphs.replays == 4  # (a recording replays once)
 
 
 def test_a_shape_is_recorded_on_its_second_call(tmp_path, rerun):
@@ -319,8 +324,7 @@ def test_batched_rows_replay_what_the_eager_rows_compute(tmp_path, rerun, attent
     for row, length in enumerate(lengths):
         torch.testing.assert_close(eager.k_cache[:, row, :, :length], graphed.k_cache[:, row, :, :length],
                                    rtol=1e-5, atol=1e-5)
-    # the four prompts too (record_after 0); the two last_only steps are prefill, run eagerly
-    assert graphed.graphs.captures == 8 and graphed.graphs.replays == 11
+    assert graphed.graphs.captures == 9 and graphed.graphs.replays == 13  # the four prompts too (record_after 0)
 
 
 def test_the_batch_engine_through_graphs_equals_each_request_alone(tmp_path, rerun):

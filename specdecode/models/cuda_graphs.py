@@ -20,10 +20,11 @@ shape met once, such as a short prompt's length, runs eagerly: recording costs s
 eager steps); the inputs are copied into the graph's static buffers before each replay and its outputs are copied out
 after it (a caller may keep them past the next step). Steps of more than ``max_tokens``
 tokens run eagerly: one launch per kernel matters little there. So do a prompt's prefill
-chunks of any length (``last_only`` over several tokens): each length is a shape of its
-own and seldom comes back, so recording them evicted the decode graphs' neighbours from
-the ``max_graphs`` kept for nothing (found in review: 317 recordings for 138 replays in a
-simulated serving mix).
+chunks of any length (``last_only`` over more than ``MAX_CATCH_UP`` tokens): each length is
+a shape of its own and seldom comes back, so recording them crowded the ``max_graphs``
+kept for nothing (found in review: 317 recordings for 138 replays in a simulated serving
+mix). A draft model's catch-up after a fully accepted step (its last draft and the bonus
+token, ``last_only``) is a decode step and stays recorded.
 
 The attention inside a recorded step is chosen by measurement, per shape, on the machine
 at hand: each shape is recorded once with torch's scaled_dot_product_attention and once
@@ -52,6 +53,7 @@ DEFAULT_MAX_GRAPHS = 64
 DEFAULT_RECORD_AFTER = 1  # eager calls of a shape before it is recorded
 TIMED_REPLAYS = 3  # per candidate attention, when a shape is recorded
 MAX_SEEN = 4096  # shapes counted before the count starts over
+MAX_CATCH_UP = 2  # last_only tokens of a decode step: a draft model's last draft and the bonus
 
 
 @dataclass
@@ -84,9 +86,9 @@ class CudaGraphs:
 
     def accepts(self, batch: int, num_new: int, rows: bool, last_only: bool = False) -> bool:
         """Whether a step of ``batch`` x ``num_new`` tokens is recorded (``rows``: a
-        batched engine's step); longer ones, and prefill (``last_only`` over several
-        tokens), run eagerly."""
-        if last_only and num_new > 1:
+        batched engine's step); longer ones, and prefill (``last_only`` over more than a
+        draft model's catch-up), run eagerly."""
+        if last_only and num_new > MAX_CATCH_UP:
             return False
         return batch * num_new <= (self.max_row_tokens if rows else self.max_tokens)
 
