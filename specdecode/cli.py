@@ -370,12 +370,16 @@ def _check_k_flags(args, methods: list[str]) -> None:
                          for name, k in names):  # ngram@3 --k-max 5 ran at 3 and recorded k_max 5 (found in review)
         raise SpecDecodeError(f"{' and '.join(ignored)} choose k under k auto; {', '.join(methods)} "
                               f"{'fixes' if len(methods) == 1 else 'fix'} it, so they would be ignored")
-    for method, (name, k) in zip(methods, names):  # each spec's config, before the model loads (found in
-        if name not in ("none", *PEERS):          # review: bench refused ngram@1000 only after loading it)
-            try:
-                _spec_config(args, name, k)
-            except ConfigError as error:  # a flag's error names the flag; a spec's, the spec
-                raise (SpecDecodeError(f"{method}: {error}") if k is not None else error) from None
+    # each spec's config, before the model loads (found in review: bench refused ngram@1000
+    # only after loading it); the flags' own first, so that a flag's error is not blamed on a spec
+    drafting = [(method, name, k) for method, (name, k) in zip(methods, names) if name not in ("none", *PEERS)]
+    for _, name, _ in drafting[:1]:
+        _spec_config(args, name, None)
+    for method, name, k in drafting:
+        try:
+            _spec_config(args, name, k)
+        except ConfigError as error:
+            raise (SpecDecodeError(f"{method}: {error}") if k is not None else error) from None
 
 
 def _engine_config(args) -> EngineConfig:

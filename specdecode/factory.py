@@ -359,15 +359,17 @@ def _check_trained_for(noun: str, directory: Path, config, target: LoadedModel) 
             f"{config.hidden_size}; {target.source.name!r} has {cfg.vocab_size} and {cfg.hidden_size}")
     other = trained_for_another(directory, target.source)
     if other is not None:  # found in review: another model's head drafted at 0% without a word
-        log(f"warning: {noun} at {directory}: trained for {other}; drafting anyway (the output stays the "
-            "target's, acceptance may be low)")
+        log(f"warning: {noun} at {directory}: trained for {other} (another model, or this one in another "
+            "file format); drafting anyway (the output stays the target's, acceptance may be low)")
 
 
 def trained_for_another(directory: Path, source) -> str | None:
     """"X, not Y" where the head at ``directory`` was trained for another checkpoint than
     ``source``, else None. A head learns one target's hidden states, so sizes that fit are
     not enough. Its recipe's checkpoint digest decides where it has one (a model moved or
-    named otherwise is still the same); else the target's name it was saved with."""
+    named otherwise is still the same; the same weights in another file format are not:
+    the warning says so); else the target's name it was saved with. The digest reads the
+    target's weight files once a machine (``sha256_file`` remembers it), as training did."""
     from .models.loading import DEFAULT_MODEL_NAMES
 
     try:

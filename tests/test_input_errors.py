@@ -241,6 +241,7 @@ def test_a_transformers_draft_model_does_not_take_the_targets_flags(tmp_path, ti
     (["bench", "--methods", "none,ngram@1000"], "ngram@1000: k (draft tokens per step) must be 'auto' or an integer"),
     (["bench", "--methods", "none,eagle@6x99999"], "eagle@6x99999: tree width"),
     (["bench", "--methods", "none,ngram", "--k", "1000"], "k (draft tokens per step) must be 'auto' or an integer"),
+    (["bench", "--methods", "none,ngram@3", "--ngram-sizes", "100"], "error: ngram_sizes must be at most 64"),
     (["bench", "--methods", "none,ngram@3", "--k-max", "5"], "--k-max choose k under k auto; none, ngram@3 fix it"),
     (["bench", "--methods", "none,eagle@6x3", "--tree-width", "2"], "eagle@6x3 and --tree-width 2 give two tree widths"),
     (["analyze", "--methods", "none"], "analyze measures drafters against plain decoding; name one"),

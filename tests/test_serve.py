@@ -559,6 +559,22 @@ def test_unknown_keys_and_messages_without_content_are_refused_by_name(served):
     refused = {"role": "assistant", "content": None, "refusal": "no"}
     assert client.post("/v1/chat/completions", json={**chat, "messages": [chat["messages"][0], refused,
                                                                           chat["messages"][0]]}).status_code == 200
+    # a reply sent back as the openai client dumps it (found in review of the first version: a 400)
+    dumped = {"role": "assistant", "content": "hi", "refusal": None, "annotations": [], "audio": None,
+              "function_call": None, "tool_calls": None, "reasoning_content": "..."}
+    history = [chat["messages"][0], dumped, chat["messages"][0]]
+    assert client.post("/v1/chat/completions", json={**chat, "messages": history}).status_code == 200
+    for key, value in (("audio", {"id": "a1"}), ("function_call", {"name": "f", "arguments": "{}"})):
+        response = client.post("/v1/chat/completions", json={**chat, "messages": [{**dumped, key: value}]})
+        assert response.status_code == 400 and "not supported" in response.json()["error"]["message"], response.text
+    # vLLM's own keys at their defaults run; otherwise they are refused as not supported, by name
+    for path, body in (("/v1/chat/completions", {**chat, "echo": False, "include_reasoning": True}),
+                       ("/v1/completions", {"prompt": "ab", "max_tokens": 2, "kv_transfer_params": {},
+                                            "vllm_xargs": {}, "return_tokens_as_token_ids": False})):
+        assert client.post(path, json=body).status_code == 200, body
+    response = client.post("/v1/chat/completions", json={**chat, "echo": True})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "echo"
+    assert "not supported" in response.json()["error"]["message"]
 
 
 def test_speculative_options_that_would_be_ignored_are_refused(served):

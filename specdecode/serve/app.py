@@ -114,6 +114,11 @@ UNSUPPORTED_DEFAULTS = {
     # embeddings, OpenAI's audio output and reasoning effort
     "priority": (None, 0), "prompt_embeds": (None,), "modalities": (None, ["text"]), "audio": (None,),
     "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
+    # vLLM's, refused by name since unknown keys are (found in review: echo on chat, its
+    # disaggregated-prefill and extension arguments)
+    "echo": (None, False), "suffix": (None,), "kv_transfer_params": (None, {}), "vllm_xargs": (None, {}),
+    "mm_processor_kwargs": (None, {}), "media_io_kwargs": (None, {}), "structural_tag": (None,),
+    "guided_whitespace_pattern": (None,),
 }
 
 
@@ -121,7 +126,9 @@ UNSUPPORTED_DEFAULTS = {
 # that sends them runs. Any other key this server does not declare is refused by name: a
 # misspelt "temprature" or "max_new_tokens" used to run with the default (found in review).
 IGNORED_KEYS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-                "safety_identifier", "request_id"}
+                "safety_identifier", "request_id",
+                # vLLM's: reasoning output (this model has none) and logprobs' token format (logprobs are refused)
+                "include_reasoning", "return_tokens_as_token_ids"}
 
 
 def _is_default(value, defaults: tuple) -> bool:
@@ -222,9 +229,15 @@ def _parsed_arguments(call: dict) -> dict:
     return {**call, "function": {**function, "arguments": arguments}}
 
 
+# Keys of a message that OpenAI's client writes into an assistant reply (``message.model_dump()``
+# sent back as history) or vLLM's reasoning field: none changes what the template shows here.
+MESSAGE_IGNORED = {"annotations", "reasoning_content", "reasoning"}
+
+
 class ChatMessage(BaseModel):
-    # a key not known here is refused: {"contents": ...} was read as an empty message (found in review)
-    model_config = ConfigDict(extra="forbid")
+    # a key not known here is refused unless null: {"contents": ...} was read as an empty
+    # message (found in review), while a reply sent back carries audio/function_call as null
+    model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
     refusal: str | None = None  # an assistant message sent back as OpenAI wrote it; not the template's
@@ -236,6 +249,12 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _content_given(self):
+        for key, value in (self.model_extra or {}).items():
+            if value is None or key in MESSAGE_IGNORED:
+                continue
+            if key in ("audio", "function_call"):
+                raise ValueError(f"a message's {key} is not supported by this server")
+            raise ValueError(f"unrecognized message key {key!r}")
         # as OpenAI: only an assistant message that calls tools (or refused) may come without content
         if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal is not None)):
             raise ValueError(f"a {self.role} message needs content")
