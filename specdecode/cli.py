@@ -721,7 +721,8 @@ def cmd_train(args) -> int:
     summary = build_data(target, Path(args.out), args.prompts, args.samples, args.temperature, args.max_new_tokens,
                          args.corpus_tokens, args.chunk_tokens, args.seed, plain.encode, args.batch)
     print(summary.format())
-    print(f"written to {args.out}/ (answers.jsonl, corpus.jsonl, summary.json)")
+    written = "answers.jsonl, corpus.jsonl, summary.json" if args.corpus_tokens else "answers.jsonl, summary.json"
+    print(f"written to {args.out}/ ({written})")  # no corpus file without corpus tokens (found in review)
     return 0
 
 

@@ -105,7 +105,7 @@ class SamplingParams:
 
 MAX_SERVED_K = 64  # draft tokens a served request (or the server's config) may fix: a /metrics series each
 MAX_K = 512  # draft tokens (or tree nodes) a step: the most rows one pass scores (MAX_PREFILL_CHUNK)
-DEFAULT_TREE_WIDTH = 3  # measured: docs/training.md, "Tree shape"
+DEFAULT_TREE_WIDTH = 3  # measured: docs/training.md, "Measured (2026-11-24 ...)" (eagle@4x3, @6x3)
 MAX_TREE_WIDTH = 64
 DEFAULT_SELF_DRAFT = "self:4"  # --method draft without --draft: the target's first 4 layers
 
