@@ -11,8 +11,8 @@ import threading
 import time
 from dataclasses import replace
 
-from ..config import (MAX_NGRAM, MAX_SERVED_K, VLLM_METHODS, ConfigError, EngineConfig, SamplingParams, SpeculativeConfig,
-                      parse_int_list, parse_k)
+from ..config import (MAX_NGRAM, MAX_SERVED_K, VLLM_METHODS, ConfigError, EngineConfig, SamplingParams,
+                      SpeculativeConfig, parse_int_list, parse_k)
 from .app import ServerState, SpeculationChoices, create_app
 from .batch import BatchEngine, clone_policy
 from .metrics import ServerMetrics
