@@ -341,6 +341,20 @@ def test_a_tree_mask_of_another_shape_is_refused(tmp_path):
                 runtime(torch.tensor([[9, 10, 11, 12]]), tree_mask=mask)
 
 
+def test_a_pass_of_no_tokens_is_refused_by_name(tmp_path):
+    """Found in review: zero new tokens failed deep inside, differently on each backend (a
+    NumPy reduction of nothing, torch.cat of an empty list)."""
+    path = save_tiny_model(tmp_path / "m", "llama", seed=2, num_layers=1)
+    for backend in ("kernels", "torch"):
+        runtime = load_native(path, torch.float32, "fp32", backend)
+        runtime.reset(16, batch=2)
+        for call in (lambda: runtime(torch.zeros(1, 0, dtype=torch.long)),
+                     lambda: runtime.forward_rows(torch.zeros(1, 0, dtype=torch.long), [0], [0]),
+                     lambda: runtime.forward_rows(torch.zeros(0, 2, dtype=torch.long), [], [])):
+            with pytest.raises(SpecDecodeError, match="at least one row and one new token"):
+                call()
+
+
 def test_kernels_agree_with_the_torch_backend(tmp_path):
     path = save_tiny_model(tmp_path / "ref", "llama", seed=9, num_layers=2)
     ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(0))

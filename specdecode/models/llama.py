@@ -760,6 +760,9 @@ class NativeRuntime:
         rejection); elsewhere ignored.
         """
         batch, num_new = input_ids.shape
+        if batch < 1 or num_new < 1:  # both backends failed deep inside on no tokens (found in review)
+            raise SpecDecodeError(f"a forward pass needs at least one row and one new token, got ids of shape "
+                                  f"{list(input_ids.shape)}")
         end = self.length + num_new
         self.cache_owner = None  # rows written outside a batched engine's bookkeeping
         if end > self.capacity:
@@ -819,6 +822,9 @@ class NativeRuntime:
         the kernels' thread count for this call (default torch's; every row is the same
         bits at any count); the torch backend ignores it. Returns what ``forward`` returns."""
         batch, num_new = input_ids.shape
+        if batch < 1 or num_new < 1:
+            raise SpecDecodeError(f"a forward pass needs at least one row and one new token, got ids of shape "
+                                  f"{list(input_ids.shape)}")
         if len(cache_rows) != batch or len(starts) != batch:
             raise SpecDecodeError(f"{batch} rows need {batch} cache rows and starts, got {len(cache_rows)} and {len(starts)}")
         if len(set(cache_rows)) != batch or any(not 0 <= r < self.k_cache.shape[1] for r in cache_rows):
