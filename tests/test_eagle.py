@@ -208,6 +208,12 @@ def test_the_kernel_layer_drafts_what_the_torch_pass_drafts(targets):
     positions = torch.tensor([5, 5, 6])
     outputs = [p._run(hidden, tokens[7:10], 7, positions, mask) for p in (fast, slow)]
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-4, atol=1e-4)
+    # a position past the bound cache's RoPE tables is refused (found in review: read beyond
+    # the tables, NaN or garbage that changed run to run)
+    capacity = fast.k_cache.shape[1]
+    for bad in (torch.tensor([5, 5, capacity]), torch.tensor([5, -1, 6])):
+        with pytest.raises(SpecDecodeError, match=rf"positions must be 3 values in 0..{capacity - 1}"):
+            fast._run(hidden, tokens[7:10], 7, bad, mask)
 
 
 def test_a_proposer_built_without_the_kernels_drafts_through_torch_whoever_packed_the_head(targets):

@@ -211,6 +211,10 @@ class KernelHeadLayer:
         self.model.num_threads = torch.get_num_threads()
         at = (np.arange(start, start + count, dtype=np.int64) if positions is None else
               np.ascontiguousarray(positions.to(torch.int64).numpy()))
+        if at.shape != (count,) or (count and not 0 <= int(at.min()) <= int(at.max()) < self.model.capacity):
+            # the RoPE tables hold the bound cache's positions: one past them was read from
+            # beyond the table (found in review, under AddressSanitizer)
+            raise SpecDecodeError(f"the head's positions must be {count} values in 0..{self.model.capacity - 1}")
         if mask is not None:  # one call (a tree pass has a few rows): the slots after the fully visible prefix
             if count > self.CHUNK or mask.shape != (count, start + count):
                 raise SpecDecodeError(f"a masked head pass takes at most {self.CHUNK} rows and a [T, start + T] mask")
