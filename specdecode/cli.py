@@ -373,8 +373,8 @@ def _check_k_flags(args, methods: list[str]) -> None:
     # each spec's config, before the model loads (found in review: bench refused ngram@1000
     # only after loading it); the flags' own first, so that a flag's error is not blamed on a spec
     drafting = [(method, name, k) for method, (name, k) in zip(methods, names) if name not in ("none", *PEERS)]
-    for _, name, _ in drafting[:1]:
-        _spec_config(args, name, None)
+    if drafting:
+        _spec_config(args, drafting[0][1], None)
     for method, name, k in drafting:
         try:
             _spec_config(args, name, k)
