@@ -573,6 +573,16 @@ def _power_of_two_from(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def _new_tokens(input_ids: torch.Tensor) -> tuple[int, int]:
+    """(rows, new tokens) of a pass's ids [B, T], refused by name when either is 0: both
+    backends failed deep inside on no tokens, each differently (found in review)."""
+    batch, num_new = input_ids.shape
+    if batch < 1 or num_new < 1:
+        raise SpecDecodeError(f"a forward pass needs at least one row and one new token, got ids of shape "
+                              f"{list(input_ids.shape)}")
+    return batch, num_new
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -759,10 +769,7 @@ class NativeRuntime:
         rows are computed when read (greedy verification reads them up to the first
         rejection); elsewhere ignored.
         """
-        batch, num_new = input_ids.shape
-        if batch < 1 or num_new < 1:  # both backends failed deep inside on no tokens (found in review)
-            raise SpecDecodeError(f"a forward pass needs at least one row and one new token, got ids of shape "
-                                  f"{list(input_ids.shape)}")
+        batch, num_new = _new_tokens(input_ids)
         end = self.length + num_new
         self.cache_owner = None  # rows written outside a batched engine's bookkeeping
         if end > self.capacity:
@@ -821,10 +828,7 @@ class NativeRuntime:
         runtime's own length is left alone: the caller keeps each row's length. ``threads``:
         the kernels' thread count for this call (default torch's; every row is the same
         bits at any count); the torch backend ignores it. Returns what ``forward`` returns."""
-        batch, num_new = input_ids.shape
-        if batch < 1 or num_new < 1:
-            raise SpecDecodeError(f"a forward pass needs at least one row and one new token, got ids of shape "
-                                  f"{list(input_ids.shape)}")
+        batch, num_new = _new_tokens(input_ids)
         if len(cache_rows) != batch or len(starts) != batch:
             raise SpecDecodeError(f"{batch} rows need {batch} cache rows and starts, got {len(cache_rows)} and {len(starts)}")
         if len(set(cache_rows)) != batch or any(not 0 <= r < self.k_cache.shape[1] for r in cache_rows):
