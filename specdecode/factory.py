@@ -307,9 +307,10 @@ def eagle_proposer(path: str | None, target: LoadedModel, tree_width: int = 1):
 
 
 def checkpoint_embedding(target: LoadedModel) -> torch.Tensor:
-    """The target's token embedding [V, H] as its checkpoint holds it (float32): the
-    runtime's copy may be quantized (Q8_0 under --weights int8), and a head exported with
-    that copy carried another embedding than the target's (found in review)."""
+    """The target's token embedding [V, H] as its checkpoint holds it (its dtype too;
+    float32 where it is dequantized from a GGUF): the runtime's copy may be quantized (Q8_0
+    under --weights int8), and a head exported with that copy carried another embedding
+    than the target's (found in review)."""
     from safetensors import safe_open
 
     name = "model.embed_tokens.weight"
@@ -320,7 +321,7 @@ def checkpoint_embedding(target: LoadedModel) -> torch.Tensor:
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             if name in handle.keys():
-                return handle.get_tensor(name).float()
+                return handle.get_tensor(name)
     return target.runtime.weights.embed.dequantize().float()  # a checkpoint we cannot read it from
 
 

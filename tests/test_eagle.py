@@ -317,7 +317,11 @@ def test_heads_export_to_vllm_layouts_and_import_back(targets, tmp_path, fmt):
     # input_layernorm, the fused feature with hidden_norm, the MLP's input with post_attention_layernorm
     theirs = {"input_norm.weight": "input_layernorm.weight", "hidden_norm.weight": "hidden_norm.weight",
               "post_norm.weight": "post_attention_layernorm.weight", "q_proj.weight": "self_attn.q_proj.weight",
-              "down_proj.weight": "mlp.down_proj.weight"}
+              "k_proj.weight": "self_attn.k_proj.weight", "v_proj.weight": "self_attn.v_proj.weight",
+              "o_proj.weight": "self_attn.o_proj.weight", "gate_proj.weight": "mlp.gate_proj.weight",
+              "up_proj.weight": "mlp.up_proj.weight", "down_proj.weight": "mlp.down_proj.weight"}
+    # every layer tensor (found in review: half were listed); the rest: fc, norm, lm_head, d2t
+    assert len(theirs) == len(ours.state_dict()) - 4
     for name, their_name in theirs.items():
         assert torch.equal(tensors[layer + their_name].float(), ours.state_dict()[name].float()), name
     assert tensors["t2d"].dtype == torch.bool and int(tensors["t2d"].sum()) == 60 and bool(tensors["t2d"][head.d2t].all())
@@ -329,7 +333,10 @@ def test_heads_export_to_vllm_layouts_and_import_back(targets, tmp_path, fmt):
         assert config["speculators_config"]["verifier"] == {"name_or_path": "tiny",
                                                             "architectures": ["MistralForCausalLM"]}
         assert config["transformer_layer_config"]["num_hidden_layers"] == 1
-        assert torch.equal(tensors["embed_tokens.weight"], embed.to(torch.bfloat16))
+        # in the target's own dtype, so vLLM shares the target's (found in review: written as bf16)
+        assert tensors["embed_tokens.weight"].dtype == embed.dtype and torch.equal(tensors["embed_tokens.weight"], embed)
+        with pytest.raises(SpecDecodeError, match="names its verifier"):
+            export_head(ours, tmp_path / "unnamed", fmt, embed=embed)
     back = EagleHead.load(tmp_path / fmt)
     assert back.config == ours.config and torch.equal(back.d2t, ours.d2t)
     for name, parameter in ours.state_dict().items():
@@ -371,6 +378,11 @@ def test_heads_export_to_vllm_layouts_and_import_back(targets, tmp_path, fmt):
     (tmp_path / fmt / "config.json").write_text(json.dumps(config))
     with pytest.raises(Exception, match="norm_before_residual = true"):
         EagleHead.load(tmp_path / fmt)
+    if fmt == "speculators":  # absent, vLLM reads it as true and speculators as false (found in review: loaded)
+        del config["norm_before_residual"]
+        (tmp_path / fmt / "config.json").write_text(json.dumps(config))
+        with pytest.raises(SpecDecodeError, match="does not say norm_before_residual"):
+            EagleHead.load(tmp_path / fmt)
     config["norm_before_residual"] = False
     (tmp_path / fmt / "config.json").write_text(json.dumps(config))
     # a reduced vocabulary without its d2t map: which token each draft id is, unknown (found

@@ -113,8 +113,14 @@ def export_head(head, out: Path, fmt: str, verifier: str | None = None, max_posi
                   "target_hidden_size": c.hidden_size, "eagle_aux_hidden_state_layer_ids": layers,
                   "norm_before_residual": False, "torch_dtype": "bfloat16"}
     else:
+        if not verifier:  # vLLM would serve a target named "", speculators fail to load it
+            raise SpecDecodeError("the speculators layout names its verifier (the target's name or path): "
+                                  "pass verifier=")
         if embed is not None:
-            tensors["embed_tokens.weight"] = embed.to(torch.bfloat16).contiguous()
+            # in the target checkpoint's own dtype: vLLM shares the target's embedding only
+            # where the stored one equals it, else drafts with the stored copy (found in
+            # review: a bf16 copy of an fp32 target's embedding drafted other tokens at near-ties)
+            tensors["embed_tokens.weight"] = embed.contiguous()
         config = {
             "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
             "draft_vocab_size": c.draft_vocab_size, "norm_before_residual": False, "norm_before_fc": False,
@@ -125,7 +131,7 @@ def export_head(head, out: Path, fmt: str, verifier: str | None = None, max_posi
                 "algorithm": "eagle3", "default_proposal_method": "greedy",
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
                                       "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                "verifier": {"name_or_path": verifier or "",
+                "verifier": {"name_or_path": verifier,
                              "architectures": verifier_architectures or ["LlamaForCausalLM"]},
             },
         }
@@ -144,6 +150,12 @@ def import_head(directory: Path, raw: dict, fmt: str, target_layers: int | None 
     from .eagle_head import EagleConfig, EagleHead, capture_layers
 
     llama = raw.get("transformer_layer_config", {}) if fmt == "speculators" else raw
+    if fmt == "speculators" and "norm_before_residual" not in raw:
+        # vLLM reads a speculators config without it as true, the speculators library as
+        # false: the two draft differently from the same file (found in review: it loaded as false)
+        raise SpecDecodeError(f"{directory}: the speculators config does not say norm_before_residual; vLLM reads "
+                              "that as true and the speculators library as false, so which head it is is "
+                              "ambiguous: set it in config.json")
     for flag in UNSUPPORTED_FLAGS:
         if raw.get(flag, llama.get(flag, False)):
             raise SpecDecodeError(f"{directory}: {flag} = true is a variant this head does not compute")
