@@ -709,7 +709,7 @@ def cmd_train(args) -> int:
         from .train.data import check_data_target, target_identity
 
         check_data_target(Path(args.data), target_identity(target))  # the target's own answers, as for heads
-        build_store(Path(args.data), Path(args.out), target.runtime.cfg.vocab_size, args.command, log=log)
+        build_store(Path(args.data), Path(args.out), target.runtime.vocab_size, args.command, log=log)
         print(f"written to {args.out}/; use it with --method suffix --store {args.out}")
         return 0
     check_settings(args.prompts, args.samples, args.temperature, args.max_new_tokens, args.corpus_tokens,

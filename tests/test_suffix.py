@@ -69,6 +69,7 @@ def test_store_refuses_ids_outside_its_vocabulary():
     # a saved store's array (train store) marks its document breaks with the separator, 2**4 - 1
     # here: taken as a break there, and any other id beyond the vocabulary refused
     assert len(TokenStore(np.array([1, 15, 2, 3]), 10)) == 4
+    assert TokenStore(np.array([1, 15, 2, 3]), 10).answer_tokens == 3  # reports count the documents' own tokens
     with pytest.raises(ConfigError, match="outside"):
         TokenStore(np.array([1, 12, 2, 15]), 10)
 
@@ -222,7 +223,7 @@ def test_shipped_store_matches_its_manifest():
         data = (DEFAULT_TOKEN_STORE / name).read_bytes()
         assert hashlib.sha256(data).hexdigest() == entry["sha256"] and len(data) == entry["bytes"], name
     store = TokenStore.load(DEFAULT_TOKEN_STORE)
-    assert store.vocab_size == 49152 and len(store) == manifest["tokens"]
+    assert store.vocab_size == 49152 and store.answer_tokens == manifest["tokens"] == len(store) - manifest["answers"]
     assert np.all(store.keys[1:] >= store.keys[:-1])
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import TINY_VOCAB, save_tiny_model
-from specdecode.config import ConfigError, SamplingParams
+from specdecode.config import ConfigError, SamplingParams, SpecDecodeError
 from specdecode.engine import SpeculativeEngine
 from specdecode.models.llama import load_native
 from specdecode.prompts import load_prompts
@@ -741,3 +741,49 @@ def test_a_held_out_templated_prompt_shares_its_filler_with_no_trained_prompt(tm
                                       "temperature": 0}) + "\n")
     flags = [s.held_out for s in training_sequences(tmp_path, 0, 64)]
     assert 0.04 <= sum(flags) / len(flags) <= 0.06
+
+
+def test_training_refuses_up_front_what_it_could_not_finish(tiny_runtime, tiny_answers, tmp_path, capsys):
+    """Found in review: a target that runs through transformers ended `train eagle` in a
+    traceback and kept `train store` (which needs only its vocabulary) from building; a
+    --max-length beyond the target's context failed in the middle of the feature pass; a run
+    that could not resume into --out was refused only after the whole feature pass was
+    written (minutes to an hour, gigabytes), a Medusa checkpoint named as an EAGLE head of
+    another shape."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdecode import cli
+    from specdecode.train.eagle import train_eagle
+    from specdecode.train.medusa import train_medusa
+
+    quiet = dict(minutes=0.02, batch_tokens=256, log=lambda message: None)
+    through_transformers = SimpleNamespace(runtime=SimpleNamespace(vocab_size=TINY_VOCAB, max_positions=256),
+                                           eos_token_ids=(2,))
+    with pytest.raises(ConfigError, match="native runtime"):
+        train_eagle(through_transformers, tiny_answers, tmp_path / "hf", draft_vocab=48, ttt_steps=2, **quiet)
+    target = SimpleNamespace(runtime=tiny_runtime, eos_token_ids=(2,))
+    long = tmp_path / "long" / "answers.jsonl"  # 300 tokens: beyond the tiny target's 256
+    long.parent.mkdir()
+    long.write_text((tiny_answers / "answers.jsonl").read_text() + json.dumps(
+        {"prompt_id": "train-code-100", "category": "code", "row": 0, "temperature": 0,
+         "prompt_ids": [5] * 20, "answer_ids": [7] * 280}) + "\n")
+    said = []
+    train_eagle(target, long.parent, tmp_path / "long-head", draft_vocab=48, ttt_steps=2, max_length=300,
+                **(quiet | {"log": said.append}))
+    assert "sequences are cut at 256" in said[0]
+    train_medusa(target, tiny_answers, tmp_path / "medusa", heads=2, draft_vocab=48, **quiet)
+    features = set((tmp_path / "medusa" / "features").iterdir())
+    with pytest.raises(SpecDecodeError, match="trains Medusa heads, not EAGLE head; use another --out"):
+        train_eagle(target, tiny_answers, tmp_path / "medusa", draft_vocab=48, ttt_steps=2, **quiet)
+    with pytest.raises(SpecDecodeError, match=r"another shape \(num_heads 2 -> 3\)"):
+        train_medusa(target, tiny_answers, tmp_path / "medusa", heads=3, draft_vocab=48, **quiet)
+    assert set((tmp_path / "medusa" / "features").iterdir()) == features  # refused before the feature pass
+    # a Llama with MLP biases runs through transformers: its store is built all the same
+    config = AutoConfig.for_model("llama", vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                  max_position_embeddings=256, mlp_bias=True, eos_token_id=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "biased")
+    code = cli.main(["train", "store", "--model", str(tmp_path / "biased"), "--dtype", "fp32",
+                     "--data", str(tiny_answers), "--out", str(tmp_path / "store")])
+    assert code == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "store" / "MANIFEST.json").read_text())["tokens"] > 0

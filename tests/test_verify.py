@@ -306,6 +306,10 @@ def test_temperature_then_top_k_then_top_p_by_value():
     assert (logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.6)) > 0).sum() == 2
     both = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=3, top_p=0.8))
     assert torch.allclose(both, torch.tensor([2.0, 1.0, -math.inf, -math.inf, -math.inf]).softmax(-1))
+    # a temperature beyond float32's range: uniform over the tokens a drafter's -inf padding
+    # leaves (found in review: NaN, as -inf / inf)
+    padded = torch.tensor([2.0, 1.0, -math.inf])
+    assert logits_to_probs(padded, SamplingParams(temperature=1e39)).tolist() == [0.5, 0.5, 0.0]
 
 
 def test_a_rows_nucleus_depends_on_that_row_alone():

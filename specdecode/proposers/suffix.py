@@ -71,7 +71,13 @@ class TokenStore:
         self.keys = keys[self.order]
 
     def __len__(self) -> int:
+        """Positions, one separator per document included."""
         return int(self.tokens.size)
+
+    @property
+    def answer_tokens(self) -> int:
+        """The documents' own tokens (found in review: reports counted a separator per answer)."""
+        return int((self.tokens != self.separator).sum())
 
     def _pack(self, pattern, fill: int) -> np.uint64:
         key = 0
@@ -153,7 +159,7 @@ class TokenStore:
         save_file({"tokens": self.tokens.astype(dtype)}, str(directory / STORE_FILE),
                   metadata={"vocab_size": str(self.vocab_size)})
         shared_mode(directory / STORE_FILE, 0o666)  # safetensors writes 0600
-        (directory / "store.json").write_text(json.dumps({"vocab_size": self.vocab_size, "tokens": len(self),
+        (directory / "store.json").write_text(json.dumps({"vocab_size": self.vocab_size, "tokens": self.answer_tokens,
                                                            **meta}, indent=1) + "\n")
 
     @classmethod

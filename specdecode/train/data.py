@@ -134,8 +134,12 @@ def _check_fields(path: Path, records: list[dict], fields: dict[str, type]) -> N
 
 
 def _rewrite_complete(path: Path, records: list[dict]) -> None:
-    """Keep only the records that were read whole (drops a torn last line)."""
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    """Keep only the records that were read whole (drops a torn last line). Written beside
+    it and renamed over it: a run stopped mid-write kept only part of the answers (found in
+    review), which the resumed run then made again."""
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text("".join(json.dumps(r) + "\n" for r in records))
+    partial.replace(path)
 
 
 def read_records(path: Path, fields: dict[str, type | tuple], vocab_size: int | None = None):

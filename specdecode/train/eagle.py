@@ -324,6 +324,21 @@ def split_items(sequences: list[Sequence], records: dict[str, dict]) -> tuple[li
     return train_items, eval_items, seen, described
 
 
+def training_runtime(target, max_length: int, what: str, log=print):
+    """(runtime, cfg, max_length) for the target a drafter trains for: the native runtime (a
+    drafter reads its hidden states; refused before anything runs, found in review: the
+    transformers runtime ended in a traceback), and ``--max-length`` cut to the target's
+    context (found in review: a longer one failed in the middle of the feature pass)."""
+    runtime = target.runtime
+    if not hasattr(runtime, "weights"):
+        raise ConfigError(f"{what} train on the native runtime (they read the target's hidden states); this target "
+                          "runs through transformers")
+    if max_length > runtime.max_positions:
+        log(f"--max-length {max_length} is beyond the target's context: sequences are cut at {runtime.max_positions}")
+        max_length = runtime.max_positions
+    return runtime, runtime.cfg, max_length
+
+
 def data_fingerprint(items: list) -> str:
     """The training sequences a run trains on, as one short hash."""
     return hashlib.sha1("|".join(sorted(sequence_key(s.ids) for s, _ in items)).encode()).hexdigest()[:16]
@@ -338,8 +353,8 @@ def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_
     from .data import check_data_target, target_identity
 
     check_train_settings(draft_vocab, ttt_steps, minutes, lr, batch_tokens, max_length)
+    runtime, cfg, max_length = training_runtime(target, max_length, "EAGLE heads", log)
     out.mkdir(parents=True, exist_ok=True)
-    runtime, cfg = target.runtime, target.runtime.cfg
     torch.manual_seed(seed)
     sequences = trainable_sequences(Path(data_dir), corpus_tokens, max_length, cfg.vocab_size)
     identity = target_identity(target)
@@ -360,16 +375,6 @@ def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_
         head = EagleHead(config)
         head.set_draft_vocab(draft_vocabulary(sequences, config.draft_vocab_size, cfg.vocab_size, target.eos_token_ids))
 
-    total_tokens = sum(len(s.ids) for s in sequences)
-    with tqdm(total=total_tokens, unit="tok", desc="target features") as bar:
-        # features are the target's at the layers the head reads: another target, format or
-        # set of layers keeps its own shards
-        layers = ",".join(str(layer) for layer in config.capture_layers)
-        features_dir = out / "features" / hashlib.sha1(f"{identity}|{layers}".encode()).hexdigest()[:12]
-        records = extract_features(runtime, sequences, config.capture_layers, features_dir, bar.update)
-    train_items, eval_items, seen, described = split_items(sequences, records)
-    log(f"{described}; draft vocabulary {config.draft_vocab_size} of {cfg.vocab_size}")
-
     weights = runtime.weights
     embed = weights.embed.dequantize().float()
     target_rows = (embed if weights.lm_head is weights.embed else weights.lm_head.dequantize().float())[head.d2t]
@@ -382,9 +387,22 @@ def train_eagle(target, data_dir: Path, out: Path, draft_vocab: int = 8192, ttt_
     # same data (data grown or rebuilt since would shift every batch under the saved offset)
     settings = {"ttt_steps": ttt_steps, "lr": lr, "batch_tokens": batch_tokens, "corpus_tokens": corpus_tokens,
                 "max_length": max_length, "seed": seed, "bf16": bf16, "init": None if init is None else str(init),
-                "target": identity, "data": data_fingerprint(train_items)}
-    checkpoint = Checkpoint(out / "checkpoint.pt", head, trainer.optimizer, config.__dict__, head.d2t, settings)
+                "target": identity, "data": data_fingerprint([(s, None) for s in sequences if not s.held_out])}
+    checkpoint = Checkpoint(out / "checkpoint.pt", head, trainer.optimizer, config.__dict__, head.d2t, settings,
+                            kind="EAGLE head")
+    # before the feature pass (minutes to an hour, gigabytes): a run that cannot resume here is
+    # refused first (found in review: refused only after the whole pass had been written)
     checkpoint.resume(log, "--draft-vocab and --init", "data and --init")
+
+    total_tokens = sum(len(s.ids) for s in sequences)
+    with tqdm(total=total_tokens, unit="tok", desc="target features") as bar:
+        # features are the target's at the layers the head reads: another target, format or
+        # set of layers keeps its own shards
+        layers = ",".join(str(layer) for layer in config.capture_layers)
+        features_dir = out / "features" / hashlib.sha1(f"{identity}|{layers}".encode()).hexdigest()[:12]
+        records = extract_features(runtime, sequences, config.capture_layers, features_dir, bar.update)
+    train_items, eval_items, seen, described = split_items(sequences, records)
+    log(f"{described}; draft vocabulary {config.draft_vocab_size} of {cfg.vocab_size}")
 
     def step(batch, progress: float, steps: int) -> tuple[float, float]:
         return trainer.step(batch, learning_rate(lr, steps, progress))

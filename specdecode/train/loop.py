@@ -27,9 +27,9 @@ class Checkpoint:
     (``config``: the module's shape, ``d2t``: its draft vocabulary, ``settings``: the recipe)."""
 
     def __init__(self, path: Path, module: torch.nn.Module, optimizer, config: dict, d2t: torch.Tensor,
-                 settings: dict):
+                 settings: dict, kind: str = "drafter"):
         self.path, self.module, self.optimizer = path, module, optimizer
-        self.config, self.d2t, self.settings = config, d2t, settings
+        self.config, self.d2t, self.settings, self.kind = config, d2t, settings, kind
         self.state = {"epoch": 0, "batch": 0, "seconds": 0.0, "steps": 0}
 
     def resume(self, log, shape_flags: str = "--draft-vocab", vocabulary_from: str = "data") -> None:
@@ -38,6 +38,8 @@ class Checkpoint:
         if not self.path.is_file():
             return
         saved = torch.load(self.path, weights_only=False)
+        if saved.get("kind", self.kind) != self.kind:  # (found in review: Medusa's head count read as EAGLE's shape)
+            raise SpecDecodeError(f"{self.path} trains {saved['kind']}, not {self.kind}; use another --out")
         if saved["config"] != self.config:
             named = ", ".join(f"{k} {v!r} -> {self.config.get(k)!r}" for k, v in saved["config"].items()
                               if self.config.get(k) != v)
@@ -60,7 +62,7 @@ class Checkpoint:
 
     def save(self) -> None:
         temporary = self.path.with_suffix(".tmp")
-        torch.save({"config": self.config, "settings": self.settings, "d2t": self.d2t, "head": self.module.state_dict(),
+        torch.save({"kind": self.kind, "config": self.config, "settings": self.settings, "d2t": self.d2t, "head": self.module.state_dict(),
                     "optimizer": self.optimizer.state_dict(), "state": self.state}, temporary)
         temporary.rename(self.path)
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..config import ConfigError
 from ..proposers.medusa import MedusaConfig, MedusaHeads
 from .eagle import (ChainTally, batches, check_common_settings, data_fingerprint, draft_vocabulary, extract_features,
-                    split_items, trainable_sequences)
+                    split_items, trainable_sequences, training_runtime)
 from .loop import Checkpoint, learning_rate
 
 HEAD_DECAY = 0.8
@@ -123,10 +123,7 @@ def train_medusa(target, data_dir: Path, out: Path, heads: int = 3, draft_vocab:
     from .data import check_data_target, target_identity
 
     check_medusa_settings(heads, draft_vocab, minutes, lr, batch_tokens, max_length)
-    runtime = target.runtime
-    if not hasattr(runtime, "weights"):
-        raise ConfigError("Medusa heads train on the native runtime (they read the target's hidden states)")
-    cfg = runtime.cfg
+    runtime, cfg, max_length = training_runtime(target, max_length, "Medusa heads", log)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     sequences = trainable_sequences(Path(data_dir), corpus_tokens, max_length, cfg.vocab_size)
@@ -138,17 +135,18 @@ def train_medusa(target, data_dir: Path, out: Path, heads: int = 3, draft_vocab:
     weights = runtime.weights
     medusa.bind(weights.norm, weights.lm_head.dequantize())
 
+    trainer = MedusaTrainer(medusa, lr)
+    settings = {"lr": lr, "batch_tokens": batch_tokens, "corpus_tokens": corpus_tokens, "max_length": max_length,
+                "seed": seed, "target": identity, "data": data_fingerprint([(s, None) for s in sequences if not s.held_out])}
+    checkpoint = Checkpoint(out / "checkpoint.pt", medusa, trainer.optimizer, config.__dict__, medusa.d2t, settings,
+                            kind="Medusa heads")
+    checkpoint.resume(log, "--heads and --draft-vocab", "data")  # before the feature pass, as train_eagle
     with tqdm(total=sum(len(s.ids) for s in sequences), unit="tok", desc="target states") as bar:
         features_dir = out / "features" / hashlib.sha1(f"{identity}|final".encode()).hexdigest()[:12]
         records = extract_features(runtime, sequences, (), features_dir, bar.update)
     train_items, eval_items, seen, described = split_items(sequences, records)
     log(f"{described}; {heads} heads, draft vocabulary {config.draft_vocab_size} of {cfg.vocab_size}")
 
-    trainer = MedusaTrainer(medusa, lr)
-    settings = {"lr": lr, "batch_tokens": batch_tokens, "corpus_tokens": corpus_tokens, "max_length": max_length,
-                "seed": seed, "target": identity, "data": data_fingerprint(train_items)}
-    checkpoint = Checkpoint(out / "checkpoint.pt", medusa, trainer.optimizer, config.__dict__, medusa.d2t, settings)
-    checkpoint.resume(log, "--heads and --draft-vocab", "data")
     checkpoint.train(minutes, lambda epoch: batches(train_items, batch_tokens, seed + epoch),
                      lambda batch, progress, steps: trainer.step(batch, learning_rate(lr, steps, progress)))
     state = checkpoint.state

@@ -45,8 +45,8 @@ def build_store(data: Path, out: Path, vocab_size: int, command: str | None = No
     store.save(out, meta)
     files = {name: {"sha256": sha256_file(out / name), "bytes": (out / name).stat().st_size}
              for name in (STORE_FILE, "store.json")}
-    manifest = {"files": files, "reproduce": command, "answers": meta["answers"], "tokens": len(store)}
+    manifest = {"files": files, "reproduce": command, "answers": meta["answers"], "tokens": store.answer_tokens}
     (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    log(f"token store: {meta['answers']:,} answers, {len(store):,} tokens, "
+    log(f"token store: {meta['answers']:,} answers, {store.answer_tokens:,} tokens, "
         f"{files[STORE_FILE]['bytes'] / 1e6:.1f} MB, {time.perf_counter() - started:.1f} s")
     return manifest

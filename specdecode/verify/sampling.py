@@ -28,7 +28,9 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     logits = logits.float()
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits / params.temperature
+    # a temperature beyond float32's range became inf in the division and a -inf logit (a
+    # drafter's padding) NaN (found in review): such a temperature divides as float32's largest
+    logits = logits / min(params.temperature, torch.finfo(torch.float32).max)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth_largest = logits.topk(params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
