@@ -422,7 +422,14 @@ def cmd_generate(args) -> int:
                              warn=log)
         log(f"route: {route.reason} -> {route.method}")
     else:
-        route = Router().load(state_path, warn=log).route(args.prompt, args.method, drafter_key(configured))
+        # the method is the flag's; the prompt's task picks the prior only: the acceptance
+        # measured for it (found in review: a task the router had turned off got no prior,
+        # and every 20th run of it the router's optimistic retry prior, never saved)
+        from dataclasses import replace
+
+        router = Router().load(state_path, warn=log)
+        route = router.route(args.prompt, args.method, drafter_key(configured))
+        route = replace(route, prior_alpha=router.prior(route.task, drafter_key(configured)))
     spec = _spec_config(args, route.method if args.route else args.method)
     log(f"loading {args.model} ({args.dtype})")
     target = load_target(engine_config, args.runtime)

@@ -485,6 +485,23 @@ def test_cost_aware_k_keeps_acceptance_per_kind_of_draft_across_requests():
     # a fresh label starts from the request's priors
     policy.use_label(("store", 4))
     assert policy.first == pytest.approx(0.5)
+    # a request the router retries drafts from its retry prior under every label, so it
+    # measures the task again (found in review: a seen label's counts priced it out, and
+    # the tree budget ignored the prior)
+    from specdecode.control.router import RETRY_PRIOR
+
+    policy.start(prior_alpha=RETRY_PRIOR)
+    policy.use_label(("store", 2))
+    assert policy.first == pytest.approx(0.9) and policy._best(100) >= 1
+    policy.observe(policy.choose(100), 0)
+    policy.start(prior_alpha=0.5)  # the next request: the label's counts again
+    policy.use_label(("store", 2))
+    assert policy.first < 0.3
+    tree = TreeBudget(CostModel(synthetic_profile(), "ngram"), k_max=3, prior_rate=0.5)
+    tree.start(prior_alpha=0.9)
+    assert tree.choose(100) == 0
+    tree.start(prior_alpha=RETRY_PRIOR)
+    assert tree.choose(100) > 0
 
 
 def test_tree_budget_probes_and_returns_to_speculation():
@@ -522,6 +539,26 @@ def test_tree_budget_probes_score_a_node_so_a_low_scale_can_recover():
             policy.observe(0, 0)
     assert kept_on_probes and min(kept_on_probes) >= 1
     assert policy.chosen[-20:].count(0) <= 2 and policy.kept_sizes[-1] >= 2
+
+
+def test_tree_budget_looks_again_at_once_after_a_probe_that_was_all_right():
+    """Found in review: after a probe whose every node was accepted the interval doubled
+    while the decayed rate caught up (CostAwareK looks again at once; the tree budget's
+    probes are spaced like its), so drafting came back some hundred steps late."""
+    policy = TreeBudget(CostModel(synthetic_profile(), "ngram"), k_max=3, prior_rate=1.3)
+    for _ in range(12):  # sure and always wrong
+        policy.choose(100)
+        kept = policy.trim(chain_proposal([0.99, 0.98, 0.97]), 100, passes=2)
+        policy.observe(kept.tree.size, 0)
+    policy.clock.interval = 64  # probes spaced out by the wrong stretch
+    for _ in range(70):
+        if policy.choose(100) and policy.probing:
+            break
+        policy.observe(0, 0)
+    assert policy.probing
+    kept = policy.trim(chain_proposal([0.99, 0.98, 0.97]), 100, passes=2)
+    policy.observe(kept.tree.size, kept.tree.size)  # every node right
+    assert policy.clock.interval == 0 and policy.choose(100) > 0
 
 
 def test_tree_budget_starts_each_request_from_what_the_last_measured():
@@ -615,6 +652,29 @@ def test_no_route_overrides_a_presets_route(tiny_text_model_dir, capsys):
         assert code == 0
         routed.append(json_module.loads(capsys.readouterr().out)["route"]["routed"])
     assert routed == [True, False]
+
+
+def test_without_route_a_turned_off_task_still_gets_its_measured_prior(tiny_text_model_dir, capsys):
+    """Found in review: without --route, a task the router had turned off (measured < 1x)
+    started from no prior instead of the acceptance measured for it, and every 20th run
+    from the router's optimistic retry prior, whose count this path never saves."""
+    import json as json_module
+
+    from specdecode import cli
+    from specdecode.control.router import classify
+
+    prompt = "What is the capital of France?"
+    path = cli_state_path(tiny_text_model_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    priors = []
+    for requests in (1, 19):  # the 20th request would be a retry when routing
+        path.write_text(json_module.dumps({"records": {f"{classify(prompt)}/ngram": {
+            "alpha": 0.12, "speedup": 0.5, "weight": 5.0}}, "requests": {classify(prompt): requests}}))
+        code = cli.main(["generate", prompt, "--no-route", "--method", "ngram", "--model", str(tiny_text_model_dir),
+                         "--dtype", "fp32", "--no-chat-template", "--max-new-tokens", "3", "--json"])
+        assert code == 0
+        priors.append(json_module.loads(capsys.readouterr().out)["route"]["prior_alpha"])
+    assert priors == [0.12, 0.12]
 
 
 @pytest.mark.parametrize("content", ["{bad", '{"records": 5}', '{"records": {"qa/ngram": {"alpha": "x", "nope": 1}}}',
@@ -1146,8 +1206,13 @@ def test_one_outlying_request_cannot_turn_a_task_off(tmp_path):
         router.observe(task, "ngram", 0.5, 1.3, tokens=128)
     assert router.route(prompt).method == "ngram"
     path = tmp_path / "state.json"
+    # and values no measurement gives: a weight beyond the decayed sum's limit (10) or a
+    # speedup outside the clipped range kept a task on plain through any retry, an acceptance
+    # of true became a prior (found in review)
     for bad in ({"alpha": float("nan"), "speedup": 1.2, "weight": 4}, {"alpha": 0.5, "speedup": 1.2, "weight": 4,
-                                                                       "extra": 1}):
+                                                                       "extra": 1},
+                {"alpha": 0.5, "speedup": 0.5, "weight": 1000}, {"alpha": 0.5, "speedup": 0.01, "weight": 4},
+                {"alpha": True, "speedup": 1.2, "weight": 4}):
         path.write_text(json_module.dumps({"records": {f"{task}/ngram": bad}}))
         warned = []
         assert Router().load(path, warn=warned.append).records == {} and warned

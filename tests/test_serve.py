@@ -971,8 +971,22 @@ def test_per_task_metrics_follow_vllms_definitions():
     choices.profile = SimpleNamespace(time_ms=lambda tokens, context: 10.0)
     stats = GenerationStats(new_tokens=20, wall_seconds=5.0, prefill_seconds=0.05, draft_seconds=0.01,
                             verify_seconds=0.12)  # 4.8 s of it waiting for a row
-    sequence = SimpleNamespace(proposer=object(), stats=stats, prompt_ids=[1] * 10)
+    sequence = SimpleNamespace(proposer=object(), stats=stats, prompt_ids=[1] * 10, batched_steps=0)
     assert choices.seconds_saved(sequence) == pytest.approx(20 * 0.010 - 0.13)
+    # decoded in a batch, its share of a pass is cheaper than a step alone, drafting or not:
+    # not speculation's saving (found in review: credited to it)
+    assert choices.seconds_saved(SimpleNamespace(**{**vars(sequence), "batched_steps": 3})) is None
+    # the response's mean accepted length is the gauge's (vLLM's), tau beside it
+    from specdecode.serve.app import speculation_summary
+
+    drafted = GenerationStats()
+    drafted.observe_step(4, 4)
+    for _ in range(3):
+        drafted.observe_step(0, 0)
+    summary = speculation_summary([SimpleNamespace(stats=drafted, method="ngram", task_type="code")])
+    assert summary["mean_accepted_length"] == 5.0 and summary["tokens_per_target_pass"] == 2.0
+    assert speculation_summary([SimpleNamespace(stats=GenerationStats(), method="none",
+                                                task_type="code")])["mean_accepted_length"] == 1.0
 
 
 def test_stream_chunks_and_refusals_follow_vllm(served):

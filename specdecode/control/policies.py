@@ -300,6 +300,15 @@ class CostModel:
                 for k, (v, factor) in enumerate(zip(table, self.steps.factors(k_max + 1)))]
 
 
+class RetryPrior(float):
+    """The prior of a request the router retries on a task it had turned off (the value
+    is the acceptance to start from). A policy drafts from it with the request's own counts
+    and an optimistic tree rate, not with what it learnt per kind of draft before (found
+    in review: a long-lived process's label counts kept pricing the retry's drafts out, and
+    the tree budget ignored the prior, so the retry measured about plain decoding and the
+    task stayed off). A float, so it passes through every caller unchanged."""
+
+
 class ProbeClock:
     """When an adaptive policy that decodes plainly looks at speculation again: the plain
     steps since its last probe and the interval now. Kept across requests, and shared by a
@@ -353,6 +362,7 @@ class CostAwareK(MeasuresDraftCost):
         self.first_counts, self.position_counts = self.request_counts
         self.request_waits: dict = {}  # as label_waits, for the request's own counts
         self.waits = self.request_waits
+        self.retrying = isinstance(prior_alpha, RetryPrior)  # its own counts for every kind of draft
         self.probing = False
         self.explore_from = 0  # drafts of the last step, when all were accepted
         self.context = 0
@@ -371,7 +381,7 @@ class CostAwareK(MeasuresDraftCost):
         tokens were accepted 4.5 tokens deep on average on the suite, the store's after a
         2-token match 0.5: one rate for both buys drafts too short for the one and too
         long for the other."""
-        if label is None:
+        if label is None or self.retrying:
             self.first_counts, self.position_counts = self.request_counts
             self.waits = self.request_waits
             return
@@ -557,7 +567,9 @@ class TreeBudget(MeasuresDraftCost):
             self.prior_rate = 0.5 * self.prior_rate + 0.5 * self.rate
         self.observed = 0
         self.scale_counts = [1.0, 1.0]  # [accepted, predicted]: s starts at 1, weakly
-        self.rate_counts = [self.prior_rate * self.prior_strength, self.prior_strength]
+        # a retried task's request starts from a rate that drafts (its prior_alpha is not a rate)
+        rate = max(self.prior_rate, 1.0 + 2 * self.margin) if isinstance(prior_alpha, RetryPrior) else self.prior_rate
+        self.rate_counts = [rate * self.prior_strength, self.prior_strength]
         self.last_best = max(2, self.k_max // 2)
         self.probing = False
         self.context = 0
@@ -654,7 +666,9 @@ class TreeBudget(MeasuresDraftCost):
         counts[0] = counts[0] * self.decay + offered
         counts[1] = counts[1] * self.decay + 1
         if self.probing:
-            if self.rate > 1.0 + self.margin:
+            if accepted >= drafted > 0:  # every node kept was right: look again at once, as CostAwareK
+                self.clock.interval = 0  # (found in review: doubled while the decayed rate caught up)
+            elif self.rate > 1.0 + self.margin:
                 self.clock.interval = self.base_probe_interval
             else:
                 self.clock.interval = min(max(self.clock.interval * 2, self.base_probe_interval), self.max_probe_interval)

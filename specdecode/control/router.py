@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..config import SpecDecodeError
+from .policies import RetryPrior
 
 TASKS = ("code", "structured", "summarization", "creative", "general")
 
@@ -72,7 +73,7 @@ _THRESHOLD = 2.0  # evidence below this is "general"
 # --route`` record them).
 # ngram: acceptance at draft position 1 with fixed k = 5, greedy, fp32, on the built-in
 # suite (docs/adaptive.md); other drafters start from the policy's neutral 0.5.
-RETRY_PRIOR = 0.9  # the acceptance a retried task's request starts from: it drafts until it measures otherwise
+RETRY_PRIOR = RetryPrior(0.9)  # the acceptance a retried task's request starts from: it drafts until it measures otherwise
 DEFAULT_PRIORS = {
     "ngram": {"code": 0.2, "structured": 0.35, "summarization": 0.35, "creative": 0.25, "general": 0.25},
 }
@@ -243,10 +244,16 @@ class Router:
             requests = {str(k): int(v) for k, v in data.get("requests", {}).items()}
             for record in records.values():
                 values = [getattr(record, f) for f in ("alpha", "speedup", "weight")]
-                if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
+                if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                           for v in values):
                     raise TypeError(f"a record that is not finite numbers: {record}")
-                if not (0.0 <= record.alpha <= 1.0 and record.speedup > 0 and record.weight >= 0):
-                    raise ValueError(f"a record out of range: {record}")  # NaN or 3.0 as an acceptance failed requests
+                # NaN or 3.0 as an acceptance failed requests; a weight no decayed sum of
+                # observations reaches, or a speedup outside the clipped range, held a task
+                # on plain decoding through any number of retries (found in review)
+                low, high = SPEEDUP_RANGE
+                most = math.inf if self.decay >= 1.0 else 1.0 / (1.0 - self.decay) + 1e-6
+                if not (0.0 <= record.alpha <= 1.0 and low <= record.speedup <= high and 0 <= record.weight <= most):
+                    raise ValueError(f"a record out of range: {record}")
         except FileNotFoundError:  # another process set it aside meanwhile
             return self
         except (ValueError, TypeError, AttributeError, OverflowError, OSError, RecursionError) as error:

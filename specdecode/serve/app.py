@@ -580,8 +580,12 @@ class SpeculationChoices:
     def seconds_saved(self, sequence: Sequence) -> float | None:
         """Plain decoding's estimated decode time for the same tokens (cost profile, one
         step per token) minus the decode time this request took; None without a
-        profile or without speculation."""
-        if self.profile is None or sequence.proposer is None or not sequence.stats.new_tokens:
+        profile or without speculation, and for a request decoded in a batch: its share of
+        a batched pass is cheaper than a step alone whether or not it drafted, and that
+        saving is the batch's, not speculation's (found in review: +0.35 s "saved" by a
+        drafter that was never right, at 4 rows). The router leaves those out too."""
+        if (self.profile is None or sequence.proposer is None or not sequence.stats.new_tokens
+                or sequence.batched_steps):
             return None
         stats = sequence.stats
         context = len(sequence.prompt_ids) + stats.new_tokens // 2
@@ -670,9 +674,15 @@ def speculation_summary(sequences: list[Sequence]) -> dict:
                             target_forwards=sum(s.stats.target_forwards for s in sequences),
                             ended_early=sum(s.stats.ended_early for s in sequences))
     first = sequences[0]
+    # vLLM's mean acceptance length, as the task gauge and bench-serve read it: 1 + accepted
+    # per step that drafted (found in review: this field was tokens per target pass, plain
+    # passes included, so it read 2.0 where vLLM and our gauge read 5.0); that figure is
+    # tokens_per_target_pass
+    drafting_steps = sum(count for s in sequences for drafted, count in s.stats.steps_by_drafted.items() if drafted)
     return {"method": getattr(first, "method", "none"), "drafted_tokens": total.draft_tokens,
             "accepted_tokens": total.accepted_tokens, "acceptance_rate": round(total.alpha, 4),
-            "mean_accepted_length": round(total.tau, 4), "target_passes": total.target_forwards,
+            "mean_accepted_length": round(1 + total.accepted_tokens / drafting_steps, 4) if drafting_steps else 1.0,
+            "tokens_per_target_pass": round(total.tau, 4), "target_passes": total.target_forwards,
             "task_type": first.task_type}
 
 
