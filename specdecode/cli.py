@@ -480,8 +480,9 @@ def cmd_generate(args) -> int:
         baseline = plain.generate(prompt_ids, params)
         record["plain"] = {"tokens_per_s": baseline.stats.tokens_per_s, "new_tokens": baseline.stats.new_tokens}
         # None where plain decoding made no token (EOS first): no ratio (found in review: a traceback)
+        # and where this run made none: as bench, no ratio (found in review: "0.00x")
         record["speedup"] = (result.stats.tokens_per_s / baseline.stats.tokens_per_s
-                             if baseline.stats.tokens_per_s else None)
+                             if baseline.stats.tokens_per_s and result.stats.new_tokens else None)
         record["identical_to_plain"] = baseline.token_ids == result.token_ids
         if not record["identical_to_plain"] and params.greedy:
             record["first_divergence"] = plain.first_divergence(prompt_ids, baseline.token_ids, result.token_ids)

@@ -346,6 +346,15 @@ def test_speedups_pair_only_turns_that_ran_plain_decodings_prompt():
                record("draft", 2, 1.0)]
     records[-1].update(tokens_per_s=0.0, new_tokens=0, seconds=0.01)
     assert summarize(records)["overall"]["draft"]["speedup"] == pytest.approx(1.2)
+    assert summarize(records)["overall"]["draft"]["tokens_per_s"] == 120.0  # nor a rate (found in review: 60.0)
+    # the share of plain steps and the mean k pool the prompts' steps, as analyze does (found
+    # in review: a mean over prompts weighed 10 passes as 1,000)
+    records = [record("none", 1, 100.0), record("draft", 1, 120.0, target_forwards=10, plain_steps_share=1.0,
+                                                k_chosen_mean=0.0),
+               record("none", 2, 100.0), record("draft", 2, 120.0, target_forwards=90, plain_steps_share=0.0,
+                                                k_chosen_mean=2.0)]
+    overall = summarize(records)["overall"]["draft"]
+    assert overall["plain_steps_share"] == pytest.approx(0.1) and overall["k_chosen_mean"] == pytest.approx(1.8)
 
 
 def test_a_method_with_no_prompt_timed_against_plain_has_no_speedup(capsys):

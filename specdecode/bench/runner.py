@@ -402,7 +402,9 @@ def summarize(records: list[dict]) -> dict:
         margins = [r["first_divergence"]["top2_margin"] for r in rows if r.get("first_divergence")]
         summary[category][method] = {
             "prompts": len(rows),
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows),
+            # the prompts that made a token: one answered by EOS first has no rate (a 0.0 pulled
+            # the median down beside a speedup that leaves it out; found in review)
+            "tokens_per_s": _median([r["tokens_per_s"] for r in rows if r["new_tokens"]]),
             "aggregate_tokens_per_s": sum(r["new_tokens"] for r in rows) / sum(r["seconds"] for r in rows),
             # paired by prompt and turn, and only where the turn's prompt is plain's: a turn
             # after a reply that differed from plain's ran on another prompt (found in review)
@@ -414,9 +416,11 @@ def summarize(records: list[dict]) -> dict:
             "tau": tau_of(accepted, passes, ended) if passes else 1.0,
             "identical_to_plain": sum(r["identical_to_plain"] for r in rows) / len(rows),
             "new_tokens": statistics.median(r["new_tokens"] for r in rows),
-            "k_chosen_mean": _mean(r.get("k_chosen_mean") for r in rows),
+            # pooled over the steps, as analyze pools them (a mean over prompts weighed a
+            # prompt of 10 steps as one of 1,000; found in review: the two reports differed)
+            "k_chosen_mean": _pooled(rows, "k_chosen_mean"),
             "drafts_per_pass": drafted / passes if passes else 0.0,  # chain tokens or tree nodes, plain steps included
-            "plain_steps_share": _mean(r.get("plain_steps_share") for r in rows),
+            "plain_steps_share": _pooled(rows, "plain_steps_share"),
             "divergent": len(margins),
             "divergence_margin_median": statistics.median(margins) if margins else None,
             "divergence_margin_max": max(margins) if margins else None,
@@ -424,16 +428,18 @@ def summarize(records: list[dict]) -> dict:
     return dict(summary)
 
 
+def _pooled(rows: list[dict], name: str) -> float | None:
+    """A per-prompt figure of ``name`` averaged over the prompts' steps (each prompt weighed
+    by its target passes); None where no prompt has it."""
+    weighed = [(r[name], r.get("target_forwards") or 1) for r in rows if r.get(name) is not None]
+    return sum(x * n for x, n in weighed) / sum(n for _, n in weighed) if weighed else None
+
+
 def _median(values: list[float]) -> float | None:
     """The median, or None where no prompt has a plain decoding to compare with (plain
     produced no token, or every turn followed another reply than plain's): a 0.0 here read
     as "0.00x" and "-100%" in the k sweep (found in review)."""
     return statistics.median(values) if values else None
-
-
-def _mean(values) -> float | None:
-    present = [v for v in values if v is not None]
-    return sum(present) / len(present) if present else None
 
 
 def print_summary(summary: dict, methods: list[str]) -> None:
@@ -453,8 +459,9 @@ def print_summary(summary: dict, methods: list[str]) -> None:
                 continue
             alpha = f"{row['alpha']:.2f}" if row["alpha"] is not None else "-"
             speedup = f"{'-':>9}" if row["speedup"] is None else f"{row['speedup']:>8.2f}x"
+            rate = f"{'-':>8}" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:>8.1f}"
             print(
-                f"{category:<14}{method:<17}{row['prompts']:>4}{row['tokens_per_s']:>8.1f}"
+                f"{category:<14}{method:<17}{row['prompts']:>4}{rate}"
                 f"{row['aggregate_tokens_per_s']:>8.1f}{speedup}"
                 f"{alpha:>7}{row['tau']:>6.2f}{row['identical_to_plain']:>6.0%}{row['new_tokens']:>6.0f}"
                 f"{row['drafts_per_pass']:>8.2f}"
