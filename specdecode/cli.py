@@ -467,7 +467,8 @@ def cmd_generate(args) -> int:
         # the prefill also held the first passes' one-off costs: no warm-up precedes this run)
         stats = result.stats
         measured = speedup_from_stats(stats, engine.policy.costs.profile, len(prompt_ids),
-                                      decode_seconds=stats.draft_seconds + stats.verify_seconds)
+                                      decode_seconds=stats.draft_seconds + stats.verify_seconds,
+                                      costs=engine.policy.costs)
         # read again and saved under the lock: another process may have learnt meanwhile
         update_saved(state_path, lambda router: router.observe(route.task, engine.drafter, stats.first_alpha,
                                                                measured, stats.new_tokens), warn=log)

@@ -1221,6 +1221,26 @@ def test_one_outlying_request_cannot_turn_a_task_off(tmp_path):
     assert Router().load(path, warn=lambda message: None).requests == {}
 
 
+def test_a_routed_speedup_prices_plain_steps_as_they_cost_now():
+    """Found in review: a request's speedup priced plain decoding at the profile's step
+    time, though the k policy had learnt that steps here now cost more (a machine slower
+    than its profile): a task gaining 1.1x measured 0.9x and could be turned off."""
+    from specdecode.control.router import speedup_from_stats
+    from specdecode.metrics import GenerationStats
+
+    profile = synthetic_profile()
+    costs = CostModel(profile, "ngram")
+    stats = GenerationStats(new_tokens=100)
+    plain = 100 * profile.time_ms(1, 10 + 50) / 1e3
+    assert speedup_from_stats(stats, profile, 10, decode_seconds=plain / 1.1, costs=costs) == pytest.approx(1.1)
+    for _ in range(200):  # plain steps here take 1.25x the profile's
+        costs.observe_step(1, 1.25 * profile.time_ms(1, 96), 64)
+    assert costs.steps.single_factor == pytest.approx(1.25, rel=0.02)
+    slower = plain * 1.25 / 1.1  # the request ran 1.1x faster than plain decoding runs now
+    assert speedup_from_stats(stats, profile, 10, decode_seconds=slower, costs=costs) == pytest.approx(1.1, rel=0.02)
+    assert speedup_from_stats(stats, profile, 10, decode_seconds=slower) < 0.9  # the profile alone
+
+
 def test_one_stalled_drafting_pass_does_not_price_drafting_out():
     """Found in review: the drafting cost took each pass's time as measured, so one pass
     stalled for 200 ms (the OS, a page fault) moved c from 0.05 to 1.39 and the policy

@@ -138,6 +138,11 @@ class StepTimes:
         counts[1] += 1
         self.pool = [self.pool[0] * decay + q, self.pool[1] * decay + 1]
 
+    @property
+    def single_factor(self) -> float:
+        """A single-token step's time now over the profile's (1 until such steps are seen)."""
+        return self.single[0] / self.single[1]
+
     def factor(self, tokens: int) -> float:
         """v(T) now over the profile's v(T)."""
         return self.factors(tokens)[-1]

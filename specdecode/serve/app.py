@@ -611,7 +611,8 @@ class SpeculationChoices:
 
             stats = sequence.stats
             speedup = speedup_from_stats(stats, self.profile, len(sequence.prompt_ids),
-                                         decode_seconds=stats.draft_seconds + stats.verify_seconds)
+                                         decode_seconds=stats.draft_seconds + stats.verify_seconds,
+                                         costs=getattr(sequence.policy, "costs", None))
             with self.lock:
                 self.router.observe(sequence.task_type, drafter, stats.first_alpha, speedup, stats.new_tokens)
 
