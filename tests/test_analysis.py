@@ -108,6 +108,17 @@ def test_memory_of_target_and_draft(tiny_llama_dir):
     assert long["models"]["draft"]["kv_cache"] == 2 * 30 * 3 * 64 * 8192 * 2
     with pytest.raises(ConfigError, match="named size: 135M"):
         resolve_shape("/no/such/model")
+    # null sizes are the defaults, and a missing context is the type's, as the runtime reads
+    # them (found in review: a traceback, and a Qwen2 config held to 2,048 positions)
+    config = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": None, "intermediate_size": 128, "vocab_size": 97}
+    path = tiny_llama_dir.parent / "qwen2-config.json"
+    path.write_text(json.dumps(config))
+    shape = resolve_shape(str(path))
+    assert shape.kv_heads == 4 and shape.max_positions == 32768
+    assert deployment_memory(str(path), None, "bf16", context=4096)["context"] == 4096
+    path.write_text(json.dumps({**config, "model_type": "llama", "max_position_embeddings": None}))
+    assert resolve_shape(str(path)).max_positions == 2048
 
 
 def test_memory_cli_exit_code(capsys):

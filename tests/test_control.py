@@ -1431,6 +1431,31 @@ def test_a_drafters_cost_is_priced_against_a_step_where_it_was_measured(tmp_path
     profile = get_profile("short", "fp32", runtime, {"ngram": object()}, progress=False)
     assert contexts == [128] and profile.drafters["ngram"] == pytest.approx(0.5 / profile.time_ms(1, 128))
     assert profile.time_ms(1, 128) != profile.time_ms(1, 600)
+    # a draft model of a shorter context than the target's is timed where it can draft
+    # (found in review: timed at 1,500 tokens, it drafted nothing and c read 0.017)
+    long_target = type("Runtime", (), {"max_positions": 8192, "vocab_size": 97})()
+    short_draft = type("Draft", (), {"runtime": type("DraftRuntime", (), {"max_positions": 256})()})()
+    contexts.clear()
+    get_profile("long", "fp32", long_target, {"draft": short_draft}, progress=False)
+    assert contexts == [128]
+
+
+def test_a_drafter_that_drafts_nothing_is_not_timed_as_free():
+    """Found in review: a call that drafted nothing was divided by one draft: c about 0."""
+    from specdecode.config import SpecDecodeError
+    from specdecode.proposers.base import Proposal
+
+    class Silent:  # a model drafter (a runtime of its own)
+        runtime = object()
+
+        def start(self, tokens, capacity):
+            pass
+
+        def propose(self, tokens, k, params, generator):
+            return Proposal.empty()
+
+    with pytest.raises(SpecDecodeError, match="drafted nothing at a context of 50 tokens"):
+        profile_module.measure_drafter(Silent(), 50, 97)
 
 
 def test_cli_route_keeps_what_another_process_learnt_meanwhile(tiny_text_model_dir, capsys, monkeypatch):

@@ -489,6 +489,30 @@ def test_memory_prices_a_ggufs_layers_as_int4_carries_them(tmp_path, qtype):
     assert abs(estimate - loaded) < 0.1 * loaded
 
 
+@pytest.mark.parametrize("types", [{"attn_v": "Q8_0"}, {"ffn_up": "Q8_0"}, {"output": "F16"}, {"output": "Q8_0"},
+                                   {"token_embd": "F16"}])
+def test_memory_follows_the_loaders_formats_per_fused_group_and_table(tmp_path, types):
+    """Found in review: a fused q/k/v or gate/up group with one Q8_0 part is 8-bit whole as
+    loaded, but only that part was priced at 8 bits (6% low on SmolLM2 with a Q8_0 attn_v);
+    a 4-bit embedding's format was taken for an untied head too (an F16 or Q8_0 head is
+    8-bit as loaded); int8 of a 4-bit file left out the fp32 pass of the tensors quantized
+    again."""
+    import torch
+
+    from specdecode.analysis.memory import deployment_memory
+    from specdecode.factory import load_model
+
+    path, _ = _tiny_gguf("llama", tmp_path / "gguf", "Q4_1", types=types, tokenizer=True)
+    estimate = deployment_memory(str(path), None, "bf16", 1, 64, 0, None, "int4")["models"]["target"]
+    weights = load_model(str(path), torch.bfloat16, weights="int4").runtime.weights
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*weights.parameters(), *weights.buffers()]}
+    loaded = sum(storages.values())
+    assert abs(estimate["weights"] - loaded) < 0.015 * loaded, (estimate["weights"], loaded)
+    int8 = deployment_memory(str(path), None, "bf16", 1, 64, 0, None, "int8")["models"]["target"]
+    assert int8["load"] == 4 * 128 * 64  # fp32 of the largest tensor quantized again: a gate or up projection
+
+
 def test_a_quantized_gguf_loaded_as_bf16_says_its_values_were_rounded(tmp_path, capsys):
     """Found in review: --weights bf16 rounded a Q4_1 file's values (79% of them) without a
     word, where every other second quantization is logged."""

@@ -15,7 +15,8 @@ the runtime allocates (models/llama.py, models/cpu_runtime.py):
   fp32 logits of a verification step of k + 1 tokens per sequence;
 - load: what loading holds beside the weights at its peak: a safetensors checkpoint is
   memory-mapped while its tensors are converted (its file's size); a GGUF's blocks are
-  read by file I/O (nothing).
+  read by file I/O (nothing), but a tensor quantized again (int8 of a Q4_1 file) passes
+  through fp32 (the largest such tensor's fp32 size).
 
 The total adds the process itself (Python, torch, the tokenizer: measured once on this
 machine with ``process_baseline``, cached) when asked, which makes it comparable with the
@@ -29,7 +30,7 @@ import math
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import MAX_K, ConfigError, EngineConfig, self_draft_layers
@@ -66,11 +67,17 @@ class Shape:
     head_dim: int = 0
     checkpoint_bytes: int | None = None  # size of its safetensors files, for a real checkpoint
     gguf: bool = False  # converted from a GGUF, whose blocks int8/int4 read by file I/O
-    # of a GGUF: the share of the layers' weights it stores as Q8_0, which stay 8-bit under
-    # int4 (found in review: priced at 4 bits, a Q8_0 file read 32% low), and whether its
-    # embedding is 4-bit blocks int4 carries as they are
+    # of a GGUF, as the loader carries it under int4: the share of the layers' weights that
+    # stay 8-bit (a Q8_0 tensor, and every part of a fused q/k/v or gate/up group beside
+    # one; found in review: priced at 4 bits, a Q8_0 file read 32% low, a Q8_0 attn_v 6%),
+    # and whether the embedding and the head are 4-bit blocks it carries as they are (each
+    # its own: a 4-bit embedding beside an F16 head was priced at 4 bits for both)
     gguf_8bit_share: float = 0.0
     gguf_4bit_embedding: bool = False
+    gguf_4bit_head: bool = False
+    # the fp32 bytes of the largest tensor de-quantized and quantized again at load, per
+    # weight format (found in review: not counted, int8 of a Q4_1 file read 19% low)
+    gguf_requantized: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -100,13 +107,19 @@ class Shape:
         bad = [f"{key} {config[key]!r}" for key in not_positive_ints(config, sizes)]
         if bad:  # found in review: "256" for max_position_embeddings crashed inside the estimate
             raise ConfigError(f"{name}: config.json holds {', '.join(bad)}; sizes must be positive integers")
+        from ..models.llama import DEFAULT_MAX_POSITIONS
+
         try:
             heads = config["num_attention_heads"]
+            # as the runtime reads them (models.llama.LlamaConfig.from_hf): null is the default,
+            # and a missing context is transformers' default for the type (found in review: a
+            # null ended in a traceback, a Qwen2 config without it was held to 2,048 positions)
+            positions = config.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS.get(config.get("model_type"), 2048)
             return cls(
                 name, config["hidden_size"], config["num_hidden_layers"], heads,
-                config.get("num_key_value_heads", heads), config["intermediate_size"],
+                config.get("num_key_value_heads") or heads, config["intermediate_size"],
                 config["vocab_size"], bool(config.get("tie_word_embeddings", False)),
-                config.get("max_position_embeddings", 2048), config.get("head_dim") or config["hidden_size"] // heads,
+                positions, config.get("head_dim") or config["hidden_size"] // heads,
             )
         except KeyError as missing:
             raise ConfigError(f"{name}: config.json lacks {missing}, which a memory estimate needs") from None
@@ -130,16 +143,55 @@ def resolve_shape(name: str) -> Shape:
     shape.gguf = source.gguf is not None
     if shape.gguf:
         from ..models.loading import gguf_tensor_index
-        from ..models.quant import GGML_Q4_0, GGML_Q4_1, GGML_Q8_0
 
-        tensors = gguf_tensor_index(source.gguf, source.path)
-        layers = [t for name, t in tensors.items() if name.startswith("blk.") and name.endswith(".weight")
-                  and len(t.shape) == 2]
-        total = sum(math.prod(t.shape) for t in layers)
-        shape.gguf_8bit_share = sum(math.prod(t.shape) for t in layers if t.tensor_type == GGML_Q8_0) / max(total, 1)
-        embedding = tensors.get("token_embd.weight")
-        shape.gguf_4bit_embedding = embedding is not None and embedding.tensor_type in (GGML_Q4_0, GGML_Q4_1)
+        gguf_formats(shape, gguf_tensor_index(source.gguf, source.path))
     return shape
+
+
+# the fused groups of a layer the loader builds (models.llama: q/k/v, gate/up), by GGUF name
+FUSED_GROUPS = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
+
+
+def gguf_formats(shape: Shape, tensors: dict) -> None:
+    """``shape``'s GGUF fields from the file's tensor types, by the loader's rules
+    (models.quant.from_gguf, models.llama's ``fused`` and ``embedding``): under int4, Q4_0
+    and Q4_1 stay 4-bit and Q8_0 8-bit, any other type is quantized again to 4 bits, and a
+    fused group with an 8-bit part is 8-bit whole; the embedding and the head stay 4-bit
+    only where the file's are, else 8-bit; under int8 every tensor but a Q8_0 is quantized
+    again."""
+    from ..models.quant import GGML_Q4_0, GGML_Q4_1, GGML_Q8_0
+
+    four_bit = (GGML_Q4_0, GGML_Q4_1)
+    size = {name: math.prod(t.shape) for name, t in tensors.items()}
+    eight = total = 0
+    requantized = {"int4": 0, "int8": 0}
+    for layer in range(shape.layers):
+        for group in FUSED_GROUPS:
+            names = [f"blk.{layer}.{part}.weight" for part in group]
+            present = [n for n in names if n in tensors]
+            kinds = [tensors[n].tensor_type for n in present]
+            params = sum(size[n] for n in present)
+            total += params
+            group_8bit = GGML_Q8_0 in kinds
+            eight += params if group_8bit else 0
+            for name, kind in zip(present, kinds):
+                if kind not in four_bit + (GGML_Q8_0,) or (group_8bit and kind != GGML_Q8_0):
+                    requantized["int4"] = max(requantized["int4"], 4 * size[name])
+                if kind != GGML_Q8_0:
+                    requantized["int8"] = max(requantized["int8"], 4 * size[name])
+    shape.gguf_8bit_share = eight / max(total, 1)
+    embedding, head = tensors.get("token_embd.weight"), tensors.get("output.weight")
+    head = head if head is not None and not shape.tied else embedding
+    shape.gguf_4bit_embedding = embedding is not None and embedding.tensor_type in four_bit
+    shape.gguf_4bit_head = head is not None and head.tensor_type in four_bit
+    for tensor, carried in ((embedding, shape.gguf_4bit_embedding), (head, shape.gguf_4bit_head)):
+        if tensor is not None:
+            fp32 = 4 * math.prod(tensor.shape)
+            if not carried and tensor.tensor_type != GGML_Q8_0:
+                requantized["int4"] = max(requantized["int4"], fp32)
+            if tensor.tensor_type != GGML_Q8_0:
+                requantized["int8"] = max(requantized["int8"], fp32)
+    shape.gguf_requantized = requantized
 
 
 def model_memory(shape: Shape, weights: str, kv_dtype: str, batch: int, context: int, k: int,
@@ -152,13 +204,15 @@ def model_memory(shape: Shape, weights: str, kv_dtype: str, batch: int, context:
     if kv_dtype not in KV_DTYPES:
         raise ConfigError(f"KV dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
     layers = shape.layers if layers is None else layers
-    embedding_format = "int8" if weights == "int4" else weights
+    embedding_format = head_format = "int8" if weights == "int4" else weights
     layer_bytes = BYTES[weights]
-    if weights == "int4" and shape.gguf:  # as the loader carries a GGUF's blocks (models.quant.from_gguf)
+    if weights == "int4" and shape.gguf:  # as the loader carries a GGUF's blocks (gguf_formats)
         layer_bytes = shape.gguf_8bit_share * BYTES["int8"] + (1 - shape.gguf_8bit_share) * BYTES["int4"]
         embedding_format = "int4" if shape.gguf_4bit_embedding else "int8"
+        head_format = "int4" if shape.gguf_4bit_head else "int8"
+    table = shape.vocab * shape.hidden
     stored = ((shape.layer_parameters(layers) + shape.hidden) * layer_bytes
-              + shape.embedding_parameters * BYTES[embedding_format])
+              + table * BYTES[embedding_format] + (0 if shape.tied else table * BYTES[head_format]))
     rope = 2 * shape.max_positions * shape.head_dim * 4
     weight_bytes = 0.0 if shares_weights else stored + rope
     kv = 2 * layers * shape.kv_heads * shape.head_dim * context * batch * BYTES[kv_dtype]
@@ -170,8 +224,10 @@ def model_memory(shape: Shape, weights: str, kv_dtype: str, batch: int, context:
     partial = PARTIAL_ITEMS * (shape.heads // shape.kv_heads) * (shape.head_dim + 2) * 4
     logits = batch * (k + 1) * shape.vocab * 4
     from_file = weights in ("int8", "int4") and shape.gguf
-    if shares_weights or from_file:
+    if shares_weights:
         load = 0.0
+    elif from_file:  # blocks read by file I/O; a tensor quantized again passes through fp32
+        load = float(shape.gguf_requantized.get(weights, 0))
     else:  # the memory-mapped checkpoint (assumed bf16 for a named size)
         load = float(shape.checkpoint_bytes if shape.checkpoint_bytes is not None else shape.parameters * 2)
     return {"weights": weight_bytes, "kv_cache": kv, "activations": scratch + partial + logits, "load": load}

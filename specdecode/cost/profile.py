@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..config import SpecDecodeError
 from ..kernels import build_digest
 from ..models.loading import cache_dir, cache_lock, save_cache
 
@@ -496,6 +497,11 @@ def measure_drafter(proposer, context: int, vocab_size: int, repeats: int = 5, k
         proposer.observe(0, features, tokens)
     k = min(k, getattr(proposer, "max_drafts", k))  # Medusa heads draft one token each at most
     made = proposer.propose(tokens, k, params, None).num_tokens  # prefill its cache once
+    # a model drafter that drafted nothing was timed as one draft's cost, c about 0 (found in
+    # review); a lookup drafter finds nothing in random tokens, and its cost is the lookup timed
+    if made == 0 and (width or getattr(proposer, "runtime", None) is not None):
+        raise SpecDecodeError(f"the drafter drafted nothing at a context of {context} tokens; its cost cannot be "
+                              "measured there")
 
     def draft():
         if width:
@@ -558,7 +564,10 @@ def _get_profile(model_key: str, dtype: str, runtime, drafters: dict | None, for
     for name, proposer in (drafters or {}).items():
         if name in profile.drafters and not force:
             continue
-        context = min(profile.contexts[len(profile.contexts) // 2], runtime.max_positions // 2)
+        # a context the drafter can draft at too: a draft model's own may be shorter than the
+        # target's (found in review: timed at 1,500 tokens, a 256-position draft drafted nothing)
+        own = getattr(getattr(proposer, "runtime", None), "max_positions", runtime.max_positions)
+        context = min(profile.contexts[len(profile.contexts) // 2], runtime.max_positions // 2, own // 2)
         per_token = measure_drafter(proposer, context, runtime.vocab_size)
         profile.drafters[name] = per_token / profile.time_ms(1, context)  # a step at the context it drafted at
         changed = True

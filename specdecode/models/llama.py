@@ -147,7 +147,7 @@ class LlamaConfig:
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             # transformers' default where the config leaves it out (found in review: 2,048 for
             # every type refused the longer prompts a Qwen2 or Mistral config allows)
-            max_positions=config.get("max_position_embeddings", DEFAULT_MAX_POSITIONS.get(model_type, 2048)),
+            max_positions=config.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS.get(model_type, 2048),
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             # Qwen2 always has q/k/v biases; transformers' Mistral has none whatever
             # attention_bias says (a Llama's attention_bias is refused above)
