@@ -533,3 +533,5 @@ def test_a_config_without_a_context_length_gets_transformers_default_for_its_typ
                                       sliding_window=None).to_dict()
         expected = config.pop("max_position_embeddings")
         assert LlamaConfig.from_hf(config).max_positions == expected, model_type
+        config["max_position_embeddings"] = None  # null: the default too (found in review: None)
+        assert LlamaConfig.from_hf(config).max_positions == expected, model_type
