@@ -471,6 +471,9 @@ def test_tool_call_arguments_reach_the_template_parsed_as_vllm_hands_them(served
         assert response.json()["prompt_token_ids"] == tokenizer(rendered, add_special_tokens=False)["input_ids"]
         response = client.post("/v1/chat/completions", json={"messages": call("{not json"), "max_tokens": 1})
         assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+        # nested past the parser's recursion limit: a 400 too (found in review: a 500)
+        response = client.post("/v1/chat/completions", json={"messages": call("[" * 100_000), "max_tokens": 1})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
     finally:
         tokenizer.chat_template = template
 
@@ -607,6 +610,34 @@ def test_api_key_and_full_queue(model_dir):
         response = client.post("/v1/completions", json={"prompt": "hi", "n": 9},
                                headers={"Authorization": "Bearer sekret"})
         assert response.status_code == 400 and "exceeds what the server holds" in response.json()["error"]["message"]
+
+    # a key no client can send is refused at start (found in review: served, every request a 401)
+    from specdecode.config import ConfigError
+    from specdecode.serve.server import check_api_key
+
+    for key in (" padded ", "clé", "tab\tkey"):
+        with pytest.raises(ConfigError, match="printable ASCII"):
+            check_api_key(key)
+    check_api_key("sk-Abc_123.~")
+
+
+def test_prompts_are_tokenized_off_the_event_loop(served, monkeypatch):
+    """Found in review: a 10 MB prompt was tokenized on the event loop, which held every
+    stream and /health for 21 s."""
+    import threading
+
+    client, state, _ = served
+    tokenizer = state.tokenizer
+    seen = []
+    encode = type(tokenizer).__call__
+
+    def recording(self, *args, **kwargs):
+        seen.append(threading.current_thread().name)
+        return encode(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", recording)
+    assert client.post("/v1/completions", json={"prompt": "abcabc", "max_tokens": 1}).status_code == 200
+    assert seen and all(name.startswith("specdecode-encode") for name in seen), seen
 
 
 def test_a_full_queue_is_a_503_and_an_audit_gives_its_row_back(model_dir, monkeypatch):

@@ -18,6 +18,7 @@ import os
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -224,7 +225,7 @@ def _parsed_arguments(call: dict) -> dict:
         return call
     try:
         arguments = json.loads(function["arguments"]) if function["arguments"].strip() else {}
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:  # nested 100,000 deep: RecursionError, then a 500 (found in review)
         raise APIError(400, f"a tool call's function.arguments is not valid JSON: {error}", param="messages") from None
     return {**call, "function": {**function, "arguments": arguments}}
 
@@ -475,8 +476,10 @@ class ServerState:
         # a request that a free row takes at the next step is not queued: only those beyond
         # the free rows count against --max-queued-requests
         # rows held by audits' re-runs count as free: the engine takes them back (_preempt_audits)
-        free_rows = len(self.engine.free_rows) + sum(_is_audit(s) for s in list(self.engine.running))
-        if index == 0 and self.engine.num_waiting + choices > self.max_queued_requests + free_rows:
+        with self.engine.lock:  # both read at one moment: the engine thread moves requests from one to the other
+            free_rows = len(self.engine.free_rows) + sum(_is_audit(s) for s in list(self.engine.running))
+            waiting = self.engine.num_waiting
+        if index == 0 and waiting + choices > self.max_queued_requests + free_rows:
             raise APIError(503, f"the request queue is full ({self.max_queued_requests} waiting); retry later",
                            "server_error", code="overloaded", headers={"Retry-After": "1"})
         plan = self.speculation.plan(options, task_type, prompt_text)
@@ -725,6 +728,11 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
 
     app = FastAPI(title="specdecode", lifespan=lifespan)
     app.state.server = state
+    # prompts are tokenized (and chat templates rendered) on a thread of their own, one at a
+    # time, as vLLM does: on the event loop a 10 MB prompt held every stream and /health for
+    # 21 s (found in review). Encoding never changes the tokenizer's settings, so it may run
+    # beside the engine thread's decoding.
+    encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdecode-encode")
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, error: RequestValidationError):
@@ -976,14 +984,14 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
         if (body.model_extra or {}).get("max_completion_tokens") is not None:  # ignored, the reply ran to 16 tokens
             raise APIError(400, "max_completion_tokens is a chat parameter; completions take max_tokens",
                            param="max_completion_tokens")
-        prompt_ids, text = encode_completion(body)
+        prompt_ids, text = await asyncio.get_running_loop().run_in_executor(encoder, encode_completion, body)
         return await run(request, body, prompt_ids, text, body.max_tokens or 16, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest):
         authorize(request)
         check_model(body.model)
-        prompt_ids, text = encode_chat(body)
+        prompt_ids, text = await asyncio.get_running_loop().run_in_executor(encoder, encode_chat, body)
         room = state.engine.max_model_len - len(prompt_ids)
         max_tokens = body.max_completion_tokens or body.max_tokens or max(room, 1)
         named = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"

@@ -155,6 +155,11 @@ def check_api_key(api_key: str | None) -> None:
     if api_key is not None and not api_key.strip():
         raise ConfigError("--api-key is empty: give the key clients must send, or leave the flag out to serve "
                           "without one")
+    # a key no client can send: HTTP trims a header's spaces and carries latin-1, clients send
+    # ASCII (found in review: the server started and refused every request)
+    if api_key is not None and not (api_key.isascii() and api_key.isprintable() and api_key == api_key.strip()):
+        raise ConfigError("--api-key must be printable ASCII without leading or trailing spaces: a client cannot "
+                          "send another key in an Authorization header")
 
 
 def build_state(engine_config: EngineConfig, speculative: str | None, max_num_seqs: int = 8,
