@@ -160,6 +160,19 @@ def test_a_drafter_that_fails_costs_its_request_the_speculation_not_the_batch(mo
     assert all(s.finish_reason == "length" and s.error is None for s in sequences)
     assert sequences[0].proposer is None and "decodes without speculation" in caplog.text
     assert all(s.stats.draft_tokens > 0 for s in sequences[1:])
+    # a k policy's failure in learning from a step is its row's too (found in review: every row's)
+
+    class FailingPolicy(FixedK):
+        def observe(self, drafted, accepted):
+            raise RuntimeError("a policy bug")
+
+    engine = BatchEngine(runtime_for(model_dir, "torch"), max_num_seqs=3, max_model_len=128,
+                         make_drafter=NgramProposer, make_policy=lambda: 3)
+    sequences = [engine.add(prompts[0], params[0], proposer=NgramProposer(), policy=FailingPolicy(3))]
+    sequences += [engine.add(prompt, p) for prompt, p in zip(prompts[1:], params[1:])]
+    engine.run()
+    assert [s.generated for s in sequences] == expected and sequences[0].policy is None
+    assert all(s.finish_reason == "length" and s.error is None for s in sequences)
 
 
 @needs_kernels
@@ -180,6 +193,32 @@ def test_seeded_sampling_is_reproducible_whatever_runs_beside_it(model_dir):
         return target.generated
 
     assert run(1) == run(6)
+
+
+def test_a_row_near_its_context_limit_cuts_no_other_rows_drafts(model_dir, tmp_path):
+    """Found in review: every row's k was cut to the smallest room of the batch, so beside a
+    request near the context limit a seeded sampled request with a draft model (drafts drawn,
+    verified by rejection with its own generator) drafted fewer tokens and drew other
+    tokens than alone. A row the batch's padding would carry past its cache passes alone."""
+    from specdecode.proposers.draft_model import DraftModelProposer
+
+    draft_dir = save_tiny_model(tmp_path / "draft", "llama", seed=8, num_layers=1)
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    sampled = SamplingParams(temperature=0.9, top_k=30, seed=3, max_new_tokens=40, ignore_eos=True)
+
+    def run(neighbours: bool):
+        engine = BatchEngine(runtime_for(model_dir, "torch"), max_num_seqs=2, max_model_len=80)
+        draft = DraftModelProposer(runtime_for(draft_dir, "torch"))
+        target = engine.add(prompt, sampled, proposer=draft, policy=FixedK(4))
+        if neighbours:  # plain requests, each scored within 2 tokens of the limit
+            for j in range(30):
+                engine.add([3 + (i + j) % 90 for i in range(78)], SamplingParams(max_new_tokens=40, ignore_eos=True),
+                           speculate=False)
+        engine.run()
+        return target.generated, target.stats.draft_tokens
+
+    beside, alone = run(True), run(False)
+    assert beside == alone and alone[1] > 0
 
 
 def test_stop_eos_abort_and_bad_prompts(tmp_path, model_dir):

@@ -544,7 +544,6 @@ class BatchEngine:
 
     def _decode(self, rows: list[Sequence]) -> None:
         started = time.perf_counter()
-        room = min(self.max_model_len - len(s.tokens) for s in rows)  # padding must fit every row
         skip = (len(rows) >= 2 and self.batch_cost is not None and self.steps % self.recheck_every != 0
                 and self.steps % self.probe_every != 0 and self._capped_out.get(len(rows), 0) >= self.recheck_every)
         wanted = []
@@ -559,6 +558,10 @@ class BatchEngine:
             except Exception:
                 self._drafter_failed(sequence, "choosing its drafts")
                 k = 0
+            # each row's own room: the smallest of the batch's cut every row's drafts near one
+            # row's context limit, and a seeded sampled row's output changed with its neighbours
+            # (found in review); a row the batch's padding would carry past its cache runs alone
+            room = self.max_model_len - len(sequence.tokens)
             wanted.append(max(min(k, sequence.params.max_new_tokens - len(sequence.generated) - 1, room), 0))
         wanted = self._batch_cap(rows, wanted)
         if len(rows) >= 2:
@@ -578,22 +581,35 @@ class BatchEngine:
             usable = drafts_in_vocab(drafts, self.runtime.vocab_size)  # a bad id failed every row (found in review)
             plans.append((drafts[:usable], None if proposal.draft_probs is None else proposal.draft_probs[:usable]))
         width = 1 + max(d.numel() for d, _ in plans)
-        inputs = torch.empty(len(rows), width, dtype=torch.int64)
-        for i, (sequence, (drafts, _)) in enumerate(zip(rows, plans)):
-            inputs[i] = sequence.tokens[-1]  # padding: the row's last token
-            inputs[i, 1:1 + drafts.numel()] = drafts
+        # the rows whose cache holds the batch's width pass together; one near its context
+        # limit (its own drafts fit, the padding to the widest would not) passes alone
+        groups = [[i for i, s in enumerate(rows) if len(s.tokens) - 1 + width <= self.max_model_len]]
+        groups += [[i] for i, s in enumerate(rows) if len(s.tokens) - 1 + width > self.max_model_len]
         drafted = time.perf_counter()
         layers = self._capture(rows)
-        context = max(len(s.tokens) for s in rows) - 1
         chooser = self.decode_threads
-        threads = chooser.choose(len(rows), width, context) if chooser is not None else None
-        out = self.runtime.forward_rows(inputs, [s.cache_row for s in rows], [len(s.tokens) - 1 for s in rows],
-                                        capture=layers, threads=threads)
-        logits, features = (out[0], out[1]) if layers else (out, None)
-        synchronize(self.runtime.device)  # the pass's time, not the time to queue it on a GPU
+        row_logits, captured = [None] * len(rows), [None] * len(rows)
+        for group in filter(None, groups):
+            members = [rows[i] for i in group]
+            group_width = 1 + max(plans[i][0].numel() for i in group)
+            inputs = torch.empty(len(group), group_width, dtype=torch.int64)
+            for j, i in enumerate(group):
+                drafts = plans[i][0]
+                inputs[j] = rows[i].tokens[-1]  # padding: the row's last token
+                inputs[j, 1:1 + drafts.numel()] = drafts
+            context = max(len(s.tokens) for s in members) - 1
+            threads = chooser.choose(len(group), group_width, context) if chooser is not None else None
+            began = time.perf_counter()
+            out = self.runtime.forward_rows(inputs, [s.cache_row for s in members], [len(s.tokens) - 1 for s in members],
+                                            capture=layers, threads=threads)
+            logits, features = (out[0], out[1]) if layers else (out, None)
+            synchronize(self.runtime.device)  # the pass's time, not the time to queue it on a GPU
+            if chooser is not None:
+                chooser.observe(threads, len(group), group_width, context, (time.perf_counter() - began) * 1e3)
+            for j, i in enumerate(group):
+                row_logits[i] = logits[j:j + 1]
+                captured[i] = features[j:j + 1] if features is not None else None
         scored = time.perf_counter()
-        if chooser is not None:
-            chooser.observe(threads, len(rows), width, context, (scored - drafted) * 1e3)
         if len(rows) == 1:  # alone, the pass is a step the k policy prices: what it cost, measured
             policy, drafts = rows[0].policy, plans[0][0].numel()
             note_cost, costs = getattr(policy, "observe_cost", None), getattr(policy, "costs", None)
@@ -609,19 +625,22 @@ class BatchEngine:
         share = 1.0 / len(rows)  # each row is charged its share of the pass
         for i, (sequence, (drafts, draft_probs)) in enumerate(zip(rows, plans)):
             sequence.batched_steps += len(rows) > 1
-            new_tokens = self._verify(sequence, drafts, draft_probs, logits[i:i + 1, :1 + drafts.numel()])
+            new_tokens = self._verify(sequence, drafts, draft_probs, row_logits[i][:, :1 + drafts.numel()])
             accepted = len(new_tokens) - 1
             stats = sequence.stats
             stats.observe_step(drafts.numel(), accepted)
             stats.draft_passes += drafts.numel()
             stats.draft_seconds += (drafted - started) * share
             stats.verify_seconds += (scored - drafted) * share
-            row_features = self._features(sequence, features[i:i + 1] if features is not None else None, layers)
+            row_features = self._features(sequence, captured[i], layers)
             context = len(sequence.tokens)
             if sequence.policy is not None:
-                sequence.policy.observe(drafts.numel(), accepted)
+                try:  # a policy's failure is its row's, as choose's (found in review: it failed every row)
+                    sequence.policy.observe(drafts.numel(), accepted)
+                except Exception:
+                    self._drafter_failed(sequence, "learning from its step")
             self._commit(sequence, new_tokens, drafts.numel(), accepted)
-            if row_features is not None and not sequence.finished:
+            if row_features is not None and not sequence.finished and sequence.proposer is not None:
                 try:
                     sequence.proposer.observe(context - 1, row_features[0, :accepted + 1], sequence.tokens)
                 except Exception:
