@@ -604,6 +604,11 @@ def test_api_key_and_full_queue(model_dir):
         assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0}).status_code == 401
         assert client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
                            ).status_code == 401
+        # nor of its routes or its body's encoding (found in review: 404 and 400 without the key)
+        assert client.post("/v1/foo", json={}).status_code == 401
+        assert client.post("/v1/completions", content=b'{"prompt": "\xff"}',
+                           headers={"content-type": "application/json"}).status_code == 401
+        assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
         response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                                headers={"Authorization": "Bearer sekret"})
         assert response.status_code == 200  # a free row takes it: no queue needed
