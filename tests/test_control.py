@@ -559,6 +559,18 @@ def test_tree_budget_looks_again_at_once_after_a_probe_that_was_all_right():
     kept = policy.trim(chain_proposal([0.99, 0.98, 0.97]), 100, passes=2)
     policy.observe(kept.tree.size, kept.tree.size)  # every node right
     assert policy.clock.interval == 0 and policy.choose(100) > 0
+    # a branching tree accepted down to its deepest node counts as all right too (found in
+    # review of the fix: kept siblings made it compare the path with the node count)
+    policy.clock.interval = 64
+    for _ in range(70):
+        if policy.choose(100) and policy.probing:
+            break
+        policy.observe(0, 0)
+    branching = TreeProposal(Tree(torch.tensor([10, 11, 12]), torch.tensor([0, 0, 1])), passes=2)
+    kept = policy.trim(branching, 100, passes=2)  # no confidence: kept whole, the sibling too
+    assert kept.tree.size == 3
+    policy.observe(kept.tree.size, 2)  # the path 10 -> 12, two deep: all the depth there was
+    assert policy.clock.interval == 0
 
 
 def test_tree_budget_starts_each_request_from_what_the_last_measured():
@@ -1456,6 +1468,17 @@ def test_a_drafter_that_drafts_nothing_is_not_timed_as_free():
 
     with pytest.raises(SpecDecodeError, match="drafted nothing at a context of 50 tokens"):
         profile_module.measure_drafter(Silent(), 50, 97)
+
+    # a draft model with fewer rows than the target reads only ids it has (found in review of
+    # the check above: a context holding a larger id drafted nothing, and the profile failed)
+    class Small(Silent):
+        runtime = type("DraftRuntime", (), {"vocab_size": 10})()
+
+        def propose(self, tokens, k, params, generator):
+            assert max(tokens) < 10
+            return Proposal(torch.tensor([1]))
+
+    assert profile_module.measure_drafter(Small(), 50, 97) >= 0
 
 
 def test_cli_route_keeps_what_another_process_learnt_meanwhile(tiny_text_model_dir, capsys, monkeypatch):

@@ -580,6 +580,7 @@ class TreeBudget(MeasuresDraftCost):
         self.context = 0
         # the last trim: (every node's confidence, P(n) of the nodes kept, head passes)
         self.last_step: tuple[torch.Tensor | None, float | None, int] = (None, None, 0)
+        self.kept_depth: int | None = None  # the last trim's deepest kept node (None: no trim this step)
         self.chosen: list[int] = []  # budget per step (0 = plain), for reports
         self.kept_sizes: list[int] = []  # nodes kept per drafted step
 
@@ -625,6 +626,7 @@ class TreeBudget(MeasuresDraftCost):
         self.context = context
         if proposal.confidence is None or proposal.num_tokens == 0:
             self.last_step = (None, None, passes)
+            self.kept_depth = int(proposal.tree.depths().max()) if proposal.num_tokens else 0
             return proposal
         rates = self._rates(proposal.confidence, passes)
         best = max(range(len(rates)), key=rates.__getitem__)
@@ -635,6 +637,7 @@ class TreeBudget(MeasuresDraftCost):
             # (found in review: perfect drafts after a wrong stretch, 0 nodes kept for good)
             best = 1
         kept = proposal.best(best)
+        self.kept_depth = int(kept.tree.depths().max()) if best else 0  # a path accepted to it: all right
         self.last_step = (proposal.confidence, float(kept.confidence.sum()) if best else 0.0, passes)
         self.last_best = best
         return kept
@@ -651,6 +654,7 @@ class TreeBudget(MeasuresDraftCost):
         """After a tree step that kept ``drafted`` nodes and accepted ``accepted``."""
         confidence, predicted, passes = self.last_step
         self.last_step = (None, None, 0)
+        depth, self.kept_depth = (drafted if self.kept_depth is None else self.kept_depth), None  # a chain's: its length
         if drafted <= 0 and confidence is None:
             if self.probing:  # the probe drafted nothing: it stays due (as CostAwareK's)
                 self.clock.plain_steps = self.clock.interval + 1
@@ -671,7 +675,7 @@ class TreeBudget(MeasuresDraftCost):
         counts[0] = counts[0] * self.decay + offered
         counts[1] = counts[1] * self.decay + 1
         if self.probing:
-            if accepted >= drafted > 0:  # every node kept was right: look again at once, as CostAwareK
+            if accepted >= depth > 0:  # accepted down to its deepest node: look again at once, as CostAwareK
                 self.clock.interval = 0  # (found in review: doubled while the decayed rate caught up)
             elif self.rate > 1.0 + self.margin:
                 self.clock.interval = self.base_probe_interval

@@ -488,7 +488,10 @@ def measure_drafter(proposer, context: int, vocab_size: int, repeats: int = 5, k
     from ..config import SamplingParams
 
     generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, vocab_size, (context,), generator=generator).tolist()
+    # ids the drafter reads too: a draft model may have fewer rows than the target (Qwen2.5's
+    # small models), and a context holding an id past them drafts nothing (found in review)
+    own = getattr(getattr(proposer, "runtime", None), "vocab_size", vocab_size)
+    tokens = torch.randint(0, min(vocab_size, own), (context,), generator=generator).tolist()
     proposer.start(tokens, context + k + 2)
     params = SamplingParams()
     width = getattr(proposer, "feature_width", 0)

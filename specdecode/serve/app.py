@@ -592,7 +592,11 @@ class SpeculationChoices:
             return None
         stats = sequence.stats
         context = len(sequence.prompt_ids) + stats.new_tokens // 2
-        plain = stats.new_tokens * self.profile.time_ms(1, context) / 1000
+        # a plain step as the router prices it: the profile's, scaled by what the k policy
+        # learnt a plain step costs here now (found in review: the two disagreed)
+        costs = getattr(getattr(sequence, "policy", None), "costs", None)
+        now = costs.steps.single_factor if costs is not None else 1.0
+        plain = stats.new_tokens * self.profile.time_ms(1, context) * now / 1000
         return plain - (stats.draft_seconds + stats.verify_seconds)  # not its wait for a row
 
     def observe(self, sequence: Sequence, metrics: ServerMetrics) -> None:
@@ -725,6 +729,7 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
         yield
         state.accepting = False  # drain: uvicorn waits for in-flight requests first
         state.stop()
+        encoder.shutdown(wait=False, cancel_futures=True)  # its thread outlived the app (found in review)
 
     app = FastAPI(title="specdecode", lifespan=lifespan)
     app.state.server = state

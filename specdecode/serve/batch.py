@@ -582,9 +582,19 @@ class BatchEngine:
             plans.append((drafts[:usable], None if proposal.draft_probs is None else proposal.draft_probs[:usable]))
         width = 1 + max(d.numel() for d, _ in plans)
         # the rows whose cache holds the batch's width pass together; one near its context
-        # limit (its own drafts fit, the padding to the widest would not) passes alone
-        groups = [[i for i, s in enumerate(rows) if len(s.tokens) - 1 + width <= self.max_model_len]]
-        groups += [[i] for i, s in enumerate(rows) if len(s.tokens) - 1 + width > self.max_model_len]
+        # limit (its own drafts fit, the padding to the widest would not) passes alone. The
+        # width narrows as rows leave, and a row that fits the narrower one comes back.
+        together = list(range(len(rows)))
+        while together:
+            narrow = 1 + max(plans[i][0].numel() for i in together)
+            fits = [i for i in together if len(rows[i].tokens) - 1 + narrow <= self.max_model_len]
+            if len(fits) == len(together):
+                break
+            together = fits
+        narrow = 1 + max((plans[i][0].numel() for i in together), default=0)
+        together += [i for i in range(len(rows)) if i not in together and plans[i][0].numel() < narrow
+                     and len(rows[i].tokens) - 1 + narrow <= self.max_model_len]
+        groups = [sorted(together)] + [[i] for i in range(len(rows)) if i not in together]
         drafted = time.perf_counter()
         layers = self._capture(rows)
         chooser = self.decode_threads

@@ -120,7 +120,8 @@ class ServerMetrics:
                               "accepted / drafts, as vLLM's mean acceptance length), by task type",
                               task)
         self.task_saved = gauge("task_seconds_saved", "Estimated decode seconds saved against plain decoding "
-                                  "(cost profile), by task type; negative when speculation lost", task)
+                                  "(cost profile), by task type, over requests decoded alone (a batch's saving is "
+                                  "batching's); negative when speculation lost", task)
         self.decode_threads = gauge("decode_kernel_threads", "Kernel threads decode passes run on, as measured "
                                     "fastest, by kind of pass (alone: one sequence, one token; drafts: one sequence scoring drafts; batch)", ["kind"])
         self.drift = gauge("acceptance_drift", "First-draft acceptance over the last drafted steps / calibrated "
