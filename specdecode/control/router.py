@@ -310,17 +310,22 @@ def update_saved(path: Path, change, warn=None):
     return result
 
 
+def plain_decode_seconds(stats, profile, prompt_tokens: int, costs=None) -> float:
+    """What plain decoding would take for a request's new tokens: one step each, priced at
+    the middle of the output by the profile. ``costs``: the k policy's CostModel, whose
+    single-token steps say what a plain step costs here now against the profile (found in
+    review: on a machine 20% slower than its profile, a task gaining 1.1x measured 0.9x
+    and could be turned off)."""
+    now = costs.steps.single_factor if costs is not None else 1.0
+    return stats.new_tokens * profile.time_ms(1, prompt_tokens + stats.new_tokens // 2) * now / 1e3
+
+
 def speedup_from_stats(stats, profile, prompt_tokens: int, decode_seconds: float | None = None,
                        costs=None) -> float:
-    """A request's measured speedup without a plain run beside it: the plain decoding time
-    the profile predicts for its tokens (one step each, priced at the middle of the output,
-    as the server's seconds-saved estimate does) over its measured decode time
-    (``decode_seconds``, default its wall time after the prefill). ``costs``: the k
-    policy's CostModel, whose single-token steps say what a plain step costs here now
-    against the profile (found in review: on a machine 20% slower than its profile, a task
-    gaining 1.1x measured 0.9x and could be turned off)."""
+    """A request's measured speedup without a plain run beside it: ``plain_decode_seconds``
+    (as the server's seconds-saved estimate prices it) over its measured decode time
+    (``decode_seconds``, default its wall time after the prefill)."""
     decode = stats.wall_seconds - stats.prefill_seconds if decode_seconds is None else decode_seconds
     if decode <= 0 or stats.new_tokens == 0:
         return 1.0
-    now = costs.steps.single_factor if costs is not None else 1.0
-    return stats.new_tokens * profile.time_ms(1, prompt_tokens + stats.new_tokens // 2) * now / 1e3 / decode
+    return plain_decode_seconds(stats, profile, prompt_tokens, costs) / decode

@@ -590,13 +590,12 @@ class SpeculationChoices:
         if (self.profile is None or sequence.proposer is None or not sequence.stats.new_tokens
                 or sequence.batched_steps):
             return None
+        from ..control.router import plain_decode_seconds
+
         stats = sequence.stats
-        context = len(sequence.prompt_ids) + stats.new_tokens // 2
-        # a plain step as the router prices it: the profile's, scaled by what the k policy
-        # learnt a plain step costs here now (found in review: the two disagreed)
-        costs = getattr(getattr(sequence, "policy", None), "costs", None)
-        now = costs.steps.single_factor if costs is not None else 1.0
-        plain = stats.new_tokens * self.profile.time_ms(1, context) * now / 1000
+        # plain steps priced as the router prices them (found in review: the two disagreed)
+        plain = plain_decode_seconds(stats, self.profile, len(sequence.prompt_ids),
+                                     getattr(getattr(sequence, "policy", None), "costs", None))
         return plain - (stats.draft_seconds + stats.verify_seconds)  # not its wait for a row
 
     def observe(self, sequence: Sequence, metrics: ServerMetrics) -> None:
