@@ -107,14 +107,14 @@ class Shape:
         bad = [f"{key} {config[key]!r}" for key in not_positive_ints(config, sizes)]
         if bad:  # found in review: "256" for max_position_embeddings crashed inside the estimate
             raise ConfigError(f"{name}: config.json holds {', '.join(bad)}; sizes must be positive integers")
-        from ..models.llama import DEFAULT_MAX_POSITIONS
+        from ..models.llama import max_positions_of
 
         try:
             heads = config["num_attention_heads"]
             # as the runtime reads them (models.llama.LlamaConfig.from_hf): null is the default,
             # and a missing context is transformers' default for the type (found in review: a
             # null ended in a traceback, a Qwen2 config without it was held to 2,048 positions)
-            positions = config.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS.get(config.get("model_type"), 2048)
+            positions = max_positions_of(config)
             return cls(
                 name, config["hidden_size"], config["num_hidden_layers"], heads,
                 config.get("num_key_value_heads") or heads, config["intermediate_size"],

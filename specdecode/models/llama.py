@@ -52,6 +52,13 @@ def not_positive_ints(config: dict, keys) -> list[str]:
 DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768}  # transformers' config defaults
 
 
+def max_positions_of(config: dict) -> int:
+    """A config's context: its max_position_embeddings, or transformers' default for its
+    type where it leaves it out or sets null (found in review: 2,048 for every type refused
+    the longer prompts a Qwen2 or Mistral config allows; a null read as None)."""
+    return config.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS.get(config.get("model_type"), 2048)
+
+
 class NativeUnsupported(SpecDecodeError):
     """A checkpoint whose config the native runtime cannot compute exactly, but transformers
     can: with ``--runtime auto`` and no native-only flag, the model goes through transformers
@@ -145,9 +152,7 @@ class LlamaConfig:
             num_kv_heads=config.get("num_key_value_heads") or num_heads,
             head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            # transformers' default where the config leaves it out (found in review: 2,048 for
-            # every type refused the longer prompts a Qwen2 or Mistral config allows)
-            max_positions=config.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS.get(model_type, 2048),
+            max_positions=max_positions_of(config),
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             # Qwen2 always has q/k/v biases; transformers' Mistral has none whatever
             # attention_bias says (a Llama's attention_bias is refused above)
