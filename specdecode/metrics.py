@@ -115,6 +115,11 @@ class GenerationStats:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     @property
+    def drafting_steps(self) -> int:
+        """Verification passes that scored at least one draft (vLLM's num_drafts)."""
+        return sum(count for drafted, count in self.steps_by_drafted.items() if drafted)
+
+    @property
     def trial_alpha(self) -> float:
         """Acceptance per draft *trial*: accepted / (accepted + rejections). Drafts after a
         rejection are never tried, so this is the alpha of the independent-acceptance

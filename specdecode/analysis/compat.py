@@ -233,7 +233,7 @@ def calibrate(target: str, draft: str, dtype: str = "bf16", k: int | None = None
     # pooled as vLLM defines them, over every step that drafted (a lookup drafts fewer than k
     # where its match is shorter): their sum is then the mean accepted length less 1 (the
     # share of the steps that drafted position i overstated tau: 1.865 for 1.833, in review)
-    drafts = sum(n for s in runs for drafted, n in s.steps_by_drafted.items() if drafted)
+    drafts = sum(s.drafting_steps for s in runs)
     positions = [sum(s.accepted_per_position[i] for s in runs if len(s.accepted_per_position) > i) / drafts
                  if drafts else 0.0 for i in range(k)]
     accepted = sum(s.accepted_tokens for s in runs)

@@ -685,7 +685,7 @@ def speculation_summary(sequences: list[Sequence]) -> dict:
     # per step that drafted (found in review: this field was tokens per target pass, plain
     # passes included, so it read 2.0 where vLLM and our gauge read 5.0); that figure is
     # tokens_per_target_pass
-    drafting_steps = sum(count for s in sequences for drafted, count in s.stats.steps_by_drafted.items() if drafted)
+    drafting_steps = sum(s.stats.drafting_steps for s in sequences)
     return {"method": getattr(first, "method", "none"), "drafted_tokens": total.draft_tokens,
             "accepted_tokens": total.accepted_tokens, "acceptance_rate": round(total.alpha, 4),
             "mean_accepted_length": round(1 + total.accepted_tokens / drafting_steps, 4) if drafting_steps else 1.0,
