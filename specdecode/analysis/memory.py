@@ -165,6 +165,10 @@ def gguf_formats(shape: Shape, tensors: dict) -> None:
     size = {name: math.prod(t.shape) for name, t in tensors.items()}
     eight = total = 0
     requantized = {"int4": 0, "int8": 0}
+
+    def passes_fp32(weights: str, params: int) -> None:  # a tensor quantized again under ``weights``
+        requantized[weights] = max(requantized[weights], 4 * params)
+
     for layer in range(shape.layers):
         for group in FUSED_GROUPS:
             names = [f"blk.{layer}.{part}.weight" for part in group]
@@ -176,21 +180,19 @@ def gguf_formats(shape: Shape, tensors: dict) -> None:
             eight += params if group_8bit else 0
             for name, kind in zip(present, kinds):
                 if kind not in four_bit + (GGML_Q8_0,) or (group_8bit and kind != GGML_Q8_0):
-                    requantized["int4"] = max(requantized["int4"], 4 * size[name])
+                    passes_fp32("int4", size[name])
                 if kind != GGML_Q8_0:
-                    requantized["int8"] = max(requantized["int8"], 4 * size[name])
+                    passes_fp32("int8", size[name])
     shape.gguf_8bit_share = eight / max(total, 1)
     embedding, head = tensors.get("token_embd.weight"), tensors.get("output.weight")
     head = head if head is not None and not shape.tied else embedding
     shape.gguf_4bit_embedding = embedding is not None and embedding.tensor_type in four_bit
     shape.gguf_4bit_head = head is not None and head.tensor_type in four_bit
     for tensor, carried in ((embedding, shape.gguf_4bit_embedding), (head, shape.gguf_4bit_head)):
-        if tensor is not None:
-            fp32 = 4 * math.prod(tensor.shape)
-            if not carried and tensor.tensor_type != GGML_Q8_0:
-                requantized["int4"] = max(requantized["int4"], fp32)
-            if tensor.tensor_type != GGML_Q8_0:
-                requantized["int8"] = max(requantized["int8"], fp32)
+        if tensor is not None and tensor.tensor_type != GGML_Q8_0:
+            if not carried:
+                passes_fp32("int4", math.prod(tensor.shape))
+            passes_fp32("int8", math.prod(tensor.shape))
     shape.gguf_requantized = requantized
 
 
