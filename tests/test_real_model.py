@@ -330,10 +330,12 @@ def test_weight_format_error_against_fp32(real_fp32):
         assert error < mean_error and same >= agreement, (fmt, error, same)
 
 
-@pytest.mark.parametrize("repeats", [1, 60])
-def test_memory_estimate_matches_the_peak_rss_of_a_run(repeats):
+@pytest.mark.parametrize("weights,repeats", [("int4", 1), ("int4", 60), ("int8", 1)])
+def test_memory_estimate_matches_the_peak_rss_of_a_run(weights, repeats):
     """specdecode memory's total (process, weights, KV cache, scratch, loading) against the
-    peak resident memory of a `specdecode generate` process, on a short and a long prompt."""
+    peak resident memory of a `specdecode generate` process, on a short and a long prompt.
+    int8 re-quantizes every Q4_1 tensor of the default file: its freed temporaries held
+    60-90 MB resident beside the weights (13-20% over) until loading mapped them."""
     import subprocess
     import sys
 
@@ -349,15 +351,17 @@ def test_memory_estimate_matches_the_peak_rss_of_a_run(repeats):
     ballast[::4096] = b"\1" * len(range(0, 2**30, 4096))
     prompt = " ".join(["The committee met on Tuesday to review the budget for the new library wing."] * repeats)
     script = "import sys; from specdecode.cli import main; sys.exit(main(sys.argv[1:]))"
-    command = [sys.executable, "-c", script, "generate", prompt, "--weights", "int4", "--method", "none",
+    command = [sys.executable, "-c", script, "generate", prompt, "--weights", weights, "--method", "none",
                "--max-new-tokens", "32", "--json"]
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     del ballast
     record = json.loads(result.stdout)
     context = record["stats"]["prompt_tokens"] + 32 + 1
-    estimate = deployment_memory("default", None, "bf16", context=context, k=0, weights="int4", process=True)["total"]
+    estimate = deployment_memory("default", None, "bf16", context=context, k=0, weights=weights, process=True)["total"]
     measured = record["peak_rss_mb"] * 2**20
-    assert abs(estimate / measured - 1) < 0.15, (context, estimate / 2**20, measured / 2**20, result.stderr[-2000:])
+    # the issue asks for 15%; held to 10% (int4 -0.4% / +4.2%, int8 -1.3% when written; int8 read
+    # -13.7% before loading mapped its temporaries)
+    assert abs(estimate / measured - 1) < 0.10, (context, estimate / 2**20, measured / 2**20, result.stderr[-2000:])
 
 
 @pytest.mark.parametrize("method", ["ngram", "eagle", "suffix"])

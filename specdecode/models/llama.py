@@ -1004,11 +1004,14 @@ def load_native(model_dir: Path, dtype: torch.dtype, weights: str | None = None,
         from .loading import resolve_model
 
         config = resolve_model(str(model_dir)).config
-    loaded = LlamaWeights.from_pretrained(model_dir, config, dtype, weights, gguf_path)
-    if device != "cpu":
-        loaded = loaded.to(device)
-    if dtype == torch.bfloat16 and (weights or "bf16") == "bf16" and backend == "torch":
-        # a no-op off the CPU; the kernels backend reads the plain weights, and a packed copy
-        # beside them would hold the layers twice (found in review)
-        loaded.pack_for_cpu()
-    return NativeRuntime(loaded, backend=backend, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs)
+    from .loading import transients_mapped
+
+    with transients_mapped():  # the temporaries of re-quantizing and regrouping leave no holes resident
+        loaded = LlamaWeights.from_pretrained(model_dir, config, dtype, weights, gguf_path)
+        if device != "cpu":
+            loaded = loaded.to(device)
+        if dtype == torch.bfloat16 and (weights or "bf16") == "bf16" and backend == "torch":
+            # a no-op off the CPU; the kernels backend reads the plain weights, and a packed copy
+            # beside them would hold the layers twice (found in review)
+            loaded.pack_for_cpu()
+        return NativeRuntime(loaded, backend=backend, prefill_chunk=prefill_chunk, cuda_graphs=cuda_graphs)

@@ -82,6 +82,40 @@ def shared_mode(path, mode: int) -> None:
     os.chmod(path, mode & ~mask)
 
 
+# glibc's mallopt parameter and its values: the default threshold, and the dynamic one's ceiling
+M_MMAP_THRESHOLD, MMAP_THRESHOLD_LOADING, MMAP_THRESHOLD_AFTER = -3, 128 * 1024, 32 * 1024 * 1024
+
+
+@contextlib.contextmanager
+def transients_mapped():
+    """Load weights with their temporaries returned to the system when freed.
+
+    glibc raises its mmap threshold to the size of each freed mapping, so after the first
+    de-quantized tensor every later one is taken from the heap, between the weights kept;
+    the holes they leave stay resident. Loading the default GGUF into int8 held 60-90 MB
+    of them beyond its weights (517-548 MB peak RSS against 451 with the threshold fixed;
+    int4 449 against 400), which ``specdecode memory`` does not count. The threshold is
+    held at glibc's default (128 KiB) while loading, then set to the dynamic threshold's
+    ceiling (32 MiB), so a run's own allocations come from the heap as they did. Nothing
+    is changed where the C library is not glibc or ``MALLOC_MMAP_THRESHOLD_`` is set."""
+    libc = None
+    if sys.platform.startswith("linux") and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        import ctypes
+
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+            libc.mallopt
+        except (OSError, AttributeError):  # musl and the like: nothing to set
+            libc = None
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_LOADING)
+    try:
+        yield
+    finally:
+        if libc is not None:
+            libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_AFTER)
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` whole or not at all: a temporary file of this process's own
     beside it, renamed over it. Two processes saving the same cache file, or one stopped
