@@ -155,6 +155,19 @@ def test_check_compatible_pair_calibrates(tmp_path, capsys):
     assert "one per head" not in capsys.readouterr().err
 
 
+def test_check_warns_of_a_draft_with_a_shorter_context(tmp_path):
+    """A draft model drafts nothing past its own context: check says so (it said nothing)."""
+    target = save_tiny_model(tmp_path / "t", seed=1, num_layers=2)
+    draft = save_tiny_model(tmp_path / "d", seed=1, num_layers=1)
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    for path in (target, draft):
+        save_char_tokenizer(path)
+    result = check_static(str(target), str(draft))
+    line = next(line for line in result.lines if line[0] == "context")
+    assert line[1] == "WARN" and "draft 64" in line[2] and result.verdict == "COMPATIBLE (with warnings)"
+
+
 # -- the analyzer end to end ---------------------------------------------------------
 def test_analyze_writes_every_report(tiny_text_model_dir, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"

@@ -3,8 +3,8 @@
 Checks, in order, each with a verdict line:
 1. vocabulary size (config and tokenizer), 2. the same ids for a test text mixing prose,
 code, numbers, whitespace and non-ASCII, 3. special tokens (BOS, EOS, PAD, UNK), 4. chat
-template, 5. architecture family. Failing 1-2 makes the pair incompatible (draft ids
-would mean other tokens to the target); 3-5 are warnings. A compatible pair then gets a
+template, 5. context length, 6. architecture family. Failing 1-2 makes the pair
+incompatible (draft ids would mean other tokens to the target); 3-6 are warnings. A compatible pair then gets a
 quick acceptance calibration on a few built-in prompts and the expected speedup from the
 cost profile.
 """
@@ -116,6 +116,14 @@ def check_static(target: str, draft: str) -> CheckResult:
         result.add("chat template", "OK" if same_template else "WARN",
                    "identical" if same_template else "differs: the draft sees the target's template, which it was not trained on")
 
+    from ..models.llama import max_positions_of
+
+    t_context, d_context = max_positions_of(target_source.config), max_positions_of(draft_source.config)
+    if d_context < t_context:  # the draft drafts nothing past its own context (found in review: said nothing)
+        result.add("context", "WARN", f"target {t_context} tokens, draft {d_context}: from {d_context} tokens on "
+                                      "every step is a plain step")
+    else:
+        result.add("context", "OK", f"target {t_context} tokens, draft {d_context}")
     t_type, d_type = target_source.model_type, draft_source.model_type
     result.add("architecture", "OK" if t_type == d_type else "WARN",
                f"target {t_type}, draft {d_type}" + ("" if draft_source.native else " (draft runs through transformers: slower)"))
