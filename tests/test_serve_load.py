@@ -277,6 +277,51 @@ def test_ratio_summary_takes_each_rounds_own_ratio():
     assert high["spec_over_plain"]["min"] == pytest.approx(240 / 260)
 
 
+def test_a_level_whose_requests_all_failed_has_no_throughput_and_no_ratio(tmp_path, capsys):
+    """Found in review: such a level read 0.0 tok/s, and "0.00x [0.00, 0.00]" as its ratio."""
+    from specdecode.bench.serve import plot, print_summary, print_table, ratio_summary, summarize
+
+    def row(level, mode, tok_s):
+        return {"round": 0, "concurrency": level, "request_rate": None, "mode": mode, "output_throughput": tok_s,
+                "request_throughput": None if tok_s is None else 1.0, "requests": 2, "failed": 2 if tok_s is None else 0,
+                "ttft": summarize([]), "tpot": summarize([]), "itl": summarize([]), "e2e": summarize([]),
+                "acceptance_rate": None}
+
+    rows = [row(1, "spec", None), row(1, "plain", 100.0), row(2, "spec", 150.0), row(2, "plain", None)]
+    first, second = ratio_summary(rows)
+    assert first["spec_tok_s"] is None and first["spec_over_plain"] is None
+    assert second["plain_tok_s"] is None and second["spec_over_plain"] is None and second["plain_over_lowest"] is None
+    print_summary([first, second], 1)
+    print_table(rows)
+    plot(rows, tmp_path / "p.png")
+    assert "0.00x" not in capsys.readouterr().out
+
+
+def test_bench_serve_warms_up_as_many_rows_as_its_widest_level(monkeypatch, tmp_path):
+    """Found in review: the warm-up sent one request per prompt, so with fewer prompts than
+    the widest level the server never ran that many rows before it was measured."""
+    from specdecode.bench import serve
+
+    calls = []
+
+    async def run_level(url, model, prompts, max_tokens, mode, concurrency, rate, seed):
+        calls.append((mode, len(prompts), max_tokens, concurrency))
+        return {"mode": mode, "concurrency": concurrency, "request_rate": rate, "output_throughput": 1.0}
+
+    class Measured(Exception):
+        pass
+
+    def measured(url):  # the first measured level: the warm-up is over
+        raise Measured
+
+    monkeypatch.setattr(serve, "run_level", run_level)
+    monkeypatch.setattr(serve, "wait_for_audits", measured)
+    with pytest.raises(Measured):
+        serve.bench_serve([{"prompt": "a"}, {"prompt": "b"}, {"prompt": "c"}], [1, 8], None, 16, 32,
+                          ["spec", "plain"], "http://127.0.0.1:9", [], None, model="tiny")
+    assert calls == [("spec", 8, 16, 8), ("plain", 8, 16, 8)]
+
+
 def test_bench_serve_names_an_unreachable_server_and_sends_the_key(model_dir, monkeypatch):
     """Found in review: `bench-serve --url` to a server that was not running, or that wanted
     a key, ended in httpx's traceback or KeyError: 'data'."""

@@ -58,6 +58,11 @@ def _latency(seconds: float | None, width: int, digits: int, unit: str = "ms") -
     return f"{seconds * (1000 if unit == 'ms' else 1):>{width}.{digits}f}{unit}"
 
 
+def _figure(value: float | None, width: int, digits: int) -> str:
+    """A table cell: ``value``, '-' where there is none (a level whose requests all failed)."""
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
+
+
 PER_POSITION = "spec_decode_num_accepted_tokens_per_pos_total"
 
 
@@ -170,7 +175,9 @@ async def run_level(url: str, model: str, prompts: list, max_tokens: int, mode: 
     return {
         "mode": mode, "concurrency": concurrency, "request_rate": rate, "requests": len(results),
         "failed": len(results) - len(done), "errors": [r["error"] for r in results if r["error"]][:3],
-        "wall_seconds": wall, "request_throughput": len(done) / wall, "output_throughput": output_tokens / wall,
+        # None where every request failed: no throughput to compare (found in review: a "0.00x" ratio)
+        "wall_seconds": wall, "request_throughput": len(done) / wall if done else None,
+        "output_throughput": output_tokens / wall if done else None,
         "output_tokens": output_tokens,
         "ttft": summarize([r["ttft"] for r in done if r["ttft"] is not None]),
         "tpot": summarize([r["tpot"] for r in done if r["tpot"] is not None]),
@@ -232,7 +239,8 @@ def ratio_summary(rows: list[dict]) -> list[dict]:
 
     rounds = sorted({row.get("round", 0) for row in rows})
     levels = sorted({key(row) for row in rows})
-    by = {(row.get("round", 0), key(row), row["mode"]): row["output_throughput"] for row in rows}
+    by = {(row.get("round", 0), key(row), row["mode"]): row["output_throughput"] for row in rows
+          if row["output_throughput"] is not None}  # a level whose requests all failed has none
 
     def spread(values: list[float]) -> dict | None:
         if not values:
@@ -248,11 +256,11 @@ def ratio_summary(rows: list[dict]) -> list[dict]:
             values = [by[r, level, mode] for r in rounds if (r, level, mode) in by]
             entry[f"{mode}_tok_s"] = statistics.median(values) if values else None
         entry["spec_over_plain"] = spread([by[r, level, "spec"] / by[r, level, "plain"] for r in rounds
-                                           if (r, level, "spec") in by and by.get((r, level, "plain"))])
+                                           if by.get((r, level, "spec")) and by.get((r, level, "plain"))])
         entry["plain_over_lowest"] = None
         if lowest is not None and level != lowest:
             entry["plain_over_lowest"] = spread([by[r, level, "plain"] / by[r, lowest, "plain"] for r in rounds
-                                                 if (r, level, "plain") in by and by.get((r, lowest, "plain"))])
+                                                 if by.get((r, level, "plain")) and by.get((r, lowest, "plain"))])
         summary.append(entry)
     return summary
 
@@ -283,7 +291,7 @@ def print_table(rows: list[dict]) -> None:
         alpha = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
         length = "-" if r.get("mean_acceptance_length") is None else f"{r['mean_acceptance_length']:.2f}"
         print(f"{r.get('round', 0):>5} {r['mode']:<6} {r['concurrency'] or '-':>5} {r['request_rate'] or '-':>5} {r['requests']:>4} "
-              f"{r['failed']:>4} {r['request_throughput']:>6.2f} {r['output_throughput']:>7.1f} "
+              f"{r['failed']:>4} {_figure(r['request_throughput'], 6, 2)} {_figure(r['output_throughput'], 7, 1)} "
               f"{_latency(r['ttft']['p50'], 7, 0)} {_latency(r['ttft']['p99'], 7, 0)} "
               f"{_latency(r['tpot']['p50'], 7, 1)} {_latency(r['itl']['p50'], 6, 1)} {_latency(r['itl']['p99'], 6, 1)} "
               f"{_latency(r['e2e']['p50'], 7, 2, 's')} {alpha:>6} {length:>5}")
@@ -306,7 +314,8 @@ def plot(rows: list[dict], path: Path) -> None:
             continue
         # the median over the rounds at each level
         chosen = [[r for r in rows if r["mode"] == mode and r[key] == level] for level in levels]
-        left.plot(levels, [statistics.median(r["output_throughput"] for r in group) for group in chosen], marker="o",
+        throughput = [[r["output_throughput"] for r in group if r["output_throughput"] is not None] for group in chosen]
+        left.plot(levels, [statistics.median(values) if values else math.nan for values in throughput], marker="o",
                   label=mode)
         tpot = [[r["tpot"]["p50"] * 1000 for r in group if r["tpot"]["p50"] is not None] for group in chosen]
         right.plot(levels, [statistics.median(values) if values else math.nan for values in tpot], marker="o",
@@ -384,9 +393,12 @@ def bench_serve(prompts: list[dict], concurrency: list[int], rate: float | None,
         levels = [None] if rate is not None else concurrency
         # untimed: one round at the widest level in every mode, so that no measured level
         # pays first-time allocations (a batch of that many rows, each request shape)
-        widest = max(concurrency) if rate is None else 4
+        # (found in review: with fewer prompts than the widest level, the warm-up ran fewer rows;
+        # and a rate run's arrivals can hold every request at once, not 4)
+        widest = max(concurrency) if rate is None else num_prompts
         for mode in modes:
-            asyncio.run(run_level(url, model, texts[:widest], 16, mode, widest, None, seed))
+            warm = [texts[i % len(texts)] for i in range(widest)]
+            asyncio.run(run_level(url, model, warm, 16, mode, widest, None, seed))
         # round i runs the modes in turn first, so that a drift of the machine's speed
         # within a round favours neither
         plan = [(i, level, mode) for i in range(rounds) for level in levels
