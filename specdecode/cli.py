@@ -456,7 +456,8 @@ def cmd_generate(args) -> int:
         engines = {"none": plain}
         if engine.method != "draft" or str(spec.draft or "").startswith("self:"):  # not a second draft model
             engines[args.method] = build_engine(engine_config, spec, args.runtime, target=target)
-        warm_up(engines, prompt_ids, params)
+        warm_up(engines, prompt_ids, params, min(len(prompt_ids) + params.max_new_tokens + engine.k + 1,
+                                                  target.runtime.max_positions))
     result = engine.generate(prompt_ids, params, on_text=stream, prior_alpha=route.prior_alpha)
     # learnt only from a request that drafted: one that ran plain would teach the task an
     # acceptance of 0 and talk its later requests out of speculating (as analyze and the server)

@@ -39,6 +39,22 @@ def test_peers_are_warmed_up_before_measurement(tiny_llama_dir):
     assert len(peer.calls) == 1
 
 
+def test_warm_up_sizes_the_caches_so_no_measured_run_allocates_one(tiny_llama_dir):
+    """Found in review: warm-up ran 8 tokens of a 16-token prompt, so the first measured run
+    that needed a larger cache allocated it inside its timing (the speculative run of
+    `generate --compare` always). With the run's capacity, the caches are sized before."""
+    model = load_model(tiny_llama_dir, torch.float32)
+    runtime = model.runtime
+    engines = {"none": SpeculativeEngine(runtime), "ngram": SpeculativeEngine(runtime, proposer=NgramProposer(), k=4)}
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    long_prompt = [3 + i % 50 for i in range(120)]
+    warm_up(engines, long_prompt, params, len(long_prompt) + 20 + 16)
+    cache = runtime.k_cache
+    for engine in engines.values():
+        engine.generate(long_prompt, params)
+        assert runtime.k_cache is cache
+
+
 def test_divergent_outputs_carry_the_margin_at_their_first_difference(tiny_llama_dir):
     model = load_model(tiny_llama_dir, torch.float32)
     plain = SpeculativeEngine(model.runtime)

@@ -185,8 +185,8 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
     target = load_target(engine_config, args.runtime)
     encoded = encode_prompts(target, prompts, engine_config)
     follow_up = turn_encoder(target, engine_config)
-    engines = build_engines(args, methods, engine_config, spec_config, target,
-                            needed_context(encoded, params, target, prompts, follow_up))
+    context = needed_context(encoded, params, target, prompts, follow_up)
+    engines = build_engines(args, methods, engine_config, spec_config, target, context)
     drafters, drafter_names = {}, {}
     for label in methods[1:]:
         name, k = parse_method(label)
@@ -194,7 +194,7 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
         drafters[drafter_names[label]] = engines[label].proposer
     profile = cost_profile(target, engine_config.dtype, drafters)
     costs = {label: profile.c(key) for label, key in drafter_names.items()}
-    warm_up(engines, encoded[0], params)
+    warm_up(engines, encoded[0], params, context)
 
     records = []
     for temperature in temperatures:
