@@ -23,7 +23,7 @@ from .config import ConfigError, SamplingParams, SpecDecodeError
 from .control.policies import FixedK, KPolicy
 from .metrics import GenerationStats
 from .models import synchronize
-from .proposers.base import Proposal, Proposer, check_draft_vocabulary, drafts_in_vocab
+from .proposers.base import Proposal, Proposer, check_drafter, drafts_in_vocab, hidden_size_of
 from .text import TextTracker
 from .verify.chain import coupled_verify, greedy_tokens, greedy_verify_rows, rejection_sample
 from .verify.tree import coupled_tree_verify, greedy_tree_verify, tree_rejection_sample
@@ -167,7 +167,7 @@ class SpeculativeEngine:
         """``k``: a fixed number of draft tokens per step, or a policy that chooses it
         per step (``control.policies``: CostAwareK for ``--k auto``, ThresholdK)."""
         if proposer is not None:
-            check_draft_vocabulary(proposer, target.vocab_size)
+            check_drafter(proposer, target.vocab_size, hidden_size_of(target))
             check_own_cache(proposer, target)
             if getattr(target, "rolls_back", True) is False:  # before any request (found in review: mid-request)
                 raise SpecDecodeError(f"{target.describe()} keeps a recurrent state that cannot be rolled back past "

@@ -3,6 +3,7 @@ fresh pass of the head over the committed sequence, files and clear errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -759,3 +760,34 @@ def test_engines_handed_a_head_of_another_vocabulary_refuse_it(targets):
     batch = BatchEngine(target.runtime)
     with pytest.raises(VocabularyMismatchError, match="trained for a target of"):
         batch.add([5, 6, 7], SamplingParams(max_new_tokens=4), proposer=eagle)
+
+
+def test_engines_handed_heads_or_a_store_that_do_not_fit_the_target_refuse_them(targets):
+    """Found in review: the engines' check read only an EAGLE head's vocabulary and a draft
+    model's. Medusa heads and a token store of another vocabulary ran, drafting ids the
+    target has not (nothing accepted, nothing said); a head of another hidden size failed
+    after prefill with torch's shape error."""
+    from specdecode.config import VocabularyMismatchError
+    from specdecode.proposers.medusa import MedusaConfig, MedusaHeads, MedusaProposer
+    from specdecode.proposers.suffix import SuffixProposer, TokenStore
+    from specdecode.serve.batch import BatchEngine
+
+    target = targets[0]
+    cfg = target.runtime.cfg
+    vocab, width = target.runtime.vocab_size, cfg.hidden_size
+    medusa = MedusaHeads(MedusaConfig(width, 2, vocab + 23, 40, cfg.rms_norm_eps))
+    narrow = MedusaHeads(MedusaConfig(width // 2, 2, vocab, 40, cfg.rms_norm_eps))
+    head = EagleHead(dataclasses.replace(EagleConfig.for_target(cfg, 60), hidden_size=width // 2))
+    store = SuffixProposer(TokenStore([[5, 6, 7, 8, vocab + 10]], vocab_size=vocab + 50))
+    cases = [(MedusaProposer(medusa, target.runtime.num_layers, kernels=False), VocabularyMismatchError,
+              "the Medusa heads were trained for a target of"),
+             (MedusaProposer(narrow, target.runtime.num_layers, kernels=False), SpecDecodeError,
+              f"hidden size {width // 2}; this target's is {width}"),
+             (proposer_for(target, head), SpecDecodeError, f"hidden size {width // 2}; this target's is {width}"),
+             (store, VocabularyMismatchError, f"the token store was built for {vocab + 50}")]
+    batch = BatchEngine(target.runtime)
+    for proposer, error, message in cases:
+        with pytest.raises(error, match=message):
+            SpeculativeEngine(target.runtime, None, proposer, k=2)
+        with pytest.raises(error, match=message):
+            batch.add([5, 6, 7], SamplingParams(max_new_tokens=4), proposer=proposer)

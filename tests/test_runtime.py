@@ -317,7 +317,7 @@ def test_the_transformers_runtime_rolls_back_past_a_sliding_window():
 
 
 
-def test_the_transformers_runtime_refuses_to_roll_back_a_recurrent_state():
+def test_the_transformers_runtime_refuses_to_roll_back_a_recurrent_state(tiny_llama_dir):
     """Found in review: transformers' crop cuts a Mamba layer's state not at all (a TypeError
     from inside) and Qwen3-Next's linear attention only in part (greedy speculative output
     differed from plain, silently). A hybrid model (Bamba) is refused a speculative engine
@@ -346,6 +346,14 @@ def test_the_transformers_runtime_refuses_to_roll_back_a_recurrent_state():
     assert runtime.rolls_back is False
     with pytest.raises(SpecDecodeError, match="keeps a recurrent state"):
         SpeculativeEngine(runtime, proposer=NgramProposer((2, 1)), k=4)
+    # as a draft model beside a target that rolls back: refused before any request, naming the
+    # draft (found in review: it failed at its first rejection, saying "use --method none")
+    from specdecode.factory import load_model
+    from specdecode.proposers.draft_model import DraftModelProposer
+
+    target = load_model(tiny_llama_dir, torch.float32).runtime
+    with pytest.raises(SpecDecodeError, match="the draft model .*bamba.* cannot draft"):
+        SpeculativeEngine(target, proposer=DraftModelProposer(runtime), k=3)
 
 
 def test_a_llama_family_model_the_native_runtime_cannot_compute_goes_through_transformers(tmp_path, capsys):

@@ -11,25 +11,50 @@ from ..config import SamplingParams, SpecDecodeError, VocabularyMismatchError
 from ..verify.tree import Tree
 
 
-def check_draft_vocabulary(proposer, vocab_size: int) -> None:
-    """A drafter with a model of its own (a draft model's ``runtime``) must have the
-    target's ``vocab_size``. build_proposer checks the pair (tokenizers too); an engine
-    handed the proposer directly drafted ids the target has not (greedy: silently cut, no
-    token accepted), failed mid-request when sampling, or on the target's ids in the
-    draft's embedding (found in review)."""
-    inner = getattr(proposer, "eagle", None)  # a merged tree's head
-    if inner is not None:
-        check_draft_vocabulary(inner, vocab_size)
-    head_config = getattr(getattr(proposer, "head", None), "config", None)
-    trained_for = getattr(head_config, "target_vocab_size", None)
-    if trained_for is not None and trained_for != vocab_size:  # an EAGLE head's: failed mid-request (found in review)
-        raise VocabularyMismatchError(f"vocabulary mismatch: the target has {vocab_size} tokens, the head was "
-                                      f"trained for a target of {trained_for}")
-    own = getattr(getattr(proposer, "runtime", None), "vocab_size", None)
+def check_drafter(proposer, vocab_size: int, hidden_size: int | None = None) -> None:
+    """A drafter with a model or data of its own must fit the target: a draft model's
+    ``runtime`` and a token ``store`` its ``vocab_size``, an EAGLE ``head`` and Medusa
+    ``heads`` the target they were trained for (its vocabulary and, given ``hidden_size``,
+    its hidden size), and a draft model must roll back past rejected drafts.
+    build_proposer checks the pair (tokenizers too); an engine handed the proposer directly
+    drafted ids the target has not (greedy: silently cut, no token accepted), failed
+    mid-request when sampling, on the target's ids in the draft's embedding, on the
+    target's states in a head of another width, or at a recurrent draft's first rejection
+    (found in review)."""
+    for inner in (getattr(proposer, "eagle", None), getattr(proposer, "ngram", None)):  # a merged tree's drafters
+        if inner is not None:
+            check_drafter(inner, vocab_size, hidden_size)
+    for noun, owner in (("the head", "head"), ("the Medusa heads", "heads")):
+        config = getattr(getattr(proposer, owner, None), "config", None)
+        trained_for = getattr(config, "target_vocab_size", None)
+        if trained_for is not None and trained_for != vocab_size:  # an EAGLE head's: failed mid-request
+            raise VocabularyMismatchError(f"vocabulary mismatch: the target has {vocab_size} tokens, {noun} "
+                                          f"{'were' if owner == 'heads' else 'was'} trained for a target of {trained_for}")
+        width = getattr(config, "hidden_size", None)
+        if width is not None and hidden_size is not None and width != hidden_size:
+            raise SpecDecodeError(f"{noun} {'were' if owner == 'heads' else 'was'} trained for a target of hidden "
+                                  f"size {width}; this target's is {hidden_size}")
+    store = getattr(getattr(proposer, "store", None), "vocab_size", None)
+    if store is not None and store != vocab_size:
+        raise VocabularyMismatchError(f"vocabulary mismatch: the target has {vocab_size} tokens, the token store "
+                                      f"was built for {store}")
+    runtime = getattr(proposer, "runtime", None)
+    own = getattr(runtime, "vocab_size", None)
     own = getattr(proposer, "vocab_size", own) if own is not None else None  # a draft model's, fitted to the target's
     if own is not None and own != vocab_size:
         raise VocabularyMismatchError(f"vocabulary mismatch: the target has {vocab_size} tokens, the draft model "
                                       f"{own}; a draft model must share the target's tokenizer")
+    if getattr(runtime, "rolls_back", True) is False:
+        kind = getattr(getattr(getattr(runtime, "model", None), "config", None), "model_type", None) or "in use"
+        raise SpecDecodeError(f"the draft model ({kind}) keeps a recurrent state that cannot be rolled back past "
+                              "rejected drafts: it cannot draft (use another draft model or method)")
+
+
+def hidden_size_of(runtime) -> int | None:
+    """The target's hidden size (the native runtime's config, or transformers'), None if unknown."""
+    config = getattr(runtime, "cfg", None) or getattr(getattr(runtime, "model", None), "config", None)
+    size = getattr(config, "hidden_size", None)
+    return size if isinstance(size, int) else None
 
 
 class DraftVocabulary:
