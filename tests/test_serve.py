@@ -789,6 +789,15 @@ def test_medusa_is_served_losslessly_with_its_own_figures(model_dir, tmp_path):
                                    extra_body={"speculative": {"num_speculative_tokens": 5}})
 
 
+def test_a_request_for_ngram_drafts_with_the_configured_sizes(model_dir):
+    """Found in review: with a suffix server configured for 4-grams, a request asking for
+    `method: "ngram"` drafted with the default sizes (3, 2, 1)."""
+    state = tiny_server_state(model_dir, '{"method": "suffix", "prompt_lookup_min": 4, "prompt_lookup_max": 4}')
+    for method in ("ngram", "suffix"):
+        make = state.speculation.drafters[method][0]
+        assert make().ngram_sizes == (4,), method
+
+
 def test_speculative_config_takes_vllm_keys():
     spec, router = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4, '
                                             '"prompt_lookup_min": 2, "prompt_lookup_max": 5}')

@@ -190,7 +190,9 @@ def build_state(engine_config: EngineConfig, speculative: str | None, max_num_se
     for method in dict.fromkeys(["ngram", spec.method]):
         if method == "none":
             continue
-        method_spec = spec if method == spec.method else SpeculativeConfig(method=method)
+        # the n-gram sizes the config gave (prompt_lookup_min/max) hold for a request that asks
+        # for ngram too (found in review: it drafted with the default sizes)
+        method_spec = spec if method == spec.method else SpeculativeConfig(method=method, ngram_sizes=spec.ngram_sizes)
         drafters[method] = drafter_entry(method_spec, target, engine_config)
     # the cost profile prices seconds saved and the batch draft cap (measured once, cached)
     profile = cost_profile(target, engine_config.dtype) if drafters else None
