@@ -425,6 +425,28 @@ def test_backend_choice_without_kernels(monkeypatch, tiny_llama_dir):
         factory.load_model(tiny_llama_dir, torch.float32, backend="torch", exact=True)
 
 
+@pytest.mark.parametrize("march", [None, "x86-64"])
+def test_a_nan_activation_gives_nan_in_every_format(monkeypatch, march):
+    """Found in review: the block maximum of the activation quantization drops a NaN, and
+    Q8_0 never reads the block sum that carries it, so a NaN in a block came out of a Q8_0
+    layer as finite numbers (always on the portable build, for a NaN in a block's first 24
+    entries on AVX2), where the torch backend gives NaN."""
+    if march is not None:
+        if __import__("platform").machine() not in ("x86_64", "AMD64"):
+            pytest.skip("the portable build is checked on x86-64")
+        library = kernels.load_build(march)
+        monkeypatch.setattr(kernels, "load", lambda: library)
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(16, 64, generator=generator)
+    for fmt in FORMATS:
+        layer = quantized(weight, fmt)
+        for position in (0, 5, 31, 40):
+            x = torch.randn(2, 64, generator=generator)
+            x[0, position] = float("nan")
+            out = kernel_linear(layer, x)
+            assert out[0].isnan().all() and not out[1].isnan().any(), (fmt, position)
+
+
 def test_portable_build_without_avx2(monkeypatch, tmp_path):
     """The scalar code a CPU without AVX2/FMA/F16C gets: the same formats against their
     references, batch invariance, and greedy speculation equal to plain decoding."""

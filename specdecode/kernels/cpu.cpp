@@ -286,6 +286,10 @@ static void quantize_rows(const float* x, int64_t rows, int cols, int64_t x_stri
             sum = ((s8[0] + s8[4]) + (s8[2] + s8[6])) + ((s8[1] + s8[5]) + (s8[3] + s8[7]));
 #endif
             float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            if (sum != sum) {  // a NaN (or +inf beside -inf) in the block: the max above drops a NaN, and
+                scale = NAN;   // Q8_0 never reads the sum, so its product came out finite (found in review);
+                inv = 0.0f;    // NaN now, as the torch backend's, and no NaN cast to an integer below
+            }
             xd[r * blocks + b] = scale;
             xs[r * blocks + b] = sum;
             int8_t tmp[32];
