@@ -959,7 +959,7 @@ def test_router_learns_only_from_requests_decoded_alone():
     profile = SimpleNamespace(acceptance={}, time_ms=lambda size, context: 5.0 + context / 1000)
     router = Router()
     choices = SpeculationChoices({"ngram": (None, None, "ngram")}, "ngram", router, profile)
-    metrics = SimpleNamespace(drift_ratio=lambda task, prior: None)
+    metrics = SimpleNamespace(drift_ratio=lambda task: None)
 
     def finished(batched_steps: int) -> Sequence:
         sequence = Sequence("r", [1, 2, 3], SamplingParams(max_new_tokens=100), proposer=object(), method="ngram",
@@ -1001,11 +1001,20 @@ def test_per_task_metrics_follow_vllms_definitions():
         return metrics.registry.get_sample_value("specdecode:" + name, {"model_name": "m", **labels})
 
     for _ in range(10):
-        metrics.step(3, 1, "code")  # every step's first draft accepted, the second never
-        metrics.step(0, 0, "code")  # a plain pass beside them
+        metrics.step(3, 1, "code", 1.0)  # every step's first draft accepted, the second never
+        metrics.step(0, 0, "code", 1.0)  # a plain pass beside them
     assert value("task_mean_accepted_length", task_type="code") == pytest.approx(2.0)
     assert value("task_acceptance_rate", task_type="code") == pytest.approx(1 / 3)
-    assert metrics.drift_ratio("code", 1.0) == pytest.approx(1.0)
+    assert metrics.drift_ratio("code") == pytest.approx(1.0)
+    # two drafters on one task, each as calibrated: 1.0, whichever finished last (found in
+    # review: divided by the last one's prior, the window read 1.86 or 0.58)
+    for step in range(400):
+        metrics.step(2, int(step % 4 == 0), "mixed", 0.25)  # a lookup right on 1 step in 4, as calibrated
+    for step in range(100):
+        metrics.step(2, int(step % 5 != 0), "mixed", 0.8)  # a head right on 4 in 5, as calibrated
+    assert metrics.drift_ratio("mixed") == pytest.approx(1.0)
+    metrics.step(2, 1, "uncalibrated")  # no prior: no drift
+    assert metrics.drift_ratio("uncalibrated") is None
     metrics.step(0, 0, "plain-only")  # a task that never drafted reports no acceptance
     assert value("task_acceptance_rate", task_type="plain-only") is None
     metrics.token_gap(0.03)  # one step that brought 4 tokens
@@ -1081,6 +1090,13 @@ def test_bench_serve_reports_what_vllm_bench_serve_does():
                                              {"model_name": "m", "position": "3"}) == 0
     assert metrics.registry.get_sample_value("specdecode:request_success_total",
                                              {"model_name": "m", "finished_reason": "length"}) == 0
+    # every series exists at 0 before the first request, as vLLM's (found in review: the
+    # drafting counters, the gauges, the prefix-cache counters and the histograms did not)
+    for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_total", "num_requests_running", "num_requests_waiting",
+                 "prefix_cache_queries_total", "prefix_cache_hits_total", "time_to_first_token_seconds_count",
+                 "e2e_request_latency_seconds_count", "request_queue_time_seconds_count"):
+        assert metrics.registry.get_sample_value("specdecode:" + name, {"model_name": "m"}) == 0, name
     for drafted, accepted in ((3, 3), (3, 1), (3, 0), (0, 0)):
         metrics.step(drafted, accepted, "code")
     after = scrape(generate_latest(metrics.registry).decode())

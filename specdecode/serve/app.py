@@ -488,7 +488,8 @@ class ServerState:
         def listener(sequence: Sequence, output: StepOutput) -> None:
             now = time.perf_counter()
             if output.finish_reason != "abort":
-                self.metrics.step(output.drafted, output.accepted, sequence.task_type)
+                prior = self.speculation.calibrated_prior(sequence.method) if sequence.proposer is not None else None
+                self.metrics.step(output.drafted, output.accepted, sequence.task_type, prior)
             # a step that produced only the EOS produced a token too (vLLM counts its gap; the
             # usage and generation_tokens count it)
             if sequence.last_emit is not None and (output.token_ids or (output.finish_reason and sequence.ended_at_eos)):
@@ -602,8 +603,7 @@ class SpeculationChoices:
         if sequence.proposer is None:
             return
         drafter = self.drafters[sequence.method][2]
-        prior = self.calibrated_prior(sequence.method)
-        metrics.drift_ratio(sequence.task_type, prior)
+        metrics.drift_ratio(sequence.task_type)  # over the window's steps, each against its drafter's prior
         # The router learns from requests that decoded alone, timed by their own steps
         # (drafting and the target's passes; not the other requests' prefill chunks that
         # ran in between). A request decoded in a batch took the batch's time: priced

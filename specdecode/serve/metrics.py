@@ -14,9 +14,10 @@ tokens, max_tokens, queue, prefill, decode and inference time, time per output t
 ``specdecode:`` (docs/serving.md).
 
 Ours, by task type (the router's label): acceptance, mean accepted length, seconds saved
-against plain decoding (estimated from the cost profile), and acceptance drift: the
-acceptance over the last drafted tokens divided by the calibrated prior, so a domain
-shift that collapses acceptance shows as a drop below 1.
+against plain decoding (estimated from the cost profile), and acceptance drift: over the
+last drafted steps, the steps whose first draft was accepted divided by the number the
+calibrated first-draft acceptance of each step's drafter expected, so a domain shift that
+collapses acceptance shows as a drop below 1.
 """
 
 from __future__ import annotations
@@ -136,14 +137,21 @@ class ServerMetrics:
             self.labels(self.success, finished_reason=reason)
         for position in range(positions):
             self.labels(self.accepted_per_pos, position=str(position))
-        for counter in (self.audit_checked, self.audit_mismatch, self.prompt_tokens, self.generation_tokens):
-            self.labels(counter)  # at 0 from the start, so a rate over them reads 0 rather than nothing
+        # every series at 0 from the start, as vLLM creates them: a rate over them reads 0 rather
+        # than nothing, and the first interval's increase is not lost (found in review: the
+        # drafting counters, the gauges, the cache counters and the histograms were missing)
+        for metric in (self.audit_checked, self.audit_mismatch, self.prompt_tokens, self.generation_tokens,
+                       self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.prefix_queries,
+                       self.prefix_hits, self.running, self.waiting, self.kv_usage,
+                       *(value for value in vars(self).values() if isinstance(value, Histogram))):
+            self.labels(metric)
 
     def labels(self, metric, **labels):
         return metric.labels(model_name=self.model_name, **labels)
 
-    def step(self, drafted: int, accepted: int, task: str | None) -> None:
-        """One verification pass of one sequence."""
+    def step(self, drafted: int, accepted: int, task: str | None, prior: float | None = None) -> None:
+        """One verification pass of one sequence; ``prior``: its drafter's calibrated
+        first-draft acceptance (None: not calibrated, the step stays out of the drift)."""
         if drafted:
             self.labels(self.num_drafts).inc()
             self.labels(self.num_draft_tokens).inc(drafted)
@@ -160,8 +168,12 @@ class ServerMetrics:
             totals[2] += 1
             # the drift window holds whether each step's first draft was accepted: the
             # calibrated prior it is compared with is the first draft's rate (a window of
-            # every drafted token read about 0.8 where nothing had changed, found in review)
-            self._windows.setdefault(task, deque(maxlen=DRIFT_WINDOW)).append(1 if accepted else 0)
+            # every drafted token read about 0.8 where nothing had changed, found in review),
+            # beside that step's own prior: a task drafted by two drafters (the configured one
+            # and ngram, which every server offers) was divided by the prior of whichever
+            # finished last (found in review: 1.86 and 0.58 for one window)
+            if prior:
+                self._windows.setdefault(task, deque(maxlen=DRIFT_WINDOW)).append((1 if accepted else 0, prior))
             acceptance = totals[1] / totals[0]
             tau = 1 + totals[1] / totals[2]
         self.labels(self.task_drafted, task_type=task).inc(drafted)
@@ -169,11 +181,13 @@ class ServerMetrics:
         self.labels(self.task_acceptance, task_type=task).set(acceptance)
         self.labels(self.task_tau, task_type=task).set(tau)
 
-    def drift_ratio(self, task: str, prior: float | None) -> float | None:
-        window = self._windows.get(task or "unknown")
-        if not window or not prior:
+    def drift_ratio(self, task: str) -> float | None:
+        """The task's window: first drafts accepted / first drafts its steps' priors expected."""
+        with self._lock:
+            window = list(self._windows.get(task or "unknown", ()))
+        if not window:
             return None
-        ratio = (sum(window) / len(window)) / prior
+        ratio = sum(hit for hit, _ in window) / sum(prior for _, prior in window)
         self.labels(self.drift, task_type=task or "unknown").set(ratio)
         return ratio
 
