@@ -686,6 +686,67 @@ def test_a_full_queue_is_a_503_and_an_audit_gives_its_row_back(model_dir, monkey
         assert state.auditor.mismatches == []
 
 
+def test_an_audit_gives_way_to_a_user_request_even_beside_a_free_row(model_dir, monkeypatch):
+    """Found in review: an audit gave its row back only when no row was free, so a request
+    arriving beside a free row waited behind the audit's prefill chunks and decoded beside
+    it (48 steps for one token in the review's run). Audits now run only while no user
+    request waits or runs."""
+    from specdecode.serve.batch import BatchEngine
+
+    step = BatchEngine.step
+
+    def slow(self):
+        time.sleep(0.005)
+        return step(self)
+
+    monkeypatch.setattr(BatchEngine, "step", slow)
+
+    def wait_for(condition):
+        deadline = time.time() + 20
+        while not condition() and time.time() < deadline:
+            time.sleep(0.002)
+        assert condition()
+
+    client, state = make_client(model_dir, max_num_seqs=2, audit_rate=1.0)
+    state.engine.prefill_chunk = 4
+    with client:
+        assert client.post("/v1/completions", json={"prompt": "abcdefghij" * 20, "max_tokens": 4,
+                                                   "temperature": 0}).status_code == 200
+        wait_for(lambda: any(s.audit_of is not None and s.prefilled > 0 for s in list(state.engine.running)))
+        before = state.engine.steps
+        assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+        assert state.engine.steps - before <= 3  # admitted, prefilled and decoded at once
+        checked = state.metrics.audit_checked.labels(model_name="tiny")
+        wait_for(lambda: checked._value.get() >= 2)  # both requests audited, once idle
+        assert state.auditor.mismatches == []
+
+
+def test_a_request_whose_drafter_failed_is_still_audited(model_dir, monkeypatch):
+    """Found in review: a drafter's failure left the request without a proposer, and the
+    audit took it for a request that never speculated."""
+    from specdecode.proposers.ngram import NgramProposer
+
+    propose, calls = NgramProposer.propose, []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("drafter broke")
+        return propose(self, *args, **kwargs)
+
+    monkeypatch.setattr(NgramProposer, "propose", failing)
+    client, state = make_client(model_dir, audit_rate=1.0)
+    with client:
+        response = client.post("/v1/completions", json={"prompt": "abcabcabc", "max_tokens": 20, "temperature": 0,
+                                                        "ignore_eos": True})
+        assert response.status_code == 200 and len(calls) >= 3
+        checked = state.metrics.audit_checked.labels(model_name="tiny")
+        deadline = time.time() + 20
+        while checked._value.get() < 1 and time.time() < deadline:
+            time.sleep(0.01)
+        assert checked._value.get() == 1 and state.auditor.mismatches == []
+
+
 def test_an_error_while_failing_a_step_leaves_the_engine_serving(model_dir, monkeypatch):
     """Found in review: ending the requests of a failed step detokenizes and calls their
     listeners again, unguarded; when that failed too, the engine thread died, and the

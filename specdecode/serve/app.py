@@ -407,14 +407,22 @@ class ServerState:
             sequence.counted_generated = sequence.output_tokens
 
     def _preempt_audits(self) -> None:
-        """A user request waiting for a row that an audit's re-run holds takes it: the re-run
-        stops and goes back to the audit's backlog. (An audit held its row to its end: with
-        one row, a lone client got "queue full" from a server whose gauges showed nothing
-        running; found in review.)"""
+        """Audits run in idle time only: while a user request waits or runs, every audit's
+        re-run stops and goes back to the audit's backlog, to run again at the next quiet
+        spell. (An audit held its row to its end: with one row, a lone client got "queue
+        full" from a server whose gauges showed nothing running; found in review. Then one
+        gave up its row only when no row was free: a request arriving beside a free row
+        waited behind the audit's prefill chunks and decoded beside it, 48 steps instead of
+        1 in the review's run.)"""
         engine = self.engine
-        if self.auditor is None or engine.free_rows or all(_is_audit(s) for s in list(engine.waiting)):
+        if self.auditor is None:
             return
-        for sequence in list(engine.running):
+        with engine.lock:
+            queued = list(engine.waiting)
+        present = list(engine.running) + queued
+        if all(_is_audit(s) or s.finished for s in present):
+            return
+        for sequence in present:
             if _is_audit(sequence) and not sequence.finished:
                 sequence.preempted = True
                 engine.abort(sequence)

@@ -33,8 +33,11 @@ class Auditor:
         if sequence.audit_of is not None:
             self.compare(sequence)
             return
-        comparable = sequence.params.greedy or not getattr(sequence.proposer, "samples_drafts", False)
-        if comparable and sequence.proposer is not None and sequence.finish_reason != "abort" \
+        # a request whose drafter failed part way drafted until then: checked too (found in review:
+        # the path most worth checking was never audited)
+        drafter = sequence.proposer if sequence.proposer is not None else sequence.lost_drafter
+        comparable = sequence.params.greedy or not getattr(drafter, "samples_drafts", False)
+        if comparable and drafter is not None and sequence.finish_reason != "abort" \
                 and self.rng.random() < self.rate:
             self.backlog.append(sequence)
 

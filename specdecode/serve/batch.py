@@ -109,6 +109,7 @@ class Sequence:
     reported: bool = False  # the server has counted it finished (serve/app.py, _report)
     audit_of: "Sequence | None" = None  # an audit's plain re-run of this request (serve/audit.py)
     preempted: bool = False  # an audit's re-run stopped to give its row to a user request
+    lost_drafter: object = None  # its drafter, where it failed and the request went on without (the audit's)
     looked_up: int = 0  # prompt tokens looked up in it (0 until the sequence gets a row)
     reuse_prefix: bool = True  # False: prefill the whole prompt (the audit's independent re-run)
     share_prefix: bool = True  # False: its row serves no other prompt (running at a cache reset)
@@ -513,6 +514,7 @@ class BatchEngine:
         (found in review): drafts are only proposals, so the output is the same."""
         logger.exception("the drafter of request %s failed %s; it decodes without speculation from here",
                          sequence.request_id, doing)
+        sequence.lost_drafter = sequence.proposer  # it drafted until here: the audit still checks it
         sequence.proposer = sequence.policy = None
 
     def _features(self, sequence: Sequence, features: torch.Tensor | None, layers: tuple[int, ...]):
