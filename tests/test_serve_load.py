@@ -247,7 +247,7 @@ def test_bench_serve_rounds_alternate_modes_and_report_round_ratios(model_dir, t
         (1, 1, "plain"), (1, 1, "spec"), (1, 2, "plain"), (1, 2, "spec")]
     assert all(r["failed"] == 0 and r["output_tokens"] == r["requests"] * 6 for r in rows)
     saved = json.loads((tmp_path / "b.json").read_text())
-    assert saved["rounds"] == 2 and len(saved["rows"]) == 8 and (tmp_path / "b.png").exists()
+    assert saved["serve_args"] is None and saved["rounds"] == 2 and len(saved["rows"]) == 8 and (tmp_path / "b.png").exists()
     by = {(r["round"], r["concurrency"], r["mode"]): r["output_throughput"] for r in rows}
     level2 = saved["summary"][1]
     ratios = sorted(by[i, 2, "spec"] / by[i, 2, "plain"] for i in (0, 1))

@@ -439,7 +439,10 @@ def bench_serve(prompts: list[dict], concurrency: list[int], rate: float | None,
               f"{audit['audit_mismatches_total']:.0f} differed")
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
+        # the server's arguments too: two runs that differ only there (--schedule task against
+        # fcfs) could not be told apart (found in review); None: a server started elsewhere (--url)
         out.write_text(json.dumps({"url": url, "model": model, "max_tokens": max_tokens, "rounds": rounds,
+                                   "serve_args": serve_args if process is not None else None,
                                    "rows": rows, "summary": summary,
                                    "audit": {k: audit[k] for k in ("audit_requests_total", "audit_mismatches_total")}},
                                   indent=1))
