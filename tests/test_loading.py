@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
+import torch
 
 from specdecode.models import loading
 from specdecode.models.loading import ModelNotFoundError, resolve_model
@@ -525,3 +527,31 @@ def test_a_quantized_gguf_loaded_as_bf16_says_its_values_were_rounded(tmp_path, 
     assert "rounded to bf16" not in capsys.readouterr().err
     load_model(str(path), torch.bfloat16, weights="bf16")
     assert "16 GGUF tensors are stored in a format bf16 cannot hold exactly" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings")
+def test_after_loading_freed_temporaries_stay_in_the_heap(monkeypatch):
+    """Loading holds glibc's mmap threshold low (its temporaries leave no holes resident),
+    then sets it high again. Found in review: the trim threshold stayed at 128 KiB, so after
+    loading every freed 4 MiB temporary went back to the system and the next step faulted
+    its 1,024 pages in again. A step's temporaries now stay in the heap, as before."""
+    import resource
+
+    from specdecode.models.loading import transients_mapped
+
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    with transients_mapped():
+        kept = []
+        for i in range(20):  # a load: large temporaries freed, small pieces kept
+            temporary = torch.randn(1_000_000 + 150_000 * i)
+            kept.append(temporary[:1000].clone())
+            del temporary
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(200):  # a step's two temporaries of 4 MiB
+        first = torch.empty(1 << 20)
+        first.fill_(1.0)
+        second = first * 2
+        del first, second
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults < 200 * 1024 // 4, faults  # every allocation faulting in its pages again: 204,800
