@@ -166,6 +166,14 @@ def test_check_warns_of_a_draft_with_a_shorter_context(tmp_path):
     result = check_static(str(target), str(draft))
     line = next(line for line in result.lines if line[0] == "context")
     assert line[1] == "WARN" and "draft 64" in line[2] and result.verdict == "COMPATIBLE (with warnings)"
+    # a multimodal target keeps its context in its text config, as transformers reads it (found
+    # in review: read 2,048, and a shorter draft passed)
+    from specdecode.analysis.compat import context_of
+    from specdecode.models.loading import ModelSource
+
+    gemma = ModelSource("g", target, {"model_type": "gemma3", "text_config": {"max_position_embeddings": 131072}})
+    assert context_of(gemma) == 131072
+    assert context_of(ModelSource("m", target, {"model_type": "mpt", "max_seq_len": 4096})) == 4096
 
 
 # -- the analyzer end to end ---------------------------------------------------------

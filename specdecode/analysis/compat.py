@@ -116,9 +116,7 @@ def check_static(target: str, draft: str) -> CheckResult:
         result.add("chat template", "OK" if same_template else "WARN",
                    "identical" if same_template else "differs: the draft sees the target's template, which it was not trained on")
 
-    from ..models.llama import max_positions_of
-
-    t_context, d_context = max_positions_of(target_source.config), max_positions_of(draft_source.config)
+    t_context, d_context = context_of(target_source), context_of(draft_source)
     if d_context < t_context:  # the draft drafts nothing past its own context (found in review: said nothing)
         result.add("context", "WARN", f"target {t_context} tokens, draft {d_context}: from {d_context} tokens on "
                                       "every step is a plain step")
@@ -128,6 +126,22 @@ def check_static(target: str, draft: str) -> CheckResult:
     result.add("architecture", "OK" if t_type == d_type else "WARN",
                f"target {t_type}, draft {d_type}" + ("" if draft_source.native else " (draft runs through transformers: slower)"))
     return result
+
+
+def context_of(source) -> int:
+    """A model's context as its runtime reads it: the native runtime's (a type's default where
+    the config leaves it out), else transformers' first context key, from the text config of
+    a multimodal model first (found in review: a Gemma 3 target read 2,048)."""
+    if source.native:
+        from ..models.llama import max_positions_of
+
+        return max_positions_of(source.config)
+    from ..models.hf import CONTEXT_KEYS
+
+    config = source.config
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return next((value for key in CONTEXT_KEYS for where in (text, config)
+                 if isinstance(value := where.get(key), int) and not isinstance(value, bool) and value > 0), 2048)
 
 
 def head_kind(draft: str) -> str | None:
