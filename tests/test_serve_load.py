@@ -322,6 +322,39 @@ def test_bench_serve_warms_up_as_many_rows_as_its_widest_level(monkeypatch, tmp_
     assert calls == [("spec", 8, 16, 8), ("plain", 8, 16, 8)]
 
 
+def test_bench_serve_records_the_servers_arguments_without_its_key(monkeypatch, tmp_path, capsys):
+    """The JSON names the arguments of the server bench-serve started (a --schedule task run
+    and an fcfs run could not be told apart), with the API key hidden there and in the log
+    line (found in review: written out in the first version)."""
+    import httpx
+
+    from specdecode.bench import serve
+
+    class Process:
+        def terminate(self):
+            pass
+
+        def wait(self, timeout=None):
+            return 0
+
+    async def run_level(url, model, prompts, max_tokens, mode, concurrency, rate, seed):
+        return {"mode": mode, "concurrency": concurrency, "request_rate": rate, "output_throughput": 1.0,
+                "request_throughput": 1.0, "requests": 1, "failed": 0, "errors": [], "ttft": serve.summarize([]),
+                "tpot": serve.summarize([]), "itl": serve.summarize([]), "e2e": serve.summarize([]),
+                "acceptance_rate": None}
+
+    monkeypatch.setattr(serve, "start_server", lambda args, port, log: Process())
+    monkeypatch.setattr(serve, "run_level", run_level)
+    monkeypatch.setattr(serve, "wait_for_audits", lambda url: {"audit_requests_total": 0, "audit_mismatches_total": 0})
+    monkeypatch.setattr(httpx, "post", lambda *args, **kwargs: httpx.Response(200))
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    args = ["--schedule", "task", "--api-key", "sk-SECRET", "--api-key=sk-OTHER"]
+    serve.bench_serve([{"prompt": "a"}], [1], None, 1, 4, ["spec"], None, args, tmp_path / "b.json", model="tiny")
+    saved = json.loads((tmp_path / "b.json").read_text())
+    assert saved["serve_args"] == ["--schedule", "task", "--api-key", "***", "--api-key=***"]
+    assert "SECRET" not in capsys.readouterr().err and "sk-" not in (tmp_path / "b.json").read_text()
+
+
 def test_bench_serve_names_an_unreachable_server_and_sends_the_key(model_dir, monkeypatch):
     """Found in review: `bench-serve --url` to a server that was not running, or that wanted
     a key, ended in httpx's traceback or KeyError: 'data'."""

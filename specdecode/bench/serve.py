@@ -230,6 +230,18 @@ def start_server(serve_args: list[str], port: int, log_path: Path) -> subprocess
     raise SpecDecodeError(f"the server did not come up within 900 s; see {log_path}")
 
 
+def redacted(serve_args: list[str]) -> list[str]:
+    """The server's arguments with its API key hidden, for the log and the JSON (which are
+    committed with results; found in review: the key was written out)."""
+    shown = list(serve_args)
+    for i, arg in enumerate(shown):
+        if arg == "--api-key" and i + 1 < len(shown):
+            shown[i + 1] = "***"
+        elif arg.startswith("--api-key="):
+            shown[i] = "--api-key=***"
+    return shown
+
+
 def ratio_summary(rows: list[dict]) -> list[dict]:
     """Per level (concurrency or rate): each mode's median output throughput over the
     rounds, and the median, min and max of the rounds' own ratios: spec against plain at
@@ -368,8 +380,8 @@ def bench_serve(prompts: list[dict], concurrency: list[int], rate: float | None,
     if url is None:
         port = free_port()
         log_path = (out.with_suffix(".server.log") if out else Path("bench-serve.server.log"))
-        print(f"specdecode: starting `specdecode serve {' '.join(serve_args)}` on port {port} (log: {log_path})",
-              file=sys.stderr)
+        print(f"specdecode: starting `specdecode serve {' '.join(redacted(serve_args))}` on port {port} "
+              f"(log: {log_path})", file=sys.stderr)
         process = start_server(serve_args, port, log_path)
         url = f"http://127.0.0.1:{port}"
         for i, arg in enumerate(serve_args):  # the server this command started wants its own key
@@ -442,7 +454,7 @@ def bench_serve(prompts: list[dict], concurrency: list[int], rate: float | None,
         # the server's arguments too: two runs that differ only there (--schedule task against
         # fcfs) could not be told apart (found in review); None: a server started elsewhere (--url)
         out.write_text(json.dumps({"url": url, "model": model, "max_tokens": max_tokens, "rounds": rounds,
-                                   "serve_args": serve_args if process is not None else None,
+                                   "serve_args": redacted(serve_args) if process is not None else None,
                                    "rows": rows, "summary": summary,
                                    "audit": {k: audit[k] for k in ("audit_requests_total", "audit_mismatches_total")}},
                                   indent=1))
