@@ -645,6 +645,14 @@ def test_prompts_are_tokenized_off_the_event_loop(served, monkeypatch):
     assert seen and all(name.startswith("specdecode-encode") for name in seen), seen
 
 
+def wait_for(condition, limit: float = 20.0) -> None:
+    """Poll ``condition`` until it holds (the engine thread works meanwhile); fail after ``limit`` s."""
+    deadline = time.time() + limit
+    while not condition() and time.time() < deadline:
+        time.sleep(0.002)
+    assert condition()
+
+
 def test_a_full_queue_is_a_503_and_an_audit_gives_its_row_back(model_dir, monkeypatch):
     """Found in review: no test saw the 503 over HTTP (its JSON and Retry-After). And an
     audit's re-run held its row to its end: with one row and no queue, a lone client got
@@ -661,12 +669,6 @@ def test_a_full_queue_is_a_503_and_an_audit_gives_its_row_back(model_dir, monkey
     monkeypatch.setattr(BatchEngine, "step", slow)
     long = {"prompt": "abcabc", "max_tokens": 150, "temperature": 0, "ignore_eos": True}
     short = {"prompt": "hi", "max_tokens": 2}
-
-    def wait_for(condition):
-        deadline = time.time() + 20
-        while not condition() and time.time() < deadline:
-            time.sleep(0.005)
-        assert condition()
 
     client, state = make_client(model_dir, max_num_seqs=1, max_queued_requests=0)
     with client, concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -700,12 +702,6 @@ def test_an_audit_gives_way_to_a_user_request_even_beside_a_free_row(model_dir, 
         return step(self)
 
     monkeypatch.setattr(BatchEngine, "step", slow)
-
-    def wait_for(condition):
-        deadline = time.time() + 20
-        while not condition() and time.time() < deadline:
-            time.sleep(0.002)
-        assert condition()
 
     client, state = make_client(model_dir, max_num_seqs=2, audit_rate=1.0)
     state.engine.prefill_chunk = 4
@@ -741,9 +737,7 @@ def test_a_request_whose_drafter_failed_is_still_audited(model_dir, monkeypatch)
                                                         "ignore_eos": True})
         assert response.status_code == 200 and len(calls) >= 3
         checked = state.metrics.audit_checked.labels(model_name="tiny")
-        deadline = time.time() + 20
-        while checked._value.get() < 1 and time.time() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: checked._value.get() >= 1)
         assert checked._value.get() == 1 and state.auditor.mismatches == []
 
 
