@@ -1337,3 +1337,51 @@ def test_a_stalled_stream_whose_client_left_frees_its_row_at_once(served, monkey
     finally:
         gc.enable()
     assert (running, free) == (0, rows)
+
+
+def test_a_request_that_can_never_run_is_a_400_even_when_the_queue_is_full(model_dir):
+    """Found in review: the queue-full check came before the request's task_type and
+    method were looked at, so with the queue full a request that could never run got a
+    503, which clients retry. (The engine does not run here: the rows stay taken.)"""
+    from specdecode.serve.app import APIError, SpeculativeOptions
+
+    state = tiny_server_state(model_dir, '{"method": "ngram", "num_speculative_tokens": 3}', max_num_seqs=1,
+                              max_queued_requests=0)
+
+    async def outcomes() -> list:
+        queue, seen = asyncio.Queue(), []
+        for options, task in ((None, None), (None, "bogus"), (SpeculativeOptions(method="hydra"), None), (None, None)):
+            try:
+                state.submit([5, 6], SamplingParams(max_new_tokens=2), options, task, "ab", "r", queue)
+                seen.append(200)
+            except APIError as error:
+                seen.append((error.status, error.param))
+        return seen
+
+    assert asyncio.run(outcomes()) == [200, (400, "task_type"), (400, "speculative.method"), (503, None)]
+
+
+def test_a_requested_k_is_never_dropped_for_plain_decoding(model_dir):
+    """Found in review: a request's num_speculative_tokens without a method was dropped,
+    the request decoded plainly with a 200, where the server's default method is none
+    (refused now, as the request's own method none with a k is) and where the router had
+    turned speculation off for the task (a k asks for speculation, as a method does)."""
+    from specdecode.control.router import TaskRecord
+    from specdecode.serve.app import APIError, SpeculativeOptions
+
+    plain = tiny_server_state(model_dir, '{"method": "none"}')
+    with pytest.raises(APIError, match="needs a method") as refused:
+        plain.speculation.plan(SpeculativeOptions(num_speculative_tokens=4), None, "abc abc abc")
+    assert refused.value.status == 400
+    asked = plain.speculation.plan(SpeculativeOptions(method="ngram", num_speculative_tokens=4), None, "abc abc")
+    assert asked.speculate and asked.method == "ngram"
+
+    state = tiny_server_state(model_dir, '{"method": "ngram", "num_speculative_tokens": 3}')
+    speculation = state.speculation
+    router, drafter = speculation.router, speculation.drafters["ngram"][2]
+    router.records[f"creative/{drafter}"] = TaskRecord(alpha=0.05, speedup=0.5, weight=5.0)
+    router.requests["creative"] = 1  # not the periodic retry
+    assert not speculation.plan(None, "creative", "Write a poem.").speculate
+    router.requests["creative"] = 1
+    planned = speculation.plan(SpeculativeOptions(num_speculative_tokens=2), "creative", "Write a poem.")
+    assert planned.speculate and planned.method == "ngram"

@@ -487,6 +487,9 @@ class ServerState:
         with self.engine.lock:  # both read at one moment: the engine thread moves requests from one to the other
             free_rows = len(self.engine.free_rows) + sum(_is_audit(s) for s in list(self.engine.running))
             waiting = self.engine.num_waiting
+        # a request that can never run is told so (400) before the queue is looked at: a 503
+        # for it, which clients retry, came first when the queue was full (found in review)
+        self.speculation.check(options, task_type)
         if index == 0 and waiting + choices > self.max_queued_requests + free_rows:
             raise APIError(503, f"the request queue is full ({self.max_queued_requests} waiting); retry later",
                            "server_error", code="overloaded", headers={"Retry-After": "1"})
@@ -548,24 +551,42 @@ class SpeculationChoices:
         self.profile = profile
         self.lock = threading.Lock()
 
-    def plan(self, options: SpeculativeOptions | None, task_type: str | None, prompt_text: str) -> Plan:
-        from ..control.router import TASKS, classify
+    def _method(self, options: SpeculativeOptions | None) -> str:
+        """The method a request asks for (the server's default where it names none)."""
+        method = options.method if options is not None and options.method else self.default
+        return VLLM_METHODS.get(method, method)
+
+    def check(self, options: SpeculativeOptions | None, task_type: str | None) -> None:
+        """Refuse (400) what ``plan`` could never serve, without planning anything."""
+        from ..control.router import TASKS
 
         if task_type is not None and task_type not in TASKS:
             raise APIError(400, f"unknown task_type {task_type!r}; choose from {sorted(TASKS)}", param="task_type")
+        if options is not None and not options.enabled:
+            return
+        method = self._method(options)
+        if method == "none" and options is not None and options.num_speculative_tokens is not None:
+            # the request's own validator refuses method none with a k; the server's default
+            # none ignored it (found in review: a 200 that drafted nothing)
+            raise APIError(400, "this server decodes plainly by default (method 'none'): num_speculative_tokens "
+                                "needs a method in the request's speculative options", param="speculative.method")
+        if method != "none" and method not in self.drafters:
+            known = sorted(set(self.drafters) | {"none"})
+            raise APIError(400, f"speculative method {method!r} is not available on this server; choose from {known}",
+                           param="speculative.method", code="unknown_speculative_method")
+
+    def plan(self, options: SpeculativeOptions | None, task_type: str | None, prompt_text: str) -> Plan:
+        from ..control.router import classify
+
+        self.check(options, task_type)
         def plain() -> Plan:
             return Plan(False, "none", None, None, None, task_type or (classify(prompt_text) if prompt_text else "unknown"))
 
         if options is not None and not options.enabled:
             return plain()
-        method = (options.method if options is not None and options.method else self.default)
-        method = VLLM_METHODS.get(method, method)
+        method = self._method(options)
         if method == "none":
             return plain()
-        if method not in self.drafters:
-            known = sorted(set(self.drafters) | {"none"})
-            raise APIError(400, f"speculative method {method!r} is not available on this server; choose from {known}",
-                           param="speculative.method", code="unknown_speculative_method")
         make_proposer, make_policy, drafter = self.drafters[method]
         task, prior = task_type or "unknown", None
         if self.router is not None and prompt_text:
@@ -576,7 +597,10 @@ class SpeculationChoices:
             # the request draft and measure again (found in review: the measured, low
             # acceptance was put back here, and a retried request decoded plainly)
             prior = route.prior_alpha if route.prior_alpha is not None else self.router.prior(task, drafter)
-            if route.method == "none" and (options is None or options.method is None):
+            # the router's "off" for the task yields to a request that asked for a method or a
+            # k (found in review: a k alone was dropped and the request decoded plainly)
+            asked = options is not None and (options.method is not None or options.num_speculative_tokens is not None)
+            if route.method == "none" and not asked:
                 return Plan(False, "none", None, None, None, task)
         elif prompt_text and task_type is None:
             task = classify(prompt_text)
