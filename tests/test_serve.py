@@ -1385,3 +1385,64 @@ def test_a_requested_k_is_never_dropped_for_plain_decoding(model_dir):
     router.requests["creative"] = 1
     planned = speculation.plan(SpeculativeOptions(num_speculative_tokens=2), "creative", "Write a poem.")
     assert planned.speculate and planned.method == "ngram"
+
+
+def test_a_model_without_a_method_is_read_as_vllm_reads_it():
+    """Found in review: a model without a method was read as a token store (the default
+    method, suffix), so vLLM's own form for prompt lookup ({"model": "[ngram]"}) failed
+    after the target loaded, naming stores. vLLM infers the method from the model."""
+    for name in ("ngram", "[ngram]"):
+        spec, _ = parse_speculative_config(f'{{"model": "{name}", "num_speculative_tokens": 3}}')
+        assert spec.method == "ngram" and spec.k == 3 and spec.draft is None
+    with pytest.raises(ConfigError, match="without a method: vLLM reads that as a draft model"):
+        parse_speculative_config('{"model": "/some/dir", "num_speculative_tokens": 3}')
+    spec, _ = parse_speculative_config('{"method": "suffix", "model": "/some/store"}')
+    assert spec.method == "suffix" and spec.draft == "/some/store"
+
+
+def test_k_max_is_bounded_as_num_speculative_tokens_is():
+    """Found in review: k_max took up to 512, and /metrics made a series per position
+    (512 series, a 90 kB scrape before any request); num_speculative_tokens is held to 64."""
+    from specdecode.config import MAX_SERVED_K
+
+    assert parse_speculative_config(f'{{"method": "ngram", "k_max": {MAX_SERVED_K}}}')[0].k_max == MAX_SERVED_K
+    with pytest.raises(ConfigError, match="k_max must be in 1"):
+        parse_speculative_config(f'{{"method": "ngram", "k_max": {MAX_SERVED_K + 1}}}')
+
+
+def test_replicas_refuse_bad_server_flags_before_ray_starts():
+    """Found in review: --max-num-seqs, --max-queued-requests and --audit-rate were checked
+    in each replica, after Ray had started: hundreds of lines of Ray's tracebacks, or
+    pydantic's own error for a negative max_ongoing_requests."""
+    from specdecode.config import EngineConfig
+    from specdecode.serve.server import ray_application
+
+    pytest.importorskip("ray")
+    config = EngineConfig(model="default")
+    with pytest.raises(ConfigError, match="--max-num-seqs must be >= 1"):
+        ray_application(config, None, 2, -5, 8)
+    with pytest.raises(ConfigError, match="--max-queued-requests must be >= 0"):
+        ray_application(config, None, 2, 4, -1)
+    with pytest.raises(ConfigError, match=r"--audit-rate must be in \[0, 1\]"):
+        ray_application(config, None, 2, 4, 8, audit_rate=7.0)
+
+
+def test_a_replicas_metrics_carry_its_name_and_bench_serve_compares_one_replicas(model_dir):
+    """Found in review: behind Ray's proxy each scrape reached one replica, whose series
+    carried no label, so counters went backwards between scrapes and bench-serve's deltas
+    came out negative. A replica's samples now name it, and bench-serve gives no figures
+    for scrapes that different replicas answered."""
+    from specdecode.bench.serve import acceptance_figures, scrape
+
+    client, state = make_client(model_dir)
+    state.metrics.constant_labels = {"replica": "specdecode-123"}
+    with client:
+        assert client.post("/v1/completions", json={"prompt": "abcabcabc", "max_tokens": 4}).status_code == 200
+        text = client.get("/metrics").text
+    samples = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert samples and all('replica="specdecode-123"' in line for line in samples)
+    one = scrape(text)
+    assert one["replicas"] == "specdecode-123" and one["generation_tokens_total"] >= 1
+    other = {**one, "replicas": "specdecode-456", "spec_decode_num_drafts_total": 0.0}
+    assert acceptance_figures(other, one)["mean_acceptance_length"] is None
+    assert acceptance_figures(one, one)["drafts"] == 0.0

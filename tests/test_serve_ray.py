@@ -111,3 +111,38 @@ def test_sigterm_lets_a_stream_in_flight_finish(tmp_path):
         if server.poll() is None:
             server.kill()
     assert received and received[-1] == "[DONE]" and len(received) > 100
+
+
+def test_overload_is_the_replicas_own_json_503(tmp_path):
+    """Found in review: Ray's own queue limit answered part of a burst's 503s in plain text,
+    without Retry-After, and let one request more than --max-queued-requests 0 through to
+    wait. Each replica now answers overload itself, as the single server does."""
+    from ray import serve
+
+    from specdecode.serve.server import ray_application
+
+    path = save_chat_model(tmp_path / "m", seed=12)
+    port = free_port()
+    config = EngineConfig(model=str(path), dtype="fp32", backend="torch", num_threads=1)
+    application = ray_application(config, '{"method": "none"}', replicas=1, max_num_seqs=1, max_queued_requests=0,
+                                  served_model_name="tiny")
+    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(application, name="specdecode", route_prefix="/", blocking=False)
+
+        def ask(index):
+            response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                                  json={"prompt": f"abc{index}", "max_tokens": 240, "ignore_eos": True})
+            return response.status_code, response.headers.get("content-type"), response.headers.get("Retry-After"), \
+                response.text
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(ask, range(8)))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    refused = [reply for reply in replies if reply[0] != 200]
+    assert refused and len(refused) < len(replies), [reply[:3] for reply in replies]
+    for status, kind, retry_after, text in refused:
+        assert status == 503 and kind == "application/json" and retry_after == "1", (status, kind, text[:200])

@@ -72,23 +72,33 @@ def scrape(text: str) -> dict[str, float]:
     wanted = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
               "spec_decode_num_accepted_tokens_total", "generation_tokens_total", "audit_requests_total",
               "audit_mismatches_total", "num_requests_running", "audit_pending")
-    totals = dict.fromkeys(wanted, 0.0)
+    totals, replicas = dict.fromkeys(wanted, 0.0), set()
     for line in text.splitlines():
         if line.startswith("#"):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0].split(":", 1)[-1]
+        if 'replica="' in line:  # a replica behind Ray's proxy answered (its series carry its name)
+            replicas.add(line.split('replica="', 1)[1].split('"', 1)[0])
         if name in totals:
             totals[name] += float(line.rsplit(" ", 1)[1])
         elif name == PER_POSITION and 'position="' in line:
             key = "per_pos/" + line.split('position="', 1)[1].split('"', 1)[0]
             totals[key] = totals.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    totals["replicas"] = ",".join(sorted(replicas))
     return totals
 
 
 def acceptance_figures(before: dict[str, float], after: dict[str, float]) -> dict:
     """What `vllm bench serve` reports of speculation between two scrapes: the acceptance
     rate (accepted / draft tokens), the mean acceptance length (1 + accepted / drafts) and
-    the acceptance rate per draft position (accepted there / drafts)."""
+    the acceptance rate per draft position (accepted there / drafts). Scrapes that
+    different replicas answered (``--replicas``: Ray's proxy picks one per scrape) give no
+    figures: their counters are different processes' (found in review: negative counts)."""
+    if before.get("replicas", "") != after.get("replicas", ""):
+        return {"drafts": None, "draft_tokens": None, "accepted_tokens": None, "acceptance_rate": None,
+                "mean_acceptance_length": None, "acceptance_per_position": [],
+                "acceptance_note": "the two /metrics scrapes were answered by different replicas"}
+
     def delta(key: str) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)
 

@@ -34,7 +34,7 @@ from ..engine import ContextLengthError, PromptError
 from ..metrics import GenerationStats
 from ..text import decode
 from .batch import BatchEngine, Sequence, StepOutput
-from .metrics import ServerMetrics
+from .metrics import LabelledRegistry, ServerMetrics
 
 logger = logging.getLogger("specdecode.serve")
 FINGERPRINT = f"specdecode-{os.getpid()}"  # which process (replica) answered
@@ -1071,6 +1071,9 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        registry = state.metrics.registry
+        if state.metrics.constant_labels:
+            registry = LabelledRegistry(registry, state.metrics.constant_labels)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -26,6 +26,7 @@ import threading
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.metrics_core import Metric
 
 disable_created_metrics()  # as vLLM does: no *_created series beside every counter
 
@@ -62,6 +63,7 @@ class ServerMetrics:
         token-count histograms' buckets, as vLLM's."""
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
+        self.constant_labels: dict[str, str] = {}  # on every sample of the exposition (a replica's name)
         r, m = self.registry, ["model_name"]
 
         def counter(name, doc, labels=()):
@@ -248,3 +250,20 @@ class ServerMetrics:
         """The thread count decode passes prefer now, per kind of pass (``ThreadChoice.preferred``)."""
         for kind, threads in preferred.items():
             self.labels(self.decode_threads, kind=kind).set(threads)
+
+
+class LabelledRegistry:
+    """A registry's samples with constant labels added to each (``generate_latest`` reads
+    any object with ``collect``): a replica's series behind Ray's proxy, which answers each
+    scrape from one replica, carry its name, so they are one series per replica and not one
+    series that jumps between replicas' counts (found in review: counters went backwards)."""
+
+    def __init__(self, registry, labels: dict[str, str]):
+        self.registry, self.labels = registry, labels
+
+    def collect(self):
+        for metric in self.registry.collect():
+            labelled = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+            labelled.samples = [sample._replace(labels={**sample.labels, **self.labels}) for sample in metric.samples]
+            yield labelled
+

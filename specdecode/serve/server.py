@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from ..config import (MAX_NGRAM, MAX_SERVED_K, VLLM_METHODS, ConfigError, EngineConfig, SamplingParams,
                       SpeculativeConfig, parse_int_list, parse_k)
-from .app import ServerState, SpeculationChoices, create_app
+from .app import FINGERPRINT, ServerState, SpeculationChoices, create_app
 from .batch import BatchEngine, clone_policy
 from .metrics import ServerMetrics
 
@@ -64,6 +64,16 @@ def parse_speculative_config(text: str | dict | None) -> tuple[SpeculativeConfig
         if "ngram_sizes" in values:
             ngram = parse_int_list(values["ngram_sizes"], f"preset {name!r} ngram_sizes")
         data = {**{PRESET_KEYS[key]: value for key, value in values.items() if key in PRESET_KEYS}, **data}
+    if "method" not in data and "model" in data:
+        # vLLM infers the method from the model: "ngram" (or "[ngram]", its older form) is
+        # prompt lookup, any other model a draft model. Read as a token store here, the
+        # model failed after the target loaded, naming stores (found in review)
+        if data["model"] in ("ngram", "[ngram]"):
+            data = {**{key: value for key, value in data.items() if key != "model"}, "method": "ngram"}
+        else:
+            raise ConfigError(f"--speculative-config gives model {data['model']!r} without a method: vLLM reads that "
+                              "as a draft model, which serve does not run; name the method that reads it: 'eagle' "
+                              "or 'eagle3' (a head), 'medusa' (heads) or 'suffix' (a token store)")
     method = data.get("method", "suffix")
     if not isinstance(method, str) or method not in VLLM_METHODS:
         raise ConfigError(f"unknown speculative method {method!r}; choose from {sorted(VLLM_METHODS)}")
@@ -103,8 +113,11 @@ def parse_speculative_config(text: str | dict | None) -> tuple[SpeculativeConfig
         raise ConfigError(f"method {data.get('method')!r} is not served by the batched engine yet (a draft model keeps "
                           "one sequence's cache; trees need per-row masks); serve 'suffix', 'ngram', 'eagle' (chains) "
                           "or 'medusa'")
+    k_max = _spec_int(data, "k_max", 10)
+    if not 1 <= k_max <= MAX_SERVED_K:  # as num_speculative_tokens: /metrics has a series per position (found in review)
+        raise ConfigError(f"--speculative-config k_max must be in 1..{MAX_SERVED_K}, got {k_max}")
     spec = SpeculativeConfig(method=method, k=k, draft=model, ngram_sizes=ngram,
-                             k_policy=data.get("k_policy", "cost"), k_max=_spec_int(data, "k_max", 10),
+                             k_policy=data.get("k_policy", "cost"), k_max=k_max,
                              tree_width=1 if method in ("eagle", "tree") else None)
     return spec, router
 
@@ -162,6 +175,22 @@ def check_api_key(api_key: str | None) -> None:
                           "send another key in an Authorization header")
 
 
+def check_serve_options(max_num_seqs: int, max_queued_requests: int, audit_rate: float = 0.0,
+                        schedule: str = "fcfs", api_key: str | None = None) -> None:
+    """The server's own flags, checked before anything loads (found in review: minutes
+    later), and before Ray starts replicas (where each replica's log told it, after Ray's
+    tracebacks)."""
+    if max_num_seqs < 1:
+        raise ConfigError(f"--max-num-seqs must be >= 1, got {max_num_seqs}")
+    if max_queued_requests < 0:
+        raise ConfigError(f"--max-queued-requests must be >= 0, got {max_queued_requests}")
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"--schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if not 0.0 <= audit_rate <= 1.0:
+        raise ConfigError(f"--audit-rate must be in [0, 1], got {audit_rate}")
+    check_api_key(api_key)
+
+
 def build_state(engine_config: EngineConfig, speculative: str | None, max_num_seqs: int = 8,
                 max_queued_requests: int = 64, api_key: str | None = None, max_model_len: int | None = None,
                 served_model_name: str | None = None, audit_rate: float = 0.0, target=None,
@@ -171,15 +200,7 @@ def build_state(engine_config: EngineConfig, speculative: str | None, max_num_se
     from ..factory import cost_profile, load_target, log
 
     spec, use_router = parse_speculative_config(speculative)
-    if max_num_seqs < 1:  # before the load and the calibration (found in review: minutes later)
-        raise ConfigError(f"--max-num-seqs must be >= 1, got {max_num_seqs}")
-    if max_queued_requests < 0:
-        raise ConfigError(f"--max-queued-requests must be >= 0, got {max_queued_requests}")
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"--schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if not 0.0 <= audit_rate <= 1.0:
-        raise ConfigError(f"--audit-rate must be in [0, 1], got {audit_rate}")
-    check_api_key(api_key)
+    check_serve_options(max_num_seqs, max_queued_requests, audit_rate, schedule, api_key)
     if target is None:
         log(f"loading {engine_config.model} ({engine_config.dtype})")
         target = load_target(engine_config)
@@ -302,9 +323,13 @@ def ray_application(engine_config: EngineConfig, speculative: str | None, replic
                     max_queued_requests: int, shutdown_timeout: float = 30.0, **state_kwargs):
     """The same app on Ray Serve: ``replicas`` replicas, each loading its own engine.
 
-    Ray Serve's backpressure takes our queue limit: a replica accepts at most
-    ``max_num_seqs + max_queued_requests`` requests at once (``max_ongoing_requests``),
-    and Ray's proxy queues at most ``max_queued_requests`` more before it answers 503.
+    Overload is each replica's to answer, with the OpenAI error JSON and Retry-After that
+    a single server sends: Ray routes a replica at most one request more than it holds
+    (``max_num_seqs + max_queued_requests``, ``max_ongoing_requests``), which the replica
+    refuses itself, and Ray's proxy queues without a limit of its own, which only fills for
+    the moment every replica is refusing one. Found in review: Ray's own limit answered
+    half the 503s of a burst in plain text, without Retry-After, and let one request more
+    than ``--max-queued-requests 0`` through to wait.
     ``shutdown_timeout``: how long a replica being stopped lets its requests finish
     (Ray's ``graceful_shutdown_timeout_s``; found in review: not passed on)."""
     try:
@@ -314,6 +339,8 @@ def ray_application(engine_config: EngineConfig, speculative: str | None, replic
     if replicas < 1:
         raise ConfigError(f"--replicas must be >= 1, got {replicas}")
     parse_speculative_config(speculative)  # a bad config named here, not in each replica's log after Ray started
+    check_serve_options(max_num_seqs, max_queued_requests, state_kwargs.get("audit_rate", 0.0),
+                        state_kwargs.get("schedule", "fcfs"), state_kwargs.get("api_key"))
 
     threads = engine_config.num_threads or max(1, (os.cpu_count() or 1) // replicas)  # replicas share the cores
 
@@ -322,12 +349,13 @@ def ray_application(engine_config: EngineConfig, speculative: str | None, replic
 
         torch.set_num_threads(threads)
         state = build_state(engine_config, speculative, max_num_seqs, max_queued_requests, **state_kwargs)
+        state.metrics.constant_labels = {"replica": FINGERPRINT}  # the proxy answers a scrape from one replica
         state.start()  # whether or not the ingress runs the app's lifespan
         return create_app(state, state.tokenizer)
 
     deployment = serve.deployment(serve.ingress(build)(), name="specdecode")
-    return deployment.options(num_replicas=replicas, max_ongoing_requests=max_num_seqs + max(max_queued_requests, 1),
-                              max_queued_requests=max(max_queued_requests, 1),
+    return deployment.options(num_replicas=replicas, max_ongoing_requests=max_num_seqs + max_queued_requests + 1,
+                              max_queued_requests=-1,
                               graceful_shutdown_timeout_s=max(shutdown_timeout, 0.0),
                               ray_actor_options={"num_cpus": 0}).bind()
 
