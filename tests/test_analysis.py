@@ -121,6 +121,34 @@ def test_memory_of_target_and_draft(tiny_llama_dir):
     assert resolve_shape(str(path)).max_positions == 2048
 
 
+def test_memory_says_a_pair_of_other_vocabularies_cannot_run_and_names_a_bad_config(tmp_path, monkeypatch):
+    """Found in review: `memory` sized a draft of another vocabulary as if it could run
+    ("fits"), and a damaged config file ended in a JSONDecodeError or AttributeError
+    traceback, as did a damaged cached process baseline."""
+    from specdecode.analysis import memory
+
+    assert "not the target's" in deployment_memory("70B", "7B", "bf16", process=False)["draft_note"]
+    assert deployment_memory("8B", "1B", "bf16", process=False)["draft_note"] is None
+    for text, problem in (("{bad", "not a readable model config"), ("[1, 2]", "must hold a JSON object")):
+        (tmp_path / "config.json").write_text(text)
+        with pytest.raises(ConfigError, match=problem):
+            resolve_shape(str(tmp_path / "config.json"))
+    (tmp_path / "config.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ConfigError, match="not a readable model config"):
+        resolve_shape(str(tmp_path / "config.json"))
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "memory-baseline.json").write_text("[]")
+    from specdecode.models import loading
+
+    def no_default(name):
+        raise loading.ModelNotFoundError(name)
+
+    monkeypatch.setattr(loading, "resolve_model", no_default)  # no conversion of the default model into this cache
+    monkeypatch.setattr(memory.subprocess, "run", lambda *a, **k: type("Done", (), {"stdout": "123\n", "returncode": 0})())
+    assert memory.process_baseline() == 123
+
+
 def test_memory_cli_exit_code(capsys):
     assert main(["memory", "--target", "70B", "--draft", "8B", "--budget", "64"]) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
@@ -135,6 +163,27 @@ def test_check_refuses_a_different_vocabulary(tmp_path, capsys):
     assert main(["check", str(target), str(other)]) == 1
     out = capsys.readouterr().out
     assert "[FAIL] vocabulary size: target 97, draft 50" in out and "verdict: INCOMPATIBLE" in out
+
+
+def test_check_fails_a_draft_whose_vocabulary_differs_off_the_test_text(tmp_path, capsys):
+    """Found in review: two ids swapped for characters the test text lacks passed check as
+    COMPATIBLE (a WARN), where generate refuses the pair (it maps tokens to other ids)."""
+    from specdecode.analysis.compat import TEST_TEXT
+
+    target = save_tiny_model(tmp_path / "t", seed=1, num_layers=1)
+    draft = save_tiny_model(tmp_path / "d", seed=1, num_layers=1)
+    save_char_tokenizer(target)
+    save_char_tokenizer(draft)
+    a, b = [chr(c) for c in range(33, 127) if chr(c) not in TEST_TEXT][:2]
+    saved = json.loads((draft / "tokenizer.json").read_text())
+    vocab = saved["model"]["vocab"]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (draft / "tokenizer.json").write_text(json.dumps(saved))
+    result = check_static(str(target), str(draft))
+    assert not result.compatible
+    assert main(["check", str(target), str(draft), "--no-calibration"]) == 1
+    out = capsys.readouterr().out
+    assert "[FAIL] token ids on a test text" in out and "verdict: INCOMPATIBLE" in out
 
 
 def test_check_compatible_pair_calibrates(tmp_path, capsys):

@@ -131,7 +131,13 @@ def resolve_shape(name: str) -> Shape:
         return Shape(name.upper(), *NAMED_SIZES[name.upper()])
     path = Path(name)
     if path.is_file() and path.suffix == ".json":
-        return Shape.from_config(name, json.loads(path.read_text()))
+        try:  # found in review: a damaged file's JSONDecodeError (or a list's AttributeError) as a traceback
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"{name} is not a readable model config (JSON): {error}") from None
+        if not isinstance(config, dict):
+            raise ConfigError(f"{name} must hold a JSON object (a model's config.json), not {type(config).__name__}")
+        return Shape.from_config(name, config)
     from ..models.loading import resolve_model
 
     try:
@@ -272,6 +278,9 @@ def deployment_memory(target: str, draft: str | None, dtype: str = "bf16", batch
         draft_note = f"the target's first {layers} layers: shares its weights, own KV cache"
     else:
         draft_shape = resolve_shape(draft)  # its cache holds no more than its own positions (found in review)
+        if draft_shape.vocab != target_shape.vocab:  # a sizing of a pair every run refuses says so (found in review)
+            draft_note = (f"its vocabulary ({draft_shape.vocab} tokens) is not the target's ({target_shape.vocab}): "
+                          "generate refuses this pair unless both share one tokenizer padded to different sizes")
         rows["draft"] = model_memory(draft_shape, weights, dtype, batch, min(context, draft_shape.max_positions), 0,
                                      prefill_chunk=prefill_chunk)
     resident = sum(rows[m]["weights"] for m in rows)
@@ -313,7 +322,7 @@ def process_baseline() -> float:
         cached = json.loads(path.read_text())
         if cached.get("key") == key:
             return float(cached["bytes"])
-    except (OSError, json.JSONDecodeError, KeyError, ValueError):
+    except (OSError, KeyError, ValueError, AttributeError, TypeError):  # a damaged cache entry is measured again
         pass
     from ..models.loading import ModelNotFoundError, resolve_model
 
