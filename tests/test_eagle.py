@@ -461,6 +461,10 @@ def _damaged(source, target, how: str):
         del config["head_dim"]
     elif how == "config not an object":
         config = [config]
+    elif how == "config not UTF-8":  # UTF-16's byte-order mark (PowerShell's >): a UnicodeDecodeError traceback before
+        save_file(tensors, str(tensors_path))
+        config_path.write_bytes(b"\xff\xfe" + json.dumps(config).encode("utf-16-le"))
+        return target
     elif how == "size a string":  # found in review: a TypeError from torch
         config["draft_vocab_size"] = str(config["draft_vocab_size"])
     elif how == "extra tensor":
@@ -495,6 +499,7 @@ def _damaged(source, target, how: str):
     ("ours", "d2t twice", "names a target id twice"),
     ("ours", "cut short", "not a readable safetensors file"),
     ("ours", "config not an object", "not a JSON object"),
+    ("ours", "config not UTF-8", "config.json is not valid JSON"),
     ("ours", "size a string", "draft_vocab_size must be an integer >= 1, got '60'"),
     ("eagle3", "size a string", "draft_vocab_size must be an integer >= 1, got '60'"),
     ("eagle3", "extra tensor", "q_proj.bias'\\], which this EAGLE head does not compute"),

@@ -375,6 +375,9 @@ def test_bad_heads_configs_are_refused_by_name(targets, tmp_path):
     (tmp_path / "heads" / "config.json").write_text("[]")
     with pytest.raises(SpecDecodeError, match="does not describe Medusa heads: not a JSON object"):
         MedusaHeads.load(tmp_path / "heads")
+    (tmp_path / "heads" / "config.json").write_bytes(b"\xff\xfe{}")  # UTF-16's mark (PowerShell's >): a traceback before
+    with pytest.raises(SpecDecodeError, match="config.json is not valid JSON"):
+        MedusaHeads.load(tmp_path / "heads")
     # an EAGLE command pointed at Medusa heads says what they are
     from specdecode.proposers.eagle_head import EagleHead
 

@@ -171,6 +171,11 @@ def test_build_store_errors_name_the_problem(tmp_path):
     write_answers(tmp_path / "empty", [[], []])  # every answer ended at once: nothing to draft from
     with pytest.raises(ConfigError, match="no answers with any tokens"):
         build_store(tmp_path / "empty", tmp_path / "store", 50, log=lambda m: None)
+    # an interrupted `train data` left a truncated summary (found in review: a JSONDecodeError traceback)
+    write_answers(tmp_path / "cut", [[3, 4, 5]])
+    (tmp_path / "cut" / "summary.json").write_text('{"prompts": 3, "ans')
+    with pytest.raises(ConfigError, match="summary.json is not valid JSON"):
+        build_store(tmp_path / "cut", tmp_path / "store", 50, log=lambda m: None)
 
 
 def test_a_damaged_store_is_named(tmp_path):

@@ -220,7 +220,7 @@ class EagleHead(DraftVocabulary, nn.Module):
             raise SpecDecodeError(f"{directory} is not an EAGLE head (needs config.json and model.safetensors)")
         try:
             raw = json.loads((directory / "config.json").read_text())
-        except json.JSONDecodeError as error:
+        except ValueError as error:  # UnicodeDecodeError too (a UTF-16 file; found in review)
             raise SpecDecodeError(f"{directory}/config.json is not valid JSON: {error}") from None
         if not isinstance(raw, dict):
             raise SpecDecodeError(f"{directory}/config.json does not describe an EAGLE head: not a JSON object")

@@ -158,7 +158,7 @@ class MedusaHeads(DraftVocabulary, nn.Module):
             raise SpecDecodeError(f"{directory} is not a Medusa head directory (needs config.json and model.safetensors)")
         try:
             raw = json.loads((directory / "config.json").read_text())
-        except json.JSONDecodeError as error:
+        except ValueError as error:  # UnicodeDecodeError too (a UTF-16 file; found in review)
             raise SpecDecodeError(f"{directory}/config.json is not valid JSON: {error}") from None
         if not isinstance(raw, dict):
             raise SpecDecodeError(f"{directory}/config.json does not describe Medusa heads: not a JSON object")

@@ -40,7 +40,11 @@ def build_store(data: Path, out: Path, vocab_size: int, command: str | None = No
     recipe = {}
     for name in ("summary.json", "answers.settings.json"):
         if (data / name).is_file():
-            recipe[name.removesuffix(".json")] = json.loads(read_utf8(data / name))
+            try:  # found in review: an interrupted `train data` left a truncated summary, and a traceback here
+                recipe[name.removesuffix(".json")] = json.loads(read_utf8(data / name))
+            except ValueError as error:
+                raise ConfigError(f"{data / name} is not valid JSON ({error}); run `specdecode train data` "
+                                  f"--out {data} again to rewrite it") from None
     meta = {"answers": len(answers), "data": recipe, "command": command}
     store.save(out, meta)
     files = {name: {"sha256": sha256_file(out / name), "bytes": (out / name).stat().st_size}
