@@ -557,7 +557,13 @@ def calibration_runs(target: LoadedModel, proposer, k: int = 4, max_new_tokens: 
     if target.tokenizer is None:
         return []
     engine = SpeculativeEngine(target.runtime, target.tokenizer, proposer, k, target.eos_token_ids)
+    # a small context keeps half for the prompt's end (found in review: at 38 positions or
+    # fewer the room went to 0 or below, [-room:] kept the whole prompt, and every generate
+    # on such a model failed, blaming the user's prompt)
+    max_new_tokens = max(min(max_new_tokens, (target.runtime.max_positions - k - 2) // 2), 1)
     room = target.runtime.max_positions - max_new_tokens - k - 2
+    if room < 1:
+        return []
     params = SamplingParams(max_new_tokens=max_new_tokens)
     return [engine.generate(engine.encode(prompt)[-room:], params).stats for prompt in CALIBRATION_PROMPTS]
 

@@ -588,3 +588,20 @@ def test_a_kv_cache_too_large_for_memory_is_named_by_its_flags(tiny_llama_dir):
     runtime = load_native(tiny_llama_dir, torch.float32, backend="torch")
     with pytest.raises(SpecDecodeError, match="lower --max-num-seqs or --max-model-len"):
         BatchEngine(runtime, max_num_seqs=10 ** 7)
+
+
+def test_a_model_of_a_small_context_calibrates_within_it(tmp_path, capsys):
+    """Found in review: on a model of 38 positions or fewer the calibration's room for the
+    prompt went to 0 or below, ``[-room:]`` kept the whole calibration prompt, and every
+    `generate` with the default --k auto failed, blaming the user's prompt."""
+    import json
+
+    from conftest import save_char_tokenizer, save_tiny_model
+
+    path = save_tiny_model(tmp_path / "short", seed=3, num_layers=1)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32}))
+    save_char_tokenizer(path)
+    code = main(["generate", "abcabc", "--model", str(path), "--method", "ngram", "--max-new-tokens", "4",
+                 "--dtype", "fp32", "--backend", "torch", "--no-chat-template"])
+    assert code == 0, capsys.readouterr().err

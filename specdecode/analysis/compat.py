@@ -253,7 +253,7 @@ def calibrate(target: str, draft: str, dtype: str = "bf16", k: int | None = None
         raise ConfigError(f"--k {k}: {spec.method} drafts at most {most} tokens a step (one per head)")
     runs = calibration_runs(loaded, proposer, k, max_new_tokens=48)
     if not runs:
-        return {"skipped": "the target has no tokenizer to encode the calibration prompts"}
+        return {"skipped": "the target has no tokenizer to encode the calibration prompts, or no room for them in its context"}
     # pooled as vLLM defines them, over every step that drafted (a lookup drafts fewer than k
     # where its match is shorter): their sum is then the mean accepted length less 1 (the
     # share of the steps that drafted position i overstated tau: 1.865 for 1.833, in review)
