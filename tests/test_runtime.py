@@ -514,6 +514,10 @@ def test_a_mistral_config_without_a_window_key_has_transformers_window(tmp_path)
     ({"rope_type": "linear", "factor": 0}, "factor must be a positive number, got 0"),
     ([1, 2], "rope_scaling must be an object"),
     ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+    # transformers' strict checks raise huggingface_hub's own error, no ValueError (a traceback before)
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": "64"}, "RoPE parameters .* are not usable"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": "1", "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 64}, "RoPE parameters .* are not usable"),
 ])
 def test_malformed_or_partial_rope_parameters_are_refused_by_name(tmp_path, rope, problem):
     """Found in review: a RoPE type without its factor, or a factor given as a string, ended
@@ -543,3 +547,13 @@ def test_a_config_without_a_context_length_gets_transformers_default_for_its_typ
         assert LlamaConfig.from_hf(config).max_positions == expected, model_type
         config["max_position_embeddings"] = None  # null: the default too (found in review: None)
         assert LlamaConfig.from_hf(config).max_positions == expected, model_type
+
+
+def test_query_heads_not_a_multiple_of_the_kv_heads_are_refused_by_name(tmp_path):
+    """Found in review: 4 query heads over 3 KV heads (weights shaped to match) ended in a
+    torch RuntimeError traceback, after the kernels' refusal had named other limits."""
+    from specdecode.models.llama import LlamaConfig
+
+    config = json.loads((save_tiny_model(tmp_path / "model", seed=1) / "config.json").read_text())
+    with pytest.raises(SpecDecodeError, match="num_attention_heads 4 is not a multiple of num_key_value_heads 3"):
+        LlamaConfig.from_hf({**config, "num_key_value_heads": 3})

@@ -142,6 +142,11 @@ class LlamaConfig:
         if bad:
             raise SpecDecodeError(f"config.json holds {', '.join(bad)}: expected positive integers for sizes, "
                                   "positive numbers for rms_norm_eps and rope_theta, true or false for flags")
+        kv_heads = config.get("num_key_value_heads") or num_heads
+        if num_heads % kv_heads:  # found in review: a torch traceback, and the kernels' refusal named other limits
+            raise SpecDecodeError(f"config.json: num_attention_heads {num_heads} is not a multiple of "
+                                  f"num_key_value_heads {kv_heads} (grouped-query attention shares each KV head "
+                                  "among a whole number of query heads)")
         return cls(
             model_type=model_type,
             vocab_size=config["vocab_size"],
@@ -175,7 +180,9 @@ def rope_inverse_frequencies(cfg: LlamaConfig, model_dir: Path | None) -> tuple[
         raise NativeUnsupported(f"unsupported RoPE type {cfg.rope['rope_type']!r}")
     try:
         hf_config = AutoConfig.from_pretrained(model_dir)
-    except (KeyError, TypeError, ValueError) as error:  # transformers checks RoPE parameters as it reads them
+    # transformers checks RoPE parameters as it reads them; its strict checks raise
+    # huggingface_hub's validation error, no ValueError (found in review: a traceback)
+    except Exception as error:  # noqa: BLE001
         raise SpecDecodeError(f"config.json: RoPE parameters {cfg.rope} are not usable ({error})") from None
     # as transformers' longrope reads it: a top-level original_max_position_embeddings over
     # the one inside its RoPE parameters (found in review: the inner one bypassed the
@@ -191,7 +198,7 @@ def rope_inverse_frequencies(cfg: LlamaConfig, model_dir: Path | None) -> tuple[
                               "native runtime's single table does not; use --runtime hf")
     try:
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[cfg.rope["rope_type"]](hf_config, "cpu")
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:  # transformers' own checks
+    except Exception as error:  # noqa: BLE001 - transformers' own checks, whatever their type
         raise SpecDecodeError(f"config.json: RoPE parameters {cfg.rope} are not usable ({error})") from None
     if inv_freq.numel() != cfg.head_dim // 2:  # RoPE on part of each head: a narrower table than the kernels read
         raise NativeUnsupported(f"RoPE type {cfg.rope['rope_type']!r} rotates {2 * inv_freq.numel()} of each head's "
