@@ -58,9 +58,11 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 REPEATS_HELP = "run each prompt's round of methods N times and time each method by its fastest run (default 1)"
 
 
-def _target_flags(parser) -> None:
-    """How `train` runs the target: seed, dtype, weights, backend, threads."""
-    parser.add_argument("--seed", type=int, default=0)
+def _target_flags(parser, seed: bool = True) -> None:
+    """How `train` runs the target: seed (where the verb draws anything), dtype, weights,
+    backend, threads."""
+    if seed:  # found in review: train store and export took --seed and read it nowhere
+        parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     parser.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"])
     parser.add_argument("--backend", default="auto", choices=["auto", "kernels", "torch"])
@@ -170,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("--data", default="data/train", help="directory written by `specdecode train data` (default data/train)")
     store.add_argument("--out", default="data/store", help="store directory to write (default data/store)")
     store.add_argument("--command", default=None, help="the command that reproduces the store, for its MANIFEST.json")
-    _target_flags(store)
+    _target_flags(store, seed=False)
     export = train_verbs.add_parser("export", help="write an EAGLE head in vLLM's eagle3 (EAGLE-3) or the speculators layout")
     export.add_argument("--head", default=None, help="head directory (default: the head shipped for the default model)")
     export.add_argument("--format", default="eagle3", choices=["eagle3", "speculators"], help="eagle3: vLLM --speculative-config method eagle3 / EAGLE-3; speculators: the speculators library (vLLM reads it too)")
@@ -178,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--target", "--model", dest="model", default="default", help="the head's target (its embedding goes into the speculators layout)")
     export.add_argument("--verifier", default=None, help="the target's name for the speculators config (default: HuggingFaceTB/SmolLM2-135M-Instruct for the default model, else --target)")
     export.add_argument("--k", type=int, default=3, help="speculative tokens the speculators config proposes (default 3)")
-    _target_flags(export)
+    _target_flags(export, seed=False)
     eagle.add_argument("--init", default=None, help="go on training a head (a directory written by train eagle): its draft vocabulary and weights")
     _target_flags(eagle)
 
@@ -284,6 +286,10 @@ def _spec_config(args, method: str, k: str | None = None) -> SpeculativeConfig:
                                   f"(give k alone)")
         width = int(shape)
     policy = "threshold" if k == "threshold" else args.k_policy
+    if getattr(args, "draft", None) is not None and not args.draft.strip():
+        # found in review: an empty --draft ran the default self:4 without a word
+        raise SpecDecodeError("--draft is empty: give a draft model (a directory, a .gguf file, 'default') or "
+                              "self:L (the target's first L layers)")
     return SpeculativeConfig(
         method=method, k=parse_k("auto" if k == "threshold" else k), tree_width=width,
         draft=(getattr(args, "head", None) if method in ("eagle", "tree", "medusa")

@@ -131,6 +131,22 @@ def test_method_draft_without_draft_flag_uses_the_first_four_layers():
     assert args.draft is None and _spec_config(args, "draft").draft == "self:4"
     args = build_parser().parse_args(["generate", "hi", "--method", "draft", "--draft", "self:2"])
     assert _spec_config(args, "draft").draft == "self:2"
+    # an empty --draft is refused (found in review: it ran self:4 without a word)
+    for empty in ("", "  "):
+        args = build_parser().parse_args(["generate", "hi", "--method", "draft", "--draft", empty])
+        with pytest.raises(SpecDecodeError, match="--draft is empty"):
+            _spec_config(args, "draft")
+
+
+def test_train_store_and_export_take_no_seed(capsys):
+    """Found in review: both took --seed and read it nowhere; the verbs that draw take it."""
+    from specdecode.cli import build_parser
+
+    for verb in ("store", "export"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["train", verb, "--out", "x", "--seed", "5"])
+        assert "unrecognized arguments: --seed 5" in capsys.readouterr().err
+    assert build_parser().parse_args(["train", "data", "--seed", "5"]).seed == 5
 
 
 def _broken_copy(source, target, how: str):
