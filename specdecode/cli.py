@@ -258,8 +258,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # (a preset's drafter settings too: its ngram_sizes read as a flag the user gave, and
     # `--preset code-assistant --method eagle` was refused; found in review)
     args.flag_defaults = {} if verb_parser is None else {
-        name: verb_parser.get_default(name) for name in ("k", "k_policy", "k_max", *DRAFTER_FLAGS)}
+        name: verb_parser.get_default(name) for name in ("k", "k_policy", "k_max", "top_p", "top_k", "seed",
+                                                         *DRAFTER_FLAGS)}
     return args
+
+
+def _check_sampling_flags(args) -> None:
+    """Refuse sampling flags a greedy run would ignore (found in review: `--top-k 40 --seed 1`
+    without --temperature decoded greedily, rc 0), as the k flags a fixed k ignores are.
+    A preset's values are defaults, not flags given."""
+    from .config import GREEDY_BELOW
+
+    if args.temperature >= GREEDY_BELOW:
+        return
+    defaults = getattr(args, "flag_defaults", {})
+    given = [flag for flag, name, default in (("--top-p", "top_p", 1.0), ("--top-k", "top_k", 0), ("--seed", "seed", None))
+             if getattr(args, name) != defaults.get(name, default)]
+    if given:
+        raise SpecDecodeError(f"{' and '.join(given)} {'shapes' if len(given) == 1 else 'shape'} sampling, but "
+                              f"--temperature {args.temperature:g} decodes greedily: give --temperature > 0, "
+                              "or leave them out")
 
 
 def _set_threads(engine_config: EngineConfig) -> None:
@@ -419,6 +437,7 @@ def cmd_generate(args) -> int:
         raise SpecDecodeError("the prompt is empty")
     _check_drafter_flags(args, [args.method])
     _check_k_flags(args, [args.method])
+    _check_sampling_flags(args)
     configured = _spec_config(args, args.method)
     state_path = router_state_path(args.model, _engine_config(args))
     if args.route:
@@ -528,6 +547,7 @@ def cmd_bench(args) -> int:
         raise SpecDecodeError(f"--methods takes a comma list of methods, got {args.methods!r}")
     _check_drafter_flags(args, methods)
     _check_k_flags(args, methods)
+    _check_sampling_flags(args)
     check_writable(args.out, "--out", plot=True)
     return run_bench(args, methods, _engine_config(args), _spec_config, _sampling(args))
 

@@ -621,3 +621,18 @@ def test_a_model_of_a_small_context_calibrates_within_it(tmp_path, capsys):
     code = main(["generate", "abcabc", "--model", str(path), "--method", "ngram", "--max-new-tokens", "4",
                  "--dtype", "fp32", "--backend", "torch", "--no-chat-template"])
     assert code == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("verb", [["generate", "hi"], ["bench"]])
+def test_sampling_flags_a_greedy_run_would_ignore_are_refused(capsys, verb):
+    """Found in review: `--top-k 40 --seed 1` without --temperature decoded greedily and
+    exited 0. A preset's own top_p is a default, not a flag given."""
+    for flags, named in ((["--top-k", "40", "--seed", "1"], "--top-k and --seed shape sampling"),
+                         (["--top-p", "0.5"], "--top-p shapes sampling")):
+        code, err = run(capsys, *verb, *flags, "--model", "/nowhere/model")
+        assert code == 2 and named in err and "--temperature 0 decodes greedily" in err, err
+    code, err = run(capsys, *verb, "--top-p", "0.5", "--temperature", "0.7", "--model", "/nowhere/model")
+    assert code == 2 and "shapes sampling" not in err and "/nowhere/model" in err, err
+    if verb[0] == "generate":  # bench takes no preset
+        code, err = run(capsys, *verb, "--preset", "chat-assistant", "--temperature", "0", "--model", "/nowhere/model")
+        assert code == 2 and "shapes sampling" not in err and "/nowhere/model" in err, err
