@@ -131,6 +131,11 @@ def native_refusal(source: ModelSource) -> str | None:
         rope_inverse_frequencies(LlamaConfig.from_hf(source.config), source.path)
     except NativeUnsupported as error:
         return str(error)
+    if (source.gguf is None and source.path.is_dir() and not any(source.path.glob("*.safetensors"))
+            and any(source.path.glob("pytorch_model*.bin"))):
+        # the native runtime reads safetensors only; transformers reads these (found in
+        # review: --runtime auto failed, naming safetensors, where --runtime hf loaded it)
+        return "the checkpoint's weights are pytorch_model*.bin files, which the native runtime does not read"
     return None
 
 

@@ -557,3 +557,22 @@ def test_query_heads_not_a_multiple_of_the_kv_heads_are_refused_by_name(tmp_path
     config = json.loads((save_tiny_model(tmp_path / "model", seed=1) / "config.json").read_text())
     with pytest.raises(SpecDecodeError, match="num_attention_heads 4 is not a multiple of num_key_value_heads 3"):
         LlamaConfig.from_hf({**config, "num_key_value_heads": 3})
+
+
+def test_a_checkpoint_of_bin_files_goes_through_transformers_under_runtime_auto(tmp_path):
+    """Found in review: --runtime auto timed both formats on the native runtime, then failed
+    naming safetensors, where --runtime hf loaded the checkpoint exactly."""
+    from safetensors.torch import load_file
+
+    from specdecode.factory import load_model
+
+    path = save_tiny_model(tmp_path / "model", seed=2)
+    torch.save(load_file(str(path / "model.safetensors")), path / "pytorch_model.bin")
+    (path / "model.safetensors").unlink()
+    loaded = load_model(str(path), torch.float32)
+    assert type(loaded.runtime).__name__ != "NativeRuntime"
+    reference = load_model(str(path), torch.float32, runtime="hf")
+    ids = torch.tensor([[3, 5, 7, 9]])
+    loaded.runtime.reset(8)
+    reference.runtime.reset(8)
+    assert torch.equal(loaded.runtime(ids), reference.runtime(ids))
