@@ -1446,3 +1446,23 @@ def test_a_replicas_metrics_carry_its_name_and_bench_serve_compares_one_replicas
     other = {**one, "replicas": "specdecode-456", "spec_decode_num_drafts_total": 0.0}
     assert acceptance_figures(other, one)["mean_acceptance_length"] is None
     assert acceptance_figures(one, one)["drafts"] == 0.0
+
+
+def test_a_head_method_without_heads_for_the_model_is_refused_before_loading(model_dir, monkeypatch):
+    """Found in review: serve with method eagle (or medusa) on a model without shipped heads
+    measured the cost profile and calibrated first, then named --head, a flag serve lacks;
+    a model path that does not exist was read as a token store after the load."""
+    from specdecode import factory
+    from specdecode.config import EngineConfig
+    from specdecode.serve.server import build_state
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the target loaded before the refusal")
+
+    monkeypatch.setattr(factory, "load_target", no_load)
+    config = EngineConfig(model=str(model_dir), dtype="fp32", backend="torch")
+    for method, kind in (("eagle", "an EAGLE head"), ("medusa", "Medusa heads")):
+        with pytest.raises(ConfigError, match=f"method '{method}' needs {kind} .* as \"model\" in --speculative-config"):
+            build_state(config, f'{{"method": "{method}"}}')
+    with pytest.raises(ConfigError, match="model '/no/such/store' does not exist"):
+        build_state(config, '{"method": "suffix", "model": "/no/such/store"}')

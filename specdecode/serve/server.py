@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from ..config import (MAX_NGRAM, MAX_SERVED_K, VLLM_METHODS, ConfigError, EngineConfig, SamplingParams,
                       SpeculativeConfig, parse_int_list, parse_k)
@@ -191,6 +192,28 @@ def check_serve_options(max_num_seqs: int, max_queued_requests: int, audit_rate:
     check_api_key(api_key)
 
 
+def check_drafter_files(spec: SpeculativeConfig, model) -> None:
+    """A head method needs trained weights for the model: shipped only for the default
+    model, else ``model`` in --speculative-config. Said before the target loads (found in
+    review: after the cost profile and the calibration, naming --head, a flag serve lacks)."""
+    if spec.method not in ("eagle", "medusa", "suffix"):
+        return
+    if spec.draft is not None:
+        if not Path(spec.draft).exists():
+            raise ConfigError(f"--speculative-config model {spec.draft!r} does not exist")
+        return
+    if spec.method == "suffix":  # without a store, the request's own text (said at load)
+        return
+    from ..models.loading import ModelSource, resolve_model
+
+    source = model if isinstance(model, ModelSource) else resolve_model(str(model))
+    if not source.is_default:
+        kind = "an EAGLE head trained with `specdecode train eagle`" if spec.method == "eagle" else \
+            "Medusa heads trained with `specdecode train medusa`"
+        raise ConfigError(f"method {spec.method!r} needs {kind} for {source.name}: give its directory as \"model\" "
+                          "in --speculative-config (heads are shipped only for the default model)")
+
+
 def build_state(engine_config: EngineConfig, speculative: str | None, max_num_seqs: int = 8,
                 max_queued_requests: int = 64, api_key: str | None = None, max_model_len: int | None = None,
                 served_model_name: str | None = None, audit_rate: float = 0.0, target=None,
@@ -201,6 +224,7 @@ def build_state(engine_config: EngineConfig, speculative: str | None, max_num_se
 
     spec, use_router = parse_speculative_config(speculative)
     check_serve_options(max_num_seqs, max_queued_requests, audit_rate, schedule, api_key)
+    check_drafter_files(spec, engine_config.model if target is None else target.source)
     if target is None:
         log(f"loading {engine_config.model} ({engine_config.dtype})")
         target = load_target(engine_config)
