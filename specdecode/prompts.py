@@ -89,6 +89,8 @@ def _records(text: str, origin: str):
             rows = json.loads(text)
         except json.JSONDecodeError as error:
             raise SpecDecodeError(f"{origin} is not JSON ({error.msg} at line {error.lineno} column {error.colno})") from None
+        except RecursionError:  # arrays nested thousands deep (found in review: a traceback)
+            raise SpecDecodeError(f"{origin} nests its JSON too deeply to be a prompt file") from None
         for number, row in enumerate(rows, 1):
             yield f"{origin} record {number}", row
         return
@@ -106,9 +108,12 @@ def json_lines(text: str, origin: str):
         if not line.strip():
             continue
         try:
-            yield number, json.loads(line)
+            record = json.loads(line)
         except json.JSONDecodeError as error:
             raise ConfigError(f"{origin} line {number} is not JSON ({error.msg} at column {error.colno})") from None
+        except RecursionError:  # found in review: a traceback
+            raise ConfigError(f"{origin} line {number} nests its JSON too deeply") from None
+        yield number, record
 
 
 def _user_turns(row, where: str) -> tuple[str, object, str | None]:

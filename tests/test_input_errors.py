@@ -636,3 +636,14 @@ def test_sampling_flags_a_greedy_run_would_ignore_are_refused(capsys, verb):
     if verb[0] == "generate":  # bench takes no preset
         code, err = run(capsys, *verb, "--preset", "chat-assistant", "--temperature", "0", "--model", "/nowhere/model")
         assert code == 2 and "shapes sampling" not in err and "/nowhere/model" in err, err
+
+
+def test_a_prompt_file_nested_too_deeply_is_refused_by_name(tmp_path):
+    """Found in review: a RecursionError traceback, from a JSON array and from a JSONL line."""
+    deep = "[" * 100_000 + "]" * 100_000
+    (tmp_path / "deep.json").write_text(deep)
+    (tmp_path / "deep.jsonl").write_text('{"prompt": "hi"}\n' + deep + "\n")
+    with pytest.raises(SpecDecodeError, match="nests its JSON too deeply"):
+        load_prompts(str(tmp_path / "deep.json"))
+    with pytest.raises(SpecDecodeError, match="line 2 nests its JSON too deeply"):
+        load_prompts(str(tmp_path / "deep.jsonl"))
