@@ -22,6 +22,14 @@ def test_directory_without_config_is_refused(tmp_path):
         resolve_model(str(tmp_path))
 
 
+def test_an_empty_model_name_is_refused_as_empty(tmp_path, monkeypatch):
+    """Found in review: "" was the working directory ("the directory exists but has no config.json")."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("", "  "):
+        with pytest.raises(ModelNotFoundError, match="model name is empty"):
+            resolve_model(name)
+
+
 def test_non_gguf_file_is_refused(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(ModelNotFoundError, match="not a .gguf file"):

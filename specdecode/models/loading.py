@@ -186,6 +186,8 @@ def resolve_model(name: str | os.PathLike | None) -> ModelSource:
     name = "default" if name is None else str(name)
     if name in DEFAULT_MODEL_NAMES:
         return _from_gguf(default_gguf_path(), name)
+    if not name.strip():  # Path("") is the working directory (found in review: "has no config.json")
+        raise ModelNotFoundError("model name is empty: give 'default', a checkpoint directory or a .gguf file")
     path = Path(name).expanduser()
     if path.is_dir():
         config_file = path / "config.json"
