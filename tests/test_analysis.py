@@ -186,6 +186,15 @@ def test_check_fails_a_draft_whose_vocabulary_differs_off_the_test_text(tmp_path
     assert "[FAIL] token ids on a test text" in out and "verdict: INCOMPATIBLE" in out
 
 
+def test_check_of_a_head_prefix_without_a_directory_is_refused(tmp_path, capsys, monkeypatch):
+    """Found in review: `eagle:` (or `medusa:`) with nothing after it checked the working directory."""
+    target = save_tiny_model(tmp_path / "t", seed=1, num_layers=1)
+    monkeypatch.chdir(tmp_path)
+    for draft in ("eagle:", "medusa: "):
+        assert main(["check", str(target), draft, "--no-calibration"]) == 2
+        assert "names no directory" in capsys.readouterr().err
+
+
 def test_check_compatible_pair_calibrates(tmp_path, capsys):
     target = save_tiny_model(tmp_path / "t", seed=1, num_layers=2)
     draft = save_tiny_model(tmp_path / "d", seed=1, num_layers=1)

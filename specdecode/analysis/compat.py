@@ -179,7 +179,11 @@ def head_directory(draft: str) -> Path:
     defaults = {"eagle": DEFAULT_EAGLE_HEAD, "medusa": DEFAULT_MEDUSA_HEADS}
     if draft in defaults:
         return defaults[draft]
-    return Path(draft.removeprefix("eagle:").removeprefix("medusa:"))
+    directory = draft.removeprefix("eagle:").removeprefix("medusa:")
+    if not directory.strip():  # Path("") is the working directory (found in review: it was checked)
+        raise ConfigError(f"{draft!r} names no directory: give eagle:DIR or medusa:DIR, or eagle or medusa alone "
+                          "for the heads shipped with the default model")
+    return Path(directory)
 
 
 def check_head(result: CheckResult, target_source, directory: Path, kind: str = "eagle") -> CheckResult:
