@@ -459,6 +459,9 @@ def cmd_generate(args) -> int:
     log(f"loading {args.model} ({args.dtype})")
     target = load_target(engine_config, args.runtime)
     log(f"running on {target.runtime.describe()}")
+    if target.tokenizer is None:  # before the cost profile and calibration (found in review: after them)
+        raise SpecDecodeError(f"{args.model} has no tokenizer files: `specdecode generate` needs one to encode the "
+                              "prompt (add the tokenizer's files to the checkpoint directory)")
     engine = build_engine(engine_config, spec, args.runtime, target=target)
     prompt_ids = engine.encode(args.prompt, engine_config.chat_template)
     context = target.runtime.max_positions

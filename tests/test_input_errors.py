@@ -647,3 +647,19 @@ def test_a_prompt_file_nested_too_deeply_is_refused_by_name(tmp_path):
         load_prompts(str(tmp_path / "deep.json"))
     with pytest.raises(SpecDecodeError, match="line 2 nests its JSON too deeply"):
         load_prompts(str(tmp_path / "deep.jsonl"))
+
+
+def test_generate_on_a_model_without_a_tokenizer_says_so_before_measuring(tmp_path, capsys, monkeypatch):
+    """Found in review: the cost profile was measured and the drafter calibrated first, then
+    "pass token ids instead of text", which the CLI cannot."""
+    from conftest import save_tiny_model
+    from specdecode import factory
+
+    path = save_tiny_model(tmp_path / "bare", seed=2, num_layers=1)
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the engine was built (profile, calibration) before the refusal")
+
+    monkeypatch.setattr(factory, "build_engine", no_engine)
+    code, err = run(capsys, "generate", "hi", "--model", str(path), "--dtype", "fp32", "--backend", "torch")
+    assert code == 2 and "has no tokenizer files" in err, err
