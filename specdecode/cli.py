@@ -420,7 +420,7 @@ def _sampling(args, stop=()) -> SamplingParams:
 
 
 def cmd_generate(args) -> int:
-    from .factory import build_engine, load_target, log
+    from .factory import build_engine, load_target, log, require_tokenizer
 
     engine_config = _engine_config(args)
     params = _sampling(args, args.stop)
@@ -459,9 +459,7 @@ def cmd_generate(args) -> int:
     log(f"loading {args.model} ({args.dtype})")
     target = load_target(engine_config, args.runtime)
     log(f"running on {target.runtime.describe()}")
-    if target.tokenizer is None:  # before the cost profile and calibration (found in review: after them)
-        raise SpecDecodeError(f"{args.model} has no tokenizer files: `specdecode generate` needs one to encode the "
-                              "prompt (add the tokenizer's files to the checkpoint directory)")
+    require_tokenizer(target, args.model, "generate")  # before the cost profile and calibration
     engine = build_engine(engine_config, spec, args.runtime, target=target)
     prompt_ids = engine.encode(args.prompt, engine_config.chat_template)
     context = target.runtime.max_positions

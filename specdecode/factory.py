@@ -150,6 +150,15 @@ def load_target(engine: EngineConfig, runtime: str = "auto") -> LoadedModel:
                       engine.device, engine.prefill_chunk, engine.cuda_graphs)
 
 
+def require_tokenizer(target: LoadedModel, model: str, command: str) -> None:
+    """Commands that encode text prompts say at once that a model has no tokenizer (found
+    in review: after the cost profile and the calibration, advising token ids, which no
+    command line takes)."""
+    if target.tokenizer is None:
+        raise SpecDecodeError(f"{model} has no tokenizer files: `specdecode {command}` needs one to encode its "
+                              "prompts (add the tokenizer's files to the checkpoint directory)")
+
+
 def dense_weights(dtype: torch.dtype) -> str:
     return "fp32" if dtype == torch.float32 else "bf16"
 

@@ -662,4 +662,7 @@ def test_generate_on_a_model_without_a_tokenizer_says_so_before_measuring(tmp_pa
 
     monkeypatch.setattr(factory, "build_engine", no_engine)
     code, err = run(capsys, "generate", "hi", "--model", str(path), "--dtype", "fp32", "--backend", "torch")
-    assert code == 2 and "has no tokenizer files" in err, err
+    assert code == 2 and "has no tokenizer files: `specdecode generate`" in err, err
+    for verb in (["bench", "--methods", "none,ngram"], ["analyze", "--methods", "ngram", "--out", str(tmp_path / "a")]):
+        code, err = run(capsys, *verb, "--limit", "1", "--model", str(path), "--dtype", "fp32", "--backend", "torch")
+        assert code == 2 and f"has no tokenizer files: `specdecode {verb[0]}`" in err, err

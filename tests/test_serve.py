@@ -1385,19 +1385,33 @@ def test_a_requested_k_is_never_dropped_for_plain_decoding(model_dir):
     router.requests["creative"] = 1
     planned = speculation.plan(SpeculativeOptions(num_speculative_tokens=2), "creative", "Write a poem.")
     assert planned.speculate and planned.method == "ngram"
+    router.requests["creative"] = 1  # "auto" restates the server's default: the router's off holds
+    assert not speculation.plan(SpeculativeOptions(num_speculative_tokens="auto"), "creative", "Write a poem.").speculate
+    assert not plain.speculation.plan(SpeculativeOptions(num_speculative_tokens="auto"), None, "abc abc").speculate
 
 
 def test_a_model_without_a_method_is_read_as_vllm_reads_it():
     """Found in review: a model without a method was read as a token store (the default
     method, suffix), so vLLM's own form for prompt lookup ({"model": "[ngram]"}) failed
     after the target loaded, naming stores. vLLM infers the method from the model."""
+    from specdecode.factory import DEFAULT_EAGLE_HEAD, DEFAULT_MEDUSA_HEADS, DEFAULT_TOKEN_STORE
+
     for name in ("ngram", "[ngram]"):
         spec, _ = parse_speculative_config(f'{{"model": "{name}", "num_speculative_tokens": 3}}')
         assert spec.method == "ngram" and spec.k == 3 and spec.draft is None
-    with pytest.raises(ConfigError, match="without a method: vLLM reads that as a draft model"):
+    # a drafter directory implies its method (review of the first fix: a store's was refused)
+    for directory, method in ((DEFAULT_TOKEN_STORE, "suffix"), (DEFAULT_EAGLE_HEAD, "eagle"),
+                              (DEFAULT_MEDUSA_HEADS, "medusa")):
+        spec, _ = parse_speculative_config(json.dumps({"model": str(directory)}))
+        assert spec.method == method and spec.draft == str(directory)
+    with pytest.raises(ConfigError, match="without a method, and it is no token store, EAGLE head or Medusa heads"):
         parse_speculative_config('{"model": "/some/dir", "num_speculative_tokens": 3}')
+    assert parse_speculative_config('{"model": "/heads/llama-eagle3-8b"}')[0].method == "eagle"  # by name, as vLLM
     spec, _ = parse_speculative_config('{"method": "suffix", "model": "/some/store"}')
     assert spec.method == "suffix" and spec.draft == "/some/store"
+    for empty in ('{"model": ""}', '{"method": "eagle", "model": " "}'):  # Path("") is the working directory
+        with pytest.raises(ConfigError, match="model is empty"):
+            parse_speculative_config(empty)
 
 
 def test_k_max_is_bounded_as_num_speculative_tokens_is():
@@ -1425,6 +1439,8 @@ def test_replicas_refuse_bad_server_flags_before_ray_starts():
         ray_application(config, None, 2, 4, -1)
     with pytest.raises(ConfigError, match=r"--audit-rate must be in \[0, 1\]"):
         ray_application(config, None, 2, 4, 8, audit_rate=7.0)
+    with pytest.raises(ConfigError, match="model '/no/such' does not exist"):  # the drafter's files too
+        ray_application(config, '{"method": "suffix", "model": "/no/such"}', 2, 4, 8)
 
 
 def test_a_replicas_metrics_carry_its_name_and_bench_serve_compares_one_replicas(model_dir):

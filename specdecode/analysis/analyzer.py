@@ -172,7 +172,7 @@ def annotate(records: list[dict], profile, costs: dict[str, float]) -> None:
 def analyze(args, engine_config, spec_config, params, temperatures: list[float], methods: list[str],
             out_dir: Path) -> dict:
     from ..analysis.memory import deployment_memory
-    from ..factory import cost_profile, drafter_key, load_target, log
+    from ..factory import cost_profile, drafter_key, load_target, log, require_tokenizer
 
     for spec in methods:
         parse_method(spec)
@@ -183,6 +183,7 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
     log(f"loading {args.model} ({args.dtype}); {describe_prompts(prompts)} x {len(methods)} methods x "
         f"{len(temperatures)} temperatures")
     target = load_target(engine_config, args.runtime)
+    require_tokenizer(target, args.model, "analyze")
     encoded = encode_prompts(target, prompts, engine_config)
     follow_up = turn_encoder(target, engine_config)
     context = needed_context(encoded, params, target, prompts, follow_up)

@@ -326,7 +326,7 @@ def draft_model(args, methods: list[str], spec_config) -> str | None:
 
 
 def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config, params) -> int:
-    from ..factory import load_target, log
+    from ..factory import load_target, log, require_tokenizer
 
     for spec in methods:
         parse_method(spec)  # fail on a typo before loading anything
@@ -343,6 +343,7 @@ def run_bench(args, methods: list[str], engine_config: EngineConfig, spec_config
     prompts = load_prompts(args.prompts, args.limit)
     log(f"loading {args.model} ({args.dtype}); {describe_prompts(prompts)} x {len(methods)} methods")
     target = load_target(engine_config, args.runtime)
+    require_tokenizer(target, args.model, "bench")
     encoded = encode_prompts(target, prompts, engine_config)
     follow_up = turn_encoder(target, engine_config)
     context = needed_context(encoded, params, target, prompts, follow_up)

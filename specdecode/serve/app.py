@@ -15,6 +15,7 @@ import hmac
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -37,7 +38,9 @@ from .batch import BatchEngine, Sequence, StepOutput
 from .metrics import LabelledRegistry, ServerMetrics
 
 logger = logging.getLogger("specdecode.serve")
-FINGERPRINT = f"specdecode-{os.getpid()}"  # which process (replica) answered
+# which process (replica) answered: the host too, as replicas on other nodes (or in other
+# containers) may have the same pid (found in review)
+FINGERPRINT = f"specdecode-{socket.gethostname()}-{os.getpid()}"
 
 
 # -- errors ------------------------------------------------------------------------------
@@ -565,7 +568,7 @@ class SpeculationChoices:
         if options is not None and not options.enabled:
             return
         method = self._method(options)
-        if method == "none" and options is not None and options.num_speculative_tokens is not None:
+        if method == "none" and options is not None and isinstance(options.num_speculative_tokens, int):
             # the request's own validator refuses method none with a k; the server's default
             # none ignored it (found in review: a 200 that drafted nothing)
             raise APIError(400, "this server decodes plainly by default (method 'none'): num_speculative_tokens "
@@ -599,7 +602,9 @@ class SpeculationChoices:
             prior = route.prior_alpha if route.prior_alpha is not None else self.router.prior(task, drafter)
             # the router's "off" for the task yields to a request that asked for a method or a
             # k (found in review: a k alone was dropped and the request decoded plainly)
-            asked = options is not None and (options.method is not None or options.num_speculative_tokens is not None)
+            # ("auto" restates the server's default and asks for nothing)
+            asked = options is not None and (options.method is not None
+                                             or isinstance(options.num_speculative_tokens, int))
             if route.method == "none" and not asked:
                 return Plan(False, "none", None, None, None, task)
         elif prompt_text and task_type is None:

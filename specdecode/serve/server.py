@@ -36,6 +36,30 @@ def _spec_int(data: dict, key: str, default: int) -> int:
     return value
 
 
+def method_of_model(model: str) -> str | None:
+    """The method a drafter's ``model`` implies where no method is given, as vLLM infers
+    it: "ngram" (or its older "[ngram]") is prompt lookup; a directory holding a token store
+    is suffix lookup's; a head's config.json (ours, vLLM/EAGLE's eagle3, speculators') or a
+    name with "eagle" in it is an EAGLE head; Medusa heads say so in their config. None:
+    none of these (vLLM reads the rest as a draft model)."""
+    if model in ("ngram", "[ngram]"):
+        return "ngram"
+    path = Path(model).expanduser()
+    if (path / "tokens.safetensors").is_file():
+        return "suffix"
+    try:
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raw = None
+    if isinstance(raw, dict):
+        if raw.get("architecture") == "specdecode-medusa" or raw.get("model_type") == "medusa":
+            return "medusa"
+        if (raw.get("architecture") == "specdecode-eagle3" or raw.get("speculators_model_type") == "eagle3"
+                or "draft_vocab_size" in raw or any("Eagle" in str(a) for a in raw.get("architectures") or [])):
+            return "eagle"
+    return "eagle" if "eagle" in path.name.lower() else None
+
+
 def parse_speculative_config(text: str | dict | None) -> tuple[SpeculativeConfig, bool]:
     """vLLM's ``--speculative-config`` JSON (method, model, num_speculative_tokens,
     prompt_lookup_min/max) plus ours ("auto" k, preset, router, k_max, k_policy) -> (config, router on).
@@ -65,16 +89,20 @@ def parse_speculative_config(text: str | dict | None) -> tuple[SpeculativeConfig
         if "ngram_sizes" in values:
             ngram = parse_int_list(values["ngram_sizes"], f"preset {name!r} ngram_sizes")
         data = {**{PRESET_KEYS[key]: value for key, value in values.items() if key in PRESET_KEYS}, **data}
-    if "method" not in data and "model" in data:
-        # vLLM infers the method from the model: "ngram" (or "[ngram]", its older form) is
-        # prompt lookup, any other model a draft model. Read as a token store here, the
-        # model failed after the target loaded, naming stores (found in review)
-        if data["model"] in ("ngram", "[ngram]"):
-            data = {**{key: value for key, value in data.items() if key != "model"}, "method": "ngram"}
-        else:
-            raise ConfigError(f"--speculative-config gives model {data['model']!r} without a method: vLLM reads that "
-                              "as a draft model, which serve does not run; name the method that reads it: 'eagle' "
-                              "or 'eagle3' (a head), 'medusa' (heads) or 'suffix' (a token store)")
+    if isinstance(data.get("model"), str) and not data["model"].strip():  # Path("") is the working directory
+        raise ConfigError("--speculative-config model is empty: give the drafter's directory, or leave model out")
+    if "method" not in data and isinstance(data.get("model"), str):
+        # the method from the model, as vLLM infers it (found in review: the model was read
+        # as a token store whatever it was, and vLLM's {"model": "[ngram]"} failed after the
+        # target loaded)
+        inferred = method_of_model(data["model"])
+        if inferred is None:
+            raise ConfigError(f"--speculative-config gives model {data['model']!r} without a method, and it is no "
+                              "token store, EAGLE head or Medusa heads (vLLM would read it as a draft model, which "
+                              "serve does not run); name the method: 'eagle' or 'eagle3', 'medusa' or 'suffix'")
+        data = {**data, "method": inferred}
+        if inferred == "ngram":
+            del data["model"]
     method = data.get("method", "suffix")
     if not isinstance(method, str) or method not in VLLM_METHODS:
         raise ConfigError(f"unknown speculative method {method!r}; choose from {sorted(VLLM_METHODS)}")
@@ -349,7 +377,7 @@ def ray_application(engine_config: EngineConfig, speculative: str | None, replic
 
     Overload is each replica's to answer, with the OpenAI error JSON and Retry-After that
     a single server sends: Ray routes a replica at most one request more than it holds
-    (``max_num_seqs + max_queued_requests``, ``max_ongoing_requests``), which the replica
+    (``max_ongoing_requests`` = ``max_num_seqs + max_queued_requests + 1``), which the replica
     refuses itself, and Ray's proxy queues without a limit of its own, which only fills for
     the moment every replica is refusing one. Found in review: Ray's own limit answered
     half the 503s of a burst in plain text, without Retry-After, and let one request more
@@ -362,9 +390,10 @@ def ray_application(engine_config: EngineConfig, speculative: str | None, replic
         raise ConfigError("--replicas needs Ray Serve: pip install 'specdecode[ray]'") from None
     if replicas < 1:
         raise ConfigError(f"--replicas must be >= 1, got {replicas}")
-    parse_speculative_config(speculative)  # a bad config named here, not in each replica's log after Ray started
+    spec, _ = parse_speculative_config(speculative)  # a bad config named here, not in each replica's log after Ray started
     check_serve_options(max_num_seqs, max_queued_requests, state_kwargs.get("audit_rate", 0.0),
                         state_kwargs.get("schedule", "fcfs"), state_kwargs.get("api_key"))
+    check_drafter_files(spec, engine_config.model)
 
     threads = engine_config.num_threads or max(1, (os.cpu_count() or 1) // replicas)  # replicas share the cores
 

@@ -40,8 +40,9 @@ def build_store(data: Path, out: Path, vocab_size: int, command: str | None = No
     recipe = {}
     for name in ("summary.json", "answers.settings.json"):
         if (data / name).is_file():
+            text = read_utf8(data / name)  # (not UTF-8: its own error)
             try:  # found in review: an interrupted `train data` left a truncated summary, and a traceback here
-                recipe[name.removesuffix(".json")] = json.loads(read_utf8(data / name))
+                recipe[name.removesuffix(".json")] = json.loads(text)
             except ValueError as error:
                 raise ConfigError(f"{data / name} is not valid JSON ({error}); run `specdecode train data` "
                                   f"--out {data} again to rewrite it") from None
