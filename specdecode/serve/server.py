@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config import (MAX_NGRAM, MAX_SERVED_K, VLLM_METHODS, ConfigError, EngineConfig, SamplingParams,
-                      SpeculativeConfig, parse_int_list, parse_k)
+                      SpecDecodeError, SpeculativeConfig, parse_int_list, parse_k)
 from .app import FINGERPRINT, ServerState, SpeculationChoices, create_app
 from .batch import BatchEngine, clone_policy
 from .metrics import ServerMetrics
@@ -54,9 +54,13 @@ def method_of_model(model: str) -> str | None:
     if isinstance(raw, dict):
         if raw.get("architecture") == "specdecode-medusa" or raw.get("model_type") == "medusa":
             return "medusa"
-        if (raw.get("architecture") == "specdecode-eagle3" or raw.get("speculators_model_type") == "eagle3"
-                or "draft_vocab_size" in raw or any("Eagle" in str(a) for a in raw.get("architectures") or [])):
+        from ..proposers.eagle_formats import detect
+
+        try:  # the head loader's own reading of the three layouts
+            detect(raw)
             return "eagle"
+        except SpecDecodeError:
+            pass
     return "eagle" if "eagle" in path.name.lower() else None
 
 
