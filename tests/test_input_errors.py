@@ -553,10 +553,11 @@ def test_check_reads_configs_under_the_names_transformers_gives_them(tmp_path, c
     assert code == 2 and "self:L needs the native runtime" in err
 
 
-def test_method_draft_without_a_draft_names_its_default_when_it_does_not_fit(capsys, tiny_llama_dir):
+def test_method_draft_without_a_draft_names_its_default_when_it_does_not_fit(capsys, tiny_text_model_dir):
     """Found in review: on a target of 4 layers or fewer, --method draft alone said "got 4"
-    of a self:4 the user never typed."""
-    code, err = run(capsys, "generate", "hi", "--model", str(tiny_llama_dir), "--method", "draft", "--k", "2")
+    of a self:4 the user never typed. (A model with a tokenizer: without one, generate says
+    that first.)"""
+    code, err = run(capsys, "generate", "hi", "--model", str(tiny_text_model_dir), "--method", "draft", "--k", "2")
     assert code == 2 and "self:4 is --method draft's drafter when --draft is not given" in err
 
 
