@@ -576,3 +576,13 @@ def test_a_checkpoint_of_bin_files_goes_through_transformers_under_runtime_auto(
     loaded.runtime.reset(8)
     reference.runtime.reset(8)
     assert torch.equal(loaded.runtime(ids), reference.runtime(ids))
+
+
+def test_a_config_naming_fewer_layers_than_the_checkpoint_holds_says_so(tmp_path):
+    """Found in review: the leftover layers were blamed on "an o_proj or MLP bias", with the
+    advice --runtime hf, which refuses the checkpoint too."""
+    path = save_tiny_model(tmp_path / "model", seed=1, num_layers=3)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    with pytest.raises(SpecDecodeError, match="holds layers up to 2 but its config.json names num_hidden_layers 2"):
+        load_native(path, torch.float32)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -448,6 +449,13 @@ class _CheckpointReader:
         unused = sorted(n for n in self.handles if n not in self.consumed and not n.endswith(IGNORED_TENSORS))
         if unused:
             more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
+            beyond = sorted({int(match.group(1)) for name in unused
+                             if (match := re.match(r"model\.layers\.(\d+)\.", name))
+                             and int(match.group(1)) >= self.cfg.num_layers})
+            if beyond:  # found in review: blamed on a bias, with advice (--runtime hf) that refuses it too
+                raise SpecDecodeError(
+                    f"checkpoint {model_dir} holds layers up to {beyond[-1]} but its config.json names "
+                    f"num_hidden_layers {self.cfg.num_layers}: the config does not describe these weights")
             raise SpecDecodeError(
                 f"checkpoint {model_dir} holds parameter {unused[0]!r}{more}, which the native runtime does not "
                 "implement (e.g. an o_proj or MLP bias); loading it would compute wrong logits. Use --runtime hf"
