@@ -490,10 +490,10 @@ class ServerState:
         with self.engine.lock:  # both read at one moment: the engine thread moves requests from one to the other
             free_rows = len(self.engine.free_rows) + sum(_is_audit(s) for s in list(self.engine.running))
             waiting = self.engine.num_waiting
-        # a request that can never run is told so (400) before the queue is looked at: a 503
-        # for it, which clients retry, came first when the queue was full (found in review)
-        self.speculation.check(options, task_type)
         if index == 0 and waiting + choices > self.max_queued_requests + free_rows:
+            # a request that can never run is told so (400), not given a 503 that clients
+            # retry (found in review); plan() checks the others
+            self.speculation.check(options, task_type)
             raise APIError(503, f"the request queue is full ({self.max_queued_requests} waiting); retry later",
                            "server_error", code="overloaded", headers={"Retry-After": "1"})
         plan = self.speculation.plan(options, task_type, prompt_text)
