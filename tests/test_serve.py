@@ -1037,6 +1037,50 @@ def test_router_learns_only_from_requests_decoded_alone():
     assert record.speedup == pytest.approx(100 * 5.053 / 1e3 / 0.3)
 
 
+def test_a_seeded_request_whose_drafter_samples_keeps_its_fixed_k_where_the_router_turned_off():
+    """Found in review: a seeded sampled request whose drafter samples its drafts (EAGLE
+    chains) draws other numbers decoding plainly than speculating, and with a fixed k the
+    docs promise it the same text on every repeat; the router's off for its task (and the
+    retry every so many requests) decoded it plainly on some repeats and speculated on
+    others. Such a request now keeps the server's fixed k; the others still follow the
+    router."""
+    from specdecode.config import SamplingParams
+    from specdecode.control.policies import FixedK
+    from specdecode.control.router import Router
+    from specdecode.serve.app import SpeculationChoices
+
+    class Sampling:
+        samples_drafts = True
+
+    class Lookup:
+        samples_drafts = False
+
+    adaptive = object()  # an adaptive policy: not a FixedK
+    router = Router()
+    choices = SpeculationChoices({"eagle": (Sampling, lambda k: FixedK(3 if k is None else k), "eagle"),
+                                  "eagle-auto": (Sampling, lambda k: adaptive if k in (None, "auto") else FixedK(k),
+                                                 "eagle-auto"),
+                                  "ngram": (Lookup, lambda k: FixedK(3 if k is None else k), "ngram")},
+                                 "eagle", router, None)
+    prompt = "Write a python function that reverses a list."
+    task = router.route(prompt).task
+    for drafter in ("eagle", "eagle-auto", "ngram"):
+        for _ in range(5):
+            router.observe(task, drafter, 0.1, 0.5, 100)  # each measured slower than plain on this task
+    seeded = SamplingParams(temperature=0.8, seed=42)
+
+    def speculated(method: str, params) -> list[bool]:
+        choices.default = method  # the server's own method: the request names none
+        return [choices.plan(None, None, prompt, params).speculate for _ in range(2 * router.retry_every)]
+
+    assert all(speculated("eagle", seeded))
+    unseeded = speculated("eagle", SamplingParams(temperature=0.8))
+    assert unseeded.count(True) <= 2, unseeded  # the router's retries only
+    assert speculated("eagle", SamplingParams(temperature=0.0, seed=42)).count(True) <= 2  # greedy: text unchanged
+    assert speculated("eagle-auto", seeded).count(True) <= 2  # k auto: no reproducibility promised
+    assert speculated("ngram", seeded).count(True) <= 2  # lookup: the target's own draws verify its drafts
+
+
 def test_per_task_metrics_follow_vllms_definitions():
     """Found in review against vLLM's metrics: the mean accepted length counted plain
     passes (1 + accepted / drafts is over steps that drafted); the drift window held every

@@ -496,7 +496,7 @@ class ServerState:
             self.speculation.check(options, task_type)
             raise APIError(503, f"the request queue is full ({self.max_queued_requests} waiting); retry later",
                            "server_error", code="overloaded", headers={"Retry-After": "1"})
-        plan = self.speculation.plan(options, task_type, prompt_text)
+        plan = self.speculation.plan(options, task_type, prompt_text, params)
         loop = asyncio.get_running_loop()
 
         def listener(sequence: Sequence, output: StepOutput) -> None:
@@ -578,7 +578,11 @@ class SpeculationChoices:
             raise APIError(400, f"speculative method {method!r} is not available on this server; choose from {known}",
                            param="speculative.method", code="unknown_speculative_method")
 
-    def plan(self, options: SpeculativeOptions | None, task_type: str | None, prompt_text: str) -> Plan:
+    def plan(self, options: SpeculativeOptions | None, task_type: str | None, prompt_text: str,
+             params: SamplingParams | None = None) -> Plan:
+        """``params``: the request's sampling; a seeded sampled request whose drafter samples
+        and whose k is fixed keeps speculating where the router turned its task off."""
+        from ..control.policies import FixedK
         from ..control.router import classify
 
         self.check(options, task_type)
@@ -591,7 +595,7 @@ class SpeculationChoices:
         if method == "none":
             return plain()
         make_proposer, make_policy, drafter = self.drafters[method]
-        task, prior = task_type or "unknown", None
+        task, prior, proposer = task_type or "unknown", None, None
         if self.router is not None and prompt_text:
             with self.lock:  # the task: the request's label, else the router's classification; it may turn speculation off
                 route = self.router.route(prompt_text, method, drafter, task=task_type)
@@ -606,11 +610,21 @@ class SpeculationChoices:
             asked = options is not None and (options.method is not None
                                              or isinstance(options.num_speculative_tokens, int))
             if route.method == "none" and not asked:
-                return Plan(False, "none", None, None, None, task)
+                # a seeded sampled request whose drafter samples its drafts (EAGLE chains)
+                # draws other numbers decoding plainly than speculating with a fixed k, so the
+                # router's off (and its retry every so many requests) changed its text from
+                # one repeat to the next; docs promise it the same text (found in review)
+                seeded = params is not None and not params.greedy and params.seed is not None
+                if not seeded:
+                    return Plan(False, "none", None, None, None, task)
+                proposer = make_proposer()
+                k = None if options is None else options.num_speculative_tokens
+                if not (getattr(proposer, "samples_drafts", False) and isinstance(make_policy(k), FixedK)):
+                    return Plan(False, "none", None, None, None, task)
         elif prompt_text and task_type is None:
             task = classify(prompt_text)
         k = None if options is None else options.num_speculative_tokens  # None: the method's default
-        proposer = make_proposer()
+        proposer = make_proposer() if proposer is None else proposer
         most = getattr(proposer, "max_drafts", None)  # Medusa: one draft per head
         if isinstance(k, int) and most is not None and k > most:
             raise APIError(400, f"speculative method {method!r} drafts at most {most} tokens a step (one per head); "
