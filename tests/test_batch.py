@@ -312,6 +312,42 @@ def test_eagle_rows_draft_exactly_what_they_draft_alone(model_dir, plain_steps):
     assert sum(n > 0 for n in drafted) >= 0.9 * len(drafted)  # on (nearly) every step they were asked to
 
 
+def test_an_eagle_row_that_drafts_nothing_keeps_only_its_own_states(tmp_path):
+    """Found in review: a row whose k is 0 never flushes its head's deferred observations,
+    and each was a view into the step's whole capture (every row's draft positions), so the
+    row kept all of it alive, step after step: 34x its own states' bytes at 4 rows."""
+    from test_eagle import random_head
+    from specdecode.factory import load_model
+    from specdecode.proposers.eagle import EagleProposer
+
+    # six layers: the head's capture layers distinct and sorted, the case where the
+    # runtime's capture is handed on as views rather than copied
+    target = load_model(str(save_tiny_model(tmp_path / "six", seed=30, num_layers=6, init_std=0.3)),
+                        torch.float32, backend="torch")
+    head = random_head(target, 3)
+    weights = target.runtime.weights
+
+    class Never(FixedK):
+        def choose(self, context):
+            return 0
+
+    def drafter():
+        return EagleProposer(head, lambda ids: weights.embed_rows(ids).float())
+
+    engine = BatchEngine(target.runtime, max_num_seqs=4, max_model_len=256)
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    idle = engine.add([5, 9, 14, 22], params, proposer=drafter(), policy=Never(4))
+    for i in range(3):
+        engine.add([5, 9, 14, 23 + i], params, proposer=drafter(), policy=FixedK(8))
+    for _ in range(30):
+        engine.step()
+    pending = idle.proposer.pending
+    assert len(pending) >= 25  # its states wait for a proposal that never comes
+    held = {f.untyped_storage().data_ptr(): f.untyped_storage().nbytes() for f, _ in pending}
+    own = sum(f.numel() * f.element_size() for f, _ in pending)
+    assert sum(held.values()) <= own, (sum(held.values()), own)
+
+
 class _Tau(FixedK):
     """A policy that always wants k drafts and expects tau(k) = 1 + rate * k."""
 

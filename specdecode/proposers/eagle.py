@@ -133,7 +133,10 @@ class EagleProposer:
             self._flush()
         if not self.pending:
             self.pending_start = start
-        self.pending.append((features, tokens[start + 1 : start + 1 + features.shape[0]]))
+        # a copy of the rows: the batched engine hands a view of the step's whole capture
+        # (every row's draft positions), which a row that drafted nothing for many steps kept
+        # alive, step after step (found in review: 34x its own states' bytes)
+        self.pending.append((features.clone(), tokens[start + 1 : start + 1 + features.shape[0]]))
 
     def _flush(self) -> None:
         if not self.pending:
