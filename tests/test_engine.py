@@ -286,6 +286,52 @@ def test_k_below_one_is_refused(tiny_llama_dir):
         SpeculativeEngine(runtime, proposer=NgramProposer(), k=-2)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_logits_with_a_nan_or_an_infinity_are_refused_not_turned_into_a_token(bad):
+    """Found in review: a NaN or +inf logit made every path pick some token silently, each
+    another (greedy the NaN's index, inverse-CDF draws the vocabulary's last token,
+    rejection sampling token 0). A row of -inf is as broken."""
+    from specdecode.verify.chain import greedy_verify
+    from specdecode.verify.sampling import NonFiniteLogitsError, argmax_ids
+
+    logits = torch.randn(3, 10)
+    if bad == float("-inf"):
+        logits[1] = bad
+    else:
+        logits[1, 3] = bad
+    for call in (lambda: argmax_ids(logits), lambda: argmax_ids(logits.double()),
+                 lambda: greedy_verify(torch.tensor([[1, 2]]), logits[None]),
+                 lambda: logits_to_probs(logits, SamplingParams(temperature=0.0)),
+                 lambda: logits_to_probs(logits, SamplingParams(temperature=0.8)),
+                 lambda: logits_to_probs(logits, SamplingParams(temperature=0.8, top_k=4, top_p=0.9))):
+        with pytest.raises(NonFiniteLogitsError, match=r"1 scored row\(s\) hold a NaN or an infinity"):
+            call()
+    logits[1] = torch.randn(10)
+    logits[:, 4] = float("-inf")  # a token masked out is fine
+    assert argmax_ids(logits).shape == (3,)
+    assert torch.isfinite(logits_to_probs(logits, SamplingParams(temperature=0.8))).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("kernels", marks=needs_kernels)])
+def test_a_model_whose_weights_overflow_is_refused_with_its_cause(tmp_path, backend):
+    """End to end: a checkpoint with a NaN in its final norm gives NaN logits; greedy and
+    sampled generation, plain and speculative, say so instead of emitting tokens."""
+    from safetensors.torch import load_file, save_file
+
+    from specdecode.verify.sampling import NonFiniteLogitsError
+
+    path = save_tiny_model(tmp_path / "nan", seed=3, num_layers=2)
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.norm.weight"][5] = float("nan")
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    model = load_model(path, torch.float32, backend=backend)
+    for engine in (SpeculativeEngine(model.runtime), SpeculativeEngine(model.runtime, proposer=NgramProposer(), k=3)):
+        for params in (SamplingParams(temperature=0.0, max_new_tokens=4), SamplingParams(temperature=0.7, seed=1,
+                                                                                          max_new_tokens=4)):
+            with pytest.raises(NonFiniteLogitsError):
+                engine.generate([5, 6, 7, 5, 6, 7], params)
+
+
 def test_empty_prompt_is_refused(text_model):
     engine = SpeculativeEngine(text_model.runtime, text_model.tokenizer)
     with pytest.raises(PromptError, match="prompt is empty"):

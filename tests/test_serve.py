@@ -772,6 +772,22 @@ def test_an_error_while_failing_a_step_leaves_the_engine_serving(model_dir, monk
         assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
+def test_a_model_whose_logits_overflow_answers_500_naming_it(tmp_path):
+    """Found in review: NaN logits were turned into some token silently. Now the step fails
+    with an error of ours, whose cause the client is told (not a bare internal error)."""
+    path = save_chat_model(tmp_path / "nan", seed=3)
+    client, state = make_client(path)
+    # after the start-up calibration (which refuses such a model before serving), one token's
+    # embedding overflows: a prompt holding it gives NaN logits
+    state.engine.runtime.weights.embed.weight[40] = float("nan")
+    with client:
+        failed = client.post("/v1/completions", json={"prompt": [5, 6, 40, 7], "max_tokens": 8,
+                                                      "temperature": 0})
+        assert failed.status_code == 500
+        assert "NaN or an infinity" in failed.json()["error"]["message"], failed.json()
+        assert state.thread.is_alive()
+
+
 def test_the_queue_limit_counts_the_requests_beyond_the_free_rows(model_dir):
     """Two free rows and room for one queued request: the fourth request at once gets 503
     with Retry-After (the engine does not run here, so all of them wait)."""

@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..config import MAX_SERVED_K, VLLM_METHODS, ConfigError, SamplingParams
+from ..config import MAX_SERVED_K, VLLM_METHODS, ConfigError, SamplingParams, SpecDecodeError
 from ..engine import ContextLengthError, PromptError
 from ..metrics import GenerationStats
 from ..text import decode
@@ -353,9 +353,11 @@ class ServerState:
             self._preempt_audits()
             try:
                 finished = engine.step()
-            except Exception:  # never let the thread die: fail the batch, keep serving
+            except Exception as error:  # never let the thread die: fail the batch, keep serving
                 logger.exception("engine step failed; aborting the running requests")
-                finished = self._fail_all()
+                # our own errors name their cause (NaN logits from an overflowing model):
+                # the clients are told it; anything else stays an internal error
+                finished = self._fail_all(str(error) if isinstance(error, SpecDecodeError) else None)
             self._report_queue()
             self._count_tokens(list(engine.running) + finished)
             if engine.decode_threads is not None:
@@ -430,14 +432,14 @@ class ServerState:
                 sequence.preempted = True
                 engine.abort(sequence)
 
-    def _fail_all(self) -> list[Sequence]:
+    def _fail_all(self, reason: str | None = None) -> list[Sequence]:
         engine = self.engine
         failed = list(engine.reaped)  # reaped by the failed step before it failed
         engine.reaped = []
         for sequence in list(engine.running):
             if sequence.finished:  # finished in the failed step: reaped with the others, reported once
                 continue
-            sequence.error = "internal error while decoding"
+            sequence.error = "internal error while decoding" + (f": {reason}" if reason else "")
             try:
                 engine._finish(sequence, "abort")
             except Exception:  # its text or listener failed again: end it without them, the thread lives on

@@ -15,9 +15,22 @@ sampled request's output a function of its seed alone (verify.chain.coupled_veri
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from ..config import SamplingParams
+from ..config import SamplingParams, SpecDecodeError
+
+
+class NonFiniteLogitsError(SpecDecodeError, FloatingPointError):
+    """Logits with a NaN or an infinity where a token is chosen: the model overflowed in
+    its dtype or its weights are damaged. Every path had picked some token silently, each
+    another (greedy the NaN's index, inverse-CDF draws the last token, rejection sampling
+    token 0; found in review)."""
+
+
+def _refuse_non_finite(rows: int) -> None:
+    raise NonFiniteLogitsError(f"the logits of {rows} scored row(s) hold a NaN or an infinity: the model overflowed "
+                               "in its dtype (try --dtype fp32) or its weights are damaged")
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -27,7 +40,10 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     """
     logits = logits.float()
     if params.greedy:
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        best = logits.argmax(-1, keepdim=True)
+        if not bool(torch.isfinite(logits.gather(-1, best)).all()):  # argmax takes a NaN as the largest
+            _refuse_non_finite(int((~torch.isfinite(logits.gather(-1, best))).sum()))
+        return torch.zeros_like(logits).scatter_(-1, best, 1.0)
     # a temperature beyond float32's range became inf in the division and a -inf logit (a
     # drafter's padding) NaN (found in review): such a temperature divides as float32's largest
     logits = logits / min(params.temperature, torch.finfo(torch.float32).max)
@@ -36,7 +52,13 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
     if params.top_p < 1.0:
         logits = logits.masked_fill(outside_nucleus(logits.softmax(-1), params.top_p), float("-inf"))
-    return logits.softmax(-1)
+    probs = logits.softmax(-1)
+    # a NaN or +inf logit (or a row of -inf) makes the row's every probability NaN: one
+    # column shows it
+    broken = torch.isnan(probs[..., 0])
+    if bool(broken.any()):
+        _refuse_non_finite(int(broken.sum()))
+    return probs
 
 
 def outside_nucleus(probs: torch.Tensor, top_p: float, first: int = 64) -> torch.Tensor:
@@ -72,8 +94,18 @@ def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
     CPU float32: torch's CPU argmax over a 49,152-token vocabulary took 92 µs per row here,
     numpy's about a sixth of that, and a plain decoding step pays it every token."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return torch.as_tensor(logits.detach().numpy().argmax(axis=-1))
-    return logits.argmax(dim=-1)
+        values = logits.detach().numpy()
+        ids = values.argmax(axis=-1)
+        # argmax takes a NaN as the largest; the chosen values say whether a row had one
+        chosen = np.take_along_axis(values, ids[..., None], axis=-1)
+        if not np.isfinite(chosen).all():
+            _refuse_non_finite(int((~np.isfinite(chosen)).sum()))
+        return torch.as_tensor(ids)
+    ids = logits.argmax(dim=-1)
+    chosen = logits.gather(-1, ids[..., None])
+    if not bool(torch.isfinite(chosen).all()):
+        _refuse_non_finite(int((~torch.isfinite(chosen)).sum()))
+    return ids
 
 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
