@@ -23,14 +23,18 @@ from .config import (DEFAULT_SELF_DRAFT, ConfigError, EngineConfig, SamplingPara
                      SpeculativeConfig, parse_int_list, parse_k)
 
 
+def _add_exact_flags(parser: argparse.ArgumentParser) -> None:
+    exact = parser.add_mutually_exclusive_group()
+    exact.add_argument("--exact", dest="exact", action="store_true", default=None, help="every scored row's logits bitwise independent of what else is scored (other drafts, other requests' rows), so greedy speculation equals plain decoding bit for bit (default wherever the kernels run)")
+    exact.add_argument("--no-exact", dest="exact", action="store_false", help="the default made explicit: bitwise invariance where the kernels run, and the torch backend's batch-dependent kernels allowed (--exact refuses them)")
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a HF directory or a .gguf file")
     parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"], help="KV cache precision (and the torch backend's); fp32 = full precision everywhere, weights included (default bf16)")
     parser.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"], help="layer weight format: 'auto' (default) measures which decodes fastest on this machine; int4 carries a GGUF's Q4_1 blocks exactly (docs/performance.md)")
     parser.add_argument("--backend", default="auto", choices=["auto", "kernels", "torch"], help="specdecode's CPU kernels (batch invariant; the default where they build) or PyTorch's")
-    exact = parser.add_mutually_exclusive_group()
-    exact.add_argument("--exact", dest="exact", action="store_true", default=None, help="every scored row's logits bitwise independent of what else is scored, so greedy speculation equals plain decoding bit for bit (default wherever the kernels run)")
-    exact.add_argument("--no-exact", dest="exact", action="store_false", help="the default made explicit: bitwise invariance where the kernels run, and the torch backend's batch-dependent kernels allowed (--exact refuses them)")
+    _add_exact_flags(parser)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs (cuda: torch backend)")
     parser.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per forward pass (bounds activation memory; at most 512)")
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="with --device cuda: launch every kernel of a step from Python instead of replaying recorded CUDA graphs of small steps")
@@ -203,11 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
     srv.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"])
     srv.add_argument("--backend", default="auto", choices=["auto", "kernels", "torch"])
+    _add_exact_flags(srv)  # the batched engine's rows too (found in review: serve refused the flag)
     srv.add_argument("--threads", type=int, default=None, help="kernel threads (default: decode passes on every core or on every core but one, whichever they measure faster while serving; the cost profile at every core but one; docs/serving.md)")
     srv.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill chunk; chunks interleave with decode steps")
     srv.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="with --device cuda: launch every kernel of a step from Python instead of replaying recorded CUDA graphs of the batched steps (and of the profile's and calibration's)")
     srv.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model runs (cuda: the torch backend, as for generate)")
-    srv.set_defaults(exact=None)
 
     bs = verbs.add_parser("bench-serve", help="load a server with concurrent streamed requests: TTFT, TPOT, ITL, latency, throughput, with and without speculation")
     bs.add_argument("--url", default=None, help="a running server (default: start `specdecode serve` with --serve-args on a free port)")
@@ -879,7 +883,7 @@ def cmd_serve(args) -> int:
             args.prefill_threads = torch.get_num_threads()
     config = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads, weights=args.weights,
                           backend=args.backend, device=args.device, prefill_chunk=args.prefill_chunk,
-                          cuda_graphs=args.cuda_graphs)
+                          cuda_graphs=args.cuda_graphs, exact=args.exact)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.replicas is not None:

@@ -717,6 +717,11 @@ def test_an_unreadable_router_state_never_stops_a_request(tiny_text_model_dir, c
     assert router_state_path(str(default_gguf_path())) == router_state_path("default")
     # and by how it runs: speedups measured in one dtype say nothing of another (found in review)
     assert cli_state_path(tiny_text_model_dir, "bf16") != path != router_state_path(str(tiny_text_model_dir))
+    # but not by --exact, which changes no kernel that runs (found in review: each of its three
+    # values kept a state of its own, so `analyze --exact` taught `generate --route` nothing)
+    from specdecode.config import EngineConfig
+
+    assert len({router_state_path("default", EngineConfig(exact=exact)) for exact in (None, True, False)}) == 1
 
 
 # -- kernel threads for a server's decode passes (control.threads) --------------------------

@@ -1484,6 +1484,18 @@ def test_k_max_is_bounded_as_num_speculative_tokens_is():
         parse_speculative_config(f'{{"method": "ngram", "k_max": {MAX_SERVED_K + 1}}}')
 
 
+def test_serve_takes_exact_as_generate_does(model_dir, capsys):
+    """Found in review: `serve` refused --exact (argparse's unrecognized argument), so the
+    batched engine could not be asked for exactness, and `serve --backend torch` ran
+    without it quietly. It now takes the flag and passes it on: refused by name where
+    the rows would not be bitwise independent."""
+    from specdecode import cli
+
+    code = cli.main(["serve", "--model", str(model_dir), "--backend", "torch", "--exact", "--dtype", "fp32"])
+    assert code != 0 and "exact mode needs the kernels backend" in capsys.readouterr().err
+    assert cli.build_parser().parse_args(["serve", "--no-exact"]).exact is False
+
+
 def test_replicas_refuse_bad_server_flags_before_ray_starts():
     """Found in review: --max-num-seqs, --max-queued-requests and --audit-rate were checked
     in each replica, after Ray had started: hundreds of lines of Ray's tracebacks, or

@@ -289,7 +289,10 @@ def router_state_path(model: str = "default", engine_config=None) -> Path:
         pass
     if engine_config is not None:
         c = engine_config
-        identity += (f"|{c.dtype}|{c.weights}|{c.backend}|{c.device}|exact {c.exact}|threads {c.num_threads}|"
+        # not --exact: it changes no kernel that runs (the kernels are exact whatever it says,
+        # and it refuses any other path), and keyed on it, what one command learnt was never
+        # read by the same command without the flag (found in review)
+        identity += (f"|{c.dtype}|{c.weights}|{c.backend}|{c.device}|threads {c.num_threads}|"
                      f"chunk {c.prefill_chunk}|{machine_id()}")
         if c.device == "cuda" and not c.cuda_graphs:  # as the cost profile's key (the runtime's description)
             identity += "|no CUDA graphs"
