@@ -516,8 +516,9 @@ def cmd_generate(args) -> int:
         record["speedup"] = (result.stats.tokens_per_s / baseline.stats.tokens_per_s
                              if baseline.stats.tokens_per_s and result.stats.new_tokens else None)
         record["identical_to_plain"] = baseline.token_ids == result.token_ids
-        if not record["identical_to_plain"] and params.greedy:
-            record["first_divergence"] = plain.first_divergence(prompt_ids, baseline.token_ids, result.token_ids)
+        if not record["identical_to_plain"]:  # sampled too (found in review: only greedy said where)
+            record["first_divergence"] = plain.first_divergence(prompt_ids, baseline.token_ids, result.token_ids,
+                                                                params)
     from .analysis.memory import peak_rss_bytes
 
     record["peak_rss_mb"] = peak_rss_bytes() / 2**20  # the whole process, loading included

@@ -236,12 +236,16 @@ class SpeculativeEngine:
         self.target.reset(len(token_ids) + 1)
         return self.target(torch.tensor([token_ids]), last_only=True)[0, -1].float()
 
-    def first_divergence(self, prompt_ids: list[int], reference: list[int], other: list[int]) -> dict | None:
+    def first_divergence(self, prompt_ids: list[int], reference: list[int], other: list[int],
+                         params: SamplingParams | None = None) -> dict | None:
         """Where two generations from ``prompt_ids`` first differ, and the target's top-2
         logit margin there (after the shared prefix): a margin near 0 is a numerical
         near-tie, which rounding differences between kernels can flip; a large one would be
         a bug. Where one output is a prefix of the other, they diverge where the shorter one
-        ended (its token there None: it ended at EOS). None when they are the same."""
+        ended (its token there None: it ended at EOS). None when they are the same.
+        ``params`` of a sampled run add each token's probability under the target's
+        processed distribution there (what a draw picks between; the logit margin says
+        little of it)."""
         position = next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), None)
         if position is None:
             if len(reference) == len(other):
@@ -250,9 +254,14 @@ class SpeculativeEngine:
         logits = self.next_token_logits(prompt_ids + reference[:position])
         top = logits.topk(2)
         token = lambda tokens: tokens[position] if position < len(tokens) else None  # noqa: E731
-        return {"position": position, "reference_token": token(reference), "other_token": token(other),
-                "top1_token": int(top.indices[0]), "top2_token": int(top.indices[1]),
-                "top2_margin": float(top.values[0] - top.values[1])}
+        found = {"position": position, "reference_token": token(reference), "other_token": token(other),
+                 "top1_token": int(top.indices[0]), "top2_token": int(top.indices[1]),
+                 "top2_margin": float(top.values[0] - top.values[1])}
+        if params is not None and not params.greedy:
+            probs = logits_to_probs(logits, params)
+            found["probabilities"] = {side: None if token(tokens) is None else float(probs[token(tokens)])
+                                      for side, tokens in (("reference", reference), ("other", other))}
+        return found
 
     def generate(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -84,6 +85,33 @@ def test_divergent_outputs_carry_the_margin_at_their_first_difference(tiny_llama
     assert ended["position"] == 3 and ended["other_token"] is None and ended["reference_token"] == reference[3]
     assert ended["top2_margin"] == pytest.approx(float(top[0] - top[1]))
     assert plain.first_divergence(prompt, reference, list(reference)) is None
+
+
+def test_a_sampled_output_that_differs_says_where_and_how_probable_each_token_was(tiny_llama_dir):
+    """Found in review: only greedy runs recorded their first divergence, so a seeded sampled
+    run of a drafter that does not sample (whose output is plain sampling's) that differed
+    was reported nowhere, and the summary's `divergent` said 0 beside `same` below 100%."""
+    from specdecode.verify.sampling import logits_to_probs
+
+    model = load_model(tiny_llama_dir, torch.float32)
+    plain = SpeculativeEngine(model.runtime)
+    params = SamplingParams(temperature=0.9, top_k=20, seed=3, max_new_tokens=6, ignore_eos=True)
+    prompt = [4, 8, 15, 16, 23, 42]
+    from specdecode.bench.runner import request_seed
+
+    reference = plain.generate(prompt, dataclasses.replace(params, seed=request_seed(3, "q", 1))).token_ids
+    wrong = reference[:2] + [(reference[2] + 1) % 97] + reference[3:]
+    engines = {"none": plain, "ngram": SpeculativeEngine(model.runtime, proposer=NgramProposer(), k=3),
+               "hf": CountingPeer(wrong)}
+    records = run_records(engines, [{"question_id": "q", "category": "c", "prompt": "x"}], [prompt], params, ())
+    by_method = {r["method"]: r for r in records}
+    assert by_method["ngram"]["identical_to_plain"]  # seeded lookup: plain sampling's tokens
+    divergence = by_method["hf"]["first_divergence"]
+    assert divergence["position"] == 2
+    probs = logits_to_probs(plain.next_token_logits(prompt + reference[:2]), params)
+    assert divergence["probabilities"] == {"reference": pytest.approx(float(probs[reference[2]])),
+                                           "other": pytest.approx(float(probs[wrong[2]]))}
+    assert summarize(records)["overall"]["hf"]["divergent"] == 1
 
 
 def test_bench_serve_percentiles_are_vllms():
