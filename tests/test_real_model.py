@@ -323,8 +323,10 @@ def test_weight_format_error_against_fp32(real_fp32):
     # Quantizing activations makes these figures move with the order of float sums: a change
     # of ~1e-6 flips a rounding here and there, and int4's top-1 agreement with fp32 measured
     # 0.83-0.97 over 30 tokens across kernel versions whose fp32 logits differ by 3e-6
-    # (0.88-0.92 over these 91). A broken format agrees on next to nothing.
-    for fmt, mean_error, agreement in (("bf16", 0.1, 0.95), ("q8_0", 0.6, 0.9), ("q4_1", 1.0, 0.8)):
+    # (0.88-0.92 over these 91). A broken format agrees on next to nothing. int4 errs about
+    # as much as int8 since its minimum multiplies the quantized activations' sum (0.40 mean,
+    # 92% top-1 before, with the exact sum; 0.19 and 97% since, over this prompt and a code one)
+    for fmt, mean_error, agreement in (("bf16", 0.1, 0.95), ("q8_0", 0.6, 0.9), ("q4_1", 0.3, 0.9)):
         error = (logits[fmt] - reference).abs().mean().item()
         same = (logits[fmt].argmax(-1) == reference.argmax(-1)).float().mean().item()
         assert error < mean_error and same >= agreement, (fmt, error, same)
