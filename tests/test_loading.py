@@ -359,6 +359,29 @@ def test_weights_auto_offers_int4_for_a_4bit_gguf_only(tmp_path, qtype, candidat
     assert auto_candidates(source) == candidates
 
 
+def test_weights_auto_does_not_cut_a_k_quant_gguf_to_int4(tmp_path, monkeypatch):
+    """Found in review: Q4_K counted as 4-bit, so --weights auto offered (and on speed
+    chose) int4 for a Q4_K_M file, quantizing its Q4_K layers a second time and its Q6_K
+    ones from 6 bits to 4. int4 is offered only where it carries the blocks exactly."""
+    from types import SimpleNamespace
+
+    from specdecode.factory import auto_candidates
+    from specdecode.models import loading
+    from specdecode.models.loading import ModelSource
+
+    q4_k, q6_k, q4_0 = 12, 14, 2
+
+    def index_of(types):
+        return lambda gguf, path: {f"blk.{i}.{part}.weight": SimpleNamespace(tensor_type=kind, shape=(64, 64))
+                                   for i, kind in enumerate(types) for part in ("attn_q", "ffn_down")}
+
+    source = ModelSource(str(tmp_path / "m.gguf"), tmp_path / "converted", {}, gguf=tmp_path / "m.gguf")
+    monkeypatch.setattr(loading, "gguf_tensor_index", index_of([q4_k, q4_k, q6_k]))
+    assert auto_candidates(source) == ["q8_0", "bf16"]
+    monkeypatch.setattr(loading, "gguf_tensor_index", index_of([q4_0, q4_0, q6_k]))
+    assert auto_candidates(source) == ["q4_1", "q8_0", "bf16"]
+
+
 def test_file_digests_are_remembered_by_stat_and_read_again_after_a_change(tmp_path, monkeypatch):
     """Every load hashed the default GGUF and its 0.5 GB conversion (0.7 s here). Digests
     are now remembered with the file's stat; a changed or replaced file gets its new

@@ -39,8 +39,11 @@ WEIGHT_CHOICES = {"fp32": "fp32", "bf16": "bf16", "int8": "q8_0", "int4": "q4_1"
 
 # GGML type ids (ggml.h) of the formats carried exactly
 GGML_F32, GGML_F16, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, GGML_BF16 = 0, 1, 2, 3, 8, 30
-GGML_Q4_K = 12
-GGML_4BIT = (GGML_Q4_0, GGML_Q4_1, GGML_Q4_K)  # GGUF block types of 4-bit weights
+# GGUF block types that int4 carries exactly (Q4_1 as it is, Q4_0 with minimum -8 scale):
+# only a file of these is a 4-bit model to --weights auto. K-quants are not: int4 would
+# quantize them a second time, and a Q4_K_M file's Q6_K tensors from 6 bits to 4 (found in
+# review: auto chose that on speed alone)
+GGML_4BIT = (GGML_Q4_0, GGML_Q4_1)
 
 
 class PackedLinear(nn.Module):
