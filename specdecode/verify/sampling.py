@@ -40,10 +40,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     """
     logits = logits.float()
     if params.greedy:
-        best = logits.argmax(-1, keepdim=True)
-        if not bool(torch.isfinite(logits.gather(-1, best)).all()):  # argmax takes a NaN as the largest
-            _refuse_non_finite(int((~torch.isfinite(logits.gather(-1, best))).sum()))
-        return torch.zeros_like(logits).scatter_(-1, best, 1.0)
+        return torch.zeros_like(logits).scatter_(-1, argmax_ids(logits)[..., None].to(logits.device), 1.0)
     # a temperature beyond float32's range became inf in the division and a -inf logit (a
     # drafter's padding) NaN (found in review): such a temperature divides as float32's largest
     logits = logits / min(params.temperature, torch.finfo(torch.float32).max)
