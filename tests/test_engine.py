@@ -204,11 +204,16 @@ def test_engine_sampling_matches_target_distribution(tmp_path, drafter):
     assert p_value > 1e-3, p_value
 
 
-def test_draft_model_proposals_follow_the_committed_sequence(tmp_path):
+@pytest.mark.parametrize("plain_steps", [False, True])
+def test_draft_model_proposals_follow_the_committed_sequence(tmp_path, plain_steps):
     """The draft model's cache must track the committed tokens through rejections and full
     acceptance: every proposal equals what the draft model proposes from scratch for the
     same sequence. (A cache that kept stale keys after a rejection would stay lossless —
-    the target verifies — while its proposals, and acceptance, silently degrade.)"""
+    the target verifies — while its proposals, and acceptance, silently degrade.) With
+    plain steps between the drafted ones, the rejected drafts lie below the tokens to feed,
+    so only the comparison of the cache with the sequence finds them (found by a mutation
+    audit: treating the whole cache as shared passed without plain steps)."""
+    from test_eagle import Alternating
     from specdecode.models.llama import load_native
 
     target = load_model(save_tiny_model(tmp_path / "t", seed=40, num_layers=2), torch.float32)
@@ -235,7 +240,7 @@ def test_draft_model_proposals_follow_the_committed_sequence(tmp_path):
         return proposal
 
     proposer.propose = checking_propose
-    engine = SpeculativeEngine(target.runtime, proposer=proposer, k=3)
+    engine = SpeculativeEngine(target.runtime, proposer=proposer, k=Alternating(3) if plain_steps else 3)
     result = engine.generate([5, 9, 11, 5, 9], SamplingParams(max_new_tokens=30, ignore_eos=True))
     assert len(checked) >= 5 and result.stats.rejections > 0
 
