@@ -148,7 +148,10 @@ def eagle_over_three_of_four_tokens(target, tree_width: int = 1):
 def test_engine_sampling_matches_target_distribution(tmp_path, drafter):
     """End to end through the engine: draft model (or an EAGLE head whose draft vocabulary
     lacks a token), k=2, temperature 1.0, vocabulary 4; and the draft model at temperature
-    0.8 with top-k 3 and top-p 0.9, against the target's distribution processed alike.
+    0.5 with top-k 3 and top-p 0.95, against the target's distribution processed alike.
+    (At 0.8 and 0.9 a draft model that handed the verifier its raw softmax instead of the
+    processed distribution it drew from passed: found by a mutation audit. At 0.5 the
+    test fails it with p ~ 1e-13.)
 
     Three new tokens: the first step drafts two (draft positions 1 and 2), so a run that
     accepts both ends the step with the bonus token drawn after full acceptance. The joint
@@ -161,7 +164,7 @@ def test_engine_sampling_matches_target_distribution(tmp_path, drafter):
     draft = load_model(save_tiny_model(tmp_path / "d", seed=31, vocab_size=vocab, init_std=0.3), torch.float32)
     params = SamplingParams(temperature=1.0, max_new_tokens=3, ignore_eos=True)
     if drafter == "draft-top-k-top-p":
-        params = SamplingParams(temperature=0.8, top_k=3, top_p=0.9, max_new_tokens=3, ignore_eos=True)
+        params = SamplingParams(temperature=0.5, top_k=3, top_p=0.95, max_new_tokens=3, ignore_eos=True)
     if drafter.startswith("draft"):
         proposer = DraftModelProposer(draft.runtime)
     else:
