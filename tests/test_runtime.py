@@ -124,6 +124,33 @@ def test_incremental_equals_full_prefix(tiny_llama_dir):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=LOGITS_ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("kernels", [False, True])
+def test_a_larger_cache_replaces_the_old_one_instead_of_joining_it(tiny_llama_dir, monkeypatch, kernels):
+    """reset() to a larger capacity frees the old cache before allocating the new one, so
+    the peak is the new cache, not old + new (found in review: both were held)."""
+    import weakref
+
+    from specdecode.models import llama
+
+    runtime = load_native(tiny_llama_dir, torch.float32, backend="kernels" if kernels else "torch")
+    runtime.reset(16)
+    old = [weakref.ref(runtime.k_cache), weakref.ref(runtime.v_cache)]
+    live_at_allocation = []
+    zeros = torch.zeros
+
+    def recording_zeros(*args, **kwargs):
+        live_at_allocation.append(sum(ref() is not None for ref in old))
+        return zeros(*args, **kwargs)
+
+    monkeypatch.setattr(llama.torch, "zeros", recording_zeros)
+    runtime.reset(64)
+    monkeypatch.undo()
+    assert live_at_allocation == [0, 0]
+    assert runtime.capacity == 64
+    runtime(torch.tensor([[1, 2, 3]]))  # the new cache is bound and used
+    assert runtime.length == 3
+
+
 def test_rollback_is_pointer_move_and_overwrites(tiny_llama_dir):
     runtime = load_native(tiny_llama_dir, torch.float32)
     ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(2))
