@@ -825,6 +825,45 @@ def test_a_failing_step_leaks_no_row_and_loses_no_finished_sequence(model_dir):
     assert metrics.registry.get_sample_value("specdecode:audit_mismatches_total", {"model_name": "tiny"}) == 0
 
 
+def test_an_audit_mismatch_of_a_sampled_request_reports_both_tokens_probabilities(model_dir):
+    """A sampled request's mismatch carries each token's probability under the request's
+    processed distribution (the logit margin says little of what a draw picks between),
+    as bench's divergence reports do; a greedy one carries the margin alone."""
+    from specdecode.serve.audit import Auditor
+    from specdecode.serve.metrics import ServerMetrics
+    from specdecode.verify.sampling import logits_to_probs
+
+    runtime = runtime_for(model_dir, "torch")
+    prompt = [5, 6, 7, 5, 6, 7]
+    for params in (SamplingParams(max_new_tokens=6, ignore_eos=True),
+                   SamplingParams(temperature=0.7, top_k=20, max_new_tokens=6, seed=3, ignore_eos=True)):
+        engine = BatchEngine(runtime, max_num_seqs=2, max_model_len=64)
+        auditor = Auditor(engine, 1.0, ServerMetrics("tiny"))
+        original = engine.add(prompt, params, proposer=NgramProposer(), policy=2)
+        engine.run()
+        auditor.offer(original)
+        assert auditor.run_one()
+        rerun = engine.waiting[-1]
+        engine.run()
+        assert rerun.generated == original.generated  # a seeded lookup run is the plain run
+        plain = list(original.generated)
+        original.generated[2] = (plain[2] + 1) % runtime.vocab_size  # as if speculation had changed token 2
+        auditor.compare(rerun)
+        (record,) = auditor.mismatches
+        assert record["position"] == 2 and record["plain_token"] == plain[2]
+        runtime.reset(16)
+        logits = runtime(torch.tensor([prompt + plain[:2]]))[0, -1].float()
+        top = logits.topk(2).values
+        assert record["top2_margin"] == pytest.approx(float(top[0] - top[1]), abs=1e-4)
+        if params.greedy:
+            assert "probabilities" not in record
+        else:
+            probs = logits_to_probs(logits, params)
+            assert record["probabilities"] == {
+                "speculative": pytest.approx(float(probs[original.generated[2]]), abs=1e-5),
+                "plain": pytest.approx(float(probs[plain[2]]), abs=1e-5)}
+
+
 def test_drafts_past_the_end_count_alike_in_both_engines(model_dir):
     """The batched engine's per-request figures drop the drafts accepted after the end of the
     output, as the single-sequence engine's do (its /metrics counts stay vLLM's)."""

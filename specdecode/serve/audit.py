@@ -4,7 +4,9 @@ by token. Greedy requests, and sampled ones whose drafter does not sample (its d
 verified by the target's own draws, one uniform per position: the re-run with the
 request's seed must draw the same tokens). A mismatch is counted in /metrics and logged
 with the request id, the first divergent position and the target's top-2 logit margin
-there (a margin near 0 is a numerical near-tie, a large one a bug)."""
+there (a margin near 0 is a numerical near-tie, a large one a bug); for a sampled
+request also both tokens' probabilities under its processed distribution, which is what
+a draw picks between (as ``SpeculativeEngine.first_divergence`` reports them)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from collections import deque
 from dataclasses import replace
 
 import torch
+
+from ..verify.sampling import logits_to_probs
 
 logger = logging.getLogger("specdecode.serve")
 
@@ -78,22 +82,30 @@ class Auditor:
                   "plain_token": audit.generated[position] if position < len(audit.generated) else None}
         self.mismatches.append(record)  # counted first: the margin's pass may fail
         self.metrics.labels(self.metrics.audit_mismatch).inc()
+        sampled = ""
         try:
-            margin = record["top2_margin"] = self.margin(original.prompt_ids + original.generated[:position])
+            logits = self.logits_after(original.prompt_ids + original.generated[:position])
+            if logits is not None:
+                top = logits.topk(2).values
+                record["top2_margin"] = float(top[0] - top[1])
+                if not original.params.greedy:  # a draw picks by probability; the logit margin says little
+                    probs = logits_to_probs(logits, original.params)
+                    record["probabilities"] = {
+                        side: None if record[key] is None else float(probs[record[key]])
+                        for side, key in (("speculative", "speculative_token"), ("plain", "plain_token"))}
+                    sampled = ", probabilities %s" % record["probabilities"]
         except Exception:  # noqa: BLE001 - the mismatch stands without its margin
             logger.exception("the top-2 margin of the audit mismatch of request %s could not be computed",
                              original.request_id)
-            margin = None
-        logger.warning("audit mismatch: request %s differs from plain decoding at token %d (top-2 margin %.4g)",
-                       original.request_id, position, margin if margin is not None else float("nan"))
+        margin = record["top2_margin"]
+        logger.warning("audit mismatch: request %s differs from plain decoding at token %d (top-2 margin %.4g%s)",
+                       original.request_id, position, margin if margin is not None else float("nan"), sampled)
 
-    def margin(self, tokens: list[int]) -> float | None:
-        """The target's top-2 logit margin for the token after ``tokens``, on a free row."""
+    def logits_after(self, tokens: list[int]) -> torch.Tensor | None:
+        """The target's logits for the token after ``tokens``, on a free row (None if none is free)."""
         engine = self.engine
         if not engine.free_rows:
             return None
         row = engine.free_rows[0]
         engine.row_tokens[row] = []  # overwritten here: no longer a cached prefix
-        logits = engine.runtime.forward_rows(torch.tensor([tokens]), [row], [0], last_only=True)[0, -1].float()
-        top = logits.topk(2).values
-        return float(top[0] - top[1])
+        return engine.runtime.forward_rows(torch.tensor([tokens]), [row], [0], last_only=True)[0, -1].float()
