@@ -480,9 +480,13 @@ def _fingerprint_mark(path: Path) -> str:
 
 
 def checkpoint_mark(directory: Path) -> str:
-    """Fingerprints of a checkpoint directory's config.json and first weight file."""
-    weights = min(directory.glob("*.safetensors"), default=directory / "model.safetensors")
-    return _fingerprint_mark(directory / "config.json") + _fingerprint_mark(weights)
+    """Fingerprints of a checkpoint directory's config.json and first weight file, and the
+    names and sizes of the others (a sharded checkpoint saved over another with only a later
+    shard changed kept the key; hashing every shard of a large model would cost its load)."""
+    shards = sorted(directory.glob("*.safetensors"))
+    weights = shards[0] if shards else directory / "model.safetensors"
+    others = "".join(f" {shard.name}:{shard.stat().st_size}" for shard in shards[1:])
+    return _fingerprint_mark(directory / "config.json") + _fingerprint_mark(weights) + others
 
 
 def files_mark(path: Path) -> str:

@@ -586,3 +586,19 @@ def test_after_loading_freed_temporaries_stay_in_the_heap(monkeypatch):
         del first, second
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     assert faults < 200 * 1024 // 4, faults  # every allocation faulting in its pages again: 204,800
+
+
+def test_the_checkpoint_mark_follows_every_shard(tmp_path):
+    """The key under which --weights auto keeps its choice changes when any shard of a
+    sharded checkpoint does, not only the first (found in review)."""
+    from specdecode.factory import checkpoint_mark
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"a" * 64)
+    second = tmp_path / "model-00002-of-00002.safetensors"
+    second.write_bytes(b"b" * 64)
+    before = checkpoint_mark(tmp_path)
+    second.write_bytes(b"b" * 96)
+    assert checkpoint_mark(tmp_path) != before
+    (tmp_path / "model-00003-of-00003.safetensors").write_bytes(b"c")
+    assert checkpoint_mark(tmp_path).count(":") == 4  # two hashes and two shards by name and size
