@@ -1595,3 +1595,65 @@ def test_a_calibration_that_drafted_nothing_gives_no_prior(monkeypatch):
     drafted.observe_step(2, 1)
     monkeypatch.setattr(factory, "calibration_runs", lambda target, proposer: [nothing, drafted])
     assert factory.calibrate_acceptance(None, None) == (1.0, 0.0)
+
+
+def test_cost_aware_k_boundaries_are_the_documented_ones():
+    """Each rule of CostAwareK at its boundary (a mutation audit found each could change
+    unseen): a position is worth a look while its successes reach half its prior's share;
+    refused, it is looked at after 4, then 8 refusals; a probe drafts one token; after a
+    partial rejection nothing is explored; a prior of 1 is held to 0.99; and a first
+    measured drafting cost above a zero prior still counts."""
+    from specdecode.control.policies import DraftCost
+
+    policy = CostAwareK(CostModel(synthetic_profile(), "ngram"), k_max=6, default_prior=0.6, default_later=0.6)
+    policy.position_counts[1] = [4.0, 10.0]  # 4 >= 0.5 * 0.6 * 10
+    assert policy._may_look(3)
+    policy.position_counts[1] = [0.0, 10.0]
+    assert [policy._may_look(3) for _ in range(12)] == [False] * 3 + [True] + [False] * 7 + [True]
+
+    policy = CostAwareK(CostModel(synthetic_profile(), "ngram"), k_max=6, probe_interval=4)
+    for _ in range(200):
+        policy.observe(policy.choose(100), 0)
+    assert {k for k in policy.chosen[20:] if k} == {1}
+
+    def after(accepted):  # k 2 drafted, then ``accepted`` of them right
+        policy = CostAwareK(CostModel(synthetic_profile(c=0.0), "ngram"), k_max=6, default_prior=0.6,
+                            default_later=0.6)
+        assert policy.choose(100) == 2
+        policy.observe(2, accepted)
+        return policy, policy.choose(100)
+
+    assert after(2)[1] == 3  # all right: position 3 is looked at
+    policy, k = after(1)
+    assert k == policy._best(100) == 2  # one rejected: nothing beyond the best is explored
+
+    policy.start(prior_alpha=1.0)
+    assert policy.first == pytest.approx(0.99)
+
+    cost = DraftCost(0.0)
+    cost.update(0.01, 1, 1.0, 1.0)
+    assert cost.value > 0
+
+
+def test_the_tree_budget_never_credits_more_accepted_nodes_than_it_keeps():
+    """r(n) counts at most n accepted nodes, however large the learnt scale (a mutation
+    audit: without the cap a scale of 8 promised 7 accepted nodes of one)."""
+    policy = TreeBudget(CostModel(synthetic_profile(), "ngram"), k_max=3)
+    policy.context = 100
+    policy.scale_counts = [8.0, 1.0]
+    rates = policy._rates(torch.tensor([0.9] * 4), passes=2)
+    table, d = policy._v_table(100), 2 * policy._c
+    for n in range(1, 4):
+        assert rates[n] <= (1 + n) / (table[n] + d) + 1e-9
+
+
+def test_the_threshold_policy_at_its_boundaries():
+    """Off after exactly ``window`` observations below stop_below; a mean of exactly
+    raise_above does not raise k (the rule is "above 0.8")."""
+    policy = ThresholdK()
+    for _ in range(10):
+        policy.observe(5, 0)
+    assert policy.choose(0) == 0
+    policy = ThresholdK()
+    policy.observe(5, 4)
+    assert policy.choose(0) == 5

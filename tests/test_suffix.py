@@ -290,3 +290,42 @@ def test_the_ngram_index_finds_what_a_scan_of_the_sequence_finds():
                 for sizes in ((4, 3, 2, 1), (3, 2), (1,)):
                     assert index.match(sizes) == match(np.asarray(tokens, dtype=np.int64), sizes), (vocab, length, sizes)
 
+
+
+def test_lookup_order_and_plans_follow_the_documented_rules():
+    """The orders the docs give, each pinned (a mutation audit found each could change
+    unseen; none changes an output, each changes what is drafted):
+    the request's longest n-gram first; a plan is the sequence's own, not one of the same
+    length and last token; the request's 2-grams before the store, the store before the
+    request's 1-grams; the store matches up to 4 tokens; a common n-gram's continuations
+    are sampled across all its occurrences, not the first ones stored."""
+    from specdecode.proposers.ngram import NgramProposer
+
+    ngram = NgramProposer()
+    # "2 3" occurred before 9, "3" last before 7: the 2-gram wins
+    assert ngram.propose([1, 2, 3, 9, 5, 3, 7, 2, 3], 1, GREEDY, None).draft_ids.tolist() == [9]
+    assert ngram.propose([1, 2, 5, 9, 2], 1, GREEDY, None).draft_ids.tolist() == [5]
+    assert ngram.propose([1, 2, 7, 9, 2], 1, GREEDY, None).draft_ids.tolist() == [7]
+
+    store = TokenStore([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10]], 20)
+    proposer = SuffixProposer(store, (3, 2, 1))
+    assert proposer.propose([1, 2, 11, 1, 2], 3, GREEDY, None).draft_ids.tolist() == [11, 1, 2]  # request's 2-gram
+    assert proposer.propose([2, 9, 1, 2], 3, GREEDY, None).draft_ids.tolist() == [3, 4, 5]  # store over a 1-gram
+
+    store = TokenStore([[1, 2, 3, 4, 5], [9, 2, 3, 4, 6], [8, 2, 3, 4, 6]], 20)
+    four = SuffixProposer(store, (3, 2, 1))
+    assert four.plan([0, 1, 2, 3, 4])[0] == ("store", 4)
+    assert four.propose([0, 1, 2, 3, 4], 1, GREEDY, None).draft_ids.tolist() == [5]  # not 6, the 3-gram's majority
+
+    many = TokenStore([[1, 2, 3]] * 1100 + [[1, 2, 4]] * 2000, 8)
+    assert many.continuation([1, 2], 1) == [4]
+
+
+def test_a_power_of_two_vocabulary_keeps_its_last_id_apart_from_the_separator():
+    """The separator lies beyond every id: with 16 tokens, id 15 is a token (a separator of
+    2**4 - 1 ended documents there), and with 15 tokens an id of 15 is refused, not read
+    as a break (a mutation audit)."""
+    store = TokenStore([[1, 15, 2], [3]], 16)
+    assert store.continuation([1], 2, min_n=1) == [15, 2]
+    with pytest.raises(ConfigError, match="outside"):
+        TokenStore([[1, 15]], 15)

@@ -183,6 +183,25 @@ def test_streaming_holds_back_a_possible_stop_prefix(tokenizer):
         tracker.add(token)
         pieces.append(tracker.delta())
     assert "".join(pieces) + tracker.delta(final=True) == "go START"
+    # every prefix up to one character short of the stop is held back (a mutation audit:
+    # holding back two characters at most passed the "ST" above)
+    tracker, pieces = TextTracker(tokenizer, ("STOP",)), []
+    for token in encode(tokenizer, "go STO"):
+        tracker.add(token)
+        pieces.append(tracker.delta())
+    assert "".join(pieces) == "go "
+
+
+def test_of_two_stops_the_one_that_starts_first_cuts_the_text():
+    """One token completes two stop strings: the text ends where the earlier one starts,
+    and that one is the stop reason, whatever the order they were listed in (a mutation
+    audit: the first listed passed the tests)."""
+    tokenizer = byte_level_tokenizer(merges=[("b", "c")])
+    ids = encode(tokenizer, "abc")
+    assert len(ids) == 2  # "a", "bc": the second token completes both stops
+    tracker = TextTracker(tokenizer, ("c", "b"))
+    assert [tracker.add(token) for token in ids] == [False, True]
+    assert tracker.text == "a" and tracker.stop_reason == "b"
 
 
 def sentencepiece_word_tokenizer():

@@ -321,3 +321,15 @@ def test_the_engines_tree_steps_count_rejections_and_depths_as_the_walk_went(tin
         stats = result.stats
         assert (stats.rejections, stats.drafted_per_position, stats.accepted_per_position) == (
             rejections, [1, 1], accepted), name
+
+
+def test_a_second_sibling_the_target_wants_is_accepted():
+    """Where the first child is rejected, the next sibling is tried against the residual:
+    the target wants only the second child's token, so that child is accepted on every
+    draw (a mutation audit: trying the first child alone stayed lossless, the bonus then
+    drawing the same token, and passed every distribution test)."""
+    tree = Tree(torch.tensor([0, 1]), torch.tensor([0, 0]))
+    target_probs = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    for seed in range(20):
+        path, bonus = tree_rejection_sample(tree, target_probs, None, torch.Generator().manual_seed(seed))
+        assert (path, bonus) == ([2], 2)

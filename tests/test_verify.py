@@ -87,6 +87,18 @@ def test_rejection_sample_certain_cases():
     assert output.tolist() == [[1, PAD_ID, PAD_ID]] and accepted.tolist() == [0]
 
 
+def test_a_draft_the_target_never_draws_is_rejected_even_at_a_zero_uniform(monkeypatch):
+    """Acceptance is u < p/q: at u = 0 a draft of target probability 0 (outside its top-k,
+    say) is still rejected (a mutation audit: u <= p/q passed every other test)."""
+    from specdecode.verify import chain
+
+    monkeypatch.setattr(chain.torch, "rand", lambda *args, **kwargs: torch.zeros(*args[:2], dtype=kwargs.get("dtype")))
+    draft_probs = torch.tensor([[[1.0, 0.0, 0.0]]])
+    target = torch.tensor([[[0.0, 0.5, 0.5], [0.0, 0.5, 0.5]]])
+    output, accepted = rejection_sample(torch.tensor([[0]]), draft_probs, target, torch.Generator().manual_seed(0))
+    assert accepted.tolist() == [0] and output[0, 0].item() in (1, 2)
+
+
 def test_rejection_sample_is_seeded():
     probs = torch.softmax(torch.randn(8, 4, 10, generator=torch.Generator().manual_seed(1)), -1)
     drafts = torch.randint(0, 10, (8, 3), generator=torch.Generator().manual_seed(2))
