@@ -23,7 +23,7 @@ from .config import ConfigError, SamplingParams, SpecDecodeError
 from .control.policies import FixedK, KPolicy
 from .metrics import GenerationStats
 from .models import synchronize
-from .proposers.base import Proposal, Proposer, check_drafter, drafts_in_vocab, hidden_size_of
+from .proposers.base import Proposal, Proposer, check_capture, check_drafter, drafts_in_vocab, hidden_size_of
 from .text import TextTracker
 from .verify.chain import coupled_verify, greedy_tokens, greedy_verify_rows, rejection_sample
 from .verify.tree import coupled_tree_verify, greedy_tree_verify, tree_rejection_sample
@@ -169,6 +169,7 @@ class SpeculativeEngine:
         if proposer is not None:
             check_drafter(proposer, target.vocab_size, hidden_size_of(target))
             check_own_cache(proposer, target)
+            check_capture(proposer, target)
             if getattr(target, "rolls_back", True) is False:  # before any request (found in review: mid-request)
                 raise SpecDecodeError(f"{target.describe()} keeps a recurrent state that cannot be rolled back past "
                                       "rejected drafts: speculative decoding cannot run on it (use --method none)")

@@ -50,6 +50,30 @@ def check_drafter(proposer, vocab_size: int, hidden_size: int | None = None) -> 
                               "rejected drafts: it cannot draft (use another draft model or method)")
 
 
+def check_capture(proposer, target) -> None:
+    """A head drafter (EAGLE, Medusa, a merged tree) reads the target's layer states: the
+    target must hand them over (the native runtime does; transformers' adapter does not),
+    and have the layers the head reads. Checked before any request (found in review: a
+    TypeError from the transformers adapter at the first prefill, and a head for a deeper
+    target failed mid-request naming no drafter)."""
+    import inspect
+
+    layers = tuple(getattr(proposer, "capture", ()) or ())
+    if not layers:
+        return
+    name = getattr(proposer, "name", type(proposer).__name__)
+    forward = getattr(target, "forward", None)
+    if forward is None or "capture" not in inspect.signature(forward).parameters:
+        describe = getattr(target, "describe", None)
+        raise SpecDecodeError(f"the {name} drafter reads the target's layer states, which "
+                              f"{describe() if describe else type(target).__name__} does not hand over: "
+                              "run the target on the native runtime (--runtime native) or use another method")
+    depth = getattr(target, "num_layers", None)
+    if depth is not None and max(layers) > depth:
+        raise SpecDecodeError(f"the {name} drafter reads the target's layer states {list(layers)}, but the target "
+                              f"has {depth} layers: it was made for another target")
+
+
 def hidden_size_of(runtime) -> int | None:
     """The target's hidden size (the native runtime's config, or transformers'), None if unknown."""
     config = getattr(runtime, "cfg", None) or getattr(getattr(runtime, "model", None), "config", None)

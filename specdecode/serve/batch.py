@@ -56,7 +56,7 @@ from ..config import SamplingParams, SpecDecodeError
 from ..engine import check_prompt, commit_tokens, ended_at_eos, past_the_end, verify_chain
 from ..metrics import GenerationStats
 from ..models import synchronize
-from ..proposers.base import Proposal, check_drafter, drafts_in_vocab, hidden_size_of
+from ..proposers.base import Proposal, check_capture, check_drafter, drafts_in_vocab, hidden_size_of
 from ..text import TextTracker
 from ..verify.sampling import PositionUniforms, seeded_generator
 
@@ -252,6 +252,7 @@ class BatchEngine:
             proposer = self.make_drafter()
         if proposer is not None:
             check_drafter(proposer, self.runtime.vocab_size, hidden_size_of(self.runtime))
+            check_capture(proposer, self.runtime)
         if proposer is not None and policy is None:
             policy = self.make_policy() if self.make_policy is not None else 1
         if isinstance(policy, int):
