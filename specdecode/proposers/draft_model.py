@@ -8,11 +8,15 @@ Rejected drafts leave its cache by a pointer rollback, as in the target.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..config import SamplingParams
-from ..verify.sampling import logits_to_probs, sample
+from ..verify.sampling import NonFiniteLogitsError, argmax_ids, logits_to_probs, sample
 from .base import Proposal
+
+logger = logging.getLogger("specdecode")
 
 
 class DraftModelProposer:
@@ -76,16 +80,28 @@ class DraftModelProposer:
         logits = self._sync(tokens)  # [V]
         draft_ids, draft_probs = [], []
         for position in range(k):
-            if params.greedy:
-                token = int(logits.argmax())
-            else:
-                probs = logits_to_probs(logits, params)
-                token = int(sample(probs, generator))
+            try:
+                if params.greedy:
+                    token = int(argmax_ids(logits))
+                else:
+                    probs = logits_to_probs(logits, params)
+                    token = int(sample(probs, generator))
+            except NonFiniteLogitsError:
+                # the draft overflowed: it drafts no more in this request, which goes on as the
+                # target decodes it (found in review: greedy drafted the NaN's index, and a
+                # sampled request failed, blaming the model, over a proposal)
+                logger.warning("the draft model's logits hold a NaN or an infinity; it drafts no more in this "
+                               "request (try --dtype fp32 for the draft)")
+                self.readable = -1
+                break
+            if not params.greedy:
                 draft_probs.append(probs)
             draft_ids.append(token)
             if position < k - 1:
                 logits = self._fit(self.runtime(torch.tensor([[token]]))[0, -1])
                 self.cached.append(token)
+        if not draft_ids:
+            return Proposal.empty()
         return Proposal(
             torch.tensor(draft_ids, dtype=torch.int64),
             torch.stack(draft_probs) if draft_probs else None,
