@@ -207,6 +207,71 @@ def test_engine_sampling_matches_target_distribution(tmp_path, drafter):
     assert p_value > 1e-3, p_value
 
 
+def test_a_draft_model_whose_logits_overflow_stops_drafting_and_the_request_goes_on(tmp_path, caplog):
+    """A NaN in the draft model's logits: greedy and sampled requests alike go on (greedy:
+    plain decoding's tokens), the draft drafting no more, and a warning says why (found in
+    review: greedy drafted the NaN's index, and a sampled request failed blaming the model)."""
+    target = load_model(save_tiny_model(tmp_path / "t", seed=40, num_layers=2), torch.float32)
+    draft = load_model(save_tiny_model(tmp_path / "d", seed=41, num_layers=1), torch.float32)
+
+    class Overflowing:  # the draft's runtime, its logits NaN at token 5 from the third pass on
+        def __init__(self, runtime):
+            self.inner, self.passes = runtime, 0
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def __call__(self, *args, **kwargs):
+            logits = self.inner(*args, **kwargs).clone()
+            self.passes += 1
+            if self.passes >= 3:
+                logits[..., 5] = float("nan")
+            return logits
+
+    plain = SpeculativeEngine(target.runtime)
+    for params in (SamplingParams(max_new_tokens=12, ignore_eos=True),
+                   SamplingParams(temperature=0.8, seed=1, max_new_tokens=12, ignore_eos=True)):
+        runtime = Overflowing(draft.runtime)
+        engine = SpeculativeEngine(target.runtime, proposer=DraftModelProposer(runtime), k=3)
+        with caplog.at_level("WARNING", logger="specdecode"):
+            result = engine.generate([5, 9, 11], params)
+        if params.greedy:
+            assert result.token_ids == plain.generate([5, 9, 11], params).token_ids
+        assert len(result.token_ids) == 12
+        assert result.stats.draft_tokens == 2 and runtime.passes == 3  # the third pass's logits overflowed
+        assert "drafts no more in this request" in caplog.text
+        caplog.clear()
+
+
+def test_a_sampled_draft_models_probabilities_are_the_processed_ones_it_drew_from(tmp_path):
+    """Each sampled draft carries the distribution it was drawn from: temperature, top-k
+    and top-p applied, as a fresh pass gives them (a review: handing the verifier the
+    distribution without top-k or top-p passed the engine's distribution test, whose tiny
+    vocabulary leaves the cuts almost nothing to cut)."""
+    from specdecode.models.llama import load_native
+
+    draft_dir = save_tiny_model(tmp_path / "d", seed=41, num_layers=1)
+    proposer = DraftModelProposer(load_model(draft_dir, torch.float32).runtime)
+    reference = load_native(draft_dir, torch.float32)
+    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.6, max_new_tokens=8)
+    generator = torch.Generator().manual_seed(0)
+    tokens = [5, 9, 11, 40, 7]
+    proposer.start(tokens, 64)
+    cut = []  # the mass top-k and top-p removed at each draft
+    for _ in range(4):
+        proposal = proposer.propose(tokens, 3, params, generator)
+        drafts = proposal.draft_ids.tolist()
+        for i in range(3):
+            reference.reset(len(tokens) + 4)
+            logits = reference(torch.tensor([tokens + drafts[:i]]))[0, -1]
+            expected = logits_to_probs(logits, params)
+            uncut = logits_to_probs(logits, dataclasses.replace(params, top_k=0, top_p=1.0))
+            cut.append(float(uncut[expected == 0].sum()))
+            assert torch.allclose(proposal.draft_probs[i], expected, atol=1e-6), i
+        tokens = tokens + drafts[:1] + [(drafts[0] + 3) % 90 + 3]  # one accepted, then a correction
+    assert min(cut) > 0.1  # the cuts remove real mass here
+
+
 @pytest.mark.parametrize("plain_steps", [False, True])
 def test_draft_model_proposals_follow_the_committed_sequence(tmp_path, plain_steps):
     """The draft model's cache must track the committed tokens through rejections and full

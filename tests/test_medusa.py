@@ -18,10 +18,24 @@ from specdecode.proposers.medusa import MedusaConfig, MedusaHeads, MedusaPropose
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
 
 
+def with_a_random_final_norm(directory, seed: int):
+    """The checkpoint with its final norm's weights drawn in [0.5, 1.5) (transformers leaves
+    them all 1, so heads that skipped the norm's weights passed every test: a review)."""
+    from safetensors.torch import load_file, save_file
+
+    path = directory / "model.safetensors"
+    tensors = load_file(str(path))
+    generator = torch.Generator().manual_seed(seed)
+    tensors["model.norm.weight"] = 0.5 + torch.rand(tensors["model.norm.weight"].shape, generator=generator)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return directory
+
+
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
     root = tmp_path_factory.mktemp("medusa")
-    return [load_model(save_tiny_model(root / f"t{s}", seed=s, num_layers=3), torch.float32, backend=backend)
+    return [load_model(with_a_random_final_norm(save_tiny_model(root / f"t{s}", seed=s, num_layers=3), s),
+                       torch.float32, backend=backend)
             for s, backend in ((40, "torch"), (41, "kernels"))]
 
 
@@ -141,6 +155,24 @@ def test_kernel_drafts_agree_with_torch_drafts(targets):
             same += sum(x == y for x, y in zip(a, b))
             total += 3
     assert same >= 0.9 * total, (same, total)
+
+
+def test_fewer_drafts_than_heads_are_the_first_heads_guesses(targets):
+    """k below the number of heads drafts the first k heads' guesses, on torch and on the
+    kernels (a review: taking the last k heads passed, the other tests comparing the
+    proposer with the same slicing, or at k = the head count only)."""
+    for target in targets:
+        for kernels in (False, True):
+            heads = random_heads(target, 5, heads=3)
+            proposer = MedusaProposer(heads, target.runtime.num_layers, kernels=kernels)
+            for length in (4, 7, 11):
+                committed = [(5 * i + 3) % 90 + 3 for i in range(length)]
+                proposer.start(committed, 40)
+                proposer.observe(0, last_layer_states(target, committed[:-1]), committed)
+                every = proposer.propose(committed, 3, GREEDY, None).draft_ids.tolist()
+                assert len(set(every)) > 1  # the heads guess differently: a wrong slice shows
+                for k in (1, 2):
+                    assert proposer.propose(committed, k, GREEDY, None).draft_ids.tolist() == every[:k], (k, kernels)
 
 
 def test_seeded_sampling_with_medusa_draws_plain_samplings_tokens(targets):
@@ -411,3 +443,23 @@ def test_check_calibrates_heads_at_the_most_they_draft_by_default(targets, tmp_p
     calibrate(str(target.source.path), str(tmp_path / "heads"), dtype="fp32")
     calibrate(str(target.source.path), "ngram", dtype="fp32")
     assert seen == [3, 5]
+
+
+def test_a_head_drafter_on_a_target_that_cannot_give_its_states_is_refused_up_front(targets, tmp_path):
+    """Heads read the target's layer states: a transformers target (no capture) and a target
+    shallower than the heads' layer are refused when the engine is built or the request
+    added, naming the drafter (found in review: a TypeError at the first prefill, and a
+    mid-request error that named no drafter)."""
+    from specdecode.serve.batch import BatchEngine
+
+    target = targets[0]
+    heads = random_heads(target, 0)
+    hf = load_model(save_tiny_model(tmp_path / "hf", seed=40, num_layers=3), torch.float32, runtime="hf")
+    with pytest.raises(SpecDecodeError, match="medusa drafter reads the target's layer states, which transformers"):
+        SpeculativeEngine(hf.runtime, proposer=MedusaProposer(heads, 3, kernels=False), k=3)
+    with pytest.raises(SpecDecodeError, match=r"layer states \[5\], but the target has 3 layers"):
+        SpeculativeEngine(target.runtime, proposer=MedusaProposer(heads, 5, kernels=False), k=3)
+    engine = BatchEngine(target.runtime, max_num_seqs=1, max_model_len=32)
+    with pytest.raises(SpecDecodeError, match="but the target has 3 layers"):
+        engine.add([5, 6, 7], GREEDY, proposer=MedusaProposer(heads, 5, kernels=False), policy=2)
+    assert not engine.waiting and not engine.running
