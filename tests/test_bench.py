@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -502,3 +503,133 @@ def test_a_sampled_requests_seed_depends_on_the_prompt_and_turn_as_recorded():
     assert "[:8], 'little') >> 2" in SEED_RULE
     seeds = {request_seed(7, f"q{i}", turn) for i in range(50) for turn in (1, 2)}
     assert len(seeds) == 100 and all(0 <= s < 2 ** 62 for s in seeds)
+
+
+class _Clock:
+    """A stand-in for bench-serve's ``time``: perf_counter reads ``now``, set by the fake server."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+    def __getattr__(self, name):
+        import time
+
+        return getattr(time, name)
+
+
+def _fake_server(clock, streams, metrics=""):
+    """An httpx transport answering chat requests with the next of ``streams``: each a list
+    of (time, SSE payload) read at that time, or an int status code; /metrics with ``metrics``."""
+    import httpx
+
+    pending = list(streams)
+
+    class Stream(httpx.AsyncByteStream):
+        def __init__(self, events):
+            self.events = events
+
+        async def __aiter__(self):
+            for at, payload in self.events:
+                clock.now = at
+                yield f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
+
+    def handler(request):
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=metrics)
+        events = pending.pop(0)
+        if isinstance(events, int):
+            return httpx.Response(events, json={"error": {"message": "queue full"}})
+        return httpx.Response(200, stream=Stream(events), headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handler)
+
+
+def _chat_stream(start, times, tokens):
+    """A role-only first chunk at ``start``, one content chunk at each of ``times``, then the
+    usage chunk and [DONE] at the last time."""
+    events = [(start, {"choices": [{"delta": {"role": "assistant"}}]})]
+    events += [(t, {"choices": [{"delta": {"content": "x"}}]}) for t in times]
+    return events + [(times[-1], {"choices": [], "usage": {"completion_tokens": tokens}}), (times[-1], "[DONE]")]
+
+
+def test_bench_serve_figures_from_a_stream_of_known_timings(monkeypatch):
+    """TTFT at the first content (not the role-only chunk), ITL between contents, TPOT as
+    vLLM's (e2e - TTFT) / (tokens - 1), E2E and output tokens of the successful requests
+    only, throughput over the level's wall time, p99 by linear interpolation (a review: each
+    of these could change without a test failing)."""
+    import asyncio
+
+    import httpx
+
+    from specdecode.bench import serve as serve_bench
+
+    clock = _Clock()
+    monkeypatch.setattr(serve_bench, "time", clock)
+    # the last request fails after its usage chunk: its tokens do not count
+    broken = _chat_stream(2.0, [2.0], 3)[:-1] + [(2.0, {"error": {"message": "internal error"}})]
+    transport = _fake_server(clock, [_chat_stream(0.1, [0.3, 0.5, 0.9], 5), 503,
+                                     _chat_stream(1.0, [1.2, 1.3, 1.4, 2.0], 9), broken])
+    real_client = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kwargs: real_client(transport=transport, **kwargs))
+    row = asyncio.run(serve_bench.run_level("http://bench", "m", ["a", "b", "c", "d"], 9, "spec", 1, None, 0))
+    assert row["requests"] == 4 and row["failed"] == 2 and "HTTP 503" in row["errors"][0]
+    assert row["output_tokens"] == 5 + 9
+    assert row["wall_seconds"] == pytest.approx(2.0)
+    assert row["output_throughput"] == pytest.approx(14 / 2.0)
+    # one client: the 503 is sent when the first stream ends (0.9 s), the third request then
+    assert row["ttft"]["mean"] == pytest.approx(0.3)  # 0.3 - 0 and 1.2 - 0.9, not the role-only chunks
+    assert row["e2e"]["mean"] == pytest.approx((0.9 + 1.1) / 2)  # the 503 not among them
+    assert row["tpot"]["mean"] == pytest.approx(((0.9 - 0.3) / 4 + (2.0 - 1.2) / 8) / 2)
+    gaps = [0.2, 0.4, 0.1, 0.1, 0.6]
+    assert row["itl"]["p50"] == pytest.approx(0.2)
+    assert row["itl"]["p99"] == pytest.approx(float(np.percentile(gaps, 99)))
+    assert row["itl"]["p99"] != pytest.approx(float(np.percentile(gaps, 98)))
+
+
+def test_bench_serve_sleeps_between_poisson_arrivals_only(monkeypatch):
+    """No gap after the last arrival: it stretched the level's wall time (found in review)."""
+    import asyncio
+
+    import httpx
+
+    from specdecode.bench import serve as serve_bench
+
+    clock = _Clock()
+    monkeypatch.setattr(serve_bench, "time", clock)
+    transport = _fake_server(clock, [_chat_stream(0.0, [0.1, 0.2], 2) for _ in range(3)])
+    real_client = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kwargs: real_client(transport=transport, **kwargs))
+    sleeps = []
+
+    async def no_sleep(seconds):
+        sleeps.append(seconds)
+
+    monkeypatch.setattr(serve_bench.asyncio, "sleep", no_sleep)
+    row = asyncio.run(serve_bench.run_level("http://bench", "m", ["a", "b", "c"], 2, "spec", None, 5.0, 0))
+    assert row["requests"] == 3 and row["failed"] == 0 and len(sleeps) == 2
+
+
+def test_bench_serve_ratios_leave_out_rounds_with_failures_or_a_plain_row_that_drafted(capsys):
+    """A round where some requests failed, or where the "plain" server drafted (one that
+    ignores ``speculative``), says nothing of spec against plain: it is left out of the
+    ratios and named (found in review: both entered the median)."""
+    from specdecode.bench.serve import print_summary, ratio_summary
+
+    def row(round_, mode, tok_s, failed=0, drafts=0.0):
+        return {"round": round_, "mode": mode, "concurrency": 1, "request_rate": None, "requests": 8,
+                "failed": failed, "output_throughput": tok_s, "drafts": drafts}
+
+    rows = [row(0, "spec", 130.0), row(0, "plain", 100.0),
+            row(1, "spec", 200.0, failed=5), row(1, "plain", 100.0),
+            row(2, "spec", 120.0), row(2, "plain", 118.0, drafts=40.0)]
+    (entry,) = ratio_summary(rows)
+    assert entry["spec_over_plain"] == {"median": pytest.approx(1.3), "min": pytest.approx(1.3),
+                                        "max": pytest.approx(1.3), "rounds": 1}
+    assert [left["round"] for left in entry["left_out"]] == [1, 2]
+    print_summary([entry], 3)
+    out = capsys.readouterr().out
+    assert "round 1 left out of the ratios: spec: 5 of 8 requests failed" in out
+    assert "round 2 left out of the ratios: plain: the server drafted 40 times" in out

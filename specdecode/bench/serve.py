@@ -252,17 +252,32 @@ def redacted(serve_args: list[str]) -> list[str]:
     return shown
 
 
+def unfit(row: dict) -> str | None:
+    """Why a row's throughput cannot enter a ratio, None if it can: some of its requests
+    failed (a fast 503 refusal shortens the wall time, and the tokens are the successful
+    ones), or a plain row's server drafted meanwhile (a server that ignores our
+    ``speculative`` field, vLLM's for one: its "plain" speculated, and the ratio read about
+    1.00x; found in review)."""
+    if row.get("failed"):
+        return f"{row['mode']}: {row['failed']} of {row['requests']} requests failed"
+    if row["mode"] == "plain" and row.get("drafts"):
+        return f"plain: the server drafted {int(row['drafts'])} times (it ignored speculative.enabled false)"
+    return None
+
+
 def ratio_summary(rows: list[dict]) -> list[dict]:
     """Per level (concurrency or rate): each mode's median output throughput over the
     rounds, and the median, min and max of the rounds' own ratios: spec against plain at
-    that level, and plain at that level against plain at the lowest concurrency."""
+    that level, and plain at that level against plain at the lowest concurrency. Rows
+    ``unfit`` for a ratio are left out of both, and listed under ``left_out``."""
     def key(row):
         return row["concurrency"] or row["request_rate"]
 
     rounds = sorted({row.get("round", 0) for row in rows})
     levels = sorted({key(row) for row in rows})
     by = {(row.get("round", 0), key(row), row["mode"]): row["output_throughput"] for row in rows
-          if row["output_throughput"] is not None}  # a level whose requests all failed has none
+          if row["output_throughput"] is not None and not unfit(row)}  # a level whose requests all failed has none
+    left_out = {(row.get("round", 0), key(row)): unfit(row) for row in rows if unfit(row)}
 
     def spread(values: list[float]) -> dict | None:
         if not values:
@@ -279,6 +294,7 @@ def ratio_summary(rows: list[dict]) -> list[dict]:
             entry[f"{mode}_tok_s"] = statistics.median(values) if values else None
         entry["spec_over_plain"] = spread([by[r, level, "spec"] / by[r, level, "plain"] for r in rounds
                                            if by.get((r, level, "spec")) and by.get((r, level, "plain"))])
+        entry["left_out"] = [{"round": r, "why": why} for (r, at), why in sorted(left_out.items()) if at == level]
         entry["plain_over_lowest"] = None
         if lowest is not None and level != lowest:
             entry["plain_over_lowest"] = spread([by[r, level, "plain"] / by[r, lowest, "plain"] for r in rounds
@@ -302,6 +318,8 @@ def print_summary(summary: list[dict], rounds: int) -> None:
         plain = "-" if entry["plain_tok_s"] is None else f"{entry['plain_tok_s']:.1f}"
         print(f"{entry['level']:>6} {spec:>11} {plain:>12} {ratio(entry['spec_over_plain']):>22} "
               f"{ratio(entry['plain_over_lowest']) if lowest else '':>24}")
+        for left in entry.get("left_out", []):
+            print(f"{'':>6} round {left['round']} left out of the ratios: {left['why']}")
 
 
 def print_table(rows: list[dict]) -> None:
