@@ -321,7 +321,9 @@ def _table_rows(result: dict) -> list[list[str]]:
     return rows
 
 
-HEADER = ["T", "method", "category", "n", "alpha", "var", "tau", "acceptance by position (tree depth) 1..6, mean over prompts",
+# alpha and its variance are over prompts (each prompt one vote, as the literature's rule
+# reads them); tau is pooled over the passes (a review: the column did not say which)
+HEADER = ["T", "method", "category", "n", "alpha, mean over prompts", "var", "tau, pooled", "acceptance by position (tree depth) 1..6, mean over prompts",
           "predicted", "measured", "error", "same", "by acceptance"]
 
 
