@@ -18,7 +18,8 @@ Definitions, stated once:
   num_accepted_tokens_per_pos / num_drafts, as bench-serve reports it): the two agree where
   every step drafts the same number of tokens; with k auto, or a lookup that finds a
   shorter match, ours is the acceptance of the drafts that were made, and only vLLM's sums
-  to tau - 1.
+  to the mean acceptance length - 1 (accepted per drafting step; tau - 1 where every pass
+  drafts).
 - tokens_per_s = new tokens / wall time of the whole request, prefill included;
   decode_tokens_per_s excludes the prefill.
 """

@@ -8,8 +8,9 @@ c = draft cost per token / one target decode step.
   eq. 1): tau = (1 - alpha^(k+1)) / (1 - alpha).
 - From measured per-position acceptance p_i, the share of *all* drafting steps in which
   the first i drafts were all accepted (vLLM's num_accepted_tokens_per_pos / num_drafts):
-  tau = 1 + sum_i p_i. (``GenerationStats.acceptance_per_position`` divides by the steps
-  that drafted position i; the two agree where every step drafts k tokens.)
+  tau = 1 + sum_i p_i over the drafting steps (vLLM's mean acceptance length; over all
+  passes where every pass drafts). (``GenerationStats.acceptance_per_position`` divides by
+  the steps that drafted position i; the two agree where every step drafts k tokens.)
 - Acceptance is rarely independent per position: a draft that got its first token right
   is usually copying or continuing something, and its next tokens are right more often
   (n-gram matches run in bursts). With rate ``first`` at position 1 and ``later`` at each
