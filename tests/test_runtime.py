@@ -150,6 +150,27 @@ def test_a_larger_cache_replaces_the_old_one_instead_of_joining_it(tiny_llama_di
     runtime(torch.tensor([[1, 2, 3]]))  # the new cache is bound and used
     assert runtime.length == 3
 
+    # the values' allocation fails: no cache is kept, a step is refused, the next reset makes one
+    calls = []
+
+    def failing_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return zeros(*args, **kwargs)
+
+    monkeypatch.setattr(llama.torch, "zeros", failing_second)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        runtime.reset(128)
+    monkeypatch.undo()
+    assert runtime.capacity == 0 and runtime.k_cache is None and runtime.v_cache is None
+    with pytest.raises(SpecDecodeError, match="exceeds the KV cache capacity 0"):
+        runtime(torch.tensor([[1, 2]]))
+    runtime.reset(16)
+    expected = load_native(tiny_llama_dir, torch.float32, backend="kernels" if kernels else "torch")
+    expected.reset(16)
+    assert torch.equal(runtime(torch.tensor([[1, 2, 3]])), expected(torch.tensor([[1, 2, 3]])))
+
 
 def test_rollback_is_pointer_move_and_overwrites(tiny_llama_dir):
     runtime = load_native(tiny_llama_dir, torch.float32)

@@ -728,12 +728,15 @@ class NativeRuntime:
         shape = (self.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
         if self.k_cache is None or self.k_cache.shape[1] != batch or self.k_cache.shape[3] < capacity:
             # the old cache goes before the new one is allocated: holding both briefly took
-            # the sum of the two at the peak (capacity 0 refuses a step if allocating fails)
+            # the sum of the two at the peak. Both are made before either is kept: where one
+            # fails, there is no cache (capacity 0 refuses a step) and the next reset makes
+            # one (a half-made pair kept its size, so no later reset replaced it)
             self.k_cache = self.v_cache = None
             if self.graphs is not None:  # recorded over the old cache: their memory goes now, not at the next step
                 self.graphs.drop()
-            self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.k_cache, self.v_cache = keys, values
             if self.kernels is not None:
                 self.kernels.bind_cache(self.k_cache, self.v_cache)
         self.length = 0
