@@ -623,13 +623,21 @@ def test_bench_serve_ratios_leave_out_rounds_with_failures_or_a_plain_row_that_d
                 "failed": failed, "output_throughput": tok_s, "drafts": drafts}
 
     rows = [row(0, "spec", 130.0), row(0, "plain", 100.0),
-            row(1, "spec", 200.0, failed=5), row(1, "plain", 100.0),
+            row(1, "spec", 200.0, failed=5), row(1, "plain", 100.0, failed=1),
             row(2, "spec", 120.0), row(2, "plain", 118.0, drafts=40.0)]
-    (entry,) = ratio_summary(rows)
-    assert entry["spec_over_plain"] == {"median": pytest.approx(1.3), "min": pytest.approx(1.3),
-                                        "max": pytest.approx(1.3), "rounds": 1}
-    assert [left["round"] for left in entry["left_out"]] == [1, 2]
-    print_summary([entry], 3)
+    wider = [{**r, "concurrency": 4, "output_throughput": 2 * r["output_throughput"], "failed": 0, "drafts": 0.0}
+             for r in rows]
+    one, four = ratio_summary(rows + wider)
+    assert one["spec_over_plain"] == {"median": pytest.approx(1.3), "min": pytest.approx(1.3),
+                                      "max": pytest.approx(1.3), "rounds": 1}
+    assert one["spec_tok_s"] == 125.0  # of 130 and 120: the failed round's 200 is in no median
+    assert [(left["round"], left["mode"]) for left in one["left_out"]] == [(1, "spec"), (1, "plain"), (2, "plain")]
+    # at concurrency 4 every row is fit: spec/plain uses every round; plain/plain@1 only round 0
+    assert four["spec_over_plain"]["rounds"] == 3 and four["plain_over_lowest"]["rounds"] == 1
+    assert [(left["round"], left["level"]) for left in four["left_out"]] == [(1, 1), (2, 1)]
+    print_summary([one, four], 3)
     out = capsys.readouterr().out
     assert "round 1 left out of the ratios: spec: 5 of 8 requests failed" in out
+    assert "round 1 left out of the ratios: plain: 1 of 8 requests failed" in out
     assert "round 2 left out of the ratios: plain: the server drafted 40 times" in out
+    assert "round 2 left out of the ratios at level 1: plain: the server drafted 40 times" in out

@@ -257,7 +257,7 @@ def unfit(row: dict) -> str | None:
     failed (a fast 503 refusal shortens the wall time, and the tokens are the successful
     ones), or a plain row's server drafted meanwhile (a server that ignores our
     ``speculative`` field, vLLM's for one: its "plain" speculated, and the ratio read about
-    1.00x; found in review)."""
+    1.00x; found in review). Such a row enters no ratio and no median of its mode."""
     if row.get("failed"):
         return f"{row['mode']}: {row['failed']} of {row['requests']} requests failed"
     if row["mode"] == "plain" and row.get("drafts"):
@@ -277,7 +277,8 @@ def ratio_summary(rows: list[dict]) -> list[dict]:
     levels = sorted({key(row) for row in rows})
     by = {(row.get("round", 0), key(row), row["mode"]): row["output_throughput"] for row in rows
           if row["output_throughput"] is not None and not unfit(row)}  # a level whose requests all failed has none
-    left_out = {(row.get("round", 0), key(row)): unfit(row) for row in rows if unfit(row)}
+    left_out = [{"round": row.get("round", 0), "level": key(row), "mode": row["mode"], "why": unfit(row)}
+                for row in rows if unfit(row)]
 
     def spread(values: list[float]) -> dict | None:
         if not values:
@@ -294,7 +295,11 @@ def ratio_summary(rows: list[dict]) -> list[dict]:
             entry[f"{mode}_tok_s"] = statistics.median(values) if values else None
         entry["spec_over_plain"] = spread([by[r, level, "spec"] / by[r, level, "plain"] for r in rounds
                                            if by.get((r, level, "spec")) and by.get((r, level, "plain"))])
-        entry["left_out"] = [{"round": r, "why": why} for (r, at), why in sorted(left_out.items()) if at == level]
+        # the rows this level's ratios left out: its own, and the lowest level's plain rows
+        # that plain_over_lowest needed
+        entry["left_out"] = [left for left in left_out if left["level"] == level
+                             or (lowest is not None and level != lowest and left["level"] == lowest
+                                 and left["mode"] == "plain")]
         entry["plain_over_lowest"] = None
         if lowest is not None and level != lowest:
             entry["plain_over_lowest"] = spread([by[r, level, "plain"] / by[r, lowest, "plain"] for r in rounds
@@ -319,7 +324,8 @@ def print_summary(summary: list[dict], rounds: int) -> None:
         print(f"{entry['level']:>6} {spec:>11} {plain:>12} {ratio(entry['spec_over_plain']):>22} "
               f"{ratio(entry['plain_over_lowest']) if lowest else '':>24}")
         for left in entry.get("left_out", []):
-            print(f"{'':>6} round {left['round']} left out of the ratios: {left['why']}")
+            where = "" if left.get("level", entry["level"]) == entry["level"] else f" at level {left['level']}"
+            print(f"{'':>6} round {left['round']} left out of the ratios{where}: {left['why']}")
 
 
 def print_table(rows: list[dict]) -> None:
