@@ -481,11 +481,12 @@ def _fingerprint_mark(path: Path) -> str:
 
 def checkpoint_mark(directory: Path) -> str:
     """Fingerprints of a checkpoint directory's config.json and first weight file, and the
-    names and sizes of the others (a sharded checkpoint saved over another with only a later
-    shard changed kept the key; hashing every shard of a large model would cost its load)."""
-    shards = sorted(directory.glob("*.safetensors"))
+    names, sizes and modification times of the others (a sharded checkpoint saved over
+    another with only a later shard changed kept the key; hashing every shard of a large
+    model would cost its load). A copy of the checkpoint elsewhere is measured anew once."""
+    shards = sorted(shard for shard in directory.glob("*.safetensors") if shard.is_file())
     weights = shards[0] if shards else directory / "model.safetensors"
-    others = "".join(f" {shard.name}:{shard.stat().st_size}" for shard in shards[1:])
+    others = "".join(f" {shard.name}:{shard.stat().st_size}:{shard.stat().st_mtime_ns}" for shard in shards[1:])
     return _fingerprint_mark(directory / "config.json") + _fingerprint_mark(weights) + others
 
 

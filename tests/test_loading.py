@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -600,5 +601,9 @@ def test_the_checkpoint_mark_follows_every_shard(tmp_path):
     before = checkpoint_mark(tmp_path)
     second.write_bytes(b"b" * 96)
     assert checkpoint_mark(tmp_path) != before
-    (tmp_path / "model-00003-of-00003.safetensors").write_bytes(b"c")
-    assert checkpoint_mark(tmp_path).count(":") == 4  # two hashes and two shards by name and size
+    before = checkpoint_mark(tmp_path)
+    second.write_bytes(b"c" * 96)  # the same size, saved again
+    os.utime(second, ns=(1, 1))
+    assert checkpoint_mark(tmp_path) != before
+    (tmp_path / "model-00003-of-00003.safetensors").symlink_to(tmp_path / "gone")  # a broken link is no shard
+    assert checkpoint_mark(tmp_path).count(":") == 2 + 2  # two hashes, one later shard (size and time)
