@@ -787,3 +787,28 @@ def test_training_refuses_up_front_what_it_could_not_finish(tiny_runtime, tiny_a
                      "--data", str(tiny_answers), "--out", str(tmp_path / "store")])
     assert code == 0, capsys.readouterr().err
     assert json.loads((tmp_path / "store" / "MANIFEST.json").read_text())["tokens"] > 0
+
+
+def test_medusa_heads_train_on_the_targets_own_final_norm(tiny_answers, tmp_path, monkeypatch):
+    """The heads train on the target's states through its final norm, as they draft: bound
+    to its weights (a review: binding a unit norm passed every test, transformers leaving
+    a tiny model's norm weights all 1; here they are random)."""
+    from test_medusa import with_a_random_final_norm
+
+    from specdecode.proposers.medusa import MedusaHeads
+    from specdecode.train.medusa import train_medusa
+
+    path = with_a_random_final_norm(save_tiny_model(tmp_path / "m", "llama", seed=5, num_layers=2), 7)
+    runtime = load_native(path, torch.bfloat16, "q4_1", "kernels")
+    assert not torch.all(runtime.weights.norm == 1)
+    bound = []
+    real_bind = MedusaHeads.bind
+
+    def recording_bind(self, norm, rows):
+        bound.append(norm.detach().clone())
+        return real_bind(self, norm, rows)
+
+    monkeypatch.setattr(MedusaHeads, "bind", recording_bind)
+    train_medusa(SimpleNamespace(runtime=runtime, eos_token_ids=(2,)), tiny_answers, tmp_path / "medusa", heads=2,
+                 draft_vocab=48, minutes=0.01, batch_tokens=256, log=lambda message: None)
+    assert bound and all(torch.equal(norm.float(), runtime.weights.norm.float()) for norm in bound)
