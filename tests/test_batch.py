@@ -209,6 +209,9 @@ def test_a_row_near_its_context_limit_cuts_no_other_rows_drafts(model_dir, tmp_p
     def run(neighbours: bool):
         engine = BatchEngine(runtime_for(model_dir, "torch"), max_num_seqs=2, max_model_len=80)
         draft = DraftModelProposer(runtime_for(draft_dir, "torch"))
+        if neighbours:  # a seeded sampled row first: the drafts draw with their own row's generator
+            engine.add([9, 8, 7, 6], SamplingParams(temperature=1.0, seed=77, max_new_tokens=40, ignore_eos=True),
+                       speculate=False)
         target = engine.add(prompt, sampled, proposer=draft, policy=FixedK(4))
         if neighbours:  # plain requests, each scored within 2 tokens of the limit
             for j in range(30):
@@ -1023,3 +1026,101 @@ def test_a_draft_outside_the_vocabulary_fails_no_row(model_dir):
     assert [s.generated for s in sequences] == expected
     assert all(s.finish_reason == "length" and s.error is None for s in sequences)
     assert sum(s.stats.draft_tokens for s in sequences) > 0
+
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_seeded_sampled_row_draws_what_the_single_sequence_engine_draws(model_dir, k):
+    """The server's engine and `generate`'s give a seeded sampled request the same tokens,
+    plain or with lookup drafts (a mutation audit: the batched engine's draws taken one
+    position early passed, as nothing compared the two engines on sampled output)."""
+    prompt = [5, 9, 13, 5, 9, 13, 5, 9, 22, 31]
+    params = SamplingParams(temperature=0.9, top_k=30, seed=4, max_new_tokens=20, ignore_eos=True)
+    expected = SpeculativeEngine(runtime_for(model_dir, "torch"), proposer=NgramProposer() if k else None,
+                                 k=k or 5).generate(prompt, params)
+    engine = BatchEngine(runtime_for(model_dir, "torch"), max_num_seqs=2, max_model_len=128,
+                         make_drafter=NgramProposer if k else None, make_policy=lambda: k)
+    sequence = engine.add(prompt, params)
+    engine.run()
+    assert sequence.generated == expected.token_ids
+    assert (sequence.stats.draft_tokens > 0) == (k > 0)
+
+
+class _RepeatLast(NgramProposer):
+    """Drafts the last token k times: a drafter that always has a draft."""
+
+    def propose(self, tokens, k, params, generator):
+        from specdecode.proposers.base import Proposal
+
+        return Proposal(torch.tensor([tokens[-1]] * k, dtype=torch.int64))
+
+
+def test_rows_verified_apart_from_a_row_at_the_context_limit_read_their_own_logits(model_dir):
+    """A row whose drafts the batch's padding would carry past its cache is scored in a pass
+    of its own; the other rows, scored together, each read their own logits (a mutation
+    audit: reading a neighbour's passed)."""
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    long_prompt = [3 + i % 90 for i in range(79)]
+
+    def alone(prompt, drafter):
+        engine = BatchEngine(runtime_for(model_dir, "torch"), max_num_seqs=1, max_model_len=80)
+        sequence = engine.add(prompt, params, proposer=drafter, policy=3 if drafter else None,
+                              speculate=drafter is not None)
+        engine.run()
+        return sequence.generated
+
+    engine = BatchEngine(runtime_for(model_dir, "torch"), max_num_seqs=3, max_model_len=80)
+    near = engine.add(long_prompt, params, speculate=False)
+    first = engine.add([7], params, proposer=_RepeatLast(), policy=3)
+    second = engine.add([40], params, proposer=_RepeatLast(), policy=3)
+    engine.run()
+    assert first.generated != second.generated
+    assert first.generated == alone([7], _RepeatLast()) and second.generated == alone([40], _RepeatLast())
+    assert near.generated == alone(long_prompt, None)
+
+
+def test_a_drafting_row_runs_to_the_context_limit(model_dir):
+    """A row that drafts runs up to the last slot of its context, as a plain one does, and
+    decodes the same tokens (a mutation audit: one more slot of room failed the request)."""
+    params = SamplingParams(max_new_tokens=500, ignore_eos=True)
+    outputs = []
+    for k in (0, 4):
+        engine = BatchEngine(runtime_for(model_dir, "torch"), max_num_seqs=2, max_model_len=48,
+                             make_drafter=NgramProposer, make_policy=lambda: k)
+        sequence = engine.add([5, 6, 7, 8] * 6, params, speculate=k > 0)
+        engine.run()
+        assert sequence.finish_reason == "length" and len(sequence.tokens) == 48
+        assert (sequence.stats.draft_tokens > 0) == (k > 0)
+        outputs.append(sequence.generated)
+    assert outputs[0] == outputs[1]
+
+
+class _RecordingK(FixedK):
+    """A fixed k that keeps every (drafted, accepted) it is told."""
+
+    def __init__(self, k):
+        super().__init__(k)
+        self.seen = []
+
+    def observe(self, drafted, accepted):
+        self.seen.append((drafted, accepted))
+        super().observe(drafted, accepted)
+
+
+def test_both_engines_tell_the_policy_and_the_stats_what_each_step_drafted_and_accepted(model_dir):
+    """The k policy hears each step's drafts and accepted drafts (not the bonus token), and
+    the stats count a draft pass per lookup draft token, as ``GenerationStats`` defines it,
+    in both engines (a mutation audit: an off-by-one in either passed)."""
+    prompt, params = [5, 6, 7, 8] * 5, SamplingParams(max_new_tokens=24, ignore_eos=True)
+    single = _RecordingK(3)
+    stats = SpeculativeEngine(runtime_for(model_dir, "torch"), proposer=NgramProposer(), k=single).generate(
+        prompt, params).stats
+    engine = BatchEngine(runtime_for(model_dir, "torch"), max_num_seqs=2, max_model_len=128)
+    batched = _RecordingK(3)
+    sequence = engine.add(prompt, params, proposer=NgramProposer(), policy=batched)
+    engine.run()
+    for policy, counted in ((single, stats), (batched, sequence.stats)):
+        assert counted.draft_tokens > 0 and counted.draft_passes == counted.draft_tokens
+        assert sum(d for d, _ in policy.seen) >= counted.draft_tokens  # the last step's drafts past the end drop
+        assert sum(a for _, a in policy.seen) >= counted.accepted_tokens
+        assert all(0 <= a <= d for d, a in policy.seen)
