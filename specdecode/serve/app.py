@@ -737,8 +737,8 @@ def speculation_summary(sequences: list[Sequence]) -> dict:
     # vLLM's mean acceptance length, as the task gauge and bench-serve read it: 1 + accepted
     # per step that drafted (found in review: this field was tokens per target pass, plain
     # passes included, so it read 2.0 where vLLM and our gauge read 5.0); that figure is
-    # tokens_per_target_pass. Of the output only: drafts accepted past its end are not
-    # counted here (GenerationStats.drop_accepted), where /metrics counts the whole step
+    # tokens_per_target_pass. Of the output only: drafts past its end, drafted, accepted or
+    # rejected, are not counted here (GenerationStats.drop_accepted); /metrics counts the whole step
     drafting_steps = sum(s.stats.drafting_steps for s in sequences)
     return {"method": getattr(first, "method", "none"), "drafted_tokens": total.draft_tokens,
             "accepted_tokens": total.accepted_tokens, "acceptance_rate": round(total.alpha, 4),
