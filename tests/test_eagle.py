@@ -96,6 +96,42 @@ def test_incremental_proposals_equal_a_fresh_pass_over_the_committed_sequence(ta
         assert drafts == fresh_proposal(target, head, tokens, k), tokens
 
 
+class RecordingTrees(EagleProposer):
+    """Records every tree proposal (tokens and parents) with the committed sequence it followed."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen = []
+
+    def propose_tree(self, tokens, budget, params, generator):
+        proposal = super().propose_tree(tokens, budget, params, generator)
+        self.seen.append((list(tokens), budget, proposal.tree.tokens.tolist(), proposal.tree.parents.tolist()))
+        return proposal
+
+
+def test_incremental_trees_equal_a_fresh_pass_over_the_committed_sequence(tmp_path):
+    """The tree step hands the head the states of the root and the accepted path, in that
+    order: every tree then equals a fresh head's over the committed sequence (a mutation
+    audit: the path's states before the root's kept the output lossless, and passed). A
+    vocabulary of 6, so that a random head's trees are often partly accepted."""
+    target = load_model(save_tiny_model(tmp_path / "t", seed=33, vocab_size=6, num_layers=2, init_std=0.3),
+                        torch.float32, backend="torch")
+    head = random_head(target, 7, draft_vocab=6)
+    embed = lambda ids: target.runtime.weights.embed_rows(ids).float()  # noqa: E731
+    proposer = RecordingTrees(head, embed, tree_width=2)
+    result = SpeculativeEngine(target.runtime, proposer=proposer, k=4).generate([5, 1, 4, 2, 5, 1], GREEDY)
+    assert len(proposer.seen) > 5 and result.stats.accepted_tokens > 3
+    for tokens, budget, nodes, parents in proposer.seen[:10]:
+        fresh = EagleProposer(head, embed, tree_width=2)
+        runtime = target.runtime
+        fresh.start(tokens, len(tokens) + budget + 1)
+        runtime.reset(len(tokens) + 1)
+        _, features = runtime(torch.tensor([tokens[:-1]]), capture=fresh.capture)
+        fresh.observe(0, features[0], tokens)
+        tree = fresh.propose_tree(tokens, budget, GREEDY, None).tree
+        assert (tree.tokens.tolist(), tree.parents.tolist()) == (nodes, parents), tokens
+
+
 class Alternating:
     """A k policy that drafts ``k`` and takes a plain step in turn."""
 
