@@ -27,7 +27,7 @@ from .proposers.base import Proposal, Proposer, check_capture, check_drafter, dr
 from .text import TextTracker
 from .verify.chain import coupled_verify, greedy_tokens, greedy_verify_rows, rejection_sample
 from .verify.tree import coupled_tree_verify, greedy_tree_verify, tree_rejection_sample
-from .verify.sampling import PositionUniforms, argmax_ids, logits_to_probs, seeded_generator
+from .verify.sampling import PositionUniforms, argmax_ids, logits_to_probs, seeded_generator, token_probabilities
 
 
 class PromptError(SpecDecodeError, ValueError):
@@ -259,9 +259,8 @@ class SpeculativeEngine:
                  "top1_token": int(top.indices[0]), "top2_token": int(top.indices[1]),
                  "top2_margin": float(top.values[0] - top.values[1])}
         if params is not None and not params.greedy:
-            probs = logits_to_probs(logits, params)
-            found["probabilities"] = {side: None if token(tokens) is None else float(probs[token(tokens)])
-                                      for side, tokens in (("reference", reference), ("other", other))}
+            found["probabilities"] = token_probabilities(logits, params, {"reference": found["reference_token"],
+                                                                          "other": found["other_token"]})
         return found
 
     def generate(

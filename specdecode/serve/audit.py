@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from ..verify.sampling import logits_to_probs
+from ..verify.sampling import token_probabilities
 
 logger = logging.getLogger("specdecode.serve")
 
@@ -89,10 +89,9 @@ class Auditor:
                 top = logits.topk(2).values
                 record["top2_margin"] = float(top[0] - top[1])
                 if not original.params.greedy:  # a draw picks by probability; the logit margin says little
-                    probs = logits_to_probs(logits, original.params)
-                    record["probabilities"] = {
-                        side: None if record[key] is None else float(probs[record[key]])
-                        for side, key in (("speculative", "speculative_token"), ("plain", "plain_token"))}
+                    record["probabilities"] = token_probabilities(
+                        logits, original.params, {"speculative": record["speculative_token"],
+                                                  "plain": record["plain_token"]})
                     sampled = ", probabilities %s" % record["probabilities"]
         except Exception:  # noqa: BLE001 - the mismatch stands without its margin
             logger.exception("the top-2 margin of the audit mismatch of request %s could not be computed",

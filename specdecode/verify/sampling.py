@@ -58,6 +58,14 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
+def token_probabilities(logits: torch.Tensor, params: SamplingParams, tokens: dict) -> dict:
+    """``{name: probability}`` of each token of ``tokens`` (``{name: id or None}``) under the
+    processed distribution ``logits_to_probs`` gives: what a draw picks between, where two
+    sampled runs part (None for a run that had ended)."""
+    probs = logits_to_probs(logits, params)
+    return {name: None if token is None else float(probs[token]) for name, token in tokens.items()}
+
+
 def outside_nucleus(probs: torch.Tensor, top_p: float, first: int = 64) -> torch.Tensor:
     """``[..., V]`` bool: the tokens top-p sampling drops, those ranked below tokens that
     already reach ``top_p`` together. Ranked among the ``first`` most probable tokens
