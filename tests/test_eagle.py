@@ -70,15 +70,21 @@ def fresh_proposal(target, head, committed: list[int], k: int) -> list[int]:
 
 
 class Recording(EagleProposer):
-    """Records every proposal with the committed sequence it followed."""
+    """Records every proposal with the committed sequence it followed: a chain's drafts, a
+    tree's tokens and parents."""
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.seen = []
 
     def propose(self, tokens, k, params, generator):
         proposal = super().propose(tokens, k, params, generator)
         self.seen.append((list(tokens), k, proposal.draft_ids.tolist()))
+        return proposal
+
+    def propose_tree(self, tokens, budget, params, generator):
+        proposal = super().propose_tree(tokens, budget, params, generator)
+        self.seen.append((list(tokens), budget, proposal.tree.tokens.tolist(), proposal.tree.parents.tolist()))
         return proposal
 
 
@@ -96,19 +102,6 @@ def test_incremental_proposals_equal_a_fresh_pass_over_the_committed_sequence(ta
         assert drafts == fresh_proposal(target, head, tokens, k), tokens
 
 
-class RecordingTrees(EagleProposer):
-    """Records every tree proposal (tokens and parents) with the committed sequence it followed."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.seen = []
-
-    def propose_tree(self, tokens, budget, params, generator):
-        proposal = super().propose_tree(tokens, budget, params, generator)
-        self.seen.append((list(tokens), budget, proposal.tree.tokens.tolist(), proposal.tree.parents.tolist()))
-        return proposal
-
-
 def test_incremental_trees_equal_a_fresh_pass_over_the_committed_sequence(tmp_path):
     """The tree step hands the head the states of the root and the accepted path, in that
     order: every tree then equals a fresh head's over the committed sequence (a mutation
@@ -118,7 +111,7 @@ def test_incremental_trees_equal_a_fresh_pass_over_the_committed_sequence(tmp_pa
                         torch.float32, backend="torch")
     head = random_head(target, 7, draft_vocab=6)
     embed = lambda ids: target.runtime.weights.embed_rows(ids).float()  # noqa: E731
-    proposer = RecordingTrees(head, embed, tree_width=2)
+    proposer = Recording(head, embed, tree_width=2)
     result = SpeculativeEngine(target.runtime, proposer=proposer, k=4).generate([5, 1, 4, 2, 5, 1], GREEDY)
     assert len(proposer.seen) > 5 and result.stats.accepted_tokens > 3
     for tokens, budget, nodes, parents in proposer.seen[:10]:
