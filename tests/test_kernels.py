@@ -21,14 +21,24 @@ from specdecode.proposers.ngram import NgramProposer
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"CPU kernels unavailable: {kernels.unavailable_reason()}")
 
-FORMATS = ("fp32", "bf16", "q8_0", "q4_1", "q4_1x8", "q8_0x8")  # x8: regrouped by 8 rows, as models run
+# x8: regrouped by 8 rows, as models run; x16: those groups paired (what 512-bit VNNI runs;
+# every build reads it)
+FORMATS = ("fp32", "bf16", "q8_0", "q4_1", "q4_1x8", "q8_0x8", "q4_1x16")
 
 
 def quantized(weight: torch.Tensor, fmt: str) -> PackedLinear:
-    layer = PackedLinear.quantize(weight, fmt.removesuffix("x8"))
+    layer = PackedLinear.quantize(weight, fmt.removesuffix("x8").removesuffix("x16"))
     if fmt.endswith("x8"):
         layer.interleave_rows8()
+    if fmt.endswith("x16"):
+        layer.interleave_rows16()
     return layer
+
+
+def grouped_rows(fmt: str, odd: int) -> int:
+    """A row count the format takes: an odd count of 8-row groups for x8 (the 512-bit pair
+    tiles leave the last group to the 256-bit ones), of pairs for x16, else ``odd``."""
+    return 72 if fmt.endswith("x8") else 80 if fmt.endswith("x16") else odd
 
 
 def kernel_linear(layer: PackedLinear, x: torch.Tensor, threads: int = 2) -> torch.Tensor:
@@ -72,7 +82,7 @@ def quantized_reference(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_linear_matches_its_reference(fmt):
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(72 if fmt.endswith("x8") else 71, 192, generator=generator) * 0.05  # odd: the last row alone
+    weight = torch.randn(grouped_rows(fmt, 71), 192, generator=generator) * 0.05  # odd: the last row alone
     x = torch.randn(5, 192, generator=generator)
     layer = quantized(weight, fmt)
     out = kernel_linear(layer, x).double()
@@ -85,11 +95,11 @@ def test_linear_matches_its_reference(fmt):
     assert (out - reference).abs().max() < tolerance * reference.abs().max()
     # and the format's total error against the dense weight, with quantized activations
     dense = x.double() @ weight.double().T
-    bound = {"fp32": 1e-6, "bf16": 1e-2, "q8_0": 2e-2, "q4_1": 0.1, "q4_1x8": 0.1, "q8_0x8": 2e-2}[fmt]
+    bound = {"fp32": 1e-6, "bf16": 1e-2, "q8_0": 2e-2, "q4_1": 0.1, "q4_1x8": 0.1, "q8_0x8": 2e-2, "q4_1x16": 0.1}[fmt]
     assert (out - dense).abs().max() < bound * dense.abs().max()
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q4_1x8"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q4_1x8", "q4_1x16"])
 def test_q4_1_products_carry_only_the_activations_rounding(fmt):
     """Against the product with the format's own weights (what the model is), a Q4_1 layer
     errs only by the 8-bit activations, as much as a Q8_0 layer does. Found in review: the
@@ -114,7 +124,7 @@ def test_linear_rows_are_independent_of_the_batch(fmt):
     """Each row alone equals the same row inside batches of 2..64 rows, bit for bit, with
     1 or 2 threads."""
     generator = torch.Generator().manual_seed(1)
-    layer = quantized(torch.randn(136 if fmt.endswith("x8") else 131, 320, generator=generator) * 0.05, fmt)  # odd rows
+    layer = quantized(torch.randn(grouped_rows(fmt, 131) + 64, 320, generator=generator) * 0.05, fmt)  # odd rows
     rows = torch.randn(64, 320, generator=generator)
     alone = torch.cat([kernel_linear(layer, rows[i : i + 1]) for i in range(64)])
     for batch in (2, 3, 5, 6, 7, 14, 16, 33, 35, 38, 64):  # every tile shape, with and without the table
@@ -150,6 +160,73 @@ def test_rows8_regrouping_keeps_the_blocks(fmt):
         assert torch.equal(rows, plain.dequantize()[ids])
     with pytest.raises(ConfigError, match="multiple of 8 rows"):
         PackedLinear.quantize(torch.randn(12, 64), fmt).interleave_rows8()
+
+
+def test_rows16_pairs_compute_what_rows8_computes(monkeypatch):
+    """interleave_rows16 pairs the 8-row groups without changing a value; every build (the
+    512-bit VNNI pair tiles here, the 8-row kernels reading one group of a pair on AVX2
+    and portable builds) computes every row of it bit for bit as from the 8-row layout,
+    for 1 to 19, 33 and 64 rows and 1 or 2 threads; lookups and views read either."""
+    generator = torch.Generator().manual_seed(9)
+    weight = torch.randn(96, 320, generator=generator) * 0.05
+    rows8, rows16 = quantized(weight, "q4_1x8"), quantized(weight, "q4_1x16")
+    rows16.interleave_rows16()  # a second call leaves it as it is
+    rows16.interleave_rows8()  # and so does asking for the 8-row layout
+    assert rows16.layout == "rows16" and not torch.equal(rows16.qweight, rows8.qweight)
+    assert not torch.equal(rows16.scales, rows8.scales)
+    for a, b in zip(rows16.blocks(), PackedLinear.quantize(weight, "q4_1").blocks()):
+        assert torch.equal(a, b)
+    picked = torch.tensor([3, 17, 95, 8, 3])
+    assert torch.equal(rows16.rows_selected(picked).dequantize(), rows8.dequantize()[picked])
+    x = torch.randn(64, 320, generator=generator)
+    x[0] = x[0].sign() * 4.0  # every activation code at +-127
+    rows16.qweight[:4] = 255  # codes at their extremes in both groups of the first pair
+    rows8 = PackedLinear.from_blocks("q4_1", *rows16.blocks())
+    rows8.interleave_rows8()
+    builds = [kernels.load()] + [kernels.load_build(march) for march in ("haswell", "x86-64")
+                                  if __import__("platform").machine() in ("x86_64", "AMD64")]
+    for library in builds:
+        monkeypatch.setattr(kernels, "load", lambda library=library: library)
+        for rows in (*range(1, 20), 33, 64):
+            for threads in (1, 2):
+                assert torch.equal(kernel_linear(rows16, x[:rows], threads), kernel_linear(rows8, x[:rows], threads)), \
+                    (library.sd_simd(), rows, threads)
+        ids = torch.tensor([0, 7, 8, 15, 16, 95], dtype=torch.int64)
+        entry = linear_entry(rows16, [], rows8=False)
+        looked_up = torch.empty(len(ids), rows16.cols)
+        library.sd_embed(ctypes.byref(entry), ids.data_ptr(), len(ids), looked_up.data_ptr())
+        assert torch.equal(looked_up, rows8.dequantize()[ids])
+    for fmt, count in (("q4_1", 24), ("q8_0", 32)):
+        with pytest.raises(ConfigError, match="multiple of 16 rows"):
+            PackedLinear.quantize(torch.randn(count, 64), fmt).interleave_rows16()
+
+
+def test_models_pair_the_int4_layers_where_the_kernels_have_pair_tiles(tmp_path, monkeypatch):
+    """The q4_1 layers (16k rows) are paired where the library has the 512-bit tiles
+    (sd_pairs16), kept in 8-row groups elsewhere; the q8_0 head stays in 8-row groups. Both
+    layouts give the same logits."""
+    path = tmp_path / "m"
+    save_tiny_model(path, "llama", seed=4, num_layers=2)
+    native = kernels.load()
+    paired = load_native(path, torch.bfloat16, "q4_1", "kernels")
+    expected = "rows16" if native.sd_pairs16() else "rows8"
+    layer = paired.layers[0]
+    for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+        assert linear.layout == (expected if linear.rows % 16 == 0 else "rows8"), (linear.rows, linear.layout)
+    assert paired.weights.lm_head.layout != "rows16"  # q8_0: never paired
+
+    class WithoutPairs:  # the same library, saying it has no pair tiles
+        def __getattr__(self, name):
+            return (lambda: 0) if name == "sd_pairs16" else getattr(native, name)
+
+    monkeypatch.setattr(kernels, "load", lambda: WithoutPairs())
+    grouped = load_native(path, torch.bfloat16, "q4_1", "kernels")
+    monkeypatch.undo()
+    assert all(linear.layout in ("rows8", "rows") for linear in (grouped.layers[0].qkv, grouped.layers[0].gate_up))
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    for runtime in (paired, grouped):
+        runtime.reset(16)
+    assert torch.equal(paired(ids), grouped(ids))
 
 
 def kernel_model(tmp_path, fmt="q4_1", dtype=torch.bfloat16, seed=3, prefill_chunk=256):
@@ -419,9 +496,9 @@ def test_vnni_build_equals_the_avx2_build(monkeypatch):
     native, avx2 = kernels.load(), kernels.load_build("haswell")
     assert avx2.sd_simd() == 2
     generator = torch.Generator().manual_seed(17)
-    for fmt in ("q4_1x8", "q8_0x8"):
-        layer = quantized(torch.randn(72, 320, generator=generator) * 0.05, fmt)
-        layer.qweight[:8] = 255 if fmt == "q4_1x8" else -128  # the first 8 rows' codes at their extremes
+    for fmt in ("q4_1x8", "q8_0x8", "q4_1x16"):
+        layer = quantized(torch.randn(grouped_rows(fmt, 72), 320, generator=generator) * 0.05, fmt)
+        layer.qweight[:8] = -128 if fmt == "q8_0x8" else 255  # the first 8 rows' codes at their extremes
         x = torch.randn(38, 320, generator=generator)
         x[0] = x[0].sign() * 4.0  # every activation code at +-127
         outputs = []
@@ -480,7 +557,7 @@ def test_portable_build_without_avx2(monkeypatch, tmp_path):
     generator = torch.Generator().manual_seed(11)
     x = torch.randn(3, 128, generator=generator)
     for fmt in FORMATS:
-        layer = quantized(torch.randn(40, 128, generator=generator) * 0.05, fmt)
+        layer = quantized(torch.randn(48 if fmt.endswith("x16") else 40, 128, generator=generator) * 0.05, fmt)
         out = kernel_linear(layer, x).double()
         reference = x.double() @ layer.dequantize().double().T if fmt in ("fp32", "bf16") else quantized_reference(layer, x)
         assert (out - reference).abs().max() < 1e-5 * reference.abs().max(), fmt

@@ -31,7 +31,7 @@ FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17
 # the instruction set: the machine's own by default; SPECDECODE_KERNELS_MARCH=x86-64 (no
 # AVX2) builds the portable scalar code, which the tests also check
 DEFAULT_MARCH = "native"
-FORMATS = {"fp32": 0, "bf16": 1, "q8_0": 2, "q4_1": 3, "fp16": 4, "q4_1x8": 5, "q8_0x8": 6}
+FORMATS = {"fp32": 0, "bf16": 1, "q8_0": 2, "q4_1": 3, "fp16": 4, "q4_1x8": 5, "q8_0x8": 6, "q4_1x16": 7}
 
 
 class KernelsUnavailable(SpecDecodeError, RuntimeError):
@@ -176,6 +176,7 @@ def load_build(march: str) -> ctypes.CDLL:
         "sd_version": ([], c_int),
         "sd_simd": ([], c_int),
         "sd_key_chunk": ([], c_int),
+        "sd_pairs16": ([], c_int),
         "sd_team_size": ([c_int], c_int),
         "sd_forward_layers": ([ctypes.POINTER(Model), c_int, c_int, ptr, c_int, c_int, ptr, ptr, ptr, ptr], None),
         "sd_linear_forward": ([ctypes.POINTER(Linear), ptr, c_i64, ptr, ptr, ptr, ptr, c_int], None),

@@ -51,7 +51,7 @@
 #define SD_AVX512 0
 #endif
 
-#define SD_VERSION 5
+#define SD_VERSION 6
 #define SD_KEY_CHUNK 256  // keys per attention partial; fixed, so results never depend on T
 #define SD_MAX_HEAD_DIM 256
 #define SD_MAX_GROUP 16  // query heads per KV head
@@ -59,7 +59,7 @@
 #define SD_X2_ROWS 16  // AVX2 without VNNI: from this many rows, Q4_1X8 groups in pairs (dot_q4_1x8x2)
 #define SD_PREFETCH 2048  // bytes of Q4_1X8 weights prefetched ahead (Q8_0X8, twice as long a block: twice)
 
-enum { SD_F32 = 0, SD_BF16 = 1, SD_Q8_0 = 2, SD_Q4_1 = 3, SD_F16 = 4, SD_Q4_1X8 = 5, SD_Q8_0X8 = 6 };
+enum { SD_F32 = 0, SD_BF16 = 1, SD_Q8_0 = 2, SD_Q4_1 = 3, SD_F16 = 4, SD_Q4_1X8 = 5, SD_Q8_0X8 = 6, SD_Q4_1X16 = 7 };
 
 extern "C" {
 
@@ -75,6 +75,13 @@ extern "C" {
 //   block (low nibble) and its weight 8 i + 4 + t (high nibble), so one 32-byte load
 //   unpacks to 4 consecutive weights of each of the 8 rows, one row per 32-bit lane
 //   (models/quant.py, PackedLinear.interleave_rows8).
+//   Q4_1X16: Q4_1X8's groups in pairs (rows % 16 == 0), interleaved 32 bytes at a time:
+//   for pair p = g / 2 and block b, 256 bytes at w + 256 (p blocks + b) whose bytes
+//   64 i + 32 (g % 2) .. + 31 are group g's Q4_1X8 bytes 32 i .. 32 i + 31, and 16 scales
+//   (and minima) at d, m + 16 (p blocks + b), group g's 8 at + 8 (g % 2). One 512-bit load
+//   then holds 4 weights of each of the pair's 16 rows, and a thread's share of the pairs
+//   is one stream (PackedLinear.interleave_rows16). Made only where the 512-bit VNNI
+//   kernels run it (sd_pairs16); every build reads it.
 //   Q8_0X8: Q8_0 regrouped the same way: for group g and block b, 256 bytes at
 //   w + 256 (g blocks + b) and 8 scales at d + 8 (g blocks + b); byte 32 i + 4 r + t holds
 //   row 8 g + r's weight 4 i + t of the block.
@@ -119,6 +126,7 @@ typedef struct {
 int sd_version(void) { return SD_VERSION; }
 int sd_simd(void) { return SD_VNNI ? 3 : SD_AVX2 ? 2 : 0; }  // 3: AVX2 + AVX-512 VNNI
 int sd_key_chunk(void) { return SD_KEY_CHUNK; }
+int sd_pairs16(void) { return SD_VNNI512; }  // whether Q4_1X16 has its own kernels here
 
 }  // extern "C"
 
@@ -592,7 +600,10 @@ static inline __m256i act4(const int8_t* xq, const int32_t* xb, int64_t i4) {
 // instructions of dot_q4_1 per weight. Each (row, feature) keeps the same arithmetic
 // whatever R is: per block acc = fma(isum, d_w dx, acc) and macc = fma(m_w, sx, macc), then
 // acc + macc.
-template <int R, bool TABLE>
+// STRIDE 2 reads one group of a Q4_1X16 pair (its 32-byte runs 64 bytes apart, its blocks
+// 256 bytes and its scales 16 apart):
+// the same arithmetic, for builds without the pairs' own kernels.
+template <int R, bool TABLE, int STRIDE = 1>
 static inline void dot_q4_1x8(const int8_t* const* xq, const int32_t* const* xb, const float* const* xd,
                               const float* const* xs, const uint8_t* w, const uint16_t* d, const uint16_t* m, int blocks,
                               float* out) {
@@ -605,7 +616,7 @@ static inline void dot_q4_1x8(const int8_t* const* xq, const int32_t* const* xb,
     __m256 acc[R], macc[R];
     for (int r = 0; r < R; r++) acc[r] = macc[r] = _mm256_setzero_ps();
     for (int b = 0; b < blocks; b++) {
-        const uint8_t* wb = w + 128 * b;
+        const uint8_t* wb = w + 128 * STRIDE * b;
         // software prefetch 16 blocks ahead (a thread's weights are one stream; prefetching
         // past its end is harmless): one row from memory 72 -> 58 µs for gate/up, 39 -> 32 µs
         // for down on this machine's EPYC, where the hardware prefetcher alone left ~25% idle.
@@ -615,15 +626,15 @@ static inline void dot_q4_1x8(const int8_t* const* xq, const int32_t* const* xb,
         _mm_prefetch((const char*)(wb + SD_PREFETCH), _MM_HINT_NTA);
         _mm_prefetch((const char*)(wb + SD_PREFETCH + 64), _MM_HINT_NTA);
         if ((b & 3) == 0) {
-            _mm_prefetch((const char*)(d + 8 * b + SD_PREFETCH / 16), _MM_HINT_NTA);
-            _mm_prefetch((const char*)(m + 8 * b + SD_PREFETCH / 16), _MM_HINT_NTA);
+            _mm_prefetch((const char*)(d + 8 * STRIDE * b + SD_PREFETCH / 16), _MM_HINT_NTA);
+            _mm_prefetch((const char*)(m + 8 * STRIDE * b + SD_PREFETCH / 16), _MM_HINT_NTA);
         }
 #if SD_VNNI
         // low and high nibbles in two chains of 4 vpdpbusd each, added at the end
         __m256i slo[R], shi[R];
         for (int r = 0; r < R; r++) slo[r] = shi[r] = _mm256_setzero_si256();
         for (int i = 0; i < 4; i++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i*)(wb + 32 * i));
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(wb + 32 * STRIDE * i));
             const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
             for (int r = 0; r < R; r++) {
                 slo[r] = _mm256_dpbusd_epi32(slo[r], lo, act4<TABLE>(xq[r], xb[r], 8 * b + 2 * i));
@@ -631,13 +642,13 @@ static inline void dot_q4_1x8(const int8_t* const* xq, const int32_t* const* xb,
             }
         }
         (void)ones;  // AVX2's widening only
-        const __m256 dw = load8_f16(d + 8 * b);
+        const __m256 dw = load8_f16(d + 8 * STRIDE * b);
         for (int r = 0; r < R; r++) {
             const __m256 isum = _mm256_cvtepi32_ps(_mm256_add_epi32(slo[r], shi[r]));
 #else
         __m256i s16[R];
         for (int i = 0; i < 4; i++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i*)(wb + 32 * i));
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(wb + 32 * STRIDE * i));
             const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
             for (int r = 0; r < R; r++) {
                 const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, act4<TABLE>(xq[r], xb[r], 8 * b + 2 * i)),
@@ -646,19 +657,19 @@ static inline void dot_q4_1x8(const int8_t* const* xq, const int32_t* const* xb,
                 pin(s16[r]);
             }
         }
-        const __m256 dw = load8_f16(d + 8 * b);
+        const __m256 dw = load8_f16(d + 8 * STRIDE * b);
         for (int r = 0; r < R; r++) {
             const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones));
 #endif
             acc[r] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, _mm256_set1_ps(xd[r][b])), acc[r]);
         }
         if (!SPLIT) {
-            const __m256 mw = load8_f16(m + 8 * b);
+            const __m256 mw = load8_f16(m + 8 * STRIDE * b);
             for (int r = 0; r < R; r++) macc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[r][b]), macc[r]);
         }
     }
     for (int b = 0; SPLIT && b < blocks; b++) {
-        const __m256 mw = load8_f16(m + 8 * b);
+        const __m256 mw = load8_f16(m + 8 * STRIDE * b);
         for (int r = 0; r < R; r++) macc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[r][b]), macc[r]);
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, _mm256_add_ps(acc[r], macc[r]));
@@ -668,14 +679,15 @@ static inline void dot_q4_1x8(const int8_t* const* xq, const int32_t* const* xb,
         for (int f = 0; f < 8; f++) {
             float s = 0.0f, ms = 0.0f;
             for (int b = 0; b < blocks; b++) {
-                const uint8_t* wb = w + 128 * b + 4 * f;
+                const uint8_t* wb = w + 128 * STRIDE * b + 4 * f;
                 const int8_t* x = xq[r] + 32 * b;
                 int32_t isum = 0;
                 for (int i = 0; i < 4; i++)
                     for (int t = 0; t < 4; t++)
-                        isum += (int32_t)(wb[32 * i + t] & 0x0F) * x[8 * i + t] + (int32_t)(wb[32 * i + t] >> 4) * x[8 * i + 4 + t];
-                s = fmaf((float)isum, fp16_to_f32(d[8 * b + f]) * xd[r][b], s);
-                ms = fmaf(fp16_to_f32(m[8 * b + f]), xs[r][b], ms);
+                        isum += (int32_t)(wb[32 * STRIDE * i + t] & 0x0F) * x[8 * i + t] +
+                                (int32_t)(wb[32 * STRIDE * i + t] >> 4) * x[8 * i + 4 + t];
+                s = fmaf((float)isum, fp16_to_f32(d[8 * STRIDE * b + f]) * xd[r][b], s);
+                ms = fmaf(fp16_to_f32(m[8 * STRIDE * b + f]), xs[r][b], ms);
             }
             out[8 * r + f] = s + ms;
         }
@@ -812,6 +824,65 @@ static inline void dot_q4_1x16(const int8_t* const* xq, const float* const* xd, 
     }
     for (int b = 0; b < blocks; b++) {  // the min terms, as dot_q4_1x8's SPLIT loop
         const __m512 mw = load16_f16(m0 + 8 * b, m1 + 8 * b);
+        for (int r = 0; r < R; r++) macc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[r][b]), macc[r]);
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, _mm512_add_ps(acc[r], macc[r]));
+}
+#endif
+
+#if SD_VNNI512
+// Q4_1X16: a pair of groups (16 output rows) against R <= 8 activation rows, out[16 r + f].
+// One 512-bit load holds the pair's 16 rows of 4 weights (the layout puts the two groups'
+// blocks side by side), so a thread's pairs are one stream of weights, scales and minima.
+// Every lane does what dot_q4_1x8 does for its (row, feature): the same integer sums, then
+// the same float operations in the same order (the min terms in a loop of their own from 3
+// rows), so every output is the same bits as the 8-row layout's. Against the 256-bit tiles
+// on Zen 4 (a prototype, whole steps at 300 tokens of context, scripts/step_ab.py, minima of
+// 6 rounds): T = 1 2.46 -> 2.39 ms, 2 2.97 -> 2.87, 3 3.87 -> 3.68, 4 3.98 -> 3.74, 5 4.57
+// -> 4.21, 6 5.19 -> 4.84. Pairs of separate groups (dot_q4_1x16) had been slower from
+// memory below 8 rows: two streams per thread.
+template <int R>
+static inline void dot_q4_1x16i(const int8_t* const* xq, const float* const* xd, const float* const* xs,
+                                const uint8_t* w, const uint16_t* d, const uint16_t* m, int blocks, float* out) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    constexpr bool SPLIT = R > 2;  // as dot_q4_1x8's
+    __m512 acc[R], macc[R];
+    for (int r = 0; r < R; r++) acc[r] = macc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t* wb = w + 256 * b;
+        // as dot_q4_1x8's, as far ahead in bytes of the pair's stream (16 blocks of a pair
+        // hold 32 of a group)
+        for (int line = 0; line < 256; line += 64) _mm_prefetch((const char*)(wb + 2 * SD_PREFETCH + line), _MM_HINT_NTA);
+        if ((b & 1) == 0) {
+            _mm_prefetch((const char*)(d + 16 * b + SD_PREFETCH / 8), _MM_HINT_NTA);
+            _mm_prefetch((const char*)(m + 16 * b + SD_PREFETCH / 8), _MM_HINT_NTA);
+        }
+        __m512i slo[R], shi[R];
+        for (int r = 0; r < R; r++) slo[r] = shi[r] = _mm512_setzero_si512();
+        for (int i = 0; i < 4; i++) {
+            // lanes 0-7: group g's 32 bytes i of the block, lanes 8-15: group g + 1's
+            const __m512i v = _mm512_loadu_si512((const void*)(wb + 64 * i));
+            const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            for (int r = 0; r < R; r++) {
+                int32_t x0, x1;
+                memcpy(&x0, xq[r] + 4 * (8 * b + 2 * i), 4);
+                memcpy(&x1, xq[r] + 4 * (8 * b + 2 * i + 1), 4);
+                slo[r] = _mm512_dpbusd_epi32(slo[r], lo, _mm512_set1_epi32(x0));
+                shi[r] = _mm512_dpbusd_epi32(shi[r], hi, _mm512_set1_epi32(x1));
+            }
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(d + 16 * b)));
+        for (int r = 0; r < R; r++) {
+            const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(slo[r], shi[r]));
+            acc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(dw, _mm512_set1_ps(xd[r][b])), acc[r]);
+        }
+        if (!SPLIT) {
+            const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(m + 16 * b)));
+            for (int r = 0; r < R; r++) macc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[r][b]), macc[r]);
+        }
+    }
+    for (int b = 0; SPLIT && b < blocks; b++) {
+        const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(m + 16 * b)));
         for (int r = 0; r < R; r++) macc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[r][b]), macc[r]);
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, _mm512_add_ps(acc[r], macc[r]));
@@ -998,10 +1069,14 @@ static inline void linear_x8_tile(const sd_linear* L, const scratch_q& q, const 
     const tile_rows<R, TABLE> x(q, table, r0, L->cols);
     const int64_t at = (int64_t)g * blocks;
     float vals[8 * R];
-    if (L->fmt == SD_Q4_1X8)
+    if (L->fmt == SD_Q4_1X8) {
         dot_q4_1x8<R, TABLE>(x.xq, x.xb, x.xd, x.xs, (const uint8_t*)L->w + 128 * at, L->d + 8 * at, L->m + 8 * at,
                              blocks, vals);
-    else
+    } else if (L->fmt == SD_Q4_1X16) {  // group g of its pair, through the 8-row kernels
+        const int64_t pair = (int64_t)(g / 2) * blocks, half = g % 2;
+        dot_q4_1x8<R, TABLE, 2>(x.xq, x.xb, x.xd, x.xs, (const uint8_t*)L->w + 256 * pair + 32 * half,
+                                L->d + 16 * pair + 8 * half, L->m + 16 * pair + 8 * half, blocks, vals);
+    } else
         dot_q8_0x8<R, TABLE>(x.xq, x.xb, x.xd, (const int8_t*)L->w + 256 * at, L->d + 8 * at, blocks, q.offset, vals);
     for (int r = 0; r < R; r++)
         for (int f = 0; f < 8; f++) store_out(L, out, out_stride, accumulate, r0 + r, 8 * g + f, vals[8 * r + f]);
@@ -1051,6 +1126,21 @@ __attribute__((noinline)) static void linear_x16_rows(const sd_linear* L, const 
 }
 #endif
 
+#if SD_VNNI512
+// Q4_1X16 pair p (groups 2p and 2p + 1) against R rows (dot_q4_1x16i)
+template <int R>
+__attribute__((noinline)) static void linear_x16i_rows(const sd_linear* L, const scratch_q& q, int64_t r0, int p,
+                                                       float* out, int64_t out_stride, int accumulate) {
+    const int blocks = L->cols / 32;
+    const tile_rows<R, false> x(q, nullptr, r0, L->cols);
+    const int64_t at = (int64_t)p * blocks;
+    float vals[16 * R];
+    dot_q4_1x16i<R>(x.xq, x.xd, x.xs, (const uint8_t*)L->w + 256 * at, L->d + 16 * at, L->m + 16 * at, blocks, vals);
+    for (int r = 0; r < R; r++)
+        for (int f = 0; f < 16; f++) store_out(L, out, out_stride, accumulate, r0 + r, 16 * p + f, vals[16 * r + f]);
+}
+#endif
+
 // rows r.. of group g through the 256-bit tiles: eight rows at a time with VNNI (32 vector
 // registers: 8 rows of a step 12.1 -> 9.5 ms on Zen 4), then 5-7 rows in one tile (a
 // tile of 4 and one of 1-3 read the weights twice: whole steps at 100 tokens of context
@@ -1082,6 +1172,26 @@ template <bool TABLE>
 static inline void x8_groups(const sd_linear* L, const scratch_q& q, const int32_t* table, int64_t rows, float* out,
                              int64_t out_stride, int accumulate) {
     const int groups = L->rows / 8;
+#if SD_VNNI512
+    if (L->fmt == SD_Q4_1X16) {  // pairs of groups: 8 rows at a time, then the 1-7 left in one tile
+#pragma omp for schedule(static)
+        for (int p = 0; p < groups / 2; p++) {
+            int64_t r = 0;
+            for (; r + 8 <= rows; r += 8) linear_x16i_rows<8>(L, q, r, p, out, out_stride, accumulate);
+            switch (rows - r) {
+                case 7: linear_x16i_rows<7>(L, q, r, p, out, out_stride, accumulate); break;
+                case 6: linear_x16i_rows<6>(L, q, r, p, out, out_stride, accumulate); break;
+                case 5: linear_x16i_rows<5>(L, q, r, p, out, out_stride, accumulate); break;
+                case 4: linear_x16i_rows<4>(L, q, r, p, out, out_stride, accumulate); break;
+                case 3: linear_x16i_rows<3>(L, q, r, p, out, out_stride, accumulate); break;
+                case 2: linear_x16i_rows<2>(L, q, r, p, out, out_stride, accumulate); break;
+                case 1: linear_x16i_rows<1>(L, q, r, p, out, out_stride, accumulate); break;
+                default: break;
+            }
+        }
+        return;
+    }
+#endif
     if (rows == 1) {
 #pragma omp for schedule(static)
         for (int g = 0; g < groups; g++) linear_x8_tile<1, TABLE>(L, q, table, 0, g, out, out_stride, accumulate);
@@ -1165,7 +1275,7 @@ static void linear_x8(const sd_linear* L, const float* x, int64_t rows, int64_t 
 
 static void linear(const sd_linear* L, const float* x, int64_t rows, int64_t x_stride, float* out, int64_t out_stride,
                    int accumulate, const scratch_q& q) {
-    if (L->fmt == SD_Q4_1X8 || L->fmt == SD_Q8_0X8) return linear_x8(L, x, rows, x_stride, out, out_stride, accumulate, q);
+    if (L->fmt == SD_Q4_1X8 || L->fmt == SD_Q8_0X8 || L->fmt == SD_Q4_1X16) return linear_x8(L, x, rows, x_stride, out, out_stride, accumulate, q);
     if (L->fmt == SD_Q8_0 || L->fmt == SD_Q4_1)
         quantize_rows(x, rows, L->cols, x_stride, L->fmt == SD_Q4_1, q.xq, q.xd, q.xs);  // ends with a barrier
     const int features = L->rows;
@@ -1918,6 +2028,15 @@ void sd_embed(const sd_linear* E, const int64_t* ids, int64_t count, float* out)
                     const uint8_t q = ((const uint8_t*)E->w)[128 * blk + 32 * i + 4 * r + t % 4];
                     const int v = t < 4 ? (q & 0x0F) : (q >> 4);
                     o[k] = fp16_to_f32(E->d[8 * blk + r]) * (float)v + fp16_to_f32(E->m[8 * blk + r]);
+                }
+                break;
+            case SD_Q4_1X16:  // lane r of its group's half of the pair's blocks
+                for (int k = 0; k < cols; k++) {
+                    const int64_t group = row / 8, blk = (group / 2) * blocks + k / 32;
+                    const int r = (int)(row % 8), half = (int)(group % 2), e = k % 32, i = e / 8, t = e % 8;
+                    const uint8_t q = ((const uint8_t*)E->w)[256 * blk + 64 * i + 32 * half + 4 * r + t % 4];
+                    const int v = t < 4 ? (q & 0x0F) : (q >> 4);
+                    o[k] = fp16_to_f32(E->d[16 * blk + 8 * half + r]) * (float)v + fp16_to_f32(E->m[16 * blk + 8 * half + r]);
                 }
                 break;
             case SD_Q8_0X8:

@@ -31,12 +31,15 @@ def _ptr(tensor: torch.Tensor | None) -> int | None:
 def linear_entry(layer: PackedLinear, keep: list, rows8: bool = True) -> kernels.Linear:
     """The kernels' view of a PackedLinear; tensors it points to are appended to ``keep``.
     With ``rows8`` a q4_1 or q8_0 layer is regrouped in place into the kernels' 8-row
-    layout (about 1.5x fewer instructions per weight on AVX2; docs/performance.md). A
-    regrouped layer keeps its layout in every later entry (a tied embedding's lookups read
-    it too)."""
-    if rows8 and layer.fmt in ("q4_1", "q8_0") and layer.rows % 8 == 0:
+    layout (about 1.5x fewer instructions per weight on AVX2; docs/performance.md), and a
+    q4_1 layer's groups paired (Q4_1X16) where the kernels have 512-bit VNNI tiles for
+    them. A regrouped layer keeps its layout in every later entry (a tied embedding's
+    lookups read it too)."""
+    if rows8 and layer.fmt == "q4_1" and layer.rows % 16 == 0 and kernels.load().sd_pairs16():
+        layer.interleave_rows16()
+    elif rows8 and layer.fmt in ("q4_1", "q8_0") and layer.rows % 8 == 0:
         layer.interleave_rows8()
-    fmt = layer.fmt + "x8" if layer.layout == "rows8" else layer.fmt
+    fmt = {"rows8": layer.fmt + "x8", "rows16": layer.fmt + "x16"}.get(layer.layout, layer.fmt)
     entry = kernels.Linear(kernels.FORMATS[fmt], layer.rows, layer.cols, 0)
     if layer.weight is not None:
         weight = layer.weight.detach().contiguous()

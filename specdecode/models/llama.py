@@ -324,7 +324,7 @@ class LlamaWeights(nn.Module):
         embed = self.embed
         if embed.weight is not None:
             return F.embedding(ids, embed.weight).to(self.dtype)
-        if embed.layout == "rows8":  # regrouped for the CPU kernels (a tied head): their lookup
+        if embed.layout in ("rows8", "rows16"):  # regrouped for the CPU kernels (a tied head): their lookup
             from .cpu_runtime import embed_lookup
 
             return embed_lookup(embed, ids).to(self.dtype)

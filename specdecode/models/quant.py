@@ -60,7 +60,9 @@ class PackedLinear(nn.Module):
         if fmt not in WEIGHT_FORMATS:
             raise ConfigError(f"weight format must be one of {WEIGHT_FORMATS}, got {fmt!r}")
         self.fmt, self.rows, self.cols = fmt, rows, cols
-        self.layout = "rows"  # q4_1 and q8_0: "rows8" once interleave_rows8 regrouped the blocks
+        # q4_1 and q8_0: "rows8" once interleave_rows8 regrouped the blocks; q4_1: "rows16"
+        # once interleave_rows16 paired those groups
+        self.layout = "rows"
         if fmt in ("fp32", "bf16"):
             self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype), requires_grad=False)
         else:
@@ -125,7 +127,7 @@ class PackedLinear(nn.Module):
         ``32 i + 4 r + t`` holds row r's weight ``4 i + t``. The same values, bytes and
         memory: nothing is quantized again. Every view below (``dequantize``, ``blocks``)
         still returns GGUF's order."""
-        if self.layout == "rows8":
+        if self.layout in ("rows8", "rows16"):  # rows16: paired, from the 8-row layout
             return
         if self.fmt not in ("q4_1", "q8_0") or self.rows % 8:
             raise ConfigError(f"only q4_1 and q8_0 layers with a multiple of 8 rows regroup by 8 rows, "
@@ -144,17 +146,50 @@ class PackedLinear(nn.Module):
                 values.copy_(values.reshape(groups, 8, blocks).transpose(1, 2).reshape(self.rows, blocks).clone())
         self.layout = "rows8"
 
+    def interleave_rows16(self) -> None:
+        """Pair a q4_1 layer's 8-row groups in place into the kernels' Q4_1X16 layout
+        (specdecode/kernels/cpu.cpp; rows a multiple of 16): per pair of groups and block,
+        the two groups' Q4_1X8 bytes alternate 32 at a time, and their 8 scales (and
+        minima) sit side by side. The same bytes, moved; every view still returns GGUF's
+        order."""
+        if self.layout == "rows16":
+            return
+        if self.fmt != "q4_1" or self.rows % 16:
+            raise ConfigError(f"only q4_1 layers with a multiple of 16 rows pair their 8-row groups, "
+                              f"not {self.fmt} x {self.rows}")
+        self.interleave_rows8()
+        self.qweight.copy_(self._pairs(self.qweight, 4, 32).clone())
+        for values in (self.scales, self.mins):
+            values.copy_(self._pairs(values, 1, 8).clone())
+        self.layout = "rows16"
+
+    def _pairs(self, tensor: torch.Tensor, runs: int, width: int, inverse: bool = False) -> torch.Tensor:
+        """The Q4_1X8 order of ``tensor`` (codes: 4 runs of 32 bytes a block; scales: 1 run
+        of 8) as Q4_1X16's, the two groups of a pair alternating run by run; ``inverse``:
+        back. A permuted view, [rows, -1]."""
+        pairs, blocks = self.rows // 16, self.cols // BLOCK
+        if inverse:  # p, b, run, half, width -> p, half, b, run, width
+            moved = tensor.reshape(pairs, blocks, runs, 2, width).permute(0, 3, 1, 2, 4)
+        else:  # p, half, b, run, width -> p, b, run, half, width
+            moved = tensor.reshape(pairs, 2, blocks, runs, width).permute(0, 2, 3, 1, 4)
+        return moved.reshape(self.rows, -1)
+
     def blocks(self, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(qweight, scales, mins) in GGUF's order, whatever the layout in memory: of every
         row, or of the rows ``index`` names (a few embedding rows read only their groups)."""
-        if self.layout != "rows8":
+        if self.layout not in ("rows8", "rows16"):
             if index is None:
                 return self.qweight, self.scales, self.mins
             return self.qweight[index], self.scales[index], None if self.mins is None else self.mins[index]
         groups, blocks = self.rows // 8, self.cols // BLOCK
         per_row = 8 if self.fmt == "q8_0" else 4  # 4-byte runs of a row in a block
-        grouped = self.qweight.reshape(groups, blocks, per_row, 8, 4)  # g, b, i, r, t
-        scales, mins = (None if v is None else v.reshape(groups, blocks, 8) for v in (self.scales, self.mins))
+        qweight, scale_values, min_values = self.qweight, self.scales, self.mins
+        if self.layout == "rows16":  # back to the 8-row layout's order first
+            qweight = self._pairs(qweight, 4, 32, inverse=True)
+            scale_values, min_values = (None if v is None else self._pairs(v, 1, 8, inverse=True)
+                                        for v in (scale_values, min_values))
+        grouped = qweight.reshape(groups, blocks, per_row, 8, 4)  # g, b, i, r, t
+        scales, mins = (None if v is None else v.reshape(groups, blocks, 8) for v in (scale_values, min_values))
         if index is None:  # every row: g, b, i, r, t -> g, r, b, i, t
             codes = grouped.permute(0, 3, 1, 2, 4)
             scales, mins = (None if v is None else v.transpose(1, 2).reshape(self.rows, blocks) for v in (scales, mins))
