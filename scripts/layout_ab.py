@@ -17,7 +17,7 @@ from specdecode import kernels
 from specdecode.models.llama import load_native
 from specdecode.models.loading import resolve_model
 
-ROUNDS = 8
+ROUNDS = int(__import__("os").environ.get("AB_ROUNDS", "8"))
 
 
 class WithoutPairs:

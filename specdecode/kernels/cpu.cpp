@@ -836,11 +836,11 @@ static inline void dot_q4_1x16(const int8_t* const* xq, const float* const* xd, 
 // blocks side by side), so a thread's pairs are one stream of weights, scales and minima.
 // Every lane does what dot_q4_1x8 does for its (row, feature): the same integer sums, then
 // the same float operations in the same order (the min terms in a loop of their own from 3
-// rows), so every output is the same bits as the 8-row layout's. Against the 256-bit tiles
-// on Zen 4 (a prototype, whole steps at 300 tokens of context, scripts/step_ab.py, minima of
-// 6 rounds): T = 1 2.46 -> 2.39 ms, 2 2.97 -> 2.87, 3 3.87 -> 3.68, 4 3.98 -> 3.74, 5 4.57
-// -> 4.21, 6 5.19 -> 4.84. Pairs of separate groups (dot_q4_1x16) had been slower from
-// memory below 8 rows: two streams per thread.
+// rows), so every output is the same bits as the 8-row layout's. Against the 8-row layout
+// on Zen 4 (whole steps, scripts/layout_ab.py, four runs in different phases of the
+// machine): T = 4 to 8 3-7% faster in every run, T = 1 to 3 between 4% faster and 5%
+// slower, within the runs' noise (docs/performance.md). Pairs of separate groups
+// (dot_q4_1x16) had been slower from memory below 8 rows: two streams per thread.
 template <int R>
 static inline void dot_q4_1x16i(const int8_t* const* xq, const float* const* xd, const float* const* xs,
                                 const uint8_t* w, const uint16_t* d, const uint16_t* m, int blocks, float* out) {
