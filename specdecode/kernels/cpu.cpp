@@ -838,9 +838,10 @@ static inline void dot_q4_1x16(const int8_t* const* xq, const float* const* xd, 
 // the same float operations in the same order (the min terms in a loop of their own from 3
 // rows), so every output is the same bits as the 8-row layout's. Against the 8-row layout
 // on Zen 4 (whole steps, scripts/layout_ab.py, four runs in different phases of the
-// machine): T = 4 to 8 3-7% faster in every run, T = 1 to 3 between 4% faster and 5%
-// slower, within the runs' noise (docs/performance.md). Pairs of separate groups
-// (dot_q4_1x16) had been slower from memory below 8 rows: two streams per thread.
+// machine): T = 4 to 8 2-9% faster in 19 of 21 (context, T) cells (one even, one 4%
+// slower), T = 1 to 3 between 4% faster and 10% slower, within the runs' noise
+// (docs/performance.md). Pairs of separate groups (dot_q4_1x16) had been slower from
+// memory below 8 rows: two streams per thread.
 template <int R>
 static inline void dot_q4_1x16i(const int8_t* const* xq, const float* const* xd, const float* const* xs,
                                 const uint8_t* w, const uint16_t* d, const uint16_t* m, int blocks, float* out) {
