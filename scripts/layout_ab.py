@@ -8,11 +8,10 @@ the round minima:
     AB_CONTEXTS=100,300,600 AB_SIZES=1,2,3,4,6,8 .venv/bin/python scripts/layout_ab.py
 """
 import statistics
-import time
 
 import torch
 
-from step_ab import CONTEXTS, SIZES
+from step_ab import CONTEXTS, SIZES, fastest_step_ms
 from specdecode import kernels
 from specdecode.models.llama import load_native
 from specdecode.models.loading import resolve_model
@@ -64,13 +63,7 @@ def main() -> None:
             minima: dict[str, list[float]] = {name: [] for name in runtimes}
             for _ in range(ROUNDS):
                 for name, runtime in runtimes.items():
-                    times = []
-                    for _ in range(10 if size == 1 else 6):
-                        started = time.perf_counter()
-                        runtime(ids)
-                        times.append(time.perf_counter() - started)
-                        runtime.rollback(context)
-                    minima[name].append(min(times) * 1e3)
+                    minima[name].append(fastest_step_ms(runtime, ids, context, 10 if size == 1 else 6))
             medians = {name: statistics.median(values) for name, values in minima.items()}
             print(f"context {context:5d} T {size:2d}: " + "  ".join(
                 f"{name} {min(values):6.2f} ms (median {medians[name]:6.2f})" for name, values in minima.items())

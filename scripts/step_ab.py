@@ -53,6 +53,18 @@ def build_libraries(arguments: list[str], functions=("sd_forward_layers", "sd_li
     return libraries
 
 
+def fastest_step_ms(runtime, ids: torch.Tensor, context: int, repeats: int) -> float:
+    """The fastest of ``repeats`` forwards of ``ids`` after ``context`` cached tokens, in ms
+    (the cache rolled back to ``context`` after each)."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        runtime(ids)
+        times.append(time.perf_counter() - started)
+        runtime.rollback(context)
+    return min(times) * 1e3
+
+
 def main() -> None:
     libraries = build_libraries(sys.argv[1:])
     runtime = load_native(resolve_model("default").path, torch.bfloat16, weights="q4_1", backend="kernels")
@@ -67,13 +79,8 @@ def main() -> None:
             for _ in range(ROUNDS):
                 for name, library in libraries.items():
                     runtime.kernels.lib = library
-                    times = []
-                    for _ in range(12 if size == 1 else 6):
-                        started = time.perf_counter()
-                        runtime(ids)
-                        times.append(time.perf_counter() - started)
-                        runtime.rollback(context)
-                    minima.setdefault(f"{context}/{size}/{name}", []).append(min(times) * 1e3)
+                    minima.setdefault(f"{context}/{size}/{name}", []).append(
+                        fastest_step_ms(runtime, ids, context, 12 if size == 1 else 6))
             print(f"context {context:5d} T {size}: " + "  ".join(
                 f"{name} {min(minima[f'{context}/{size}/{name}']):6.2f} ms (median {statistics.median(minima[f'{context}/{size}/{name}']):6.2f})"
                 for name in libraries), flush=True)

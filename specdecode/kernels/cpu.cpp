@@ -777,11 +777,39 @@ static inline void dot_q4_1x8x2(const int8_t* const* xq, const int32_t* const* x
 // dot_q4_1x8 does for its (row, feature): the same integer sums, then the same float
 // operations in the same order, so a row's outputs are the same bits from either kernel.
 #if SD_VNNI512
+// One block of 16 weight rows (lanes 0-7 one group's rows, 8-15 the next group's) against
+// R activation rows: `load(i)` gives the block's 32-byte runs i of both groups in one
+// register, `dw` the 16 rows' scales; acc[r] += isum * (dw * xd[r][b]) per lane, with the
+// integer sums as dot_q4_1x8's (low and high nibbles in two chains of 4 vpdpbusd).
+template <int R, typename Load>
+static inline void q4_1_block16(Load load, __m512 dw, const int8_t* const* xq, const float* const* xd, int b,
+                                __m512* acc) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512i slo[R], shi[R];
+    for (int r = 0; r < R; r++) slo[r] = shi[r] = _mm512_setzero_si512();
+    for (int i = 0; i < 4; i++) {
+        const __m512i v = load(i);
+        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        for (int r = 0; r < R; r++) {
+            int32_t x0, x1;
+            memcpy(&x0, xq[r] + 4 * (8 * b + 2 * i), 4);
+            memcpy(&x1, xq[r] + 4 * (8 * b + 2 * i + 1), 4);
+            slo[r] = _mm512_dpbusd_epi32(slo[r], lo, _mm512_set1_epi32(x0));
+            shi[r] = _mm512_dpbusd_epi32(shi[r], hi, _mm512_set1_epi32(x1));
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(slo[r], shi[r]));
+        acc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(dw, _mm512_set1_ps(xd[r][b])), acc[r]);
+    }
+}
+#endif
+
+#if SD_VNNI512
 template <int R>
 static inline void dot_q4_1x16(const int8_t* const* xq, const float* const* xd, const float* const* xs,
                                const uint8_t* w0, const uint8_t* w1, const uint16_t* d0, const uint16_t* d1,
                                const uint16_t* m0, const uint16_t* m1, int blocks, float* out) {
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
     __m512 acc[R], macc[R];
     for (int r = 0; r < R; r++) acc[r] = macc[r] = _mm512_setzero_ps();
     for (int b = 0; b < blocks; b++) {
@@ -802,25 +830,10 @@ static inline void dot_q4_1x16(const int8_t* const* xq, const float* const* xd, 
             _mm_prefetch((const char*)(m0 + scales), _MM_HINT_NTA);
             _mm_prefetch((const char*)(m1 + scales), _MM_HINT_NTA);
         }
-        __m512i slo[R], shi[R];
-        for (int r = 0; r < R; r++) slo[r] = shi[r] = _mm512_setzero_si512();
-        for (int i = 0; i < 4; i++) {
-            const __m512i v = _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)(a + 32 * i))),
-                                                 _mm256_loadu_si256((const __m256i*)(c + 32 * i)), 1);
-            const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-            for (int r = 0; r < R; r++) {
-                int32_t x0, x1;
-                memcpy(&x0, xq[r] + 4 * (8 * b + 2 * i), 4);
-                memcpy(&x1, xq[r] + 4 * (8 * b + 2 * i + 1), 4);
-                slo[r] = _mm512_dpbusd_epi32(slo[r], lo, _mm512_set1_epi32(x0));
-                shi[r] = _mm512_dpbusd_epi32(shi[r], hi, _mm512_set1_epi32(x1));
-            }
-        }
-        const __m512 dw = load16_f16(d0 + 8 * b, d1 + 8 * b);
-        for (int r = 0; r < R; r++) {
-            const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(slo[r], shi[r]));
-            acc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(dw, _mm512_set1_ps(xd[r][b])), acc[r]);
-        }
+        q4_1_block16<R>([&](int i) {
+            return _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)(a + 32 * i))),
+                                      _mm256_loadu_si256((const __m256i*)(c + 32 * i)), 1);
+        }, load16_f16(d0 + 8 * b, d1 + 8 * b), xq, xd, b, acc);
     }
     for (int b = 0; b < blocks; b++) {  // the min terms, as dot_q4_1x8's SPLIT loop
         const __m512 mw = load16_f16(m0 + 8 * b, m1 + 8 * b);
@@ -845,7 +858,6 @@ static inline void dot_q4_1x16(const int8_t* const* xq, const float* const* xd, 
 template <int R>
 static inline void dot_q4_1x16i(const int8_t* const* xq, const float* const* xd, const float* const* xs,
                                 const uint8_t* w, const uint16_t* d, const uint16_t* m, int blocks, float* out) {
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
     constexpr bool SPLIT = R > 2;  // as dot_q4_1x8's
     __m512 acc[R], macc[R];
     for (int r = 0; r < R; r++) acc[r] = macc[r] = _mm512_setzero_ps();
@@ -858,25 +870,9 @@ static inline void dot_q4_1x16i(const int8_t* const* xq, const float* const* xd,
             _mm_prefetch((const char*)(d + 16 * b + SD_PREFETCH / 8), _MM_HINT_NTA);
             _mm_prefetch((const char*)(m + 16 * b + SD_PREFETCH / 8), _MM_HINT_NTA);
         }
-        __m512i slo[R], shi[R];
-        for (int r = 0; r < R; r++) slo[r] = shi[r] = _mm512_setzero_si512();
-        for (int i = 0; i < 4; i++) {
-            // lanes 0-7: group g's 32 bytes i of the block, lanes 8-15: group g + 1's
-            const __m512i v = _mm512_loadu_si512((const void*)(wb + 64 * i));
-            const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-            for (int r = 0; r < R; r++) {
-                int32_t x0, x1;
-                memcpy(&x0, xq[r] + 4 * (8 * b + 2 * i), 4);
-                memcpy(&x1, xq[r] + 4 * (8 * b + 2 * i + 1), 4);
-                slo[r] = _mm512_dpbusd_epi32(slo[r], lo, _mm512_set1_epi32(x0));
-                shi[r] = _mm512_dpbusd_epi32(shi[r], hi, _mm512_set1_epi32(x1));
-            }
-        }
-        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(d + 16 * b)));
-        for (int r = 0; r < R; r++) {
-            const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(slo[r], shi[r]));
-            acc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(dw, _mm512_set1_ps(xd[r][b])), acc[r]);
-        }
+        // lanes 0-7: group g's 32 bytes i of the block, lanes 8-15: group g + 1's
+        q4_1_block16<R>([&](int i) { return _mm512_loadu_si512((const void*)(wb + 64 * i)); },
+                        _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(d + 16 * b))), xq, xd, b, acc);
         if (!SPLIT) {
             const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(m + 16 * b)));
             for (int r = 0; r < R; r++) macc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[r][b]), macc[r]);
