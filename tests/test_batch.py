@@ -1124,3 +1124,52 @@ def test_both_engines_tell_the_policy_and_the_stats_what_each_step_drafted_and_a
         assert sum(d for d, _ in policy.seen) >= counted.draft_tokens  # the last step's drafts past the end drop
         assert sum(a for _, a in policy.seen) >= counted.accepted_tokens
         assert all(0 <= a <= d for d, a in policy.seen)
+
+
+def test_the_audit_counts_and_places_mismatches(model_dir):
+    """The audit skips requests decoded plainly; a mismatch (tokens or finish reason) is counted in /metrics and recorded at the first divergent position, also where one output is a prefix of the other. Found by a mutation audit: no test failed without it."""
+    from specdecode.serve.audit import Auditor
+    from specdecode.serve.metrics import ServerMetrics
+
+    engine = BatchEngine(runtime_for(model_dir, "torch"), max_num_seqs=2, max_model_len=64)
+    metrics = ServerMetrics("tiny")
+    auditor = Auditor(engine, 1.0, metrics)
+
+    def value(name):
+        return metrics.registry.get_sample_value(f"specdecode:{name}_total", {"model_name": "tiny"})
+
+    original = engine.add([5, 6, 7, 5, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True),
+                          proposer=NgramProposer(), policy=2)
+    plain = engine.add([5, 6, 7], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    engine.run()
+    auditor.offer(plain)  # decoded plainly: nothing to compare
+    assert not auditor.backlog
+    auditor.offer(original)
+    assert auditor.run_one()
+    rerun = engine.waiting[-1]
+    engine.run()
+    assert rerun.generated == original.generated and rerun.finish_reason == "length"
+    original.finish_reason = "stop"  # the same tokens, ended otherwise: still a mismatch
+    auditor.compare(rerun)
+    assert len(auditor.mismatches) == 1 and value("audit_requests") == 1 and value("audit_mismatches") == 1
+    original.finish_reason = "length"
+    original.generated = original.generated[:4]  # speculation stopped early: diverges where it ends
+    auditor.compare(rerun)
+    record = auditor.mismatches[1]
+    assert record["position"] == 4 and record["speculative_token"] is None
+    assert record["plain_token"] == rerun.generated[4] and value("audit_mismatches") == 2
+
+
+def test_the_audit_samples_requests_at_its_rate(model_dir):
+    """--audit-rate 0.25 audits about a quarter of the requests offered, not all. Found by a mutation audit: no test failed without it."""
+    from specdecode.serve.audit import Auditor
+    from specdecode.serve.metrics import ServerMetrics
+
+    engine = BatchEngine(runtime_for(model_dir, "torch"), max_num_seqs=2, max_model_len=64)
+    auditor = Auditor(engine, 0.25, ServerMetrics("tiny"), backlog=1000)
+    original = engine.add([5, 6, 7, 5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True),
+                          proposer=NgramProposer(), policy=2)
+    engine.run()
+    for _ in range(400):
+        auditor.offer(original)
+    assert 60 <= len(auditor.backlog) <= 140

@@ -1554,3 +1554,220 @@ def test_a_head_method_without_heads_for_the_model_is_refused_before_loading(mod
             build_state(config, f'{{"method": "{method}"}}')
     with pytest.raises(ConfigError, match="model '/no/such/store' does not exist"):
         build_state(config, '{"method": "suffix", "model": "/no/such/store"}')
+
+
+def test_speculative_k_is_bounded_by_max_served_k(served):
+    """num_speculative_tokens up to MAX_SERVED_K is served; one more is a 400 naming the field. Found by a mutation audit: no test failed without it."""
+    from specdecode.config import MAX_SERVED_K
+
+    client, _, _ = served
+    body = {"prompt": "abcabcabc", "max_tokens": 2, "temperature": 0}
+    assert client.post("/v1/completions", json={**body, "speculative": {"num_speculative_tokens": MAX_SERVED_K}}
+                       ).status_code == 200
+    response = client.post("/v1/completions", json={**body, "speculative": {"num_speculative_tokens": MAX_SERVED_K + 1}})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "speculative.num_speculative_tokens"
+
+
+def test_at_most_four_stop_strings(served):
+    """Four stop strings are served (OpenAI's limit); a fifth is a 400 naming `stop`. Found by a mutation audit: no test failed without it."""
+    client, _, _ = served
+    body = {"prompt": "abcabc", "max_tokens": 2, "temperature": 0}
+    assert client.post("/v1/completions", json={**body, "stop": ["@1", "@2", "@3", "@4"]}).status_code == 200
+    response = client.post("/v1/completions", json={**body, "stop": ["@1", "@2", "@3", "@4", "@5"]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "stop"
+
+
+def test_top_k_minus_one_means_no_top_k(served):
+    """top_k = -1 (vLLM's "off", which the schema allows) samples as top_k = 0 does. Found by a mutation audit: no test failed without it."""
+    client, _, _ = served
+    body = {"prompt": "qwerty", "max_tokens": 8, "temperature": 0.9, "seed": 3}
+    off = client.post("/v1/completions", json={**body, "top_k": 0})
+    minus = client.post("/v1/completions", json={**body, "top_k": -1})
+    assert minus.status_code == 200, minus.text
+    assert minus.json()["choices"][0]["text"] == off.json()["choices"][0]["text"]
+
+
+def test_max_tokens_defaults_to_16_and_null_means_the_default(served):
+    """A completion without max_tokens, or with an explicit null, gives OpenAI's default 16 tokens. Found by a mutation audit: no test failed without it."""
+    client, _, _ = served
+    for extra in ({}, {"max_tokens": None}):
+        body = client.post("/v1/completions", json={"prompt": "abc", "temperature": 0, "ignore_eos": True, **extra}).json()
+        assert body["usage"]["completion_tokens"] == 16, (extra, body)
+
+
+def test_prompt_and_max_tokens_may_fill_the_context_exactly(served):
+    """A prompt plus max_tokens equal to the context is served in full; one more token is a 400. Found by a mutation audit: no test failed without it."""
+    client, state, _ = served
+    limit = state.engine.max_model_len
+    prompt = [5, 6, 7] * 80
+    body = {"prompt": prompt, "temperature": 0, "ignore_eos": True}
+    exact = client.post("/v1/completions", json={**body, "max_tokens": limit - len(prompt)})
+    assert exact.status_code == 200 and exact.json()["usage"]["completion_tokens"] == limit - len(prompt), exact.text
+    over = client.post("/v1/completions", json={**body, "max_tokens": limit - len(prompt) + 1})
+    assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_the_seed_of_a_later_choice_wraps_at_2_63(served):
+    """With n = 2 the second choice's seed is the request's plus one, wrapped to a signed 64-bit value (2**63 - 1 + 1 -> -2**63), not a 500. Found by a mutation audit: no test failed without it."""
+    client, _, _ = served
+    body = {"prompt": "qwerty", "max_tokens": 6, "temperature": 0.9}
+    both = client.post("/v1/completions", json={**body, "n": 2, "seed": 2 ** 63 - 1})
+    assert both.status_code == 200, both.text
+    second = client.post("/v1/completions", json={**body, "seed": -(2 ** 63)}).json()["choices"][0]["text"]
+    assert both.json()["choices"][1]["text"] == second
+
+
+def test_a_stream_ends_with_the_speculation_extension_and_done(served):
+    """Only the last chunk of a stream carries the speculation figures, and the stream ends with `data: [DONE]`. Found by a mutation audit: no test failed without it."""
+    client, _, _ = served
+    raw = client.post("/v1/completions", json={"prompt": "abcabcabc", "max_tokens": 6, "temperature": 0,
+                                               "stream": True}).text
+    events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+    assert events[-1]["choices"][0]["finish_reason"] is not None
+    assert events[-1]["speculative"]["method"] == "ngram" and events[-1]["speculative"]["drafted_tokens"] > 0
+    assert all("speculative" not in e for e in events[:-1])
+    assert raw.endswith("data: [DONE]\n\n")
+
+
+def test_chat_without_max_tokens_may_fill_the_context(served):
+    """A chat request without max_tokens may generate up to the context (vLLM's default), ending with `length`. Found by a mutation audit: no test failed without it."""
+    client, state, _ = served
+    body = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "temperature": 0,
+                                                      "ignore_eos": True}).json()
+    assert body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] == state.engine.max_model_len
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_usage_and_speculation_figures_add_up(served):
+    """total_tokens is prompt plus completion; the acceptance rate is accepted over drafted tokens. Found by a mutation audit: no test failed without it."""
+    client, _, _ = served
+    body = client.post("/v1/completions", json={"prompt": "abcabcabcabc", "max_tokens": 12, "temperature": 0,
+                                                "speculative": {"method": "ngram", "num_speculative_tokens": 3}}).json()
+    usage, extension = body["usage"], body["speculative"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert extension["drafted_tokens"] > 0
+    assert extension["acceptance_rate"] == round(extension["accepted_tokens"] / extension["drafted_tokens"], 4)
+
+
+def test_an_unknown_route_is_a_not_found_error(served):
+    """A 404 carries OpenAI's `not_found_error` type. Found by a mutation audit: no test failed without it."""
+    client, _, _ = served
+    response = client.get("/v1/nothing")
+    assert response.status_code == 404 and response.json()["error"]["type"] == "not_found_error"
+
+
+def test_the_api_key_needs_the_bearer_scheme_and_guards_the_cache_reset(model_dir):
+    """With --api-key only `Authorization: Bearer KEY` passes (not Basic or Token), and /reset_prefix_cache needs it too (anyone could wipe the cache). Found by a mutation audit: no test failed without it."""
+    client, state = make_client(model_dir, api_key="sekret")
+    with client:
+        for header in ("Basic sekret", "Token sekret"):
+            response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                                   headers={"Authorization": header})
+            assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key", header
+        assert client.post("/reset_prefix_cache").status_code == 401
+        assert client.post("/reset_prefix_cache", headers={"Authorization": "Bearer sekret"}).status_code == 200
+
+
+def test_health_is_503_once_the_engine_thread_has_stopped(model_dir):
+    """A dead engine thread makes /health a 503 and new requests a 503 naming it. Found by a mutation audit: no test failed without it."""
+    client, state = make_client(model_dir)
+    with client:
+        assert client.get("/health").status_code == 200
+        state.stopped = True
+        state.wakeup.set()
+        state.thread.join(timeout=10)
+        response = client.get("/health")
+        assert response.status_code == 503 and response.json()["error"]["type"] == "server_error"
+        response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert response.status_code == 503 and response.json()["error"]["code"] == "engine_stopped"
+
+
+def test_audit_reruns_are_not_counted_as_traffic(model_dir, monkeypatch):
+    """An audit's plain re-run is not counted as a running request nor in the prompt and generation token counters: those are clients' traffic. Found by a mutation audit: no test failed without it."""
+    import time
+
+    from specdecode.serve.batch import BatchEngine
+    step = BatchEngine.step
+
+    def slow(self):
+        time.sleep(0.01)
+        return step(self)
+
+    monkeypatch.setattr(BatchEngine, "step", slow)
+    client, state = make_client(model_dir, '{"method": "ngram", "num_speculative_tokens": 3, "router": false}',
+                                audit_rate=1.0)
+
+    def value(name):
+        return state.metrics.registry.get_sample_value("specdecode:" + name, {"model_name": "tiny"})
+
+    with client:
+        usage = client.post("/v1/completions", json={"prompt": "abcabc", "max_tokens": 40, "temperature": 0,
+                                                     "ignore_eos": True}).json()["usage"]
+        wait_for(lambda: any(s.audit_of is not None and len(s.generated) > 2 for s in list(state.engine.running)))
+        time.sleep(0.05)
+        assert value("num_requests_running") == 0
+        wait_for(lambda: value("audit_requests_total") == 1)
+        assert value("generation_tokens_total") == usage["completion_tokens"]
+        assert value("prompt_tokens_total") == usage["prompt_tokens"]
+
+
+def test_a_failed_step_ends_a_stream_with_a_server_error_chunk(model_dir, monkeypatch):
+    """A step that fails mid-stream ends it with an OpenAI error chunk of type `server_error`, then `data: [DONE]`. Found by a mutation audit: no test failed without it."""
+    from specdecode.serve.batch import BatchEngine
+
+    step, calls = BatchEngine.step, []
+
+    def failing(self):
+        if self.running and any(s.generated for s in self.running):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("a step fails")
+        return step(self)
+
+    monkeypatch.setattr(BatchEngine, "step", failing)
+    client, state = make_client(model_dir)
+    with client:
+        raw = client.post("/v1/completions", json={"prompt": "abcabc", "max_tokens": 30, "ignore_eos": True,
+                                                   "stream": True}).text
+    events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+    assert events[-1] == {"error": {"message": "internal error while decoding", "type": "server_error",
+                                    "param": None, "code": None}}, events[-1]
+    assert raw.endswith("data: [DONE]\n\n")
+
+
+def test_a_server_shutting_down_answers_a_retryable_503(served):
+    """While shutting down, a request gets a 503 with Retry-After (clients retry it), not a 500. Found by a mutation audit: no test failed without it."""
+    client, state, _ = served
+    state.accepting = False
+    try:
+        response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    finally:
+        state.accepting = True
+    assert response.status_code == 503 and response.headers["Retry-After"] == "5"
+    assert response.json()["error"]["code"] == "shutting_down"
+
+
+def test_server_metrics_record_what_they_are_given():
+    """Each ServerMetrics call updates its own series with its own values and labels. Found by a mutation audit: no test failed without it."""
+    from specdecode.serve.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+
+    def value(name, **labels):
+        return metrics.registry.get_sample_value("specdecode:" + name, {"model_name": "m", **labels})
+
+    metrics.finished("stop", 1.5, "code", 0.25, cached_tokens=3, looked_up=10)
+    metrics.finished("stop", 2.0, "code", 0.5, cached_tokens=0, looked_up=4)
+    assert value("request_success_total", finished_reason="stop") == 2
+    assert value("request_success_total", finished_reason="length") == 0
+    assert value("prefix_cache_queries_total") == 14 and value("prefix_cache_hits_total") == 3
+    assert value("task_seconds_saved", task_type="code") == pytest.approx(0.75)  # summed over requests
+    metrics.token_gap(0.02)
+    assert value("inter_token_latency_seconds_count") == 1 and value("time_per_output_token_seconds_count") == 1
+    metrics.request_done(prompt_tokens=5, generated=1, max_tokens=100, arrival=0.0, scheduled=1.0, first_token=2.0,
+                         finish=2.0)  # one token: no time per output token (nothing to divide by)
+    assert value("request_params_max_tokens_sum") == 100 and value("request_generation_tokens_sum") == 1
+    assert value("request_time_per_output_token_seconds_count") == 0
+    assert value("request_queue_time_seconds_sum") == 1.0 and value("request_prefill_time_seconds_sum") == 1.0
+    metrics.queue(running=2, waiting=5)
+    assert value("num_requests_running") == 2 and value("num_requests_waiting") == 5
