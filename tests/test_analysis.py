@@ -506,3 +506,72 @@ def test_the_classifier_reads_a_long_prompt_in_bounded_time():
         classify(text)
         assert time.perf_counter() - began < 1.0, text[:10]  # about 0.03 s; 2-3 s before
     assert classify("Write a Python function that returns the sum.\n" + "word " * 30000) == "code"
+
+
+# -- the router at its boundaries (a mutation audit: no test failed on these mutants) -
+def test_classifier_threshold_is_inclusive_and_a_passage_counts_as_text_to_work_from():
+    assert classify("Imagine.") == "creative"  # exactly the threshold (2.0) is enough
+    words = ("harbour bridge opened in spring after nine years of work " * 6).split()
+    question = "In the text below, who paid for the bridge?\n\n"
+    # a passage of 60 words beside a short instruction is a text to answer from
+    assert classify(question + " ".join(words[:60])) == "summarization"
+    assert classify(question + " ".join(words[:59])) == "general"
+
+
+def test_router_uses_the_first_measured_acceptance_as_the_prior():
+    router = Router()
+    router.observe("code", "ngram", alpha=0.7, speedup=1.5, tokens=16)  # 16 tokens is enough to learn from
+    assert router.records["code/ngram"].weight == 1.0
+    assert router.prior("code", "ngram") == pytest.approx(0.7)
+
+
+def test_router_averages_with_decay_and_its_saved_state_survives_many_requests(tmp_path):
+    router = Router(decay=0.9)
+    router.observe("code", "ngram", alpha=0.0, speedup=1.0)
+    router.observe("code", "ngram", alpha=1.0, speedup=1.0)
+    record = router.records["code/ngram"]
+    assert record.weight == pytest.approx(1.9) and record.alpha == pytest.approx(1 / 1.9)  # recent counts more
+    for _ in range(50):
+        router.observe("code", "ngram", alpha=0.5, speedup=1.5)
+    router.save(tmp_path / "state.json")
+    warned = []
+    assert Router().load(tmp_path / "state.json", warn=warned.append).records.keys() == {"code/ngram"}
+    assert not warned
+
+
+def test_router_decides_after_exactly_min_observations_and_keeps_break_even_tasks():
+    prompt = "Write a Python function that reverses a string."
+    router = Router(decay=1.0, min_observations=3, retry_every=100)
+    for _ in range(3):
+        router.observe("code", "ngram", alpha=0.1, speedup=0.5)
+    assert router.route(prompt).method == "none"  # three observations of a loss are enough
+    even = Router(retry_every=100)
+    for _ in range(5):
+        even.observe("code", "ngram", alpha=0.3, speedup=1.0)
+    assert even.route(prompt).method == "ngram"  # 1.00x is not a loss
+
+
+def test_router_per_task_method_overrides_a_global_method_none():
+    prompt = "Write a Python function that reverses a string."
+    route = Router(methods={"code": "ngram"}).route(prompt, method="none")
+    assert route.task == "code" and route.method == "ngram"
+    off = Router(methods={"code": "none"}).route(prompt, method="none")
+    assert off.method == "none" and "disabled for this task type" in off.reason
+
+
+def test_router_reads_a_long_prompts_tail_and_routes_on_the_callers_label():
+    # the instruction after a long passage is read (the classifier reads head and tail)
+    assert classify("word " * 5000 + "\n\nSummarize the passage above in three sentences.") == "summarization"
+    router = Router(retry_every=100)
+    for _ in range(4):
+        router.observe("code", "ngram", alpha=0.05, speedup=0.5)
+    route = router.route("Write a short poem about the sea.", task="code")  # a server request's task_type
+    assert route.task == "code" and route.method == "none"
+
+
+def test_router_clips_an_out_of_range_acceptance(tmp_path):
+    router = Router()
+    router.observe("code", "ngram", alpha=1.5, speedup=1.2)
+    assert router.prior("code", "ngram") == 1.0
+    router.save(tmp_path / "state.json")
+    assert "code/ngram" in Router().load(tmp_path / "state.json", warn=lambda m: None).records

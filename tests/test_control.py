@@ -1657,3 +1657,30 @@ def test_the_threshold_policy_at_its_boundaries():
     policy = ThresholdK()
     policy.observe(5, 4)
     assert policy.choose(0) == 5
+
+
+def test_a_request_with_no_new_tokens_measures_no_speedup():
+    from specdecode.control.router import speedup_from_stats
+    from specdecode.metrics import GenerationStats
+
+    stats = GenerationStats(new_tokens=0, wall_seconds=1.0, prefill_seconds=0.2)
+    assert speedup_from_stats(stats, synthetic_profile(), 10) == 1.0
+
+
+def test_best_k_prefers_plain_and_shorter_drafts_on_a_tie():
+    # every k only breaks even (tau 1 for a step costing 1): plain decoding, not drafting for nothing
+    assert best_k(0.0, lambda k: 1.0, 0.0, 4) == (0, 1.0)
+    # alpha 1 with v(k) = k + 1: every k is exactly 1.0x as well
+    assert best_k(1.0, lambda k: k + 1.0, 0.0, 4) == (0, 1.0)
+    # alpha 1 pays exactly k + 1 at every k: the break-even acceptance is 1, not "never"
+    assert break_even_alpha(2, 3.0, 0.0) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_a_zero_step_cost_is_a_config_error_and_no_drafter_teaches_the_router_nothing():
+    from specdecode.control.router import Router
+
+    with pytest.raises(ConfigError):
+        expected_speedup(1.0, 0.0, 0.0, 0)
+    router = Router()
+    router.observe("code", None, alpha=0.5, speedup=1.2)  # plain decoding drafted nothing
+    assert router.records == {}

@@ -333,3 +333,13 @@ def test_a_second_sibling_the_target_wants_is_accepted():
     for seed in range(20):
         path, bonus = tree_rejection_sample(tree, target_probs, None, torch.Generator().manual_seed(seed))
         assert (path, bonus) == ([2], 2)
+
+
+def test_later_acceptance_falls_back_to_the_first_and_decode_speed_excludes_the_prefill():
+    from specdecode.metrics import GenerationStats, acceptance_rates
+
+    stats = GenerationStats(new_tokens=100, wall_seconds=2.0, prefill_seconds=1.0)
+    stats.observe_step(1, 1)  # one draft a step: no later position is ever tried
+    stats.observe_step(1, 0)
+    assert acceptance_rates([stats]) == (0.5, 0.5) and stats.later_alpha == 0.5  # independent acceptance
+    assert stats.decode_tokens_per_s == pytest.approx(100.0) and stats.tokens_per_s == pytest.approx(50.0)
