@@ -1684,3 +1684,15 @@ def test_a_zero_step_cost_is_a_config_error_and_no_drafter_teaches_the_router_no
     router = Router()
     router.observe("code", None, alpha=0.5, speedup=1.2)  # plain decoding drafted nothing
     assert router.records == {}
+
+
+def test_theory_refuses_impossible_rates_and_a_zero_tau_measures_no_speedup():
+    """An acceptance rate outside [0, 1] is a ConfigError naming the rates (1.5 gave tau 3.5
+    silently), and a request with tau 0 (nothing measured) is 1.0x, not a ZeroDivisionError.
+    Found by a mutation audit: no test failed without either check."""
+    assert tau_from_positions([1.0, 0.0]) == 2.0
+    for rates in ([1.5], [0.5, -0.1]):
+        with pytest.raises(ConfigError, match="acceptance rates must be in"):
+            tau_from_positions(rates)
+    assert wall_speedup(100, 10.0, 0.0, 1.2) == 1.0
+    assert wall_speedup(100, 10.0, 2.0, 1.0) == pytest.approx(110 / 60)
