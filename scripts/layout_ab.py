@@ -11,22 +11,12 @@ import statistics
 
 import torch
 
-from step_ab import CONTEXTS, SIZES, fastest_step_ms
+from step_ab import CONTEXTS, SIZES, WithoutPairs, fastest_step_ms
 from specdecode import kernels
 from specdecode.models.llama import load_native
 from specdecode.models.loading import resolve_model
 
 ROUNDS = int(__import__("os").environ.get("AB_ROUNDS", "8"))
-
-
-class WithoutPairs:
-    """The loaded library, saying it has no Q4_1X16 tiles (the layers stay in 8-row groups)."""
-
-    def __init__(self, library):
-        self.library = library
-
-    def __getattr__(self, name):
-        return (lambda: 0) if name == "sd_pairs16" else getattr(self.library, name)
 
 
 def main() -> None:

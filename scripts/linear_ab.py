@@ -17,15 +17,13 @@ import time
 
 import torch
 
-from step_ab import build_libraries
-from specdecode.models.llama import load_native
-from specdecode.models.loading import resolve_model
+from step_ab import build_libraries, load_for
 
 ROWS = tuple(int(value) for value in os.environ.get("LINEAR_ROWS", "1,2,4,8").split(","))
 THREADS, ROUNDS, CALLS = int(os.environ.get("LINEAR_THREADS", "2")), 7, 30
 
 libraries = build_libraries(sys.argv[1:], ("sd_linear_forward",))
-runtime = load_native(resolve_model("default").path, torch.bfloat16, weights="q4_1", backend="kernels")
+runtime = load_for(libraries)
 runtime.reset(64)  # allocates the scratch buffers
 stack = runtime.kernels
 layer = stack.layers[runtime.num_layers // 2]

@@ -53,6 +53,31 @@ def build_libraries(arguments: list[str], functions=("sd_forward_layers", "sd_li
     return libraries
 
 
+class WithoutPairs:
+    """A loaded library that says it has no Q4_1X16 tiles, so a model loaded under it keeps
+    its int4 layers in 8-row groups (scripts/layout_ab.py)."""
+
+    def __init__(self, library):
+        self.library = library
+
+    def __getattr__(self, name):
+        return (lambda: 0) if name == "sd_pairs16" else getattr(self.library, name)
+
+
+def load_for(libraries: dict):
+    """The default model on the kernels backend in layouts every one of ``libraries`` reads:
+    a library built before Q4_1X16 (no ``sd_pairs16``) knows only the 8-row groups, and
+    would compute nonsense, without an error, from paired layers (found in review)."""
+    paired = all(hasattr(library, "sd_pairs16") and library.sd_pairs16() for library in libraries.values())
+    loader = kernels.load
+    if not paired:
+        kernels.load = lambda: WithoutPairs(loader())
+    try:
+        return load_native(resolve_model("default").path, torch.bfloat16, weights="q4_1", backend="kernels")
+    finally:
+        kernels.load = loader
+
+
 def fastest_step_ms(runtime, ids: torch.Tensor, context: int, repeats: int) -> float:
     """The fastest of ``repeats`` forwards of ``ids`` after ``context`` cached tokens, in ms
     (the cache rolled back to ``context`` after each)."""
@@ -67,7 +92,7 @@ def fastest_step_ms(runtime, ids: torch.Tensor, context: int, repeats: int) -> f
 
 def main() -> None:
     libraries = build_libraries(sys.argv[1:])
-    runtime = load_native(resolve_model("default").path, torch.bfloat16, weights="q4_1", backend="kernels")
+    runtime = load_for(libraries)
     runtime.reset(max(CONTEXTS) + 100)
     generator = torch.Generator().manual_seed(0)
     minima: dict[str, list[float]] = {}

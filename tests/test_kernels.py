@@ -201,6 +201,22 @@ def test_rows16_pairs_compute_what_rows8_computes(monkeypatch):
             PackedLinear.quantize(torch.randn(count, 64), fmt).interleave_rows16()
 
 
+def test_a_layer_in_8_row_groups_is_not_paired_later():
+    """An entry made for a layer in 8-row groups keeps reading it: a later entry under a
+    library with pair tiles leaves the layer as it is (found in review: it paired the bytes
+    in place, and the first entry, still Q4_1X8, read them wrongly)."""
+    generator = torch.Generator().manual_seed(13)
+    layer = quantized(torch.randn(32, 128, generator=generator) * 0.05, "q4_1x8")
+    x = torch.randn(3, 128, generator=generator)
+    before = kernel_linear(layer, x)
+    linear_entry(layer, [])  # rows8=True: would regroup a layer still in GGUF's rows
+    assert layer.layout == "rows8" and torch.equal(kernel_linear(layer, x), before)
+    paired = PackedLinear.from_blocks("q4_1", *layer.blocks())
+    linear_entry(paired, [])
+    assert paired.layout == ("rows16" if kernels.load().sd_pairs16() else "rows8")
+    assert torch.equal(kernel_linear(paired, x), before)
+
+
 def test_models_pair_the_int4_layers_where_the_kernels_have_pair_tiles(tmp_path, monkeypatch):
     """The q4_1 layers (16k rows) are paired where the library has the 512-bit tiles
     (sd_pairs16), kept in 8-row groups elsewhere; the q8_0 head stays in 8-row groups. Both

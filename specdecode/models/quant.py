@@ -183,6 +183,14 @@ class PackedLinear(nn.Module):
             return self.qweight[index], self.scales[index], None if self.mins is None else self.mins[index]
         groups, blocks = self.rows // 8, self.cols // BLOCK
         per_row = 8 if self.fmt == "q8_0" else 4  # 4-byte runs of a row in a block
+        if index is not None and self.layout == "rows16":  # the named rows' pairs only, as below
+            index = index.reshape(-1).cpu().numpy()
+            pair, half, lane = index // 16, index // 8 % 2, index % 8
+            codes = torch.from_numpy(self.qweight.reshape(groups // 2, blocks, per_row, 2, 8, 4).numpy()
+                                     [pair, :, :, half, lane])  # n, b, i, t
+            scales, mins = (None if v is None else torch.from_numpy(v.reshape(groups // 2, blocks, 2, 8).numpy()
+                                                                    [pair, :, half, lane]) for v in (self.scales, self.mins))
+            return self._from_grouped(codes, scales, mins, len(index))
         qweight, scale_values, min_values = self.qweight, self.scales, self.mins
         if self.layout == "rows16":  # back to the 8-row layout's order first
             qweight = self._pairs(qweight, 4, 32, inverse=True)
@@ -198,7 +206,13 @@ class PackedLinear(nn.Module):
             group, lane = index // 8, index % 8
             codes = torch.from_numpy(grouped.numpy()[group, :, :, lane])  # n, b, i, t
             scales, mins = (None if v is None else torch.from_numpy(v.numpy()[group, :, lane]) for v in (scales, mins))
-        count = self.rows if index is None else len(index)
+        return self._from_grouped(codes, scales, mins, self.rows if index is None else len(index))
+
+    def _from_grouped(self, codes: torch.Tensor, scales, mins, count: int):
+        """(qweight, scales, mins) in GGUF's order from a regrouped layout's codes, each row's
+        [blocks, runs, 4] bytes (blocks() above)."""
+        blocks = self.cols // BLOCK
+        per_row = 8 if self.fmt == "q8_0" else 4
         codes = codes.reshape(count, blocks, per_row, 4)
         if self.fmt == "q8_0":  # byte (i, t) is weight 4 i + t
             return codes.reshape(count, self.cols), scales, mins
