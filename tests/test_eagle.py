@@ -125,6 +125,247 @@ def test_incremental_trees_equal_a_fresh_pass_over_the_committed_sequence(tmp_pa
         assert (tree.tokens.tolist(), tree.parents.tolist()) == (nodes, parents), tokens
 
 
+def unrolled_log_probs(head, embed, features, committed: list[int], path: list[int]) -> torch.Tensor:
+    """The head's draft log-probabilities after ``committed`` and the drafted ``path``, from
+    its training-time pass (``unrolled``), which shares no cache or mask code with drafting:
+    step j's last row is the node at depth j on ``path``."""
+    rows = len(committed) - 1
+    embeds = [embed(torch.tensor(committed[1:]))[None]] + [embed(torch.tensor([t] * rows))[None] for t in path]
+    outputs = head.unrolled(features[None], embeds, torch.arange(rows))
+    return head.logits(outputs[-1][0, -1], fast=False).float().log_softmax(-1)
+
+
+def reference_tree(head, embed, features, committed: list[int], budget: int, width: int) -> dict:
+    """EAGLE-2 by its definition, from ``unrolled``: per depth the ``width`` best frontier
+    nodes offer their ``width`` best children; the tree is the ``budget`` best paths by
+    cumulative log-probability. Returns {path of target ids: score}."""
+    d2t = head.d2t.tolist()
+    scores, frontier = {}, []
+
+    def offer(path):
+        top = unrolled_log_probs(head, embed, features, committed, list(path)).topk(width)
+        for value, index in zip(top.values.tolist(), top.indices.tolist()):
+            child = path + (d2t[index],)
+            scores[child] = scores.get(path, 0.0) + value
+            frontier.append(child)
+
+    offer(())
+    for _ in range(1, min(budget, 8)):  # MAX_TREE_DEPTH
+        expand = sorted(frontier, key=lambda p: -scores[p])[:width]
+        frontier = []
+        for path in expand:
+            offer(path)
+    return dict(sorted(scores.items(), key=lambda item: (-item[1], len(item[0])))[:budget])
+
+
+@pytest.mark.parametrize("width", [2, 3])
+def test_trees_are_the_best_paths_of_the_heads_own_distributions(targets, width):
+    """Every tree equals EAGLE-2's definition computed independently from the head's
+    training pass: the same paths, each node's confidence its path's probability. A mutation
+    audit: feeding every expanded node the root's state, dropping ancestors from the tree
+    mask, unshifted RoPE positions, overwriting earlier nodes' cache slots, expanding the
+    wrong frontier nodes or stopping early all kept greedy output lossless and every tree
+    well formed, and passed (the incremental-tree test compares the proposer with itself)."""
+    target = targets[0]
+    embed = lambda ids: target.runtime.weights.embed_rows(ids).float()  # noqa: E731
+    runtime = target.runtime
+    checked = deep = 0
+    for seed in (40, 41):
+        head = random_head(target, seed)
+        proposer = EagleProposer(head, embed, kernels=False, tree_width=width)  # torch: the reference's numerics
+        for committed in ([5, 9, 14, 22, 5, 9], [33, 7, 61, 2, 80, 19, 44, 3, 12]):
+            runtime.reset(len(committed) + 1)
+            _, features = runtime(torch.tensor([committed[:-1]]), capture=proposer.capture)
+            for budget in (4, 9, 16):
+                proposer.start(committed, len(committed) + budget + 1)
+                proposer.observe(0, features[0], committed)
+                proposal = proposer.propose_tree(committed, budget, GREEDY, None)
+                tree, tokens = proposal.tree, proposal.tree.tokens.tolist()
+                paths = []
+                for node, parent in enumerate(proposal.tree.parents.tolist()):
+                    paths.append((paths[parent - 1] if parent else ()) + (tokens[node],))
+                expected = reference_tree(head, embed, features[0], committed, budget, width)
+                assert sorted(paths) == sorted(expected), (seed, committed, budget)
+                torch.testing.assert_close(proposal.confidence, torch.tensor([expected[p] for p in paths]).exp(),
+                                           rtol=1e-4, atol=1e-6)
+                # the same tree again from the same cache, one head pass fewer: the observed
+                # rows ran with the first (a tree counting no pass for them passed: an audit)
+                again = proposer.propose_tree(committed, budget, GREEDY, None)
+                assert again.tree.tokens.tolist() == tokens and again.passes == proposal.passes - 1
+                checked += 1
+                deep += int(tree.depths().max()) >= 3
+    assert checked == 12 and deep >= 4
+
+
+def test_chains_are_the_heads_greedy_path_by_its_training_pass(targets):
+    """Each greedy draft is the argmax of the head after the committed tokens and the drafts
+    before it, by ``unrolled`` (a mutation audit: deeper drafts fed the first draft's
+    embedding, lossless, and passed: the incremental test compares the proposer with itself)."""
+    target = targets[0]
+    embed = lambda ids: target.runtime.weights.embed_rows(ids).float()  # noqa: E731
+    head = random_head(target, 10)  # a head whose chains change token along the way
+    proposer = EagleProposer(head, embed, kernels=False)
+    d2t = head.d2t.tolist()
+    for committed in ([5, 9, 14, 22, 5, 9], [33, 7, 61, 2, 80, 19, 44]):
+        target.runtime.reset(len(committed) + 1)
+        _, features = target.runtime(torch.tensor([committed[:-1]]), capture=proposer.capture)
+        proposer.start(committed, len(committed) + 8)
+        proposer.observe(0, features[0], committed)
+        drafts = proposer.propose(committed, 5, GREEDY, None).draft_ids.tolist()
+        expected = []
+        for _ in range(5):
+            expected.append(d2t[int(unrolled_log_probs(head, embed, features[0], committed, expected).argmax())])
+        assert drafts == expected, committed
+        assert len(set(drafts)) > 2
+
+
+def test_observed_rows_run_once_and_gaps_or_stale_sequences_draft_nothing(targets):
+    """States observed in pieces run in one head pass at the next proposal; a gap in the
+    observed positions (entries would be misplaced) or a committed sequence the head was not
+    told of (its drafts would be stale) drafts nothing. A mutation audit: each passed."""
+    target = targets[0]
+    proposer = proposer_for(target, random_head(target, 7))
+    committed = [5, 9, 14, 22, 5, 9, 30, 31, 40]
+    target.runtime.reset(len(committed) + 1)
+    _, features = target.runtime(torch.tensor([committed[:-1]]), capture=proposer.capture)
+    passes, run = [], proposer._run
+    proposer._run = lambda *args, **kwargs: passes.append(1) or run(*args, **kwargs)
+    proposer.start(committed, 32)
+    proposer.observe(0, features[0, :3], committed)
+    proposer.observe(3, features[0, 3:], committed)
+    assert proposer.propose(committed, 1, GREEDY, None).num_tokens == 1 and len(passes) == 1
+    assert proposer.propose(committed + [7], 1, GREEDY, None).num_tokens == 0  # not observed: stale
+    proposer.start(committed, 32)
+    proposer.observe(0, features[0, :3], committed)
+    proposer.observe(5, features[0, 5:], committed)  # positions 3..4 never observed
+    assert proposer.propose(committed, 1, GREEDY, None).num_tokens == 0
+
+
+@pytest.mark.parametrize("target_index", [0, 1])
+def test_a_tree_of_the_deepest_depth_fits_a_cache_sized_for_the_sequence(targets, target_index):
+    """A budget no early stop cuts (width 2: never 64 candidates) runs every pass down to
+    MAX_TREE_DEPTH, writing width nodes per pass after the committed entries; a cache sized
+    for the committed tokens alone holds them (a mutation audit: one pass's room fewer
+    passed every test)."""
+    from specdecode.proposers.eagle import MAX_TREE_DEPTH
+
+    target = targets[target_index]
+    proposer = proposer_for(target, random_head(target, 3))
+    proposer.tree_width = 2
+    committed = [5, 9, 14, 22, 5, 9]
+    target.runtime.reset(len(committed) + 1)
+    _, features = target.runtime(torch.tensor([committed[:-1]]), capture=proposer.capture)
+    proposer.start(committed, len(committed))
+    proposer.observe(0, features[0], committed)
+    proposal = proposer.propose_tree(committed, 64, GREEDY, None)
+    assert proposal.passes == MAX_TREE_DEPTH and int(proposal.tree.depths().max()) == MAX_TREE_DEPTH
+
+
+class FixedChain:
+    """Prompt lookup's stand-in: always the same continuation."""
+
+    def __init__(self, chain: list[int]):
+        self.chain = chain
+
+    def start(self, prompt_ids, capacity) -> None:
+        pass
+
+    def propose(self, tokens, k, params, generator):
+        from specdecode.proposers.base import Proposal
+
+        return Proposal(torch.tensor(self.chain[:k], dtype=torch.int64))
+
+
+def tree_paths(tree) -> list[tuple[int, ...]]:
+    """Each node's path of tokens from the root."""
+    paths, tokens = [], tree.tokens.tolist()
+    for node, parent in enumerate(tree.parents.tolist()):
+        paths.append((paths[parent - 1] if parent else ()) + (tokens[node],))
+    return paths
+
+
+def test_a_merged_tree_is_the_union_of_the_chain_and_the_heads_paths(targets):
+    """Prompt lookup's chain following one of the head's own paths then leaving it: the
+    merged tree holds every head path and every chain prefix exactly once, a shared node
+    with the larger confidence, and counts the head's passes. A mutation audit: hanging
+    every head node under the root, merging nothing, looking up shared nodes by the head's
+    numbering, keeping the chain's confidence on shared nodes or counting no passes all
+    passed."""
+    from specdecode.proposers.merged_tree import MergedTreeProposer
+
+    target = targets[0]
+    eagle = proposer_for(target, random_head(target, 21))
+    eagle.tree_width = 2
+    committed = [5, 9, 14, 22, 5, 9]
+    target.runtime.reset(len(committed) + 1)
+    _, features = target.runtime(torch.tensor([committed[:-1]]), capture=eagle.capture)
+    outside = next(t for t in range(target.runtime.vocab_size) if t not in set(eagle.d2t))  # never a head node
+    checked = 0
+    for budget in (6, 10):
+        eagle.start(committed, len(committed) + budget + 1)
+        eagle.observe(0, features[0], committed)
+        head = eagle.propose_tree(committed, budget - 3, GREEDY, None)
+        head_paths = tree_paths(head.tree)
+        head_confidence = dict(zip(head_paths, head.confidence.tolist()))
+        for path in (p for p in head_paths if len(p) == 2):
+            chain = list(path) + [outside]
+            merged = MergedTreeProposer(FixedChain(chain), eagle, prior_first=0.01, prior_later=0.01)
+            proposal = merged.propose_tree(committed, budget, GREEDY, None)
+            paths = tree_paths(proposal.tree)
+            chain_paths = [tuple(chain[: i + 1]) for i in range(3)]
+            assert len(paths) == len(set(paths)) == head.tree.size + 1
+            assert set(paths) == set(head_paths) | set(chain_paths)
+            chain_confidence = dict(zip(chain_paths, merged.chain_confidence(3)))
+            expected = [max(head_confidence.get(p, 0.0), chain_confidence.get(p, 0.0)) for p in paths]
+            torch.testing.assert_close(proposal.confidence, torch.tensor(expected))
+            assert proposal.passes == head.passes - 1  # the observed rows ran with the head's own tree
+            checked += 1
+    assert checked >= 2
+
+
+def test_prompt_lookups_hit_rates_are_learnt_from_what_was_committed_after_its_chains(targets):
+    """Position 1's rate counts a hit when the chain's first token was committed; a later
+    position's, each position after a hit up to the first miss; old evidence decays."""
+    from specdecode.proposers.merged_tree import MergedTreeProposer
+
+    eagle = proposer_for(targets[0], random_head(targets[0], 1))  # never observed: no head tree
+    merged = MergedTreeProposer(FixedChain([7, 8, 9]), eagle, prior_first=0.3, prior_later=0.6, decay=0.9)
+    merged.start([1, 2, 3], 64)
+    close = lambda got, want: torch.testing.assert_close(got, torch.tensor(want))  # noqa: E731
+    close(merged.propose_tree([1, 2, 3], 4, GREEDY, None).confidence, [0.3, 0.3 * 0.6, 0.3 * 0.6**2])
+    # [7, 8, 5] committed after the chain: position 1 hit, 2 hit, 3 missed
+    first, later = [0.6 * 0.9 + 1, 2 * 0.9 + 1], [1.2 * 0.9 + 1, 2 * 0.9 + 1]
+    later = [later[0] * 0.9, later[1] * 0.9 + 1]
+    rates = (first[0] / first[1], later[0] / later[1])
+    close(merged.propose_tree([1, 2, 3, 7, 8, 5], 4, GREEDY, None).confidence,
+          [rates[0], rates[0] * rates[1], rates[0] * rates[1] ** 2])
+    # [7, 4, 4]: position 1 hit, 2 missed (3 not tried)
+    first, later = [first[0] * 0.9 + 1, first[1] * 0.9 + 1], [later[0] * 0.9, later[1] * 0.9 + 1]
+    rates = (first[0] / first[1], later[0] / later[1])
+    close(merged.propose_tree([1, 2, 3, 7, 8, 5, 7, 4, 4], 4, GREEDY, None).confidence,
+          [rates[0], rates[0] * rates[1], rates[0] * rates[1] ** 2])
+
+
+def test_trees_stay_closed_under_parents_when_scores_tie(targets):
+    """A child of probability 1 ties its parent's score: the tie goes to the shallower node,
+    so a cut at the budget never keeps a child without its parent. Log-probabilities rounded
+    to even integers here, to make ties common (a mutation audit: deeper-first ties passed)."""
+    target = targets[0]
+    proposer = proposer_for(target, random_head(target, 11))
+    proposer.tree_width = 3
+    rounded = proposer._log_probs
+    proposer._log_probs = lambda logits, params: rounded(logits, params).div(2).round().mul(2)
+    committed = [5, 9, 14, 22, 5, 9]
+    target.runtime.reset(len(committed) + 1)
+    _, features = target.runtime(torch.tensor([committed[:-1]]), capture=proposer.capture)
+    proposer.start(committed, len(committed) + 40)
+    proposer.observe(0, features[0], committed)
+    for budget in range(1, 16):
+        tree = proposer.propose_tree(committed, budget, GREEDY, None).tree
+        parents = tree.parents.tolist()
+        assert tree.size == budget and all(0 <= parent <= node for node, parent in enumerate(parents)), budget
+
+
 class Alternating:
     """A k policy that drafts ``k`` and takes a plain step in turn."""
 

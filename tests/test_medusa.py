@@ -97,6 +97,32 @@ def test_untrained_heads_guess_the_targets_own_next_token(targets):
     assert proposer.propose(committed + [5], 3, GREEDY, None).num_tokens == 0
 
 
+def test_each_head_is_a_residual_silu_block_on_the_targets_normed_state(targets):
+    """The drafts by the module docstring's definition, computed here from the raw weights:
+    head i guesses argmax over the draft rows of y = x + SiLU(W_i x + b_i), x the target's
+    final RMSNorm of the last state. A mutation audit: dropping the SiLU passed (the other
+    tests compare the proposer with ``heads.states``). k = 0 drafts nothing."""
+    target = targets[0]
+    weights = target.runtime.weights
+    heads = random_heads(target, 2)
+    proposer = MedusaProposer(heads, target.runtime.num_layers, kernels=False)
+    hidden, eps = target.runtime.cfg.hidden_size, target.runtime.cfg.rms_norm_eps
+    rows = weights.lm_head.dequantize().float()[heads.d2t]
+    for committed in ([7, 21, 40, 9, 13, 77], [5, 17, 33, 8, 61, 12, 90, 4]):
+        state = last_layer_states(target, committed[:-1])
+        proposer.start(committed, 32)
+        proposer.observe(0, state, committed)
+        x = state[-1].float()
+        x = weights.norm.float() * x / torch.sqrt(x.pow(2).mean() + eps)
+        expected = []
+        for i in range(3):
+            w, b = heads.blocks.weight[i * hidden : (i + 1) * hidden], heads.blocks.bias[i * hidden : (i + 1) * hidden]
+            y = x + torch.nn.functional.silu(w @ x + b)
+            expected.append(int(heads.d2t[int((rows @ y).argmax())]))
+        assert proposer.propose(committed, 3, GREEDY, None).draft_ids.tolist() == expected, committed
+        assert proposer.propose(committed, 0, GREEDY, None).num_tokens == 0
+
+
 class Recording(MedusaProposer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
