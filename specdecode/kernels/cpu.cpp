@@ -601,8 +601,8 @@ static inline __m256i act4(const int8_t* xq, const int32_t* xb, int64_t i4) {
 // whatever R is: per block acc = fma(isum, d_w dx, acc) and macc = fma(m_w, sx, macc), then
 // acc + macc.
 // STRIDE 2 reads one group of a Q4_1X16 pair (its 32-byte runs 64 bytes apart, its blocks
-// 256 bytes and its scales 16 apart):
-// the same arithmetic, for builds without the pairs' own kernels.
+// 256 bytes and its scales 16 apart) with the same arithmetic, for builds without the
+// pairs' own kernels.
 template <int R, bool TABLE, int STRIDE = 1>
 static inline void dot_q4_1x8(const int8_t* const* xq, const int32_t* const* xb, const float* const* xd,
                               const float* const* xs, const uint8_t* w, const uint16_t* d, const uint16_t* m, int blocks,
@@ -767,15 +767,6 @@ static inline void dot_q4_1x8x2(const int8_t* const* xq, const int32_t* const* x
 }
 #endif
 
-// Q4_1X8, two adjacent groups (16 output rows) against R activation rows in 512-bit
-// registers: out[16 r + f], f < 8 from group g (w0, d0, m0), f >= 8 from group g + 1.
-// Each broadcast of 4 activation codes then feeds 16 weight rows instead of 8. At 8 rows
-// the 256-bit kernel is bound by those broadcasts more than by vpdpbusd (with one
-// broadcast shared by all rows, a wrong result but a timing, it ran twice as fast; an
-// EVEX {1to8} operand in place of the separate broadcast gained nothing); on Zen 4 this
-// gained 10% per linear layer from the caches, about 5% a step. Every lane does what
-// dot_q4_1x8 does for its (row, feature): the same integer sums, then the same float
-// operations in the same order, so a row's outputs are the same bits from either kernel.
 #if SD_VNNI512
 // One block of 16 weight rows (lanes 0-7 one group's rows, 8-15 the next group's) against
 // R activation rows: `load(i)` gives the block's 32-byte runs i of both groups in one
@@ -805,6 +796,15 @@ static inline void q4_1_block16(Load load, __m512 dw, const int8_t* const* xq, c
 }
 #endif
 
+// Q4_1X8, two adjacent groups (16 output rows) against R activation rows in 512-bit
+// registers: out[16 r + f], f < 8 from group g (w0, d0, m0), f >= 8 from group g + 1.
+// Each broadcast of 4 activation codes then feeds 16 weight rows instead of 8. At 8 rows
+// the 256-bit kernel is bound by those broadcasts more than by vpdpbusd (with one
+// broadcast shared by all rows, a wrong result but a timing, it ran twice as fast; an
+// EVEX {1to8} operand in place of the separate broadcast gained nothing); on Zen 4 this
+// gained 10% per linear layer from the caches, about 5% a step. Every lane does what
+// dot_q4_1x8 does for its (row, feature): the same integer sums, then the same float
+// operations in the same order, so a row's outputs are the same bits from either kernel.
 #if SD_VNNI512
 template <int R>
 static inline void dot_q4_1x16(const int8_t* const* xq, const float* const* xd, const float* const* xs,
