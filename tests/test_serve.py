@@ -1620,8 +1620,9 @@ def test_the_seed_of_a_later_choice_wraps_at_2_63(served):
 def test_a_stream_ends_with_the_speculation_extension_and_done(served):
     """Only the last chunk of a stream carries the speculation figures, and the stream ends with `data: [DONE]`. Found by a mutation audit: no test failed without it."""
     client, _, _ = served
-    raw = client.post("/v1/completions", json={"prompt": "abcabcabc", "max_tokens": 6, "temperature": 0,
-                                               "stream": True}).text
+    raw = client.post("/v1/completions", json={"prompt": "abcabcabc", "max_tokens": 6, "temperature": 0, "stream": True,
+                                               # explicit: the router's state depends on the tests before
+                                               "speculative": {"method": "ngram", "num_speculative_tokens": 3}}).text
     events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
     assert events[-1]["choices"][0]["finish_reason"] is not None
     assert events[-1]["speculative"]["method"] == "ngram" and events[-1]["speculative"]["drafted_tokens"] > 0
