@@ -36,7 +36,8 @@ def linear_entry(layer: PackedLinear, keep: list, rows8: bool = True) -> kernels
     them. A regrouped layer keeps its layout in every later entry (a tied embedding's
     lookups read it too): a layer in 8-row groups is not paired later, since entries made
     before would read the moved bytes in the old format (found in review)."""
-    if rows8 and layer.fmt == "q4_1" and layer.layout == "rows" and layer.rows % 16 == 0 and kernels.load().sd_pairs16():
+    pairs = layer.fmt == "q4_1" and layer.layout == "rows" and layer.rows % 16 == 0
+    if rows8 and pairs and kernels.load().sd_pairs16():
         layer.interleave_rows16()
     elif rows8 and layer.fmt in ("q4_1", "q8_0") and layer.rows % 8 == 0:
         layer.interleave_rows8()

@@ -166,7 +166,8 @@ class PackedLinear(nn.Module):
     def _pairs(self, tensor: torch.Tensor, runs: int, width: int, inverse: bool = False) -> torch.Tensor:
         """The Q4_1X8 order of ``tensor`` (codes: 4 runs of 32 bytes a block; scales: 1 run
         of 8) as Q4_1X16's, the two groups of a pair alternating run by run; ``inverse``:
-        back. A permuted view, [rows, -1]."""
+        back. [rows, -1]: a copy, or a view of ``tensor`` where the permutation moves
+        nothing (interleave_rows16 clones it before writing it back)."""
         pairs, blocks = self.rows // 16, self.cols // BLOCK
         if inverse:  # p, b, run, half, width -> p, half, b, run, width
             moved = tensor.reshape(pairs, blocks, runs, 2, width).permute(0, 3, 1, 2, 4)
@@ -212,8 +213,7 @@ class PackedLinear(nn.Module):
         """(qweight, scales, mins) in GGUF's order from a regrouped layout's codes, each row's
         [blocks, runs, 4] bytes (blocks() above)."""
         blocks = self.cols // BLOCK
-        per_row = 8 if self.fmt == "q8_0" else 4
-        codes = codes.reshape(count, blocks, per_row, 4)
+        codes = codes.reshape(count, blocks, -1, 4)  # per row and block: 8 runs of 4 bytes (q8_0) or 4 (q4_1)
         if self.fmt == "q8_0":  # byte (i, t) is weight 4 i + t
             return codes.reshape(count, self.cols), scales, mins
         # byte (i, t) holds weights 8 i + t (low nibble) and 8 i + 4 + t (high)
