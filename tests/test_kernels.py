@@ -164,8 +164,8 @@ def test_rows8_regrouping_keeps_the_blocks(fmt):
 
 def test_rows16_pairs_compute_what_rows8_computes(monkeypatch):
     """interleave_rows16 pairs the 8-row groups without changing a value; every build (the
-    512-bit VNNI pair tiles here, the 8-row kernels reading one group of a pair on AVX2
-    and portable builds) computes every row of it bit for bit as from the 8-row layout,
+    512-bit VNNI pair tiles here, the 8-row kernels reading one group of a pair on AVX2,
+    256-bit VNNI and portable builds) computes every row of it bit for bit as from the 8-row layout,
     for 1 to 19, 33 and 64 rows and 1 or 2 threads; lookups and views read either."""
     generator = torch.Generator().manual_seed(9)
     weight = torch.randn(96, 320, generator=generator) * 0.05
@@ -185,6 +185,10 @@ def test_rows16_pairs_compute_what_rows8_computes(monkeypatch):
     rows8.interleave_rows8()
     builds = [kernels.load()] + [kernels.load_build(march) for march in ("haswell", "x86-64")
                                   if __import__("platform").machine() in ("x86_64", "AMD64")]
+    if kernels.load().sd_pairs16():  # this CPU runs a build with 256-bit VNNI and no 512-bit tiles
+        vnni256 = kernels.load_build("native -mno-avx512bw")
+        assert vnni256.sd_simd() == 3 and not vnni256.sd_pairs16()
+        builds.append(vnni256)
     for library in builds:
         monkeypatch.setattr(kernels, "load", lambda library=library: library)
         for rows in (*range(1, 20), 33, 64):
@@ -615,6 +619,18 @@ def test_a_damaged_kernel_library_is_built_again(tmp_path, monkeypatch):
             kernels.load_build("test-march")
     finally:
         kernels.load_build.cache_clear()
+
+
+def test_a_build_may_take_extensions_away_and_nothing_else():
+    """SPECDECODE_KERNELS_MARCH is an instruction set's name, then options that take an
+    extension away: those reach the compiler after -march; any other option, or no name, is
+    refused before a compiler runs, naming what is wrong."""
+    assert kernels._march_options("native") == ["-march=native"]
+    assert kernels._march_options(" native  -mno-avx512bw ") == ["-march=native", "-mno-avx512bw"]
+    with pytest.raises(kernels.KernelsUnavailable, match="-O0 -fno-omit"):
+        kernels.build(march="native -mno-avx512bw -O0 -fno-omit")
+    with pytest.raises(kernels.KernelsUnavailable, match="name is empty"):
+        kernels.build(march="  ")
 
 
 def test_a_cache_that_cannot_be_written_means_no_kernels_not_a_crash(tmp_path, monkeypatch):

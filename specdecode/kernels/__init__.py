@@ -29,7 +29,9 @@ SOURCE = Path(__file__).with_name("cpu.cpp")
 LIBRARY = "libspecdecode_cpu.so"
 FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c++17")
 # the instruction set: the machine's own by default; SPECDECODE_KERNELS_MARCH=x86-64 (no
-# AVX2) builds the portable scalar code, which the tests also check
+# AVX2) builds the portable scalar code, which the tests also check. Options that take an
+# extension away may follow the name: "native -mno-avx512bw" builds, on a Zen 4, what a CPU
+# with 256-bit VNNI and no 512-bit VNNI runs (the tests check that build too)
 DEFAULT_MARCH = "native"
 FORMATS = {"fp32": 0, "bf16": 1, "q8_0": 2, "q4_1": 3, "fp16": 4, "q4_1x8": 5, "q8_0x8": 6, "q4_1x16": 7}
 
@@ -108,9 +110,23 @@ def _build_key(compiler: str, march: str) -> str:
     return digest.hexdigest()[:16]
 
 
+def _march_options(march: str) -> list[str]:
+    """The compiler options of a ``march`` value: "-march=NAME", then any options after
+    the name, each of which must take an extension away ("-mno-...")."""
+    if not march.split():
+        raise KernelsUnavailable("kernel build: the instruction set's name is empty (SPECDECODE_KERNELS_MARCH)")
+    name, *extra = march.split()
+    wrong = [option for option in extra if not option.startswith("-mno-")]
+    if wrong:
+        raise KernelsUnavailable(f"kernel build {march!r}: only options that take an extension away (-mno-...) "
+                                 f"may follow the instruction set's name, got {' '.join(wrong)}")
+    return [f"-march={name}", *extra]
+
+
 def build(force: bool = False, march: str | None = None) -> Path:
     """Compile the library for this machine if its cached build is missing; its path."""
     march = march or _march()
+    options = _march_options(march)
     from ..models.loading import cache_dir, shared_mode
 
     compiler = _compiler()
@@ -126,7 +142,7 @@ def build(force: bool = False, march: str | None = None) -> Path:
         handle, staging = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(handle)
         try:
-            result = subprocess.run([compiler, *FLAGS, f"-march={march}", str(SOURCE), "-o", staging],
+            result = subprocess.run([compiler, *FLAGS, *options, str(SOURCE), "-o", staging],
                                     capture_output=True, text=True)
             if result.returncode != 0:
                 raise KernelsUnavailable(f"building the CPU kernels failed:\n{result.stderr.strip()[-2000:]}")
