@@ -1696,3 +1696,354 @@ def test_theory_refuses_impossible_rates_and_a_zero_tau_measures_no_speedup():
             tau_from_positions(rates)
     assert wall_speedup(100, 10.0, 0.0, 1.2) == 1.0
     assert wall_speedup(100, 10.0, 2.0, 1.0) == pytest.approx(110 / 60)
+
+
+# -- the cost profile's figures and measurements, held by a mutation audit ----------------
+def test_profile_interpolates_over_contexts_by_distance_and_extends_the_last_segment_upwards_only():
+    """Between two measured contexts each is weighted by nearness (150 lies a quarter of the
+    way from 100 to 300); beyond the last, the last segment's slope continues, and a last
+    context measured cheaper than the one before (noise) is held, not extended down.
+    Found by a mutation audit: a halfway point and two contexts hid all three."""
+    rising = CostProfile("m", "fp32", "cpu", 2, contexts=[100, 300, 1300], sizes=[1, 2],
+                         step_ms=[[10, 12], [20, 24], [40, 44]])
+    assert rising.time_ms(1, 150) == pytest.approx(12.5)  # 10 * 0.75 + 20 * 0.25
+    assert rising.time_ms(2, 800) == pytest.approx(34)  # halfway between 24 and 44
+    assert rising.time_ms(1, 2300) == pytest.approx(60)  # 20 ms per 1,000 tokens, the last segment's
+    falling = CostProfile("m", "fp32", "cpu", 2, contexts=[100, 300, 1300], sizes=[1, 2],
+                          step_ms=[[10, 12], [20, 24], [15, 17]])
+    assert falling.time_ms(1, 2300) == pytest.approx(15)  # never cheaper at a longer context
+
+
+def test_the_bandwidth_limit_is_the_steps_bytes_at_the_measured_bandwidth_in_ms():
+    """400 MB of weights at 20 GB/s take 20 ms; with the cache, 100 kB per token over 1,000
+    tokens more (25 ms); unmeasured bandwidth gives no limit. Found by a mutation audit:
+    seconds for ms, or the cache counted without being asked, failed no test."""
+    import math
+
+    profile = CostProfile("m", "fp32", "cpu", 2, contexts=[100], sizes=[1, 2], step_ms=[[10, 12]],
+                          bandwidth_gbs=20.0, weight_bytes=400_000_000, kv_bytes_per_token=100_000)
+    assert profile.bandwidth_limit_ms(1000) == pytest.approx(20.0)
+    assert profile.bandwidth_limit_ms(1000, with_cache=True) == pytest.approx(25.0)
+    profile.bandwidth_gbs = 0.0
+    assert math.isnan(profile.bandwidth_limit_ms(1000))
+
+
+def test_logits_on_demand_charge_further_rows_at_their_own_cost_and_never_past_the_rows_scored():
+    """With a measured head table, rows after the first cost head_next_ms each (a synthetic
+    profile without one charges head_ms a row), and the rows read are counted between 1 and
+    the rows scored. Found by a mutation audit: the profiles tested had head_ms equal to
+    head_next_ms, and none read more rows than it scored."""
+    measured = CostProfile("m", "fp32", "cpu", 2, contexts=[100], sizes=[1, 2, 4], step_ms=[[10, 11, 13]],
+                           head_ms=2.0, head_next_ms=0.5, head_sizes=[1, 2, 4], head_full_ms=[2.0, 2.2, 2.6])
+    assert measured.lazy_head_ms(3.0, 4) == pytest.approx(3.0)  # 2 + 2 x 0.5
+    assert measured.lazy_head_ms(10.0, 4) == pytest.approx(3.5)  # 4 rows at most
+    assert measured.lazy_head_ms(0.2, 4) == pytest.approx(2.0)  # the first row at least
+    synthetic = CostProfile("m", "fp32", "cpu", 2, contexts=[100], sizes=[1, 2, 4], step_ms=[[10, 11, 13]],
+                            head_ms=2.0, head_next_ms=0.5)
+    assert synthetic.lazy_head_ms(3.0, 4) == pytest.approx(6.0)
+
+
+def test_a_profiles_summary_carries_the_bandwidth_runtime_and_v():
+    """What a benchmark records of its profile: the bandwidth (one decimal), the runtime,
+    when it was measured (None when unknown) and v(T) at the context. Found by a mutation
+    audit: the bandwidth could be left out of it unnoticed."""
+    profile = CostProfile("m", "fp32", "cpu", 2, contexts=[100], sizes=[1, 2, 4], step_ms=[[10, 12, 16]],
+                          bandwidth_gbs=31.26, runtime="native, fp32")
+    assert profile.summary(context=100, sizes=(2, 4)) == {
+        "measured_at": None, "runtime": "native, fp32", "bandwidth_gbs": 31.3, "context": 100,
+        "v": {2: 1.2, 4: 1.6}}
+
+
+@pytest.mark.parametrize("damage", [
+    {"acceptance": {"ngram": [0.3, 1.5]}}, {"step_ms": [[0, 12, 16], [20, 22, 30]]}, {"contexts": [300, 100]},
+    {"sizes": [1, 4, 2]}, {"bandwidth_gbs": -1.0}, {"threads": "2"}, {"graph_attention": {"1": 5}},
+    {"version": profile_module.PROFILE_VERSION - 1}, "[" * 100000])
+def test_a_profile_out_of_range_of_another_version_or_too_deep_is_measured_again(tmp_path, monkeypatch, damage):
+    """Each check load_profile makes holds: an acceptance above 1, a step of 0 ms, contexts or
+    sizes out of order, a negative bandwidth, a thread count as text, a graph attention not
+    named, a profile of the version before, JSON nested too deep. Found by a mutation audit:
+    dropping any one of these checks failed no test."""
+    import json
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    good = synthetic_profile()
+    path = profile_module.profile_path("m", "fp32")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(good.to_dict()))
+    assert load_profile("m", "fp32") == good
+    path.write_text(damage if isinstance(damage, str) else json.dumps({**good.to_dict(), **damage}))
+    assert load_profile("m", "fp32") is None
+
+
+def test_cost_caches_are_keyed_by_thread_count_and_the_format_choice_by_dtype(monkeypatch):
+    """Costs measured with 2 threads do not stand in for 8, and a format chosen for bf16 not
+    for fp32. Found by a mutation audit: the thread count could leave the profile's key."""
+    from specdecode.cost import formats
+
+    before = profile_module.profile_path("m", "fp32"), formats._path("m", torch.float32, ["bf16"])
+    assert formats._path("m", torch.bfloat16, ["bf16"]) != before[1]
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads + 1)
+    assert profile_module.profile_path("m", "fp32") != before[0]
+    assert formats._path("m", torch.float32, ["bf16"]) != before[1]
+
+
+def test_proc_fields_are_read_in_kibibytes(tmp_path):
+    """/proc/meminfo counts in kB of 1,024 bytes; a missing field or file reads None."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       4096 kB\nMemAvailable:   2048 kB\n")
+    assert profile_module.proc_field_bytes(str(meminfo), "MemAvailable") == 2048 * 1024
+    assert profile_module.proc_field_bytes(str(meminfo), "SwapFree") is None
+    assert profile_module.proc_field_bytes(str(tmp_path / "none"), "MemAvailable") is None
+
+
+class _CountingRuntime:
+    """A runtime that only keeps its length: what extend_context and the timers need."""
+
+    vocab_size = 97
+
+    def __init__(self, max_positions: int = 1024):
+        self.max_positions, self.length = max_positions, 0
+
+    def reset(self, capacity, batch=1):
+        self.length = 0
+
+    def rollback(self, length):
+        self.length = length
+
+    def __call__(self, tokens, last_only=False, lazy_logits=False):
+        self.length += tokens.shape[1]
+
+
+def test_measure_target_times_each_size_after_a_single_token_step_and_not_its_warm_up(monkeypatch):
+    """The step table is each size's time over the single-token time (times the latter), at
+    each context the model holds; every timed step follows a single-token step, and the
+    warm-up round (first calls: slow) is not counted. Found by a mutation audit: the ratio
+    inverted, the warm-up counted or the single-token step dropped failed no test."""
+    calls, seen = [], set()
+
+    def timed(runtime, tokens, context):
+        size = tokens.shape[1]
+        calls.append(size)
+        cold = (context, size) not in seen
+        seen.add((context, size))
+        runtime.rollback(context)
+        return size * (1 + context / 100) + (100.0 if cold else 0.0)
+
+    monkeypatch.setattr(profile_module, "timed_forward_ms", timed)
+    contexts, sizes, table = profile_module.measure_target(_CountingRuntime(1024), contexts=(100, 600, 1500),
+                                                           sizes=(1, 2, 4), repeats=1, progress=False)
+    assert contexts == [100, 600] and sizes == [1, 2, 4]  # 1,500 does not fit in 1,024 positions
+    assert table == [pytest.approx([2, 4, 8]), pytest.approx([7, 14, 28])]
+    assert set(calls[0::2]) == {1} and sorted(set(calls[1::2])) == [1, 2, 4]
+
+
+def test_measure_head_charges_the_head_as_differences_of_the_passes(monkeypatch):
+    """head_ms: the first row over the layers alone; head_next_ms: a second row over the
+    first; head_full_ms: the whole head over n rows, never less for more rows (a dip is
+    noise). Found by a mutation audit: the next row measured from the layers, or the
+    dip kept, failed no test."""
+    full_head = {2: 4.0, 4: 5.0, 8: 4.5}  # 8 rows measured cheaper than 4
+
+    class Logits:
+        def __init__(self):
+            self.reads = 0
+
+        def row(self, index, position):
+            self.reads += 1
+
+    class Runtime(_CountingRuntime):
+        lazy_logits, prefill_chunk = True, 256
+
+        def __call__(self, tokens, last_only=False, lazy_logits=False):
+            super().__call__(tokens)
+            self.last = (tokens.shape[1], Logits() if lazy_logits else None)
+            return self.last[1]
+
+    runtime = Runtime(256)
+
+    def elapsed(fn):
+        fn()
+        size, logits = runtime.last
+        if logits is None:
+            return 10.0 + full_head[size]
+        return 10.0 + (3.0 + 0.5 * (logits.reads - 1) if logits.reads else 0.0)
+
+    monkeypatch.setattr(profile_module, "_elapsed_ms", elapsed)
+    head = profile_module.measure_head(runtime, sizes=(2, 4, 8), repeats=2)
+    assert head["head_ms"] == pytest.approx(3.0) and head["head_next_ms"] == pytest.approx(0.5)
+    assert head["head_sizes"] == [1, 2, 4, 8] and head["head_full_ms"] == pytest.approx([3.0, 4.0, 5.0, 5.0])
+
+
+def test_the_batch_table_is_rows_by_widths_measured_at_the_context_recorded(tmp_path, monkeypatch):
+    """measure_batches returns [rows][width]; with_batches records the context it measured
+    at (a short model's, not BATCH_CONTEXT) and does not take the batch table saved with
+    another measurement of the steps. Found by a mutation audit: none of it was tested."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+
+    class Runtime(_CountingRuntime):
+        def forward_rows(self, tokens, rows, starts):
+            self.last = (tokens.shape[0], tokens.shape[1], starts)
+
+    runtime = Runtime(128)
+
+    def elapsed(fn):
+        fn()
+        rows, width, starts = runtime.last
+        assert starts == [100] * rows
+        return 10.0 * rows + width
+
+    monkeypatch.setattr(profile_module, "_elapsed_ms", elapsed)
+    assert profile_module.measure_batches(runtime, rows=(1, 2), widths=(1, 4), context=100, repeats=1,
+                                          progress=False) == [[11.0, 14.0], [21.0, 24.0]]
+    stale = synthetic_profile()
+    stale.step_ms = [[9, 12, 16], [20, 22, 30]]
+    stale.batch_rows, stale.batch_widths, stale.batch_ms = [1], [1], [[99.0]]
+    profile_module.save_profile(stale, "m")
+    contexts = []
+    table = [[float(r * w) for w in profile_module.BATCH_WIDTHS] for r in profile_module.BATCH_ROWS]
+    monkeypatch.setattr(profile_module, "measure_batches",
+                        lambda runtime, context, progress: contexts.append(context) or table)
+    profile = profile_module.with_batches(synthetic_profile(), "m", runtime, progress=False)
+    assert contexts == [128 - max(profile_module.BATCH_WIDTHS) - 1] and profile.batch_ms == table
+    assert profile.batch_context == contexts[0] and load_profile("m", "fp32").batch_context == contexts[0]
+    # the same measurement's table, saved meanwhile, is taken as it is
+    again = profile_module.with_batches(synthetic_profile(), "m", runtime, progress=False)
+    assert len(contexts) == 1 and again.batch_ms == table and again.batch_context == contexts[0]
+
+
+def test_the_bandwidth_is_bytes_read_per_second_and_the_median_of_its_reads(monkeypatch):
+    """1 MiB read in 2 ms is 0.524 GB/s; measure_bandwidth is the median of its reads, not
+    the fastest. Found by a mutation audit: ms taken as seconds, or max for the median."""
+    durations = iter([2.0, 1.0, 2.0, 4.0, 8.0, 16.0])
+    monkeypatch.setattr(profile_module, "_elapsed_ms", lambda fn: next(durations))
+    assert profile_module.bandwidth_probe(megabytes=1)() == pytest.approx(2**20 / 2e-3 / 1e9)
+    assert profile_module.measure_bandwidth(megabytes=1, repeats=5) == pytest.approx(2**20 / 4e-3 / 1e9)
+
+
+def test_the_profiles_bandwidth_is_the_median_of_the_readings_between_rounds(tmp_path, monkeypatch):
+    """Found by a mutation audit: the reading test's median was also its last reading."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    readings = iter([20.0, 10.0, 40.0])
+
+    def measure_target(runtime, progress=True, between_rounds=None):
+        for _ in range(3):
+            between_rounds()
+        return [100], [1, 2], [[1.0, 1.5]]
+
+    monkeypatch.setattr(profile_module, "bandwidth_probe", lambda device="cpu": lambda: next(readings))
+    monkeypatch.setattr(profile_module, "measure_target", measure_target)
+    monkeypatch.setattr(profile_module, "step_bytes", lambda runtime: (1000, 10))
+    monkeypatch.setattr(profile_module, "measure_head", lambda runtime: {})
+    runtime = type("Runtime", (), {"max_positions": 256, "vocab_size": 97})()
+    profile = get_profile("median-bandwidth", "fp32", runtime, progress=False)
+    assert profile.bandwidth_gbs == 20.0 and (profile.weight_bytes, profile.kv_bytes_per_token) == (1000, 10)
+
+
+def test_a_step_reads_the_weights_of_its_layers_and_head_and_keys_and_values_per_token(tiny_llama_dir):
+    """The tiny model (2 layers, hidden 64, MLP 128, 4 query and 2 KV heads of 16, vocab 97,
+    fp32): per layer qkv 128x64, o 64x64, gate_up 256x64, down 64x128; head 97x64; keys and
+    values 2 x 2 heads x 16 per layer. A layer-skip view reads its own layers only. Found
+    by a mutation audit: the head, the values or the view's layers could go uncounted."""
+    from specdecode.models.llama import load_native
+
+    runtime = load_native(tiny_llama_dir, torch.float32)
+    layer = 128 * 64 + 64 * 64 + 256 * 64 + 64 * 128
+    assert profile_module.step_bytes(runtime) == (4 * (2 * layer + 97 * 64), 2 * 2 * 2 * 16 * 4)
+    assert profile_module.step_bytes(runtime.layer_skip_view(1)) == (4 * (layer + 97 * 64), 2 * 1 * 2 * 16 * 4)
+
+
+def test_a_drafters_cost_is_per_token_it_drafted(monkeypatch):
+    """A lookup drafter offering 3 of the 4 tokens asked for costs a third of its call a
+    token. Found by a mutation audit: dividing by the 4 asked for failed no test."""
+    from specdecode.proposers.base import Proposal
+
+    class Lookup:
+        def start(self, tokens, capacity):
+            pass
+
+        def propose(self, tokens, k, params, generator):
+            return Proposal(torch.tensor([1, 2, 3]))
+
+    monkeypatch.setattr(profile_module, "_median_ms", lambda fn, repeats: 12.0)
+    assert profile_module.measure_drafter(Lookup(), 50, 97, k=4) == pytest.approx(4.0)
+
+
+def test_costs_saved_meanwhile_are_merged_only_for_the_same_measurement_and_never_over_our_own():
+    """Found by a mutation audit: the saved figures winning over the profile's own, or
+    merged from another measurement of the steps, failed no test."""
+    ours, saved = synthetic_profile(c=0.05), synthetic_profile(c=0.5)
+    saved.drafters["draft:x"], saved.acceptance = 0.2, {"ngram": [0.1, 0.1], "draft:x": [0.4, 0.6]}
+    ours.acceptance = {"ngram": [0.3, 0.6]}
+    merged = profile_module._merged(ours, saved)
+    assert merged.drafters == {"ngram": 0.05, "draft:x": 0.2}
+    assert merged.acceptance == {"ngram": [0.3, 0.6], "draft:x": [0.4, 0.6]}
+    other = synthetic_profile(c=0.5)
+    other.step_ms, other.drafters["draft:x"] = [[9, 12, 16], [20, 22, 30]], 0.2
+    assert profile_module._merged(synthetic_profile(), other).drafters == {"ngram": 0.05}
+
+
+def test_recorded_acceptance_is_saved_with_the_profile(tmp_path, monkeypatch):
+    """Both rates (first, later) are saved; without a profile nothing is written."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    profile_module.record_acceptance("none-yet", "fp32", "ngram", [0.3, 0.7])
+    assert load_profile("none-yet", "fp32") is None
+    profile_module.save_profile(synthetic_profile(), "m")
+    profile_module.record_acceptance("m", "fp32", "ngram", [0.3, 0.7])
+    assert load_profile("m", "fp32").acceptance == {"ngram": [0.3, 0.7]}
+
+
+def test_weight_formats_are_timed_by_the_median_of_turns_after_a_warm_up(monkeypatch):
+    """The warm-up round is not counted, and one slow step among three does not decide.
+    Found by a mutation audit: counting the warm-up or taking the slowest failed no test."""
+    from specdecode.cost import formats
+
+    times = {"a": iter([100.0, 2.0, 2.0, 9.0]), "b": iter([100.0, 3.0, 3.0, 3.0])}
+    runtimes = {"a": _CountingRuntime(256), "b": _CountingRuntime(256)}
+    names = {id(runtime): name for name, runtime in runtimes.items()}
+    monkeypatch.setattr(formats, "timed_forward_ms", lambda runtime, tokens, context: next(times[names[id(runtime)]]))
+    assert formats.step_ms(runtimes, context=8, rounds=3, steps=1) == {"a": 2.0, "b": 3.0}
+
+
+def test_formats_fit_beside_the_loaded_one_by_bytes_per_weight_with_half_the_memory_to_spare(monkeypatch):
+    """A q8_0 model of 1e9 weights (1.0625 GB) needs 2 GB more in bf16 and 0.625 GB in q4_1:
+    2.625 GB, which fits in half of 5.25 GB and not of 5.2. Found by a mutation audit: no
+    test sat at the boundary, so the half, the scaling and the loaded ones' exclusion could go."""
+    from specdecode.cost import formats
+
+    monkeypatch.setattr(formats, "_weight_bytes", lambda runtime: 1.0625e9)
+    for available, fits in ((5.25e9, True), (5.2e9, False)):
+        monkeypatch.setattr(formats, "_available_bytes", lambda: available)
+        assert formats._fits_beside({"q8_0": object()}, ["q8_0", "bf16", "q4_1"]) is fits
+
+
+def test_the_weight_format_choice_is_read_back_and_a_zero_timing_is_measured_again(tmp_path, monkeypatch):
+    """The second call reads the saved choice (the fastest) without measuring; a record
+    timing a format at 0 ms is measured again. Found by a mutation audit."""
+    import json
+
+    from specdecode.cost import formats
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    monkeypatch.setattr(formats, "step_ms", lambda runtimes: {"q8_0": 2.0, "bf16": 3.0})
+    assert formats.fastest_weights("m", torch.float32, ["q8_0", "bf16"], lambda fmt: None) == "q8_0"
+    monkeypatch.setattr(formats, "step_ms", lambda runtimes: pytest.fail("measured again"))
+    assert formats.fastest_weights("m", torch.float32, ["q8_0", "bf16"], lambda fmt: None) == "q8_0"
+    formats._path("m", torch.float32, ["q8_0", "bf16"]).write_text(json.dumps({"step_ms": {"q8_0": 0.0, "bf16": 3.0}}))
+    monkeypatch.setattr(formats, "step_ms", lambda runtimes: {"q8_0": 3.0, "bf16": 2.0})
+    assert formats.fastest_weights("m", torch.float32, ["q8_0", "bf16"], lambda fmt: None) == "bf16"
+
+
+def test_weights_auto_refused_by_every_format_for_one_reason_raises_that_reason(tmp_path, monkeypatch):
+    """Two formats refused with the same message: the model's problem, raised as it is.
+    Found by a mutation audit: only one format refused for one reason was tested."""
+    from specdecode.config import ConfigError
+    from specdecode.cost import formats
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+
+    def refuse(fmt):
+        raise ConfigError("the model says no")
+
+    with pytest.raises(ConfigError, match="^the model says no$"):
+        formats.fastest_weights("m", torch.float32, ["q4_1", "q8_0"], refuse)
