@@ -329,3 +329,16 @@ def test_a_power_of_two_vocabulary_keeps_its_last_id_apart_from_the_separator():
     assert store.continuation([1], 2, min_n=1) == [15, 2]
     with pytest.raises(ConfigError, match="outside"):
         TokenStore([[1, 15]], 15)
+
+
+def test_a_store_records_the_data_recipe_it_was_built_from(tmp_path):
+    """store.json keeps the data's summary and its answers' settings (the target that wrote
+    them among them), beside the answer count and the command."""
+    write_answers(tmp_path / "data", [[3, 4, 5], [3, 4, 6, 7]])
+    (tmp_path / "data" / "summary.json").write_text(json.dumps({"prompts": 2, "answers": 2}))
+    (tmp_path / "data" / "answers.settings.json").write_text(json.dumps({"samples": 0, "target": "llama 0123|kernels"}))
+    build_store(tmp_path / "data", tmp_path / "store", vocab_size=50, command="make it", log=lambda m: None)
+    meta = json.loads((tmp_path / "store" / "store.json").read_text())
+    assert meta["data"] == {"summary": {"prompts": 2, "answers": 2},
+                            "answers.settings": {"samples": 0, "target": "llama 0123|kernels"}}
+    assert (meta["answers"], meta["command"], meta["tokens"]) == (2, "make it", 7)

@@ -812,3 +812,385 @@ def test_medusa_heads_train_on_the_targets_own_final_norm(tiny_answers, tmp_path
     train_medusa(SimpleNamespace(runtime=runtime, eos_token_ids=(2,)), tiny_answers, tmp_path / "medusa", heads=2,
                  draft_vocab=48, minutes=0.01, batch_tokens=256, log=lambda message: None)
     assert bound and all(torch.equal(norm.float(), runtime.weights.norm.float()) for norm in bound)
+
+
+def test_each_row_stops_at_its_own_max_new_tokens(tiny_runtime):
+    """Rows of one batch with different budgets: a row stops at its own max_new_tokens (not
+    a token later) and gets nothing more while the longer rows run on."""
+    prompt = [3, 17, 42, 8]
+    greedy = answer_rows(tiny_runtime, prompt, [SamplingParams(max_new_tokens=9)], (), torch.Generator())[0]
+    rows = answer_rows(tiny_runtime, prompt, [SamplingParams(max_new_tokens=3), SamplingParams(max_new_tokens=9)], (),
+                       torch.Generator())
+    assert len(greedy) == 9 and rows == [greedy[:3], greedy]
+
+
+@pytest.mark.parametrize("bad", [dict(seed=-1), dict(prompt_count=0), dict(max_new_tokens=0), dict(chunk_tokens=15),
+                                 dict(batch=0), dict(temperature=2.01)])
+def test_train_data_refuses_settings_out_of_range_and_takes_their_edges(bad):
+    """Each bound of `train data`'s settings is checked before anything loads; the edges
+    themselves (seed 0, one prompt, one new token, chunks of 16, batch 1, temperature 2) pass."""
+    from specdecode.train.data import check_settings
+
+    edges = dict(prompt_count=1, samples=0, temperature=2.0, max_new_tokens=1, corpus_tokens=0, chunk_tokens=16,
+                 batch=1, seed=0)
+    check_settings(**edges)
+    with pytest.raises(ConfigError, match="--seed|--prompts|--temperature"):
+        check_settings(**(edges | bad))
+
+
+def test_train_data_refuses_answers_whose_fields_hold_another_type(tiny_runtime, tmp_path):
+    """A record whose fields are there but of another type (a numeric prompt id) is not a
+    file `train data` wrote: refused by record, not resumed into."""
+    target = SimpleNamespace(runtime=tiny_runtime, tokenizer=CharTokenizer(), eos_token_ids=())
+    (tmp_path / "answers.jsonl").write_text(json.dumps({"prompt_id": 7, "prompt_ids": [5], "answer_ids": [6]}) + "\n")
+    with pytest.raises(ConfigError, match=r"record 1 has no 'prompt_id' \(str\)"):
+        build_data(target, tmp_path, prompt_count=2, samples=0, max_new_tokens=4, corpus_tokens=0,
+                   encode=lambda text: [ord(c) % TINY_VOCAB for c in text[:20]])
+
+
+def test_data_records_hold_integer_token_ids_inside_the_vocabulary(tmp_path):
+    """read_records refuses, by line, token ids that are not integers (with or without a
+    vocabulary to check against) and ids below 0 or at the vocabulary size and above."""
+    from specdecode.train.data import read_records
+
+    path = tmp_path / "corpus.jsonl"
+    for ids, vocab_size, problem in (([5, 2.5], TINY_VOCAB, "token ids that are not integers"),
+                                     ([5, 2.5], None, "token ids that are not integers"),
+                                     ([5, -1], TINY_VOCAB, r"token ids outside \[0, 97\)"),
+                                     ([5, TINY_VOCAB], TINY_VOCAB, r"token ids outside \[0, 97\)")):
+        path.write_text(json.dumps({"ids": [1, 96]}) + "\n" + json.dumps({"ids": ids}) + "\n")
+        with pytest.raises(ConfigError, match=f"corpus.jsonl line 2: {problem}"):
+            list(read_records(path, {"ids": list}, vocab_size))
+    path.write_text(json.dumps({"ids": [0, 96]}) + "\n")
+    assert list(read_records(path, {"ids": list}, TINY_VOCAB)) == [{"ids": [0, 96]}]
+
+
+def test_answers_of_the_same_checkpoint_in_another_format_may_train_it(tmp_path):
+    """check_data_target compares the checkpoint part of the identity only: answers the same
+    model wrote through another backend or weight format are taken, another model's refused."""
+    from specdecode.train.data import check_data_target
+
+    (tmp_path / "answers.settings.json").write_text(json.dumps({"target": "llama 0123456789ab|hf backend"}))
+    check_data_target(tmp_path, "llama 0123456789ab|kernels backend, q4_1")
+    with pytest.raises(ConfigError, match=r"another target \(llama 0123456789ab\)"):
+        check_data_target(tmp_path, "llama ba9876543210|hf backend")
+
+
+def test_answers_settings_bind_a_folder_once_it_holds_answers(tmp_path):
+    """A run stopped before its first prompt leaves its settings beside an empty answers.jsonl
+    (opened for appending): another recipe may still use the folder. Settings written before
+    the target was recorded resume a run with the same recipe; another recipe is refused."""
+    from specdecode.train.data import keep_settings
+
+    path = tmp_path / "answers.settings.json"
+    (tmp_path / "answers.jsonl").write_text("")
+    path.write_text(json.dumps({"seed": 99, "target": "a"}) + "\n")
+    keep_settings(path, {"seed": 1, "target": "a"}, "answers", optional=("target",))
+    assert json.loads(path.read_text()) == {"seed": 1, "target": "a"}
+    (tmp_path / "answers.jsonl").write_text(json.dumps({"prompt_id": "train-code-000"}) + "\n")
+    path.write_text(json.dumps({"seed": 1}) + "\n")  # before the target was recorded
+    keep_settings(path, {"seed": 1, "target": "a"}, "answers", optional=("target",))
+    with pytest.raises(ConfigError, match="another --out"):
+        keep_settings(path, {"seed": 2, "target": "a"}, "answers", optional=("target",))
+
+
+def test_a_prompt_that_fills_the_context_is_left_out(tiny_runtime, tmp_path, capsys):
+    """A prompt exactly as long as the target's context leaves no room for an answer: it is
+    left out by name like a longer one, and the others are answered."""
+    target = SimpleNamespace(runtime=tiny_runtime, tokenizer=CharTokenizer(), eos_token_ids=())
+    context = tiny_runtime.max_positions
+    first = training_prompts(3)[0]
+    encode = lambda text: [5] * context if text == first["prompt"] else [ord(c) % TINY_VOCAB for c in text[:20]]  # noqa: E731
+    summary = build_data(target, tmp_path, prompt_count=3, samples=0, max_new_tokens=2, corpus_tokens=0, encode=encode)
+    assert summary.answers == summary.prompts == 2
+    assert f"1 training prompts do not fit this target's context of {context} tokens" in capsys.readouterr().err
+    kept = [json.loads(line)["prompt_id"] for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    assert first["id"] not in kept and len(kept) == 2
+
+
+def test_a_prompts_sampled_rows_draw_from_seeds_of_their_own(tiny_runtime, tmp_path):
+    """Every sampled row of a prompt has its own seed, so a prompt's sampled answers differ
+    from one another (the greedy row aside)."""
+    target = SimpleNamespace(runtime=tiny_runtime, tokenizer=CharTokenizer(), eos_token_ids=())
+    build_data(target, tmp_path, prompt_count=2, samples=3, temperature=1.5, max_new_tokens=6, corpus_tokens=0, batch=8,
+               encode=lambda text: [ord(c) % TINY_VOCAB for c in text[:12]])
+    rows: dict[str, list] = {}
+    for record in map(json.loads, (tmp_path / "answers.jsonl").read_text().splitlines()):
+        if record["row"] > 0:
+            rows.setdefault(record["prompt_id"], []).append(tuple(record["answer_ids"]))
+    assert len(rows) == 2 and all(len(set(answers)) == 3 for answers in rows.values()), rows
+
+
+def test_the_summary_adds_up_each_prompts_generation_time(tiny_runtime, tmp_path, monkeypatch):
+    """generation_seconds is the sum of every prompt's time (a clock that moves one second
+    between readings gives one second per prompt), tokens_per_second the tokens generated
+    over it, and summary.json records both."""
+    from specdecode.train import data
+
+    ticks = iter(range(1000))
+    monkeypatch.setattr(data, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    target = SimpleNamespace(runtime=tiny_runtime, tokenizer=CharTokenizer(), eos_token_ids=())
+    summary = build_data(target, tmp_path, prompt_count=3, samples=0, max_new_tokens=4, corpus_tokens=0, batch=1,
+                         encode=lambda text: [ord(c) % TINY_VOCAB for c in text[:12]])
+    assert (summary.generation_seconds, summary.generated_tokens) == (3.0, 12)
+    assert summary.tokens_per_second == 4.0
+    written = json.loads((tmp_path / "summary.json").read_text())
+    assert (written["generation_seconds"], written["tokens_per_second"]) == (3.0, 4.0)
+    assert data.DataSummary(generated_tokens=10, generation_seconds=4.0).tokens_per_second == 2.5
+
+
+def test_corpus_chunks_hold_at_most_chunk_tokens_and_at_least_16(tmp_path, monkeypatch):
+    """A source file is cut into chunks of --chunk-tokens; a tail shorter than 16 tokens is
+    dropped (too short to train)."""
+    from specdecode.train import data
+
+    source = tmp_path / "source.py"
+    source.write_text("x" * (64 * 2 + 10))
+    monkeypatch.setattr(data, "stdlib_sources", lambda: [source])
+    (tmp_path / "out").mkdir()
+    summary = data.DataSummary()
+    data.build_corpus(CharTokenizer(), tmp_path / "out", 1_000, 64, summary)
+    chunks = [json.loads(line)["ids"] for line in (tmp_path / "out" / "corpus.jsonl").read_text().splitlines()]
+    assert [len(c) for c in chunks] == [64, 64]
+    assert (summary.corpus_chunks, summary.corpus_tokens, summary.corpus_files) == (2, 128, 1)
+
+
+def test_a_held_out_prompt_is_judged_unseen_by_its_prompt_not_its_answer(tmp_path):
+    """mark_unseen reads a held-out sequence's prompt (and its last token) only: an answer
+    that repeats trained text (the target's own words) leaves the prompt evaluated."""
+    from specdecode.train.eagle import SHARED_RUN, training_sequences
+
+    passage = [50 + i % 40 for i in range(SHARED_RUN + 12)]
+    rows = [("train-code-000", [3, 4, 5, 6], passage), ("train-code-016", [7, 8, 9, 10], passage)]  # filler 2: held out
+    (tmp_path / "answers.jsonl").write_text("".join(
+        json.dumps({"prompt_id": pid, "prompt_ids": prompt, "answer_ids": answer, "temperature": 0}) + "\n"
+        for pid, prompt, answer in rows))
+    sequences = training_sequences(tmp_path, 0, 768, TINY_VOCAB)
+    assert [(s.held_out, s.evaluated) for s in sequences] == [(False, True), (True, True)]
+
+
+def test_the_corpus_budget_takes_whole_chunks_until_it_is_reached(tmp_path):
+    """--corpus-tokens N takes corpus chunks in file order until N tokens are taken: the
+    chunk that reaches N is the last one."""
+    from specdecode.train.eagle import training_sequences
+
+    (tmp_path / "answers.jsonl").write_text(json.dumps({"prompt_id": "train-code-000", "prompt_ids": [3, 4],
+                                                        "answer_ids": [5, 6], "temperature": 0}) + "\n")
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"ids": [10 + c] * 20}) + "\n" for c in range(3)))
+    corpus = lambda budget: [s.ids[0] for s in training_sequences(tmp_path, budget, 768, TINY_VOCAB)[1:]]  # noqa: E731
+    assert (corpus(0), corpus(40), corpus(41), corpus(1000)) == ([], [10, 11], [10, 11, 12], [10, 11, 12])
+
+
+def test_the_draft_vocabulary_is_the_most_frequent_trained_tokens_plus_eos():
+    """Counted from each trained sequence's trained_from on (not its prompt, not held-out
+    sequences), most frequent first; the EOS ids inside the vocabulary always; padded with
+    the lowest unused ids."""
+    from specdecode.train.eagle import Sequence, draft_vocabulary
+
+    sequences = [Sequence([90, 91, 5, 5, 5, 6, 6, 7], 2, False), Sequence([8, 8, 8, 8, 8, 8], 0, True)]
+    assert draft_vocabulary(sequences, 3, TINY_VOCAB, (2, 500, -1)).tolist() == [2, 5, 6]
+    assert draft_vocabulary(sequences, 6, TINY_VOCAB, (2,)).tolist() == [0, 1, 2, 5, 6, 7]
+
+
+@pytest.mark.parametrize("bad", [dict(ttt_steps=0), dict(ttt_steps=17), dict(draft_vocab=15), dict(lr=0.0),
+                                 dict(lr=1.0), dict(batch_tokens=15), dict(max_length=2), dict(minutes=0.0),
+                                 dict(heads=0), dict(heads=9)])
+def test_drafter_training_refuses_settings_out_of_range_and_takes_their_edges(bad):
+    """Each bound of `train eagle` and `train medusa` is checked before anything loads; the
+    edges (1 and 16 unrolled steps, 1 and 8 heads, 16 draft tokens, 16 batch tokens, length 3)
+    pass."""
+    from specdecode.train.eagle import check_train_settings
+    from specdecode.train.medusa import check_medusa_settings
+
+    common = dict(draft_vocab=16, minutes=0.01, lr=0.99, batch_tokens=16, max_length=3)
+    for steps in (1, 16):
+        check_train_settings(ttt_steps=steps, **common)
+    for heads in (1, 8):
+        check_medusa_settings(heads=heads, **common)
+    with pytest.raises(ConfigError, match="^--"):
+        if "heads" in bad:
+            check_medusa_settings(**(common | bad))
+        else:
+            check_train_settings(**({"ttt_steps": 3} | common | bad))
+
+
+def test_batches_stay_within_their_token_budget_and_are_shuffled_by_seed():
+    """A batch holds as many sequences as fit in batch_tokens (padded: length x count); a
+    longer sequence goes alone; the batches' order is shuffled, and another seed gives
+    another order."""
+    from specdecode.train.eagle import Sequence, batches
+
+    items = [(Sequence(list(range(i, i + 10)), 0, False), None) for i in range(12)]
+    items.append((Sequence(list(range(60)), 0, False), None))
+    groups = batches(items, 40, seed=0)
+    assert sorted(len(group) for group in groups) == [1, 4, 4, 4]
+    assert all(max(len(s.ids) for s, _ in group) * len(group) <= 40 for group in groups if len(group) > 1)
+    as_ids = lambda groups: [[tuple(s.ids) for s, _ in group] for group in groups]  # noqa: E731
+    assert len({repr(as_ids(batches(items, 40, seed))) for seed in range(5)}) > 1
+
+
+def test_evaluation_reads_greedy_answers_through_every_trained_step():
+    """evaluate scores held-out greedy answers only (a sampled answer is not the target's
+    argmax chain), through max(7, ttt_steps) steps; evaluate_medusa reads greedy answers only."""
+    from specdecode.train.eagle import Sequence, evaluate
+    from specdecode.train.medusa import evaluate_medusa
+
+    seen = []
+
+    def agreeing(batch, steps):
+        seen.append((steps, [tuple(s.ids) for s, _ in batch]))
+        ones = torch.ones(len(batch), 12, dtype=torch.bool)
+        return None, [(ones[:, : 12 - j], ones[:, : 12 - j]) for j in range(steps)]
+
+    items = [(Sequence(list(range(1, 14)), 2, True, greedy=True), None),
+             (Sequence(list(range(20, 33)), 2, True, greedy=False), None)]
+    report = evaluate(SimpleNamespace(head=torch.nn.Identity(), ttt_steps=9, batch_loss=agreeing), items, 256)
+    assert seen == [(9, [tuple(range(1, 14))])]
+    assert report["agreement_per_step"] == [1.0] * 9 and report["chain_tau"] == {k: k + 1.0 for k in range(1, 10)}
+    seen.clear()
+    heads = SimpleNamespace(config=SimpleNamespace(num_heads=3), eval=lambda: None)
+    report = evaluate_medusa(SimpleNamespace(heads=heads, batch_loss=lambda batch: agreeing(batch, 3)), items, 256)
+    assert seen == [(3, [tuple(range(1, 14))])] and report["chain_tau"] == {1: 2.0, 2: 3.0, 3: 4.0}
+
+
+def test_chain_tally_counts_the_leading_run_of_full_chains():
+    """A chain is accepted up to its first disagreeing step (a later agreement does not
+    count); only rows inside the answer at every step are chains; tau of k drafts caps each
+    chain's accepted length at k; agreement per step is over every counted row."""
+    from specdecode.train.eagle import ChainTally
+
+    tally = ChainTally(2)
+    correct0, mask0 = torch.tensor([[True, False, True, True]]), torch.tensor([[True, True, True, True]])
+    correct1, mask1 = torch.tensor([[True, True, False]]), torch.tensor([[True, True, False]])
+    tally.add([(correct0, mask0), (correct1, mask1)])
+    assert tally.accepted_at == [1, 0, 1]  # row 0 accepts 2, row 1 none (its step 2 agrees after a miss), row 2 no chain
+    assert tally.report("agreement_per_step") == {"held_out_chains": 2, "agreement_per_step": [0.75, 1.0],
+                                                  "first_token_agreement": 0.75, "chain_tau": {1: 1.5, 2: 2.0}}
+
+
+def test_learning_rate_warms_up_then_falls_to_a_tenth_along_a_cosine():
+    from specdecode.train.loop import WARM_UP_STEPS, learning_rate
+
+    assert learning_rate(1.0, 0, 0.0) == pytest.approx(1 / WARM_UP_STEPS)
+    assert learning_rate(1.0, WARM_UP_STEPS // 2 - 1, 0.0) == pytest.approx(0.5)
+    assert learning_rate(1.0, WARM_UP_STEPS - 1, 0.0) == pytest.approx(1.0)
+    assert learning_rate(2.0, 10 * WARM_UP_STEPS, 0.5) == pytest.approx(2.0 * 0.55)
+    assert learning_rate(2.0, 10 * WARM_UP_STEPS, 1.0) == pytest.approx(0.2)
+
+
+def test_a_checkpoint_resumes_weights_optimizer_and_place_and_refuses_another_vocabulary(tmp_path):
+    """resume restores the module, the optimizer's moments and the loop's place; a
+    checkpoint older than a setting resumes with that setting unchecked; another draft
+    vocabulary of the same size is refused."""
+    from specdecode.train.loop import Checkpoint
+
+    def make(d2t, settings):
+        torch.manual_seed(0)
+        module = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.AdamW(module.parameters(), lr=0.1)
+        return Checkpoint(tmp_path / "checkpoint.pt", module, optimizer, {"width": 3}, d2t, settings)
+
+    first = make(torch.arange(4), {"lr": 0.1})
+    first.module(torch.ones(1, 3)).sum().backward()
+    first.optimizer.step()
+    first.state = {"epoch": 2, "batch": 1, "seconds": 30.0, "steps": 9}
+    first.save()
+    again, said = make(torch.arange(4), {"lr": 0.1, "bf16": False}), []  # a setting added since
+    again.resume(said.append)
+    assert again.state == first.state and "epoch 2, batch 1, 0.5 min" in said[0]
+    assert torch.equal(again.module.weight, first.module.weight)
+    assert torch.equal(again.optimizer.state_dict()["state"][0]["exp_avg"],
+                       first.optimizer.state_dict()["state"][0]["exp_avg"])
+    with pytest.raises(SpecDecodeError, match="another draft vocabulary"):
+        make(torch.tensor([0, 1, 2, 5]), {"lr": 0.1}).resume(said.append)
+
+
+def test_the_training_loop_walks_epochs_of_batches_until_its_budget(tmp_path, monkeypatch):
+    """Checkpoint.train runs the epoch's batches in turn, the next epoch after the last one,
+    handing each step its progress through the budget and the steps taken, until the
+    budget is spent (a clock that moves one second between readings), then saves."""
+    from specdecode.train import loop
+
+    ticks = iter(range(1000))
+    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    module = torch.nn.Linear(2, 2)
+    checkpoint = loop.Checkpoint(tmp_path / "checkpoint.pt", module, torch.optim.SGD(module.parameters(), lr=0.1),
+                                 {}, torch.arange(2), {})
+    epochs, calls = [], []
+
+    def groups_for_epoch(epoch):
+        epochs.append(epoch)
+        return [f"{epoch}a", f"{epoch}b"]
+
+    def step(batch, progress, steps):
+        calls.append((batch, round(progress, 4), steps))
+        return 1.0, 0.5
+
+    checkpoint.train(0.1, groups_for_epoch, step)  # 6 s
+    assert epochs == [0, 1, 2]
+    assert calls == [("0a", 0.0, 0), ("0b", 0.3333, 1), ("1a", 0.5, 2), ("1b", 0.6667, 3), ("2a", 0.8333, 4)]
+    assert checkpoint.state == {"epoch": 2, "batch": 1, "seconds": 6.0, "steps": 5}
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["state"] == checkpoint.state
+
+
+def test_medusa_loss_weighs_head_i_by_0_8_to_the_i_minus_1():
+    """The Medusa loss is the sum over heads i of 0.8^(i-1) times the mean soft
+    cross-entropy of head i's rows p against the target's distribution at p+i, over rows
+    whose label is trained and inside the draft vocabulary."""
+    from specdecode.proposers.medusa import MedusaConfig, MedusaHeads
+    from specdecode.train.eagle import Sequence
+    from specdecode.train.medusa import HEAD_DECAY, MedusaTrainer
+
+    generator = torch.Generator().manual_seed(0)
+    hidden, vocab = 16, 40
+    heads = MedusaHeads(MedusaConfig(hidden, 3, vocab, 20, 1e-6))
+    heads.set_draft_vocab(torch.randperm(vocab, generator=generator)[:20].sort().values)
+    heads.bind(torch.ones(hidden), torch.randn(vocab, hidden, generator=generator))
+    with torch.no_grad():
+        heads.blocks.weight.normal_(0, 0.3, generator=generator)
+    batch = []
+    for n, trained_from in ((9, 2), (6, 0)):
+        record = {"final": torch.randn(n, hidden, generator=generator).to(torch.bfloat16),
+                  "argmax": torch.randint(vocab, (n,), generator=generator).to(torch.int32)}
+        batch.append((Sequence(list(range(n)), trained_from, False), record))
+    with torch.no_grad():
+        loss, _ = MedusaTrainer(heads, 1e-3).batch_loss(batch)
+        expected = 0.0
+        for i in range(1, 4):
+            per_row = []
+            for sequence, record in batch:
+                final = record["final"].float()
+                states = heads.states(final)
+                for p in range(len(sequence.ids) - i):
+                    if p + i >= sequence.trained_from and int(record["argmax"][p + i]) in heads.d2t.tolist():
+                        probs = (final[p + i] @ heads.rows.T).softmax(-1)
+                        per_row.append(-(probs * heads.logits(states[p, i - 1]).log_softmax(-1)).sum())
+            expected += HEAD_DECAY ** (i - 1) * float(torch.stack(per_row).mean())
+    assert HEAD_DECAY == 0.8 and float(loss) == pytest.approx(expected, rel=1e-4)
+
+
+def test_init_refuses_a_head_that_reads_a_layer_the_target_lacks(tiny_runtime, tiny_answers, tmp_path):
+    """--init: a head whose capture layers reach the target's layer count (layers are
+    numbered from 0) is refused before anything trains."""
+    import dataclasses
+
+    from specdecode.proposers.eagle_head import EagleConfig, EagleHead
+    from specdecode.train.eagle import train_eagle
+
+    layers = tiny_runtime.num_layers
+    config = dataclasses.replace(EagleConfig.for_target(tiny_runtime.cfg, 48), capture_layers=(0, 1, layers))
+    EagleHead(config).save(tmp_path / "head")
+    with pytest.raises(SpecDecodeError, match=f"that head reads layer {layers}; the target has {layers}"):
+        train_eagle(SimpleNamespace(runtime=tiny_runtime, eos_token_ids=(2,)), tiny_answers, tmp_path / "out",
+                    ttt_steps=2, minutes=0.01, batch_tokens=256, init=tmp_path / "head", log=lambda message: None)
+
+
+def test_held_out_ids_of_another_form_are_not_held_out_and_passages_keep_their_bounds():
+    """held_out takes ids of the training set's form only (a category it knows, a number);
+    the passages read from the standard library's docstrings keep 300 to 1200 characters."""
+    from specdecode.train.prompts import held_out, local_passages
+
+    assert held_out("written-code-002") and held_out("train-code-016")
+    assert not any(held_out(i) for i in ("written-poetry-002", "train-poetry-016", "other-002", "written-code-x"))
+    passages = local_passages()  # (one fixed passage, shorter, where Python has no sources)
+    assert len(passages) == 1 or all(300 <= len(p) <= 1200 for p in passages)
