@@ -955,6 +955,25 @@ def test_corpus_chunks_hold_at_most_chunk_tokens_and_at_least_16(tmp_path, monke
     assert (summary.corpus_chunks, summary.corpus_tokens, summary.corpus_files) == (2, 128, 1)
 
 
+def test_the_corpus_counts_the_files_that_gave_chunks_on_every_run(tmp_path, monkeypatch):
+    """A source file too short for a chunk is not counted among the corpus's files, on the
+    run that reads it as on a rerun that counts them from corpus.jsonl (found in a
+    mutation audit: 2 files, then 1)."""
+    from specdecode.train import data
+
+    empty, long = tmp_path / "empty.py", tmp_path / "long.py"
+    empty.write_text("")
+    long.write_text("y" * 200)
+    monkeypatch.setattr(data, "stdlib_sources", lambda: [empty, long])
+    (tmp_path / "out").mkdir()
+    counts = []
+    for _ in range(2):
+        summary = data.DataSummary()
+        data.build_corpus(CharTokenizer(), tmp_path / "out", 100, 64, summary)
+        counts.append((summary.corpus_files, summary.corpus_chunks, summary.corpus_tokens))
+    assert counts == [(1, 3, 192), (1, 3, 192)]
+
+
 def test_a_held_out_prompt_is_judged_unseen_by_its_prompt_not_its_answer(tmp_path):
     """mark_unseen reads a held-out sequence's prompt (and its last token) only: an answer
     that repeats trained text (the target's own words) leaves the prompt evaluated."""

@@ -373,15 +373,16 @@ def build_corpus(tokenizer, out: Path, max_tokens: int, chunk_tokens: int, summa
             except (UnicodeDecodeError, OSError):
                 continue
             ids = tokenizer(text)["input_ids"]
-            for begin in range(0, len(ids), chunk_tokens):
-                chunk = ids[begin:begin + chunk_tokens]
-                if len(chunk) < 16:
-                    continue
+            chunks = [ids[begin:begin + chunk_tokens] for begin in range(0, len(ids), chunk_tokens)]
+            chunks = [chunk for chunk in chunks if len(chunk) >= 16]
+            for chunk in chunks:
                 sink.write(json.dumps({"source": str(file), "ids": chunk}) + "\n")
                 summary.corpus_chunks += 1
                 summary.corpus_tokens += len(chunk)
                 progress.update(len(chunk))
-            summary.corpus_files += 1
+            # the files that gave chunks, as a rerun counts them from the corpus (found in a
+            # mutation audit: an empty file counted on the run that read it, not after)
+            summary.corpus_files += bool(chunks)
             sink.flush()  # a file is written whole before the next one starts
             if summary.corpus_tokens >= max_tokens:
                 break
