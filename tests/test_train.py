@@ -1210,6 +1210,7 @@ def test_held_out_ids_of_another_form_are_not_held_out_and_passages_keep_their_b
     from specdecode.train.prompts import held_out, local_passages
 
     assert held_out("written-code-002") and held_out("train-code-016")
-    assert not any(held_out(i) for i in ("written-poetry-002", "train-poetry-016", "other-002", "written-code-x"))
+    assert not any(held_out(i) for i in ("written-poetry-002", "train-poetry-016", "other-002", "written-code-x",
+                                            "custom-code-016", "heldout-code-002"))
     passages = local_passages()  # (one fixed passage, shorter, where Python has no sources)
     assert len(passages) == 1 or all(300 <= len(p) <= 1200 for p in passages)
