@@ -1066,3 +1066,78 @@ def test_engines_handed_heads_or_a_store_that_do_not_fit_the_target_refuse_them(
             SpeculativeEngine(target.runtime, None, proposer, k=2)
         with pytest.raises(error, match=message):
             batch.add([5, 6, 7], SamplingParams(max_new_tokens=4), proposer=proposer)
+
+
+def _llama_cfg(num_layers: int = 3, **fields):
+    from specdecode.models.llama import LlamaConfig
+
+    return LlamaConfig.from_hf({"model_type": "llama", "vocab_size": 97, "hidden_size": 64, "intermediate_size": 128,
+                                "num_hidden_layers": num_layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                **fields})
+
+
+def test_a_heads_config_for_a_target_takes_its_sizes_and_refuses_scaled_rope():
+    """The draft vocabulary is at most the target's (a larger one would map drafts to ids
+    the target lacks), an intermediate size asked for is taken, the target's RoPE theta is
+    read, and a target that scales RoPE is refused (the head computes default RoPE only)."""
+    config = EagleConfig.for_target(_llama_cfg(32, rope_theta=500000.0), 1000)
+    assert (config.draft_vocab_size, config.target_vocab_size, config.intermediate_size) == (97, 97, 128)
+    assert config.capture_layers == (2, 16, 29) and config.rope_theta == 500000.0
+    assert EagleConfig.for_target(_llama_cfg(), 60, intermediate_size=32).intermediate_size == 32
+    scaled = _llama_cfg(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    with pytest.raises(SpecDecodeError, match="EAGLE heads support default RoPE only, the target uses 'llama3'"):
+        EagleConfig.for_target(scaled, 60)
+
+
+def test_the_heads_rope_is_the_targets():
+    """The head rotates queries and keys by the target's RoPE tables (a head trained or
+    imported for the target reads positions as the target does)."""
+    from specdecode.models.llama import rope_tables
+
+    cfg = _llama_cfg(rope_theta=500000.0, max_position_embeddings=256)
+    head = EagleHead(EagleConfig.for_target(cfg, 60))
+    cos, sin = head.rope(torch.arange(256))
+    target_cos, target_sin = rope_tables(cfg, None)
+    torch.testing.assert_close(cos, target_cos, rtol=0, atol=1e-4)
+    torch.testing.assert_close(sin, target_sin, rtol=0, atol=1e-4)
+
+
+def test_the_training_pass_reads_no_later_position():
+    """``unrolled``'s row p, at every step, depends on the features and embeddings at
+    positions <= p only (found by a mutation audit: without the causal mask training read
+    the future, and every test passed: they compare the last row only)."""
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(_llama_cfg(), 60))
+    generator = torch.Generator().manual_seed(1)
+    features = torch.randn(1, 8, 3 * 64, generator=generator)
+    embeds = [torch.randn(1, 8, 64, generator=generator) for _ in range(3)]
+    later_features, later_embeds = features.clone(), [embed.clone() for embed in embeds]
+    later_features[:, 5:] = torch.randn(1, 3, 3 * 64, generator=generator)
+    for embed in later_embeds:
+        embed[:, 5:] = torch.randn(1, 3, 64, generator=generator)
+    with torch.no_grad():
+        before = head.unrolled(features, embeds, torch.arange(8))
+        after = head.unrolled(later_features, later_embeds, torch.arange(8))
+    for step, (old, new) in enumerate(zip(before, after)):
+        torch.testing.assert_close(new[:, :5], old[:, :5], rtol=0, atol=1e-5, msg=f"step {step}")
+        assert not torch.allclose(new[:, 5:], old[:, 5:])
+
+
+def test_the_packed_projections_compute_what_the_torch_ones_do():
+    """Each fused projection through the kernels (Q8_0) is the torch modules' up to its
+    rounding, in the same order (a mutation audit: the torch path's q, v, k order passed,
+    training and drafting on torch agreeing with each other)."""
+    from specdecode import kernels
+
+    if not kernels.available():
+        pytest.skip(kernels.unavailable_reason())
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(_llama_cfg(), 60))
+    assert head.use_kernels()
+    x = {"fc": torch.randn(5, 3 * 64), "qkv": torch.randn(5, 2 * 64), "o": torch.randn(5, 64),
+         "gate_up": torch.randn(5, 64), "down": torch.randn(5, 128), "lm_head": torch.randn(5, 64)}
+    with torch.no_grad():
+        for name, rows in x.items():
+            exact = head.project(name, rows, fast=False)
+            assert (head.project(name, rows) - exact).abs().max() < 0.05 * exact.abs().max(), name

@@ -609,3 +609,77 @@ def test_a_draft_whose_embeddings_are_padded_to_another_size_drafts_losslessly(t
     assert proposal.draft_probs.shape == (3, target_rows)
     assert torch.allclose(proposal.draft_probs.sum(-1), torch.ones(3))
     assert proposal.draft_probs[:, 97:].sum() == 0  # no id past the tokenizer's is ever drawn
+
+
+def test_a_draft_model_asked_twice_for_one_sequence_proposes_the_same(tmp_path):
+    """A proposal is a function of the committed sequence: asked again for the same one
+    (its drafts and the last token already in the cache), the draft model rolls back to
+    keep the last token to feed, and proposes what it proposed before."""
+    proposer = DraftModelProposer(load_model(save_tiny_model(tmp_path / "d", seed=41, num_layers=1),
+                                             torch.float32).runtime)
+    tokens, greedy = [5, 9, 11, 40, 7], SamplingParams(max_new_tokens=8)
+    for k in (1, 3):
+        proposer.start(tokens, 64)
+        first = proposer.propose(tokens, k, greedy, None).draft_ids.tolist()
+        assert len(first) == k and proposer.propose(tokens, k, greedy, None).draft_ids.tolist() == first
+
+
+def test_a_sequence_holding_an_id_the_draft_has_no_row_for_drafts_nothing(tmp_path):
+    """A target padded past the draft (112 rows against 97) may commit a padding id, 97
+    the first; wherever it lies in the sequence, the draft drafts nothing from then on in
+    that request (found in review: an IndexError), and drafts again in the next."""
+    proposer = DraftModelProposer(load_model(save_tiny_model(tmp_path / "d", seed=41, num_layers=1),
+                                             torch.float32).runtime, 112)
+    greedy = SamplingParams(max_new_tokens=8)
+    for prompt in ([5, 9, 97], [5, 97, 9, 11]):
+        proposer.start(prompt, 64)
+        assert proposer.propose(prompt, 3, greedy, None).num_tokens == 0
+        assert proposer.propose(prompt + [5, 6], 3, greedy, None).num_tokens == 0
+        proposer.start([5, 9, 11], 64)
+        assert proposer.propose([5, 9, 11], 3, greedy, None).num_tokens == 3
+
+
+def test_a_draft_model_with_a_shorter_context_drafts_up_to_its_last_position(tmp_path):
+    """k is cut to what the draft's cache holds, the sequence and k - 1 drafts (the last
+    draft is read off the logits, never fed): with 32 positions, 3 drafts after 30 tokens,
+    2 after 31, 1 after 32, none after 33."""
+    import json
+
+    draft_dir = save_tiny_model(tmp_path / "d", seed=4, num_layers=1)
+    config = json.loads((draft_dir / "config.json").read_text())
+    (draft_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32}))
+    proposer = DraftModelProposer(load_model(draft_dir, torch.float32, backend="torch").runtime)
+    tokens, greedy = list(range(5, 38)), SamplingParams(max_new_tokens=8)
+    for length, drafted in ((30, 3), (31, 2), (32, 1), (33, 0)):
+        proposer.start(tokens[:length], 32)
+        assert proposer.propose(tokens[:length], 3, greedy, None).num_tokens == drafted, length
+
+
+def test_a_draft_model_feeds_only_what_its_cache_lacks(tmp_path):
+    """The draft's cache keeps the drafts it ran: after a step whose drafts were all
+    accepted it is fed the last draft (proposed, never run) and the bonus token; after a
+    rejection, the correction alone."""
+    runtime = load_model(save_tiny_model(tmp_path / "d", seed=41, num_layers=1), torch.float32).runtime
+    fed = []
+
+    class Counting:  # the draft's runtime, counting the tokens of each pass
+        def __getattr__(self, name):
+            return getattr(runtime, name)
+
+        def __call__(self, ids, *args, **kwargs):
+            fed.append(ids.shape[-1])
+            return runtime(ids, *args, **kwargs)
+
+    proposer, greedy = DraftModelProposer(Counting()), SamplingParams(max_new_tokens=8)
+    tokens = [5, 9, 11, 40, 7]
+    proposer.start(tokens, 64)
+    drafts = proposer.propose(tokens, 3, greedy, None).draft_ids.tolist()
+    assert fed == [5, 1, 1]  # the sequence, then two of the three drafts
+    tokens = tokens + drafts + [3]  # all accepted, then the bonus token
+    fed.clear()
+    drafts = proposer.propose(tokens, 3, greedy, None).draft_ids.tolist()
+    assert fed == [2, 1, 1]
+    tokens = tokens + [drafts[0], (drafts[1] + 1) % 97]  # one accepted, then a correction
+    fed.clear()
+    proposer.propose(tokens, 3, greedy, None)
+    assert fed == [1, 1, 1]

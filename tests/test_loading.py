@@ -607,3 +607,209 @@ def test_the_checkpoint_mark_follows_every_shard(tmp_path):
     assert checkpoint_mark(tmp_path) != before
     (tmp_path / "model-00003-of-00003.safetensors").symlink_to(tmp_path / "gone")  # a broken link is no shard
     assert checkpoint_mark(tmp_path).count(":") == 2 + 2  # two hashes, one later shard (size and time)
+
+
+def test_cache_files_are_written_whole_with_the_mode_a_plain_write_gives(tmp_path):
+    """write_atomic's temporary (mkstemp: 0600) is given 0666 less the umask before it is
+    renamed into place, so a cache shared by several users stays readable to them; a write
+    that fails leaves no temporary behind."""
+    old = os.umask(0o027)
+    try:
+        loading.write_atomic(tmp_path / "cache" / "record.json", "{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "cache" / "record.json").read_text() == "{}"
+    assert (tmp_path / "cache" / "record.json").stat().st_mode & 0o777 == 0o640
+    (tmp_path / "cache" / "busy").mkdir()
+    (tmp_path / "cache" / "busy" / "file").write_text("")
+    with pytest.raises(OSError):  # a non-empty directory cannot be replaced by a file
+        loading.write_atomic(tmp_path / "cache" / "busy", "{}")
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["busy", "record.json"]
+
+
+def test_a_cache_file_that_cannot_be_saved_is_said_on_stderr_not_raised(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    loading.save_cache(tmp_path / "a-file" / "index.json", "{}", "the GGUF's tensor index")
+    assert "the GGUF's tensor index not saved to" in capsys.readouterr().err
+
+
+def test_the_cache_defaults_to_the_users_dot_cache(monkeypatch, tmp_path):
+    """Neither SPECDECODE_CACHE nor XDG_CACHE_HOME set (or set empty): ~/.cache/specdecode."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for value in (None, ""):
+        for name in ("SPECDECODE_CACHE", "XDG_CACHE_HOME"):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        assert loading.cache_dir() == tmp_path / ".cache" / "specdecode"
+
+
+def test_a_config_json_that_is_not_an_object_is_named(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ModelNotFoundError, match="does not hold a JSON object"):
+        resolve_model(str(tmp_path))
+
+
+def test_a_model_path_under_home_is_expanded(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text('{"model_type": "llama"}')
+    assert resolve_model("~/ckpt").path == tmp_path / "ckpt"
+
+
+def test_a_gguf_file_is_known_by_its_suffix_in_any_case(monkeypatch, tmp_path):
+    """MODEL.GGUF is a GGUF, as model.gguf is (not "a file, but not a .gguf file")."""
+    monkeypatch.setattr(loading, "_from_gguf", lambda path, name: ("converted", path))
+    for name in ("model.gguf", "MODEL.GGUF", "model.Gguf"):
+        (tmp_path / name).write_bytes(b"GGUF")
+        assert resolve_model(str(tmp_path / name)) == ("converted", tmp_path / name)
+
+
+def test_every_native_architecture_runs_natively(tmp_path):
+    for model_type, native in (("llama", True), ("mistral", True), ("qwen2", True), ("gpt2", False)):
+        (tmp_path / model_type).mkdir()
+        (tmp_path / model_type / "config.json").write_text(json.dumps({"model_type": model_type}))
+        assert resolve_model(str(tmp_path / model_type)).native is native, model_type
+
+
+def test_a_large_files_stamp_samples_its_last_mib_too(tmp_path):
+    """Where no ctime tells a rewrite apart, a change in the last MiB of a large file moves
+    its stamp (the first MiB alone would keep it)."""
+    data = bytearray(3 * loading.STAMP_SAMPLE)
+    file = tmp_path / "weights.bin"
+    file.write_bytes(data)
+    before = loading._file_stamp(file)
+    data[-1] = 1
+    file.write_bytes(data)
+    assert loading._file_stamp(file)[5] != before[5]
+
+
+def test_the_digest_memo_forgets_files_that_are_gone(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading, "MEMO_SETTLED_NS", -1)
+    first, second = tmp_path / "first.bin", tmp_path / "second.bin"
+    first.write_bytes(b"a")
+    second.write_bytes(b"b")
+    loading.sha256_file(first)
+    first.unlink()
+    loading.sha256_file(second)
+    assert list(json.loads((tmp_path / "cache" / loading.DIGESTS).read_text())) == [str(second.resolve())]
+
+
+def test_a_gguf_whose_rope_scaling_is_none_or_one_loads_and_a_scaling_type_alone_is_refused(tmp_path):
+    """Scaling type "none", a factor of 1 or a scale_linear of 1 scale nothing: such a file
+    is converted. A scaling type other than "none" is refused by name, factor or not."""
+    import gguf
+
+    def write(name, fill):
+        path = tmp_path / name
+        writer = gguf.GGUFWriter(str(path), "llama")
+        writer.add_block_count(1)
+        fill(writer)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return path
+
+    def unscaled(writer):
+        writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+        writer.add_rope_scaling_factor(1.0)
+        writer.add_float32("llama.rope.scale_linear", 1.0)
+
+    loading._refuse_scaled_rope(write("unscaled.gguf", unscaled))  # nothing raised
+    yarn = write("yarn.gguf", lambda writer: writer.add_rope_scaling_type(gguf.RopeScalingType.YARN))
+    with pytest.raises(ModelNotFoundError, match="scales RoPE .*llama.rope.scaling.type = yarn"):
+        loading._refuse_scaled_rope(yarn)
+
+
+def test_a_conversion_of_an_older_version_or_with_an_empty_or_corrupt_manifest_is_rebuilt(tmp_path):
+    """Only a manifest of this CONVERSION_VERSION that lists the files validates a cached
+    conversion (version 1 converted RoPE-scaled GGUFs unscaled); a corrupt one is invalid,
+    not an error."""
+    target = tmp_path / "conv"
+    target.mkdir()
+    (target / "model.safetensors").write_bytes(b"weights")
+    files = {"model.safetensors": loading.sha256_file(target / "model.safetensors")}
+
+    def manifest(**fields):
+        (target / loading.MANIFEST).write_text(json.dumps(
+            {"version": loading.CONVERSION_VERSION, "source_sha256": "abc", "files": files} | fields))
+
+    manifest()
+    assert loading._conversion_valid(target, "abc")
+    manifest(version=loading.CONVERSION_VERSION - 1)
+    assert not loading._conversion_valid(target, "abc")
+    manifest(files={})
+    assert not loading._conversion_valid(target, "abc")
+    (target / loading.MANIFEST).write_text('{"version": 2, "files"')
+    assert not loading._conversion_valid(target, "abc")
+
+
+def test_a_ggufs_tensor_index_is_kept_in_its_cache_and_rebuilt_when_damaged(tmp_path, monkeypatch):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("a.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.add_tensor("b.weight", np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cache = tmp_path / "conversion"
+    cache.mkdir()
+    index = loading.gguf_tensor_index(path, cache)
+    assert set(index) == {"a.weight", "b.weight"} and index["a.weight"].shape == (32, 4)
+    assert (cache / loading.GGUF_INDEX).is_file()
+    reads = []
+    reader = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *args: reads.append(args) or reader(*args))
+    assert loading.gguf_tensor_index(path, cache) == index and not reads  # from the cache, the file not parsed
+    for damage in ("not json", "[1]", '[{"name": "a.weight"}]'):
+        (cache / loading.GGUF_INDEX).write_text(damage)
+        assert loading.gguf_tensor_index(path, cache) == index
+        assert json.loads((cache / loading.GGUF_INDEX).read_text())[0]["name"] == "a.weight"  # written again
+    assert len(reads) == 3
+
+
+def test_a_tokenizer_with_its_own_code_is_not_read_as_the_saved_generic_class(tmp_path):
+    """The TokenizersBackend shortcut is taken only for a tokenizer_config.json without an
+    auto_map (a tokenizer of its own code goes through AutoTokenizer)."""
+    config = {"tokenizer_class": "TokenizersBackend"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert loading._saved_tokenizer_class(tmp_path) == "TokenizersBackend"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config | {"auto_map": {"AutoTokenizer": ["t.T", None]}}))
+    assert loading._saved_tokenizer_class(tmp_path) is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings")
+def test_loading_sets_glibcs_thresholds_and_leaves_a_users_own_tuning_alone(monkeypatch):
+    """While loading: the mmap threshold at 128 KiB; after: 32 MiB, and the trim threshold
+    at 64 MiB (found in review: left at 128 KiB, freed temporaries went back to the system
+    every step). The test above sees this only when the heap is fresh; these are the calls."""
+    import ctypes
+
+    calls = []
+
+    class Libc:
+        def mallopt(self, parameter, value):
+            calls.append((parameter, value))
+            return 1
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Libc())
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
+    with loading.transients_mapped():
+        assert calls == [(m_mmap_threshold, 128 * 1024)]
+    assert calls[1:] == [(m_mmap_threshold, 32 << 20), (m_trim_threshold, 64 << 20)]
+    for name, value in (("MALLOC_TRIM_THRESHOLD_", "1000000"), ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1")):
+        calls.clear()
+        with monkeypatch.context() as patch:
+            patch.setenv(name, value)
+            with loading.transients_mapped():
+                pass
+        assert calls == []
