@@ -745,6 +745,15 @@ def test_a_conversion_of_an_older_version_or_with_an_empty_or_corrupt_manifest_i
     assert not loading._conversion_valid(target, "abc")
     (target / loading.MANIFEST).write_text('{"version": 2, "files"')
     assert not loading._conversion_valid(target, "abc")
+    # valid JSON of another shape, or bytes that are not UTF-8: damage, rebuilt, not a traceback
+    for damage in ("[]", "null", '"text"', json.dumps({"version": loading.CONVERSION_VERSION, "source_sha256": "abc",
+                                                      "files": list(files)})):
+        (target / loading.MANIFEST).write_text(damage)
+        assert not loading._conversion_valid(target, "abc"), damage
+    manifest(files={"model.safetensors": 7})
+    assert not loading._conversion_valid(target, "abc")
+    (target / loading.MANIFEST).write_bytes(b"\xff\xfe{")
+    assert not loading._conversion_valid(target, "abc")
 
 
 def test_a_ggufs_tensor_index_is_kept_in_its_cache_and_rebuilt_when_damaged(tmp_path, monkeypatch):
@@ -768,11 +777,11 @@ def test_a_ggufs_tensor_index_is_kept_in_its_cache_and_rebuilt_when_damaged(tmp_
     reader = gguf.GGUFReader
     monkeypatch.setattr(gguf, "GGUFReader", lambda *args: reads.append(args) or reader(*args))
     assert loading.gguf_tensor_index(path, cache) == index and not reads  # from the cache, the file not parsed
-    for damage in ("not json", "[1]", '[{"name": "a.weight"}]'):
-        (cache / loading.GGUF_INDEX).write_text(damage)
+    for damage in (b"not json", b"[1]", b'[{"name": "a.weight"}]', b"\xff\xfe["):  # the last: not UTF-8
+        (cache / loading.GGUF_INDEX).write_bytes(damage)
         assert loading.gguf_tensor_index(path, cache) == index
         assert json.loads((cache / loading.GGUF_INDEX).read_text())[0]["name"] == "a.weight"  # written again
-    assert len(reads) == 3
+    assert len(reads) == 4
 
 
 def test_a_tokenizer_with_its_own_code_is_not_read_as_the_saved_generic_class(tmp_path):

@@ -365,15 +365,20 @@ def _conversion_valid(target: Path, source_sha: str) -> bool:
         return False
     try:
         manifest = json.loads(manifest_file.read_text())
-    except json.JSONDecodeError:
+    except (ValueError, OSError):  # not JSON, not UTF-8 (UnicodeDecodeError is a ValueError), unreadable
+        return False
+    # valid JSON of another shape ([], null, a list of files) is damage too: rebuilt, not a
+    # traceback (found in a mutation audit: AttributeError from the checks below)
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not files:
         return False
     if manifest.get("source_sha256") != source_sha or manifest.get("version") != CONVERSION_VERSION:
         return False
-    for filename, digest in manifest.get("files", {}).items():
+    for filename, digest in files.items():
         file = target / filename
-        if not file.is_file() or sha256_file(file) != digest:
+        if not isinstance(digest, str) or not file.is_file() or sha256_file(file) != digest:
             return False
-    return bool(manifest.get("files"))
+    return True
 
 
 def _convert_gguf(gguf_path: Path, source_sha: str, target: Path) -> None:
@@ -446,7 +451,7 @@ def gguf_tensor_index(gguf_path: Path, cache: Path | None = None) -> dict:
         try:
             return {row["name"]: GGUFTensor(row["name"], row["tensor_type"], tuple(row["shape"]), row["data_offset"],
                                             row["n_bytes"]) for row in json.loads(index_file.read_text())}
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, OSError):  # not JSON or not UTF-8, another shape, unreadable
             pass  # rebuilt below
     import gguf
 
