@@ -575,3 +575,229 @@ def test_router_clips_an_out_of_range_acceptance(tmp_path):
     assert router.prior("code", "ngram") == 1.0
     router.save(tmp_path / "state.json")
     assert "code/ngram" in Router().load(tmp_path / "state.json", warn=lambda m: None).records
+
+
+# -- the analyzer's and check's figures (a mutation audit: no test failed on these mutants) -
+def test_acceptance_recommendation_thresholds_are_strict():
+    """The rule reads alpha > 0.7 with variance < 0.05, alpha > 0.5, alpha > 0.3: each bound
+    itself gets the lower verdict."""
+    assert acceptance_recommendation(0.7, 0.0) == "RECOMMENDED"
+    assert acceptance_recommendation(0.75, 0.05) == "RECOMMENDED"
+    assert acceptance_recommendation(0.5, 0.0) == "CONDITIONAL"
+
+
+class _ContextProfile:  # scoring T tokens at context C costs 10 + C / 10 + (T - 1) ms
+    def time_ms(self, tokens, context):
+        return 10.0 + context / 10 + (tokens - 1)
+
+
+def test_prediction_prices_the_middle_context_the_drafters_passes_and_each_runs_own_length():
+    """A run is priced at its middle context (prompt + half its output), a tree's drafter
+    by its passes (not its nodes), and the speedup per token of each run's own length."""
+    from specdecode.analysis.analyzer import predicted_seconds
+
+    tree = {"prompt_tokens": 100, "new_tokens": 40, "steps_by_drafted": {"3": 10}, "draft_tokens": 30,
+            "draft_passes": 10}
+    # context 120: 10 steps of 4 tokens at 25 ms, 10 drafter passes at 0.5 x 22 ms, prefill 0.2 s
+    assert predicted_seconds(tree, _ContextProfile(), 0.5, 0.2) == pytest.approx(0.2 + (250 + 110) / 1e3)
+    plain = {"prompt_tokens": 100, "new_tokens": 20, "prefill_seconds": 0.2, "steps_by_drafted": {"0": 20}}
+    # plain: context 110, 20 steps at 21 ms: 0.62 s for 20 tokens; the tree 0.56 s for 40
+    assert predict_record(tree, plain, _ContextProfile(), 0.5) == pytest.approx((0.62 / 20) / (0.56 / 40))
+
+
+def _group_row(question, tok_s, **fields):
+    return {**_analyzed_record("ngram", question, tok_s, 10), **fields}
+
+
+def test_group_figures_pool_the_passes_and_steps_and_leave_out_runs_that_never_drafted():
+    """alpha is the mean over the prompts that drafted (a run with no draft reads alpha 0.0
+    from the engine); tau counts the passes that ended early; acceptance at a position is
+    the mean over the prompts that reached it; drafts per pass and the share of plain steps
+    are pooled; same is the share of prompts; each first divergence's margin is kept."""
+    from specdecode.analysis.analyzer import annotate, summarize_group
+
+    drafted = _group_row("a", 150.0, alpha=0.6, draft_tokens=10, accepted_tokens=6, target_forwards=8, ended_early=1,
+                         steps_by_drafted={"0": 3, "2": 5}, plain_steps_share=3 / 8,
+                         acceptance_per_position=[0.8, 0.4])
+    never = _group_row("b", 120.0, alpha=0.0, draft_tokens=0, accepted_tokens=0, target_forwards=2,
+                       steps_by_drafted={"0": 2}, plain_steps_share=1.0, acceptance_per_position=[],
+                       identical_to_plain=False, first_divergence={"top2_margin": 0.25})
+    whole = _group_row("c", 110.0, alpha=1.0, draft_tokens=2, accepted_tokens=2, target_forwards=2,
+                       steps_by_drafted={"1": 2}, plain_steps_share=0.0, acceptance_per_position=[1.0])
+    rows = [drafted, never, whole]
+    annotate([_analyzed_record("none", q, 100.0, 10) for q in "abc"] + rows, _StepProfile(), {"ngram": 0.0})
+    group = summarize_group(rows, _StepProfile(), 0.0, "latency", 1)
+    assert group["alpha_mean"] == pytest.approx(0.8) and group["alpha_variance"] == pytest.approx(0.04)
+    assert group["recommendation"] == "HIGHLY_RECOMMENDED"
+    assert group["tau"] == pytest.approx((8 + 12 - 1) / 12)
+    assert group["acceptance_per_position"] == pytest.approx([0.9, 0.4])
+    assert group["drafts_per_pass"] == pytest.approx(12 / 12)
+    assert group["plain_steps_share"] == pytest.approx((3 + 2 + 0) / 12)  # steps: 8, 2, 2
+    assert group["identical_to_plain"] == pytest.approx(2 / 3)
+    assert group["divergence_margins"] == [0.25]
+
+
+def test_group_verdict_at_break_even_and_the_short_output_check_on_the_median():
+    """A measured 1.00x wins (ties go to speculation, as the verdict reads >= 1); outputs are
+    short below 20 tokens, of the median run (not the longest)."""
+    from specdecode.analysis.analyzer import annotate, summarize_group
+
+    even = _analyzed_record("ngram", "a", 100.0, 20)
+    annotate([_analyzed_record("none", "a", 100.0, 20), even], _StepProfile(), {"ngram": 0.0})
+    group = summarize_group([even], _StepProfile(), 0.0, "latency", 1)
+    assert group["measured_speedup"] == 1.0 and group["cost_verdict"].startswith("wins")
+    assert not any("outputs are short" in s for s in group["skip_checks"])  # 20 tokens is not short
+    rows = [_analyzed_record("ngram", q, 150.0, n) for q, n in (("a", 10), ("b", 10), ("c", 30))]
+    annotate([_analyzed_record("none", q, 100.0, 10) for q in "abc"] + rows, _StepProfile(), {"ngram": 0.0})
+    skips = summarize_group(rows, _StepProfile(), 0.0, "latency", 1)["skip_checks"]
+    assert any("outputs are short (median 10 tokens" in s for s in skips)
+
+
+def test_throughput_serving_check_prices_a_batch_of_k_plus_one_tokens_against_tau():
+    """Two drafts a pass, tau 2.0: scoring batch x 3 tokens costs v = time(3 b) / time(b);
+    at batch 8 v = 3.3 / 1.7 < 2 (still pays), at batch 16 v = 5.7 / 2.5 >= 2 (skip)."""
+    from specdecode.analysis.analyzer import annotate, summarize_group
+
+    row = _analyzed_record("ngram", "a", 150.0, 10)
+    annotate([_analyzed_record("none", "a", 100.0, 10), row], _StepProfile(), {"ngram": 0.0})
+    pays = summarize_group([row], _StepProfile(), 0.0, "throughput", 8)["skip_checks"]
+    assert f"throughput serving at batch 8: v = {3.3 / 1.7:.2f} < tau = 2.00, still pays" in pays
+    loses = summarize_group([row], _StepProfile(), 0.0, "throughput", 16)["skip_checks"]
+    assert any(s.startswith(f"skip for throughput serving: at batch 16, scoring 16x3 tokens costs {5.7 / 2.5:.2f}x")
+               for s in loses), loses
+
+
+def test_annotate_gives_no_speedup_for_a_turn_on_another_context_and_prices_the_drafter_in_step_cost():
+    from specdecode.analysis.analyzer import annotate
+
+    other = {**_analyzed_record("ngram", "a", 150.0, 10), "context_differs": True}
+    priced = _analyzed_record("ngram", "b", 150.0, 10)  # 2 steps of 2 drafts, 4 draft tokens
+    annotate([_analyzed_record("none", "a", 100.0, 10), other, _analyzed_record("none", "b", 100.0, 10), priced],
+             _StepProfile(), {"ngram": 0.5})
+    assert other["speedup"] is None and priced["speedup"] == pytest.approx(1.5)
+    assert priced["step_cost"] == pytest.approx((2 * 1.2 + 4 * 0.5) / 2)  # v(2) = 1.2 and c = 0.5 a draft
+
+
+def test_predicted_sweep_compares_with_the_fixed_k_predicted_fastest():
+    from specdecode.analysis.analyzer import add_predicted_sweep
+
+    entry = {"best_fixed": "ngram@2", "best_fixed_speedup": 1.3, "best_fixed_identical": 1.0,
+             "ngram@auto": {"speedup": 1.25, "vs_best_fixed": 1.25 / 1.3 - 1, "identical_to_plain": 1.0}}
+    sweeps = {"0.0": {"ngram": {"code": entry}}}
+    table = [{"temperature": 0.0, "method": m, "category": "code", "predicted_speedup": s}
+             for m, s in (("ngram@2", 1.3), ("ngram@4", 1.5), ("ngram@auto", 1.2))]
+    add_predicted_sweep(sweeps, table)
+    assert entry["best_fixed_predicted"] == {"method": "ngram@4", "speedup": 1.5}
+    assert entry["ngram@auto"]["predicted_vs_best_fixed"] == pytest.approx(1.2 / 1.5 - 1)
+
+
+def test_the_router_learns_only_from_turns_decoded_on_plain_decodings_prompt(monkeypatch):
+    from specdecode.analysis.analyzer import learn
+    from specdecode.control import router
+
+    observed = []
+
+    class Recorder:
+        def observe(self, *args):
+            observed.append(args)
+
+    monkeypatch.setattr(router, "router_state_path", lambda model, config=None: "unused")
+    monkeypatch.setattr(router, "update_saved", lambda path, change, warn=None: change(Recorder()))
+    same = {"method": "ngram", "task": "code", "draft_tokens": 4, "first_alpha": 0.5, "decode_speedup": 1.2,
+            "new_tokens": 10}
+    learn([same, {**same, "context_differs": True, "decode_speedup": 0.5}], {"ngram": "ngram:3,2,1"})
+    assert observed == [("code", "ngram:3,2,1", 0.5, 1.2, 10)]
+
+
+def test_same_column_shows_the_largest_divergence_margin():
+    from specdecode.analysis.analyzer import _same
+
+    assert _same({"identical_to_plain": 0.5, "divergence_margins": [0.1, 0.3]}) == "50% (margin <= 0.30)"
+    assert _same({"identical_to_plain": 1.0, "divergence_margins": []}) == "100%"
+
+
+def test_check_warns_of_other_special_tokens_chat_template_and_architecture(tmp_path):
+    """Soft differences are WARNs (the pair still runs): special tokens, chat template, and
+    the architecture; the verdict says 'with warnings'."""
+    from conftest import CHAT_TEMPLATE
+
+    target = save_tiny_model(tmp_path / "t", seed=1, num_layers=1)
+    draft = save_tiny_model(tmp_path / "d", seed=1, num_layers=1)
+    save_char_tokenizer(target)
+    tokenizer = save_char_tokenizer(draft)
+    tokenizer.chat_template, tokenizer.pad_token = CHAT_TEMPLATE, "<unk>"
+    tokenizer.save_pretrained(draft)
+    lines = {check: (status, detail) for check, status, detail in check_static(str(target), str(draft)).lines}
+    assert lines["special tokens"] == ("WARN", "pad_token None vs '<unk>'")
+    assert lines["chat template"][0] == "WARN" and lines["token ids on a test text"][0] == "OK"
+    result = check_static(str(target), str(save_tiny_model(tmp_path / "q", "qwen2", seed=1, num_layers=1)))
+    assert ("architecture", "WARN", "target llama, draft qwen2") in result.lines
+    assert result.compatible and result.verdict == "COMPATIBLE (with warnings)"
+
+
+def test_check_vocabulary_sizes_either_way_round_and_one_missing(tmp_path):
+    """A target smaller than the draft fails as one larger does; a config without a
+    vocabulary size is a WARN naming which (not a comparison with None)."""
+    small = save_tiny_model(tmp_path / "s", seed=1, num_layers=1, vocab_size=50)
+    target = save_tiny_model(tmp_path / "t", seed=1, num_layers=1)
+    draft = save_tiny_model(tmp_path / "d", seed=1, num_layers=1)
+    for path in (target, draft):
+        save_char_tokenizer(path)
+    assert ("vocabulary size", "FAIL", "target 50, draft 97") in check_static(str(small), str(target)).lines
+    config = json.loads((draft / "config.json").read_text())
+    del config["vocab_size"]
+    (draft / "config.json").write_text(json.dumps(config))
+    result = check_static(str(target), str(draft))
+    assert ("vocabulary size", "WARN", "not in the configs (target 97, draft None)") in result.lines
+    assert result.compatible
+
+
+def test_check_of_prompt_lookup_needs_no_draft_model(tmp_path):
+    target = save_tiny_model(tmp_path / "t", seed=1, num_layers=1)
+    result = check_static(str(target), "ngram")
+    assert result.lines == [("drafter", "OK", "ngram uses the target's own tokenizer and weights")]
+    assert result.verdict == "COMPATIBLE"
+
+
+def test_context_of_skips_a_context_key_that_is_not_positive(tmp_path):
+    from specdecode.analysis.compat import context_of
+    from specdecode.models.loading import ModelSource
+
+    config = {"model_type": "mpt", "max_position_embeddings": 0, "max_seq_len": 4096}
+    assert context_of(ModelSource("m", tmp_path, config)) == 4096
+
+
+class _FlatProfile:  # every scoring costs one step whatever its size, drafting is free
+    def v(self, k, context):
+        return 1.0
+
+    def c(self, key):
+        return 0.0
+
+
+def test_check_calibration_alpha_per_trial_and_best_k_over_the_whole_range(tmp_path, monkeypatch):
+    """alpha is accepted over tried (accepted + rejected); the best k is searched up to 10
+    inclusive, and where no k beats plain decoding (1.00x is no gain) it is 0."""
+    from specdecode import factory
+
+    monkeypatch.setattr(factory, "cost_profile", lambda *args, **kwargs: _FlatProfile())  # no measuring
+    # five one-token drafts rejected, one of five accepted whole: position 1 right 1 time in
+    # 6, every later position right; at no cost a step, 1 + n / 6 tokens a pass grows to k = 10
+    result, _ = _calibrated(tmp_path, monkeypatch, [(1, 0)] * 5 + [(5, 5)])
+    assert result["alpha"] == pytest.approx(5 / 10)  # 5 accepted, 5 rejected
+    assert result["best_k"] == 10 and result["expected_speedup_best_k"] == pytest.approx(1 + 10 / 6)
+    result, _ = _calibrated(tmp_path, monkeypatch, [(1, 0)] * 6)  # never accepted: 1.00x at any k
+    assert result["best_k"] == 0 and result["expected_speedup_best_k"] == 1.0
+
+
+def test_check_verdict_says_plain_decoding_wins_where_the_best_k_is_0():
+    from specdecode.analysis.compat import CheckResult, format_check
+
+    calibration = {"prompts": 9, "alpha": 0.1, "first": 0.1, "later": 0.1, "acceptance_per_position": [0.1],
+                   "tau": 1.1, "k": 1, "drafted_share": 1.0, "mean_acceptance_length": 1.1, "c": 0.2, "v_k": 1.3,
+                   "expected_speedup_fixed_k": 0.8, "best_k": 0, "expected_speedup_best_k": 1.0}
+    text = format_check(CheckResult("t", "d"), calibration)
+    assert text.endswith("verdict: COMPATIBLE - but speculation does not pay with this pair on this machine "
+                         "(plain decoding wins)")
+    text = format_check(CheckResult("t", "d"), {**calibration, "best_k": 1, "expected_speedup_best_k": 1.25})
+    assert text.endswith("verdict: COMPATIBLE - expected 1.25x at k=1 on this machine")

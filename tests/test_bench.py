@@ -641,3 +641,152 @@ def test_bench_serve_ratios_leave_out_rounds_with_failures_or_a_plain_row_that_d
     assert "round 1 left out of the ratios: plain: 1 of 8 requests failed" in out
     assert "round 2 left out of the ratios: plain: the server drafted 40 times" in out
     assert "round 2 left out of the ratios at level 1: plain: the server drafted 40 times" in out
+
+
+# -- records and summaries (a mutation audit: no test failed on these mutants) --------
+def test_a_method_that_takes_no_k_is_refused_one():
+    """'none@3' ran plain decoding under another label and 'hf@2' ignored its k."""
+    from specdecode.bench.runner import parse_method
+
+    for spec in ("none@3", "hf@2"):
+        with pytest.raises(SpecDecodeError, match=f"'{spec}': {spec.partition('@')[0]} takes no k"):
+            parse_method(spec)
+
+
+def test_needed_context_holds_the_drafts_margin_and_each_later_turns_reply():
+    """The longest prompt + the output budget + 16 for drafts; a conversation's later turns
+    each add a reply of the budget and TURN_MARGIN (16); never beyond the model's context."""
+    from types import SimpleNamespace
+
+    from specdecode.bench.runner import needed_context
+
+    target = SimpleNamespace(runtime=SimpleNamespace(max_positions=1000))
+    params = SamplingParams(max_new_tokens=50)
+    assert needed_context([[1] * 30, [1] * 10], params, target) == 30 + 50 + 16
+    prompts = [{"prompt": "a"}, {"prompt": "a", "turns": ["a", "b", "c"]}]
+    follow_up = lambda turns, replies, system=None: [0] * (20 * len(turns))  # noqa: E731
+    # the conversation: 60 tokens of its three turns, and two replies of 50 + 16
+    assert needed_context([[1] * 30, [1] * 10], params, target, prompts, follow_up) == 60 + 2 * 66 + 50 + 16
+    target.runtime.max_positions = 200
+    assert needed_context([[1] * 30, [1] * 10], params, target, prompts, follow_up) == 200
+
+
+class TimedPeer:
+    """A stand-in peer returning fixed tokens in the given times, one per call."""
+
+    def __init__(self, tokens, seconds):
+        self.tokens, self.seconds = tokens, list(seconds)
+
+    def generate(self, prompt_ids, max_new_tokens):
+        return self.tokens[:max_new_tokens], self.seconds.pop(0)
+
+
+def test_records_rate_tokens_per_second_and_keep_every_repeats_time(tiny_llama_dir):
+    """tokens_per_s is new tokens over seconds (not ms); with repeats the fastest run is the
+    record and repeat_seconds lists each run's own time."""
+    from specdecode.control.policies import ThresholdK
+
+    model = load_model(tiny_llama_dir, torch.float32)
+    adaptive = SpeculativeEngine(model.runtime, proposer=NgramProposer(), k=ThresholdK(start_k=2, k_max=3))
+    engines = {"none": SpeculativeEngine(model.runtime), "ngram@auto": adaptive,
+               "hf": TimedPeer([5, 6, 7], [0.04, 0.02])}
+    records = run_records(engines, [{"question_id": "q", "category": "c", "prompt": "x"}], [[4, 8, 15, 4, 8, 15]],
+                          SamplingParams(max_new_tokens=3, ignore_eos=True), (), repeats=2)
+    by_method = {r["method"]: r for r in records}
+    peer = by_method["hf"]
+    assert peer["seconds"] == 0.02 and peer["repeat_seconds"] == [0.04, 0.02]
+    assert peer["tokens_per_s"] == pytest.approx(3 / 0.02)
+    chosen = adaptive.policy.chosen  # the last repeat's choices (greedy repeats decode alike)
+    assert chosen and by_method["ngram@auto"]["k_chosen_mean"] == pytest.approx(sum(chosen) / len(chosen))
+
+
+class ScriptedPeer:
+    """A stand-in peer returning the next of ``outputs`` on each call."""
+
+    def __init__(self, outputs):
+        self.outputs = list(outputs)
+
+    def generate(self, prompt_ids, max_new_tokens):
+        return self.outputs.pop(0)[:max_new_tokens], 0.01
+
+
+def test_a_later_turn_on_another_context_is_not_identical_even_where_its_tokens_are(tiny_text_model_dir):
+    """A turn decoded after another reply than plain's ran on another prompt: it is not
+    identical to plain, even where its tokens happen to be plain's for that turn."""
+    from specdecode.bench.runner import turn_encoder
+    from specdecode.config import EngineConfig
+
+    model = load_model(tiny_text_model_dir, torch.float32)
+    follow_up = turn_encoder(model, EngineConfig(model=str(tiny_text_model_dir), dtype="fp32", chat_template=False))
+    plain = SpeculativeEngine(model.runtime, model.tokenizer)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    turns = ["abcabc", "xyzxyz"]
+    first = plain.encode(turns[0], False)
+    reply = plain.generate(first, params).token_ids
+    second = plain.generate(follow_up(turns, [reply]), params).token_ids
+    other = [(t + 1) % 97 for t in reply]
+    engines = {"none": plain, "hf": ScriptedPeer([other, second])}
+    prompts = [{"question_id": 1, "category": "chat", "prompt": turns[0], "turns": turns}]
+    records = run_records(engines, prompts, [first], params, (), follow_up=follow_up)
+    late = next(r for r in records if r["method"] == "hf" and r["turn"] == 2)
+    assert late["context_differs"] and late["identical_to_plain"] is False
+
+
+def test_summary_pools_tokens_passes_and_prompts():
+    """Aggregate tok/s is all tokens over all seconds; tau counts passes that ended early;
+    drafts per pass are pooled over passes; same is the share of prompts; the divergence
+    margins' median and max; no alpha where nothing was drafted."""
+
+    def record(method, question, new_tokens, seconds, **extra):
+        return dict(question_id=question, category="c", method=method, tokens_per_s=new_tokens / seconds,
+                    new_tokens=new_tokens, seconds=seconds, identical_to_plain=extra.pop("same", True), **extra)
+
+    records = [record("none", q, 10, 0.1) for q in "abcd"] + [
+        record("ngram", "a", 10, 1.0, draft_tokens=6, accepted_tokens=3, target_forwards=4, ended_early=1),
+        record("ngram", "b", 100, 0.5, draft_tokens=6, accepted_tokens=3, target_forwards=4, same=False,
+               first_divergence={"top2_margin": 0.1}),
+        record("ngram", "c", 20, 1.0, draft_tokens=0, accepted_tokens=0, target_forwards=20, same=False,
+               first_divergence={"top2_margin": 0.2}),
+        record("ngram", "d", 30, 1.5, draft_tokens=4, accepted_tokens=4, target_forwards=4, same=False,
+               first_divergence={"top2_margin": 0.9}),
+    ]
+    summary = summarize(records)["overall"]
+    row = summary["ngram"]
+    assert row["aggregate_tokens_per_s"] == pytest.approx(160 / 4.0)  # not the mean of the rates (62.5)
+    assert row["alpha"] == pytest.approx(10 / 16) and row["tau"] == pytest.approx((10 + 32 - 1) / 32)
+    assert row["drafts_per_pass"] == pytest.approx(16 / 32)
+    assert row["identical_to_plain"] == pytest.approx(1 / 4)
+    assert row["divergent"] == 3 and row["divergence_margin_median"] == 0.2 and row["divergence_margin_max"] == 0.9
+    assert summary["none"]["alpha"] is None  # printed "-", not 0.00
+
+
+@needs_kernels
+def test_sampled_repeats_of_adaptive_k_may_differ_on_a_batch_invariant_runtime(tiny_llama_dir):
+    """Only greedy repeats must agree on the kernels: sampled draws follow the drafts, which
+    adaptive k changes between repeats; the record says repeats_identical: false."""
+    from specdecode.control.policies import ThresholdK
+
+    model = load_model(tiny_llama_dir, torch.float32, backend="kernels")
+    assert model.runtime.exact
+    FlakyEngine.calls = 0
+    engines = {"none": SpeculativeEngine(model.runtime),
+               "ngram": FlakyEngine(model.runtime, proposer=NgramProposer(), k=ThresholdK(start_k=3, k_max=3))}
+    params = SamplingParams(temperature=0.9, seed=3, max_new_tokens=6, ignore_eos=True)
+    records = run_records(engines, [{"question_id": "q", "category": "c", "prompt": "x"}], [[4, 8, 15, 16, 23, 42]],
+                          params, (), repeats=2)
+    assert {r["method"]: r for r in records}["ngram"]["repeats_identical"] is False
+
+
+def test_bench_json_records_the_repeats_and_the_seed_rule_of_a_sampled_run(tmp_path):
+    from specdecode.bench.runner import SEED_RULE
+    from specdecode.cli import main
+
+    model = save_chat_model(tmp_path / "chat", seed=3)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "abcabc abcabc", "category": "c"}) + "\n")
+    out = tmp_path / "b.json"
+    assert main(["bench", "--model", str(model), "--dtype", "fp32", "--prompts", str(prompts), "--methods", "ngram@3",
+                 "--max-new-tokens", "4", "--temperature", "1.0", "--seed", "5", "--repeats", "2",
+                 "--out", str(out)]) == 0
+    config = json.loads(out.read_text())["config"]
+    assert config["repeats"] == 2 and config["seed"] == 5 and config["seed_rule"] == SEED_RULE
