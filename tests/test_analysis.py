@@ -635,6 +635,10 @@ def test_group_figures_pool_the_passes_and_steps_and_leave_out_runs_that_never_d
     assert group["plain_steps_share"] == pytest.approx((3 + 2 + 0) / 12)  # steps: 8, 2, 2
     assert group["identical_to_plain"] == pytest.approx(2 / 3)
     assert group["divergence_margins"] == [0.25]
+    # adaptive k that never ran plain reads 0.0, as bench's summary; a fixed k has no figure
+    assert summarize_group([whole], _StepProfile(), 0.0, "latency", 1)["plain_steps_share"] == 0.0
+    fixed = dict(whole, plain_steps_share=None)
+    assert summarize_group([fixed], _StepProfile(), 0.0, "latency", 1)["plain_steps_share"] is None
 
 
 def test_group_verdict_at_break_even_and_the_short_output_check_on_the_median():

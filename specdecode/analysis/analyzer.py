@@ -105,7 +105,9 @@ def summarize_group(rows: list[dict], profile, c: float, serving: str, batch: in
     steps = [sum(int(n) for n in r["steps_by_drafted"].values()) for r in rows]
     step_cost = (sum(r["step_cost"] * n for r, n in zip(rows, steps)) / sum(steps)) if sum(steps) else 1.0
     shared = [(r["plain_steps_share"], n) for r, n in zip(rows, steps) if r.get("plain_steps_share") is not None]
-    plain_share = sum(x * n for x, n in shared) / sum(n for _, n in shared) if shared and sum(n for _, n in shared) else 0.0
+    # None where no run has the figure (a fixed k), 0.0 where adaptive k never went plain: as
+    # bench's summary pools it (found in a mutation audit: analyze wrote None for 0%)
+    plain_share = sum(x * n for x, n in shared) / sum(n for _, n in shared) if shared and sum(n for _, n in shared) else None
 
     balance = (f"tau = {tau:.2f} tokens per pass {'exceeds' if tau > step_cost else 'does not exceed'} the mean step "
                f"cost v + k c = {step_cost:.2f} (mean {k_mean:.1f} drafts or tree nodes per pass)")
@@ -136,7 +138,7 @@ def summarize_group(rows: list[dict], profile, c: float, serving: str, batch: in
         "acceptance_per_position": per_position, "predicted_speedup": predicted, "measured_speedup": measured,
         "prediction_error": predicted / measured - 1.0 if measured else None, "timed_prompts": len(timed),
         "new_tokens": new_tokens,
-        "drafts_per_pass": k_mean, "step_cost": step_cost, "plain_steps_share": plain_share or None,
+        "drafts_per_pass": k_mean, "step_cost": step_cost, "plain_steps_share": plain_share,
         "identical_to_plain": _mean([float(r["identical_to_plain"]) for r in rows]),
         "divergence_margins": [r["first_divergence"]["top2_margin"] for r in rows if r.get("first_divergence")],
         "recommendation": acceptance_recommendation(mean_alpha, variance), "cost_verdict": cost, "skip_checks": skips,
