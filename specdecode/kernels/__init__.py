@@ -113,9 +113,10 @@ def _build_key(compiler: str, march: str) -> str:
 def _march_options(march: str) -> list[str]:
     """The compiler options of a ``march`` value: "-march=NAME", then any options after
     the name, each of which must take an extension away ("-mno-...")."""
-    if not march.split():
+    parts = march.split()
+    if not parts:
         raise KernelsUnavailable("kernel build: the instruction set's name is empty (SPECDECODE_KERNELS_MARCH)")
-    name, *extra = march.split()
+    name, *extra = parts
     wrong = [option for option in extra if not option.startswith("-mno-")]
     if wrong:
         raise KernelsUnavailable(f"kernel build {march!r}: only options that take an extension away (-mno-...) "
