@@ -894,6 +894,25 @@ def test_answers_settings_bind_a_folder_once_it_holds_answers(tmp_path):
         keep_settings(path, {"seed": 2, "target": "a"}, "answers", optional=("target",))
 
 
+def test_corpus_settings_bind_a_folder_once_it_holds_a_chunk(tmp_path, monkeypatch):
+    """As the answers' settings: a corpus run stopped before its first chunk leaves settings
+    that bind nothing, so another --chunk-tokens may use the folder; once a chunk is
+    written, another recipe is refused."""
+    from specdecode.train import data
+
+    source = tmp_path / "source.py"
+    source.write_text("z" * 100)
+    monkeypatch.setattr(data, "stdlib_sources", lambda: [source])
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "corpus.settings.json").write_text(json.dumps({"chunk_tokens": 64, "vocab_size": None}) + "\n")
+    (out / "corpus.jsonl").write_text("")
+    data.build_corpus(CharTokenizer(), out, 40, 32, data.DataSummary())
+    assert json.loads((out / "corpus.settings.json").read_text())["chunk_tokens"] == 32
+    with pytest.raises(ConfigError, match="another --out"):
+        data.build_corpus(CharTokenizer(), out, 40, 64, data.DataSummary())
+
+
 def test_a_prompt_that_fills_the_context_is_left_out(tiny_runtime, tmp_path, capsys):
     """A prompt exactly as long as the target's context leaves no room for an answer: it is
     left out by name like a longer one, and the others are answered."""

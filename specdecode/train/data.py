@@ -203,8 +203,10 @@ def check_data_target(data: Path, identity: str) -> None:
 
 
 def keep_settings(path: Path, settings: dict, what: str, optional: tuple[str, ...] = ()) -> None:
-    """Record the recipe of ``what`` in ``path``, or refuse to add to data that another
-    recipe made (``optional``: fields that files written before them may lack, unchecked)."""
+    """Record the recipe of ``what`` in ``path`` (NAME.settings.json, beside the data it
+    binds, NAME.jsonl), or refuse to add to data that another recipe made (``optional``:
+    fields that files written before them may lack, unchecked). Settings beside no data (the
+    file missing or empty: a run stopped before its first record) bind nothing."""
     if path.is_file():
         try:
             saved = json.loads(read_utf8(path))
@@ -213,9 +215,10 @@ def keep_settings(path: Path, settings: dict, what: str, optional: tuple[str, ..
         if isinstance(saved, dict):
             for name in optional:
                 saved.setdefault(name, settings[name])
-        made = path.parent / "answers.jsonl" if what == "answers" else None
-        if saved != settings and not (made is not None and (not made.is_file() or made.stat().st_size == 0)):
-            # (settings beside no answers at all, from a run stopped before its first, bind nothing)
+        # for answers and corpus alike (found in a mutation audit: only the answers had
+        # this, and a corpus stopped before its first chunk refused another --chunk-tokens)
+        made = path.with_name(path.name.removesuffix(".settings.json") + ".jsonl")
+        if saved != settings and made.is_file() and made.stat().st_size > 0:
             raise ConfigError(f"{path.parent} holds {what} made with {read_utf8(path).strip()}; "
                               f"use another --out to build with {json.dumps(settings)}")
     path.write_text(json.dumps(settings) + "\n")
