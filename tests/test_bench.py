@@ -790,3 +790,140 @@ def test_bench_json_records_the_repeats_and_the_seed_rule_of_a_sampled_run(tmp_p
                  "--out", str(out)]) == 0
     config = json.loads(out.read_text())["config"]
     assert config["repeats"] == 2 and config["seed"] == 5 and config["seed_rule"] == SEED_RULE
+
+
+# -- bench-serve and peers (a mutation audit: no test failed on these mutants) ---------
+def test_bench_serve_table_prints_latencies_in_ms_and_e2e_in_seconds(capsys):
+    """TTFT, TPOT and ITL cells in milliseconds, the E2E cell in seconds, as the header says."""
+    from specdecode.bench.serve import print_table
+
+    figures = {"mean": None, "p50": 0.25, "p99": 0.5}
+    row = {"mode": "spec", "concurrency": 1, "request_rate": None, "requests": 2, "failed": 0,
+           "request_throughput": 1.0, "output_throughput": 10.0, "acceptance_rate": 0.5, "mean_acceptance_length": 2.0,
+           "ttft": figures, "tpot": figures, "itl": figures, "e2e": {"mean": None, "p50": 1.5, "p99": 2.0}}
+    print_table([row])
+    line = capsys.readouterr().out.splitlines()[1]
+    assert "250ms" in line and "500ms" in line and "1.50s" in line and "1500" not in line
+
+
+def test_bench_serve_counts_a_stream_without_usage_as_failed_and_requests_per_second_of_successes(monkeypatch):
+    """A stream that ends without its usage chunk failed (ignore_eos: every request that ran
+    reports tokens); request throughput counts the successful requests only."""
+    import asyncio
+
+    import httpx
+
+    from specdecode.bench import serve as serve_bench
+
+    clock = _Clock()
+    monkeypatch.setattr(serve_bench, "time", clock)
+    no_usage = [(t, payload) for t, payload in _chat_stream(1.0, [1.5], 2) if "usage" not in str(payload)]
+    transport = _fake_server(clock, [_chat_stream(0.0, [0.5, 1.0], 2), no_usage, _chat_stream(1.5, [2.0], 1)])
+    real_client = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kwargs: real_client(transport=transport, **kwargs))
+    row = asyncio.run(serve_bench.run_level("http://bench", "m", ["a", "b", "c"], 2, "spec", 1, None, 0))
+    assert row["requests"] == 3 and row["failed"] == 1 and "usage" in row["errors"][0]
+    assert row["wall_seconds"] == pytest.approx(2.0) and row["output_tokens"] == 3
+    assert row["request_throughput"] == pytest.approx(2 / 2.0)
+
+
+def test_bench_serve_level_whose_requests_all_failed_has_no_throughput(monkeypatch):
+    """Every request refused: no output or request throughput (None, not 0.0 tok/s, which
+    would enter the ratios as a measured zero)."""
+    import asyncio
+
+    import httpx
+
+    from specdecode.bench import serve as serve_bench
+
+    clock = _Clock()
+    monkeypatch.setattr(serve_bench, "time", clock)
+    transport = _fake_server(clock, [503, 503])
+    real_client = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kwargs: real_client(transport=transport, **kwargs))
+    ticks = iter(range(100))
+    monkeypatch.setattr(clock, "perf_counter", lambda: float(next(ticks)), raising=False)  # 1 s per reading
+    row = asyncio.run(serve_bench.run_level("http://bench", "m", ["a", "b"], 2, "plain", 1, None, 0))
+    assert row["requests"] == 2 and row["failed"] == 2 and row["output_tokens"] == 0
+    assert row["output_throughput"] is None and row["request_throughput"] is None
+
+
+def test_bench_serve_scrape_sums_each_counter_over_its_labels():
+    """Series of one counter under several labels (task categories, positions) add up; the
+    Prometheus prefix is dropped and comments skipped."""
+    from specdecode.bench.serve import scrape
+
+    text = "\n".join([
+        "# HELP specdecode:spec_decode_num_drafts_total drafts",
+        'specdecode:spec_decode_num_drafts_total{model_name="m",category="code"} 3.0',
+        'specdecode:spec_decode_num_drafts_total{model_name="m",category="chat"} 4.0',
+        'specdecode:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0",category="code"} 2.0',
+        'specdecode:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0",category="chat"} 5.0',
+        'specdecode:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1",category="chat"} 1.0',
+    ])
+    totals = scrape(text)
+    assert totals["spec_decode_num_drafts_total"] == 7.0
+    assert totals["per_pos/0"] == 7.0 and totals["per_pos/1"] == 1.0 and totals["replicas"] == ""
+
+
+def _bench_serve_with_fake_levels(monkeypatch, tmp_path, levels, rate, num_prompts, modes, rounds=1, audits=0):
+    """bench_serve against stand-ins for run_level and the audit wait; returns the calls to
+    run_level as (mode, requests, max_tokens, concurrency) and the JSON written."""
+    import httpx
+
+    from specdecode.bench import serve as serve_bench
+
+    calls = []
+
+    async def run_level(url, model, prompts, max_tokens, mode, concurrency, rate, seed):
+        calls.append((mode, len(prompts), max_tokens, concurrency))
+        tok_s = 130.0 if mode == "spec" else 100.0
+        return {"mode": mode, "concurrency": concurrency, "request_rate": rate, "requests": len(prompts), "failed": 0,
+                "errors": [], "wall_seconds": 1.0, "request_throughput": 1.0, "output_throughput": tok_s,
+                "output_tokens": 1, **{name: serve_bench.summarize([0.1]) for name in ("ttft", "tpot", "itl", "e2e")},
+                "acceptance_rate": None, "mean_acceptance_length": None, "drafts": 0.0}
+
+    monkeypatch.setattr(serve_bench, "run_level", run_level)
+    monkeypatch.setattr(serve_bench, "wait_for_audits", lambda url: {"audit_requests_total": audits,
+                                                                     "audit_mismatches_total": 1 if audits else 0})
+    monkeypatch.setattr(httpx, "post", lambda *args, **kwargs: httpx.Response(200))
+    monkeypatch.setattr(serve_bench, "plot", lambda rows, path: None)
+    out = tmp_path / "b.json"
+    serve_bench.bench_serve([{"prompt": "a"}, {"prompt": "b"}], levels, rate, num_prompts, 32, modes, "http://x", [],
+                            out, model="m", rounds=rounds)
+    return calls, json.loads(out.read_text())
+
+
+def test_bench_serve_sends_at_least_a_request_per_client_of_a_level(monkeypatch, tmp_path):
+    """A level wider than --num-prompts still sends one request per client (fewer would
+    leave clients idle and measure a narrower level)."""
+    calls, _ = _bench_serve_with_fake_levels(monkeypatch, tmp_path, [1, 4], None, 2, ["spec"])
+    assert calls == [("spec", 4, 16, 4), ("spec", 2, 32, 1), ("spec", 4, 32, 4)]
+
+
+def test_bench_serve_warms_a_rate_run_up_with_every_request_at_once(monkeypatch, tmp_path):
+    """A --request-rate run's arrivals can hold all its requests at once: the warm-up sends
+    as many as --num-prompts, concurrently."""
+    calls, saved = _bench_serve_with_fake_levels(monkeypatch, tmp_path, [1], 2.0, 6, ["plain"])
+    assert calls == [("plain", 6, 16, 6), ("plain", 6, 32, None)]
+    assert saved["rows"][0]["request_rate"] == 2.0
+
+
+def test_bench_serve_prints_and_writes_the_ratio_summary_and_the_audit(monkeypatch, tmp_path, capsys):
+    """One round of two modes: the summary (spec/plain) is printed and written to the JSON
+    beside the rows, and the audit's counts are printed and saved."""
+    _, saved = _bench_serve_with_fake_levels(monkeypatch, tmp_path, [1], None, 2, ["spec", "plain"], audits=3)
+    out = capsys.readouterr().out
+    assert "1.30x [1.30, 1.30]" in out
+    assert "audit: 3 requests re-decoded plainly, 1 differed" in out
+    assert saved["summary"][0]["spec_over_plain"]["median"] == pytest.approx(1.3)
+    assert saved["audit"] == {"audit_requests_total": 3, "audit_mismatches_total": 1}
+    assert [row["mode"] for row in saved["rows"]] == ["spec", "plain"]
+
+
+def test_an_unknown_peer_is_refused():
+    """`build_peer` names the peers it knows rather than return nothing."""
+    from specdecode.bench.peers import build_peer
+
+    with pytest.raises(SpecDecodeError, match="unknown peer 'vllm'"):
+        build_peer("vllm", None, 64)
