@@ -2047,3 +2047,20 @@ def test_weights_auto_refused_by_every_format_for_one_reason_raises_that_reason(
 
     with pytest.raises(ConfigError, match="^the model says no$"):
         formats.fastest_weights("m", torch.float32, ["q4_1", "q8_0"], refuse)
+
+
+def test_the_weight_format_record_names_the_context_the_steps_were_timed_at(tmp_path, monkeypatch):
+    """A model of 100 positions is timed at 98 tokens, not at the usual 256, and its record
+    says so (it said 256 whatever the model held)."""
+    import json
+
+    from specdecode.cost import formats
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    monkeypatch.setattr(formats, "step_ms", lambda runtimes: {fmt: {"q8_0": 3.0, "bf16": 2.0}[fmt] for fmt in runtimes})
+    for name, positions, context in (("short", 100, 98), ("long", 4096, formats.CONTEXT)):
+        runtime = _CountingRuntime(positions)
+        assert formats.timing_context({"q8_0": runtime}) == context
+        assert formats.fastest_weights(name, torch.float32, ["q8_0", "bf16"], lambda fmt: runtime) == "bf16"
+        record = json.loads(formats._path(name, torch.float32, ["q8_0", "bf16"]).read_text())
+        assert record["context"] == context and record["chosen"] == "bf16"

@@ -40,14 +40,19 @@ def _prepare(runtime, context: int, generator: torch.Generator) -> torch.Tensor:
     return torch.randint(0, runtime.vocab_size, (1, 1), generator=generator)
 
 
+def timing_context(runtimes: dict, context: int = CONTEXT) -> int:
+    """The context ``step_ms`` times these runtimes at: a model whose context is shorter than
+    ``context`` is timed at what it holds (it was refused with "257 tokens exceed the KV
+    cache capacity 256" before it could decode anything)."""
+    return min(context, *(getattr(runtime, "max_positions", context + 2) - 2 for runtime in runtimes.values()))
+
+
 def step_ms(runtimes: dict, context: int = CONTEXT, rounds: int = 6, steps: int = 3) -> dict[str, float]:
     """Median milliseconds of a single-token forward after ``context`` random tokens, for
     each runtime; the runtimes take turns (``rounds`` of ``steps`` each), so a slow spell
     of the machine does not fall on one candidate."""
     generator = torch.Generator().manual_seed(0)
-    # a model whose context is shorter than CONTEXT is timed at what it holds (it was refused
-    # with "257 tokens exceed the KV cache capacity 256" before it could decode anything)
-    context = min(context, *(runtime.max_positions - 2 for runtime in runtimes.values()))
+    context = timing_context(runtimes, context)
     tokens = {name: _prepare(runtime, context, generator) for name, runtime in runtimes.items()}
     times: dict[str, list[float]] = {name: [] for name in runtimes}
     for round_ in range(rounds + 1):  # round 0 warms every runtime up
@@ -102,13 +107,19 @@ def fastest_weights(model_key: str, dtype: torch.dtype, candidates: list[str], l
     print(f"specdecode: measuring which weight format decodes fastest here ({', '.join(candidates)}; once, cached)",
           file=sys.stderr, flush=True)
     models, timings, together, refusals = {}, {}, True, {}
+    contexts = []  # what each group was timed at, for the record
+
+    def time_loaded():
+        contexts.append(timing_context(models))
+        timings.update(step_ms(models))
+        models.clear()
+
     for fmt in candidates:  # a format this file cannot take is left out, not the end of the run
         if models and together and not _fits_beside(models, candidates):
             # a large model: every candidate at once would not fit in memory (a 7B in bf16,
             # int8 and int4 is 25 GB): those loaded are timed now, the rest one at a time
             together = False
-            timings.update(step_ms(models))
-            models.clear()
+            time_loaded()
         try:
             models[fmt] = load(fmt)
         except SpecDecodeError as error:  # e.g. a GGUF mixing block types in one fused projection
@@ -116,11 +127,9 @@ def fastest_weights(model_key: str, dtype: torch.dtype, candidates: list[str], l
             refusals[fmt] = error
             continue
         if not together:
-            timings.update(step_ms(models))
-            models.clear()
+            time_loaded()
     if models:
-        timings.update(step_ms(models))
-    models.clear()
+        time_loaded()
     if not timings:
         reasons = {str(error) for error in refusals.values()}
         if len(reasons) == 1:  # the model itself, not a format (found in review: only the stderr lines said why)
@@ -130,6 +139,6 @@ def fastest_weights(model_key: str, dtype: torch.dtype, candidates: list[str], l
     best = min(timings, key=timings.get)
     summary = ", ".join(f"{fmt} {ms:.1f} ms" for fmt, ms in timings.items())
     print(f"specdecode: single-token step {summary} -> {best}", file=sys.stderr, flush=True)
-    save_cache(path, json.dumps({"machine": machine_id(), "threads": torch.get_num_threads(), "context": CONTEXT,
+    save_cache(path, json.dumps({"machine": machine_id(), "threads": torch.get_num_threads(), "context": min(contexts),
                                  "step_ms": timings, "chosen": best}, indent=1), "the weight format choice")
     return best
