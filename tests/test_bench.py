@@ -927,3 +927,18 @@ def test_an_unknown_peer_is_refused():
 
     with pytest.raises(SpecDecodeError, match="unknown peer 'vllm'"):
         build_peer("vllm", None, 64)
+
+
+def test_the_transformers_peer_stops_at_the_eos_ids_it_is_given(tiny_llama_dir):
+    """A token the tiny model emits, named as EOS, ends the peer's output just before its
+    first occurrence, whichever of several EOS ids comes first (no fast test's model
+    emitted its own EOS, so a peer that ran on past it passed every test)."""
+    from specdecode.bench.peers import HFPeer
+
+    prompt = [1, 5, 9, 13, 5, 9, 13, 5, 9]
+    free = HFPeer(tiny_llama_dir, ()).generate(prompt, 24)[0]
+    assert len(free) == 24
+    stop = next(i for i in range(1, 24) if free[i] not in free[:i])  # a token first seen past the start
+    unused = next(token for token in range(3, 1000) if token not in free)
+    cut = HFPeer(tiny_llama_dir, (unused, free[stop])).generate(prompt, 24)[0]
+    assert cut == free[:stop]
