@@ -942,3 +942,15 @@ def test_the_transformers_peer_stops_at_the_eos_ids_it_is_given(tiny_llama_dir):
     unused = next(token for token in range(3, 1000) if token not in free)
     cut = HFPeer(tiny_llama_dir, (unused, free[stop])).generate(prompt, 24)[0]
     assert cut == free[:stop]
+
+
+def test_categories_take_turns_to_the_last_prompt_of_the_largest():
+    """Categories of unequal sizes: each round takes the next prompt of every category that
+    has one left, and no prompt is dropped (a mutation audit: stopping at the smallest
+    category's size passed, as the built-in suite's categories are all of 10)."""
+    from specdecode.prompts import categories_in_turn
+
+    prompts = [{"category": c, "prompt": f"{c}{n}"} for c, n in
+               [("a", 1), ("a", 2), ("a", 3), ("b", 1), ("c", 1), ("c", 2)]] + [{"prompt": "g1"}]
+    assert [p["prompt"] for p in categories_in_turn(prompts)] == ["a1", "b1", "c1", "g1", "a2", "c2", "a3"]
+    assert categories_in_turn([]) == []

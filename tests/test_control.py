@@ -2064,3 +2064,93 @@ def test_the_weight_format_record_names_the_context_the_steps_were_timed_at(tmp_
         assert formats.fastest_weights(name, torch.float32, ["q8_0", "bf16"], lambda fmt: runtime) == "bf16"
         record = json.loads(formats._path(name, torch.float32, ["q8_0", "bf16"]).read_text())
         assert record["context"] == context and record["chosen"] == "bf16"
+
+
+def test_thread_choice_refuses_bad_look_intervals_and_decays_and_ignores_unmeasurable_passes():
+    """A look interval below 1 (a look every pass) or above its cap, and a decay of 0 (no
+    memory), are refused; a pass timed at 0 ms or NaN is not counted (a mutation audit:
+    each was taken)."""
+    from specdecode.control.threads import ThreadChoice
+
+    for kwargs in ({"explore_every": 0}, {"explore_every": 8, "max_explore_every": 4}):
+        with pytest.raises(ConfigError, match="explore_every"):
+            ThreadChoice((1, 2), **kwargs)
+    with pytest.raises(ConfigError, match="decay"):
+        ThreadChoice((1, 2), decay=0.0)
+    choice = ThreadChoice((1, 2))
+    for ms in (0.0, float("nan"), -1.0):
+        choice.observe(1, 1, 1, 100, ms)
+    assert choice.counts == {} and choice.warm == {} and choice.ratios == {}
+
+
+def test_thread_choice_kinds_a_pass_of_two_rows_as_a_batch():
+    """Two rows are a batch, whatever their width; one row is alone at one token and
+    scores drafts at more (a mutation audit: "batch" from three rows passed)."""
+    from specdecode.control.threads import ThreadChoice
+
+    assert [ThreadChoice.kind(rows, width) for rows, width in [(1, 1), (1, 4), (2, 1), (2, 4), (8, 1)]] == [
+        "alone", "drafts", "batch", "batch", "batch"]
+
+
+def test_thread_choice_warms_counts_in_turn_and_looks_at_each_other_count_on_schedule():
+    """Three counts: their first passes are taken in turn; then the first look comes on the
+    ``explore_every``-th pass, each look goes to the next other count in turn, and while the
+    looks measure worse the interval doubles up to ``max_explore_every`` (a mutation audit:
+    a look a pass late, every look at the same count, no cap and the warm-up one count
+    after another all passed)."""
+    from specdecode.control.threads import ThreadChoice
+
+    choice = ThreadChoice((1, 2, 4), predict=lambda rows, width, context: 1.0, explore_every=4, max_explore_every=16)
+    speed = {1: 1.0, 2: 2.0, 4: 3.0}
+    chosen = []
+    for _ in range(9 + 80):
+        threads = choice.choose(1, 1, 100)
+        choice.observe(threads, 1, 1, 100, speed[threads])
+        chosen.append(threads)
+    assert chosen[:9] == [1, 2, 4] * 3
+    looks = [(i, t) for i, t in enumerate(chosen[9:]) if t != 1]
+    assert looks == [(3, 2), (11, 4), (27, 2), (43, 4), (59, 2), (75, 4)]
+
+
+def test_thread_choice_follows_a_machine_whose_speed_changes_back_again():
+    """Two threads win, then lose, then win again: after moving to one thread the looks go
+    on, and find two threads faster again (a mutation audit: a look left pending after its
+    pass made every later pass on the new count reset the countdown, and no look came)."""
+    from specdecode.control.threads import ThreadChoice
+
+    choice = ThreadChoice((1, 2), explore_every=8, max_explore_every=64)
+    speed = lambda kind, threads, i: (1.4 if 600 <= i < 1200 else 0.7) if threads == 2 else 1.0
+    chosen = [t for _, t in drive_threads(choice, speed, 2000, rows_of=lambda i: 4)]
+    assert chosen[1000:1200].count(1) > 180
+    assert chosen[1600:].count(2) > 360
+
+
+def test_thread_choice_prices_each_pass_by_its_shape():
+    """Without a cost profile a pass is priced by its tokens (rows x width): a count that
+    ran large batches, or wide draft passes, is compared per token with one that ran small
+    ones, and the faster per token wins (a mutation audit: a flat price, and predictions
+    cached without the width, both passed and chose the slower count)."""
+    from specdecode.control.threads import ThreadChoice
+
+    choice = ThreadChoice((1, 2))
+    for _ in range(3):  # priced 2.75 and 1.25: one thread is 20% faster per token
+        choice.observe(1, 8, 1, 100, 0.8 * 2.75)
+        choice.observe(2, 2, 1, 130, 1.25)
+        choice.observe(1, 1, 8, 100, 0.8 * 2.75)
+        choice.observe(2, 1, 2, 100, 1.25)
+    assert choice.best("batch") == 1 and choice.best("drafts") == 1
+    assert choice.ratios["batch", 1] == pytest.approx(0.8) and choice.ratios["drafts", 2] == pytest.approx(1.0)
+
+
+def test_thread_choice_is_not_moved_by_one_implausibly_short_pass():
+    """A pass measured at almost nothing (a timer glitch) counts as a quarter of its count's
+    mean at least: it cannot make a count 20% slower the preferred one (a mutation audit:
+    unclipped below, it did)."""
+    from specdecode.control.threads import ThreadChoice
+
+    choice = ThreadChoice((1, 2), predict=lambda rows, width, context: 1.0)
+    for _ in range(3):
+        choice.observe(1, 1, 1, 100, 1.0)
+        choice.observe(2, 1, 1, 100, 1.2)
+    choice.observe(2, 1, 1, 100, 1e-6)
+    assert choice.best("alone") == 1 and choice.ratios["alone", 2] == pytest.approx(0.8 * 1.2 + 0.2 * 0.3)

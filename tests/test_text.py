@@ -261,3 +261,95 @@ def test_a_step_of_several_tokens_gives_the_text_one_at_a_time_gives():
         assert many.text == one.text == tokenizer.decode(prompt + new)[len(tokenizer.decode(prompt)):]
     with pytest.raises(ValueError, match="one at a time"):
         TextTracker(words, (" Paris",)).add_many(ids("Paris"))
+
+
+def test_a_prompt_ending_inside_a_character_not_completed_shows_only_the_new_text():
+    """The prompt ends inside a character and the next token does not complete it (the
+    model went on with ASCII): the new text is that token's alone, without the replacement
+    characters a byte-fallback decoder shows for the prompt's dangling bytes (a mutation
+    audit: skipping them as one character whenever the prompt's text ended in one passed)."""
+    tokenizer = byte_fallback_tokenizer()
+    ids = encode(tokenizer, "ok \U0001F600abc")
+    context = ids[:6]  # "ok " and 3 of the emoji's 4 bytes
+    tracker = TextTracker(tokenizer, context=context)
+    for token in ids[7:]:  # the 4th byte never comes
+        tracker.add(token)
+    assert tracker.text == "abc" and tracker.delta(final=True) == "abc"
+
+
+def test_a_token_with_no_text_keeps_the_space_of_the_word_after_it():
+    """A token that decodes to nothing (a special token, skipped; an EOS under ignore_eos)
+    between two words: the next word keeps its leading space through a SentencePiece
+    decoder that strips the first space of what it decodes (a mutation audit: moving the
+    offsets past a token that gave no text passed, and gave "Parisand Berlin")."""
+    tokenizer, ids = sentencepiece_word_tokenizer()
+    eos = tokenizer.convert_tokens_to_ids("</s>")
+    tracker = TextTracker(tokenizer, context=ids("The capital of France is"))
+    pieces = []
+    for token in ids("Paris") + [eos] + ids("and Berlin"):
+        tracker.add(token)
+        pieces.append(tracker.delta())
+    pieces.append(tracker.delta(final=True))
+    assert "".join(pieces) == tracker.text == " Paris and Berlin"
+
+
+def test_a_longer_stop_is_found_beside_a_shorter_one(tokenizer):
+    """Stops of different lengths: the longer one, spanning several tokens, is still found
+    on the token that completes it (a mutation audit: searching back only as far as the
+    shortest stop passed every test)."""
+    ids = encode(tokenizer, "hello world")
+    tracker = TextTracker(tokenizer, ("!", "o w"))
+    hits = [index for index, token in enumerate(ids, 1) if tracker.add(token)]
+    assert hits and hits[0] == len(encode(tokenizer, "hello w"))
+    assert tracker.text == "hell" and tracker.stop_reason == "o w"
+
+
+def test_streaming_holds_back_the_longest_possible_stop_start_and_no_more(tokenizer):
+    """The tail held back is the longest one that may still start a stop: a shorter one let
+    part of the stop stream out before it was found ("xab" streamed for a text cut to "x"),
+    a longer one delayed text that cannot start it (a mutation audit: both passed)."""
+    tracker, pieces = TextTracker(tokenizer, ("abab",)), []
+    for token in encode(tokenizer, "xabab"):
+        tracker.add(token)
+        pieces.append(tracker.delta())
+    assert tracker.stopped and "".join(pieces) + tracker.delta(final=True) == tracker.text == "x"
+    tracker = TextTracker(tokenizer, ("abc",))
+    for token in encode(tokenizer, "xaab"):
+        tracker.add(token)
+    assert tracker.delta() == "xa"  # "ab" may become "abc"; the "a" before it cannot
+
+
+def test_tokens_after_a_stop_never_reach_the_text(tokenizer):
+    """Tokens added after a stop string ended the text are kept as ids but give no text,
+    not even in the final delta (a mutation audit: finish read them in)."""
+    tracker = TextTracker(tokenizer, ("b",))
+    assert [tracker.add(token) for token in encode(tokenizer, "abcd")] == [False, True, True, True]
+    assert tracker.delta(final=True) == tracker.text == "a" and tracker.stop_reason == "b"
+
+
+def test_a_stop_string_is_refused_without_a_tokenizer():
+    """Without a tokenizer there is no text to find a stop in: silently ignoring it would run
+    to the token budget."""
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        TextTracker(None, ("STOP",))
+    assert not TextTracker(None).add(5)
+
+
+def test_a_stop_string_that_is_an_added_special_token_matches_its_token():
+    """A special token added to the vocabulary but not among the named special tokens
+    (Llama 3's <|eot_id|> kind: in ``added_tokens_decoder`` only) is a stop on its id too;
+    its text is never shown, so the text alone never matched (a mutation audit). A stop
+    string that is no token is not matched by id: an unknown token does not end the text."""
+    from tokenizers import AddedToken
+
+    tokenizer = byte_level_tokenizer()
+    tokenizer.add_tokens([AddedToken("<|im_end|>", special=True)])
+    assert "<|im_end|>" not in tokenizer.all_special_tokens
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = encode(tokenizer, "answer") + [end] + encode(tokenizer, "more")
+    tracker = TextTracker(tokenizer, ("<|im_end|>",))
+    hits = [index for index, token in enumerate(ids) if tracker.add(token)]
+    assert hits and hits[0] == len("answer") and tracker.text == "answer" and tracker.stop_reason == "<|im_end|>"
+    unk = tokenizer.convert_tokens_to_ids("<unk>")
+    tracker = TextTracker(tokenizer, ("STOP",))
+    assert not any(tracker.add(token) for token in encode(tokenizer, "go") + [unk] + encode(tokenizer, "on"))
