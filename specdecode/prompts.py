@@ -140,7 +140,12 @@ def _user_turns(row, where: str) -> tuple[str, object, str | None]:
             return key, turns, system if isinstance(system, str) and system.strip() else None
     if "instruction" in row:
         instruction, extra = row["instruction"], row.get("input")
-        if isinstance(instruction, str) and isinstance(extra, str) and extra.strip():
+        # Alpaca's fields are text: a list of instructions loaded as a conversation and its
+        # input was dropped without a word (found in a mutation audit)
+        if not isinstance(instruction, str) or not isinstance(extra, (str, type(None))):
+            raise SpecDecodeError(f"{where}: 'instruction' and 'input' must be strings, got "
+                                  f"{instruction!r:.80} and {extra!r:.80}")
+        if extra is not None and extra.strip():
             return "instruction", f"{instruction}\n\n{extra}", None
         return "instruction", instruction, None
     raise SpecDecodeError(f"{where}: expected {ACCEPTED}")

@@ -667,3 +667,48 @@ def test_generate_on_a_model_without_a_tokenizer_says_so_before_measuring(tmp_pa
     for verb in (["bench", "--methods", "none,ngram"], ["analyze", "--methods", "ngram", "--out", str(tmp_path / "a")]):
         code, err = run(capsys, *verb, "--limit", "1", "--model", str(path), "--dtype", "fp32", "--backend", "torch")
         assert code == 2 and f"has no tokenizer files: `specdecode {verb[0]}`" in err, err
+
+
+def test_a_prompt_limit_keeps_that_many_of_each_category_in_file_order(tmp_path):
+    """--limit N: the first N prompts of every category, no more (a mutation audit: N + 1
+    passed every test)."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{category} {n}", "category": category}) + "\n"
+                            for category, n in [("a", 1), ("b", 1), ("a", 2), ("a", 3), ("b", 2), ("c", 1)]))
+    assert [p["prompt"] for p in load_prompts(str(path), limit=1)] == ["a 1", "b 1", "c 1"]
+    assert [(p["question_id"], p["prompt"]) for p in load_prompts(str(path), limit=2)] == [
+        ("a-1", "a 1"), ("b-1", "b 1"), ("a-2", "a 2"), ("b-2", "b 2"), ("c-1", "c 1")]
+    assert len(load_prompts(str(path))) == 6
+
+
+def test_prompt_records_that_cannot_mean_a_prompt_are_refused(tmp_path):
+    """A missing file is named as missing; an Alpaca instruction or input that is not text is
+    refused (5 was formatted into "5\\n\\nx"; a list of instructions loaded as a conversation
+    and dropped its input), and so is a boolean id (JSON true is no question number). Each
+    passed a mutation audit unrefused."""
+    with pytest.raises(SpecDecodeError, match="'/nowhere/p.jsonl' not found"):
+        load_prompts("/nowhere/p.jsonl")
+    path = tmp_path / "prompts.jsonl"
+    text_fields = "'instruction' and 'input' must be strings"
+    for record, problem in [({"instruction": 5, "input": "x"}, text_fields),
+                            ({"instruction": ["a", "b"], "input": "x"}, text_fields),  # the input was dropped
+                            ({"instruction": "a", "input": 5}, text_fields),
+                            ({"instruction": ["a", "b"]}, text_fields),
+                            ({"prompt": "hi", "question_id": True}, "'question_id' must be a string or an integer"),
+                            ({"prompt": "hi", "id": False}, "'id' must be a string or an integer")]:
+        path.write_text(json.dumps(record) + "\n")
+        with pytest.raises(SpecDecodeError, match=f"line 1: {problem}"):
+            load_prompts(str(path))
+
+
+def test_a_json_array_after_blank_space_loads_and_a_blank_system_prompt_is_left_out(tmp_path):
+    """A pretty-printed JSON array may start after a blank line or indentation: it is read
+    as one array, not as JSONL lines; a chat's system prompt of spaces only is no system
+    prompt (a mutation audit: both passed)."""
+    path = tmp_path / "chats.json"
+    records = [{"id": "c1", "messages": [{"role": "system", "content": "  \n"}, {"role": "user", "content": "Hi"}]},
+               {"id": "c2", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Yo"}]}]
+    path.write_text("\n  " + json.dumps(records, indent=2))
+    loaded = load_prompts(str(path))
+    assert [(p["question_id"], p["turns"]) for p in loaded] == [("c1", ["Hi"]), ("c2", ["Yo"])]
+    assert "system" not in loaded[0] and loaded[1]["system"] == "Be brief."
