@@ -822,3 +822,94 @@ def test_loading_sets_glibcs_thresholds_and_leaves_a_users_own_tuning_alone(monk
             with loading.transients_mapped():
                 pass
         assert calls == []
+
+
+def test_int8_and_int4_quantize_each_block_of_32_as_llama_cpp_does():
+    """Found by a mutation audit: a Q8_0 scale of max|w| / 128, a Q4_1 scale of (max - min)
+    / 16, codes rounded toward zero, or computed against the scale before its fp16 rounding,
+    and a byte count without the minima all passed (the tests bounded the layers' total
+    error, or compared a load with quantize itself). Q8_0: d = fp16(max|w| / 127), codes the nearest integers to w / d;
+    Q4_1: m = fp16(min), d = (max - m) / 15 in fp16, codes nearest to (w - m) / d in
+    0..15, byte j of a block holding weight j (low nibble) and j + 16 (high)."""
+    from specdecode.config import ConfigError
+    from specdecode.models.quant import PackedLinear
+
+    weight = torch.randn(8, 128, generator=torch.Generator().manual_seed(4)) * 0.05
+    blocks = weight.reshape(8, 4, 32)
+    q8 = PackedLinear.quantize(weight, "q8_0")
+    scales = q8.scales.float()
+    assert torch.equal(q8.scales, (blocks.abs().amax(-1) / 127.0).to(torch.float16))
+    codes = q8.qweight.reshape(8, 4, 32).float()
+    assert (codes - blocks / scales[..., None]).abs().max() <= 0.5 + 1e-4
+    assert (q8.dequantize() - weight).abs().reshape(8, 4, 32).amax(-1).le(scales * (0.5 + 1e-4)).all()
+
+    q4 = PackedLinear.quantize(weight, "q4_1")
+    mins, scales = q4.mins.float(), q4.scales.float()
+    assert torch.equal(q4.mins, blocks.amin(-1).to(torch.float16))
+    range_15 = (blocks.amax(-1) - mins) / 15
+    assert ((scales - range_15).abs() <= range_15 * 2**-10).all()  # that in fp16
+    packed = q4.qweight.reshape(8, 4, 16)
+    codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()  # GGUF's nibble order, written out
+    assert (codes - (blocks - mins[..., None]) / scales[..., None]).abs().max() <= 0.5 + 1e-3
+    assert torch.equal(q4.dequantize(), (codes * scales[..., None] + mins[..., None]).reshape(8, 128))
+    # what a forward pass reads (the cost model prices layers by it): codes, fp16 scales (and minima)
+    assert (q8.nbytes, q4.nbytes) == (8 * 128 + 8 * 4 * 2, 8 * 64 + 2 * 8 * 4 * 2)
+    # the kernels read Q4_1 in pairs of blocks (64 columns), every block format in blocks of 32
+    with pytest.raises(ConfigError, match="q4_1 needs an input width that is a multiple of 64, got 96"):
+        PackedLinear.quantize(torch.randn(8, 96), "q4_1")
+    with pytest.raises(ConfigError, match="q8_0 needs an input width that is a multiple of 32, got 48"):
+        PackedLinear.quantize(torch.randn(8, 48), "q8_0")
+
+
+def test_gguf_blocks_are_carried_with_the_values_the_gguf_library_reads(tmp_path):
+    """Found by a mutation audit: nothing checked a Q4_0 tensor's values (its minimum is
+    -8 scale: -7 passed), nor that an F16 tensor loaded as bf16 is said to be rounded. Each
+    tensor read from a GGUF dequantizes to the values gguf-py reads from it, in the format
+    and with the word ("exact" or "requantized") the loader logs; a Q8_0 tensor keeps its
+    8 bits under int4."""
+    import gguf
+    import numpy as np
+
+    from specdecode.models.quant import from_gguf
+
+    array = (np.random.default_rng(6).standard_normal((16, 64)) * 0.05).astype(np.float32)
+    path = tmp_path / "blocks.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    kinds = ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16")
+    for kind in kinds:
+        qtype = getattr(gguf.GGMLQuantizationType, kind)
+        writer.add_tensor(kind, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    index = loading.gguf_tensor_index(path)
+    cases = [("Q4_0", "q4_1", "q4_1", "exact"), ("Q4_1", "q4_1", "q4_1", "exact"), ("Q8_0", "q4_1", "q8_0", "exact"),
+             ("Q8_0", "q8_0", "q8_0", "exact"), ("F16", "fp32", "fp32", "exact"), ("F16", "bf16", "bf16", "requantized"),
+             ("BF16", "bf16", "bf16", "exact")]
+    for kind, asked, fmt, how in cases:
+        qtype = getattr(gguf.GGMLQuantizationType, kind)
+        expected = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(array, qtype), qtype).astype(np.float32))
+        layer, carried = from_gguf(index[kind], path, asked)
+        assert (layer.fmt, carried) == (fmt, how), (kind, asked)
+        if how == "exact":
+            assert torch.equal(layer.dequantize(), expected.reshape(16, 64)), (kind, asked)
+
+
+def test_selected_and_fused_layers_keep_their_biases():
+    """Found by a mutation audit (the loader's own calls pass no bias, so nothing held it):
+    rows_selected dropped to the whole bias, or concat filling a part without a bias with
+    ones, passed. A layer of selected rows computes those rows' outputs; a fused layer, its
+    parts' outputs side by side (zero where a part has no bias), in every format."""
+    from specdecode.models.quant import PackedLinear
+
+    generator = torch.Generator().manual_seed(8)
+    weight, bias = torch.randn(16, 64, generator=generator), torch.randn(16, generator=generator)
+    x = torch.randn(3, 64, generator=generator)
+    picked = torch.tensor([5, 0, 15, 5])
+    for fmt in ("fp32", "q8_0", "q4_1"):
+        layer = PackedLinear.quantize(weight, fmt, bias)
+        assert torch.allclose(layer.rows_selected(picked)(x), layer(x)[:, picked], rtol=1e-5, atol=1e-5), fmt
+        plain = PackedLinear.quantize(weight[:8], fmt)
+        fused = PackedLinear.concat([layer, plain])
+        assert torch.allclose(fused(x), torch.cat([layer(x), plain(x)], dim=1), rtol=1e-5, atol=1e-5), fmt
