@@ -1141,3 +1141,152 @@ def test_the_packed_projections_compute_what_the_torch_ones_do():
         for name, rows in x.items():
             exact = head.project(name, rows, fast=False)
             assert (head.project(name, rows) - exact).abs().max() < 0.05 * exact.abs().max(), name
+
+
+def _exported(tmp_path, fmt: str, draft_vocab: int = 60, **kwargs):
+    """A small random head (no target model) exported in ``fmt``: (head, its directory,
+    config.json as a dict)."""
+    import json
+
+    from specdecode.proposers.eagle_formats import export_head
+
+    torch.manual_seed(7)
+    head = EagleHead(EagleConfig.for_target(_llama_cfg(), draft_vocab))
+    head.set_draft_vocab(torch.randperm(97)[:draft_vocab].sort().values)
+    export_head(head, tmp_path / fmt, fmt, verifier="tiny", **kwargs)
+    return head, tmp_path / fmt, json.loads((tmp_path / fmt / "config.json").read_text())
+
+
+def test_exported_configs_carry_the_fields_vllm_and_speculators_read(tmp_path):
+    """Found by a mutation audit: the context length, the speculators proposal's token
+    count and the target hidden size could be left out of an exported config (or the first
+    two ignored), or the tensors written in fp32 under a bf16 config, with every test
+    passing."""
+    from safetensors.torch import load_file
+
+    for fmt in ("eagle3", "speculators"):
+        head, directory, config = _exported(tmp_path, fmt, max_positions=256, speculative_tokens=5)
+        llama = config if fmt == "eagle3" else config["transformer_layer_config"]
+        assert llama["max_position_embeddings"] == 256, fmt
+        assert (llama["hidden_size"], llama["num_attention_heads"], llama["num_key_value_heads"], llama["head_dim"],
+                llama["intermediate_size"], llama["vocab_size"]) == (64, 4, 2, 16, 128, 97), fmt
+        assert config["target_hidden_size"] == 64 and config["draft_vocab_size"] == 60, fmt
+        tensors = load_file(str(directory / "model.safetensors"))
+        expected = torch.zeros(97, dtype=torch.bool)
+        expected[head.d2t] = True
+        assert torch.equal(tensors["t2d"], expected), fmt
+        assert {tensors[name].dtype for name in tensors if name not in ("d2t", "t2d")} == {torch.bfloat16}, fmt
+    # stated, not left to defaults: vLLM reads a speculators config without norm_before_residual as true
+    assert [config[flag] for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")] == [False] * 4
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+
+
+def test_heads_vllm_would_feed_other_features_or_embeddings_are_not_exported(tmp_path):
+    """Found by a mutation audit: a head reading a layer twice (a 2-layer target's (0, 1, 1))
+    was exported, where vLLM gathers each layer once; and a target embedding of another
+    shape than the head's was written into the speculators layout."""
+    from specdecode.proposers.eagle_formats import export_head
+
+    head = EagleHead(EagleConfig.for_target(_llama_cfg(), 60))
+    head.config.capture_layers = (0, 1, 1)
+    for fmt in ("eagle3", "speculators"):
+        with pytest.raises(SpecDecodeError, match="once, in ascending order"):
+            export_head(head, tmp_path / fmt, fmt, verifier="tiny")
+    head.config.capture_layers = (0, 1, 2)
+    with pytest.raises(SpecDecodeError, match=r"target embedding \(96, 64\) does not fit the head \(97 x 64\)"):
+        export_head(head, tmp_path / "narrow", "speculators", verifier="tiny", embed=torch.zeros(96, 64))
+    assert not (tmp_path / "narrow").exists()
+
+
+def test_imported_configs_are_read_where_vllm_reads_them_and_refused_where_the_head_differs(tmp_path):
+    """Found by a mutation audit, each loading without an error (or with another's): the
+    layers named in a speculators transformer_layer_config, or in no place (the EAGLE-3
+    default for the target's layer count); a head_dim left out (hidden / heads);
+    rope_parameters' theta beside a top-level rope_theta; a variant flag set in
+    transformer_layer_config; two decoder layers; a target hidden size other than the
+    head's; a speculators checkpoint of another algorithm; a size of 0; a d2t mapping to
+    a target id of -1 or one past the vocabulary; an EAGLE-3 config known by its
+    architectures alone (no draft_vocab_size: a full-vocabulary head)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    head, directory, config = _exported(tmp_path, "speculators")
+    original = json.dumps(config)
+
+    def load_with(change, **kwargs):
+        config = json.loads(original)
+        change(config, config["transformer_layer_config"])
+        (directory / "config.json").write_text(json.dumps(config))
+        return EagleHead.load(directory, **kwargs)
+
+    def nested_layers(config, llama):
+        llama["eagle_aux_hidden_state_layer_ids"] = config.pop("eagle_aux_hidden_state_layer_ids")
+
+    assert load_with(nested_layers).config.capture_layers == (0, 1, 2)
+    no_layers = lambda config, llama: config.pop("eagle_aux_hidden_state_layer_ids")  # noqa: E731
+    assert load_with(no_layers, target_layers=8).config.capture_layers == (2, 4, 5)
+    with pytest.raises(SpecDecodeError, match="does not name the target layers it reads"):
+        load_with(no_layers)
+    back = load_with(lambda config, llama: llama.pop("head_dim"))
+    assert back.config.head_dim == 16 and torch.equal(back.d2t, head.d2t)
+    # rope_parameters' own theta over the top-level one, as the target's loader reads them
+    both = lambda config, llama: llama.update(rope_theta=10000.0,  # noqa: E731
+                                              rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    assert load_with(both).config.rope_theta == 500000.0
+
+    def nested_flag(config, llama):
+        del config["fc_norm"]
+        llama["fc_norm"] = True
+
+    refused = [(nested_flag, "fc_norm = true"),
+               (lambda config, llama: llama.update(num_hidden_layers=2), "2 decoder layers"),
+               (lambda config, llama: config.update(target_hidden_size=128), "target hidden size 128 differs"),
+               (lambda config, llama: config.update(speculators_model_type="independent"), "not an EAGLE-3 head"),
+               (lambda config, llama: llama.update(intermediate_size=0), "intermediate_size must be an integer >= 1")]
+    for change, problem in refused:
+        with pytest.raises(SpecDecodeError, match=problem):
+            load_with(change)
+    (directory / "config.json").write_text(original)
+    tensors = load_file(str(directory / "model.safetensors"))
+    del tensors["t2d"]
+    offsets = tensors["d2t"].clone()
+    for draft_id, offset in ((59, 97 - 59), (0, -1)):  # draft id 59 -> target id 97, draft id 0 -> -1
+        tensors["d2t"] = offsets.clone()
+        tensors["d2t"][draft_id] = offset
+        save_file(tensors, str(directory / "model.safetensors"))
+        with pytest.raises(SpecDecodeError, match=r"outside \[0, 97\)"):
+            EagleHead.load(directory)
+    # an EAGLE-3 config is known by its architecture where a full-vocabulary head has no draft_vocab_size
+    _, directory, config = _exported(tmp_path / "full", "eagle3", draft_vocab=97)
+    del config["draft_vocab_size"]
+    (directory / "config.json").write_text(json.dumps(config))
+    assert torch.equal(EagleHead.load(directory).d2t, torch.arange(97))
+
+
+def test_an_imported_head_reads_rope_and_its_maps_as_the_target_loader_does(tmp_path):
+    """Found by a mutation audit, and fixed: a linear rope_scaling beside a default
+    rope_parameters loaded as default RoPE (the target's loader reads rope_scaling first,
+    as linear); a d2t map of the wrong length ended in torch's broadcasting RuntimeError;
+    a draft_vocab_size of 0 was read as absent, the full vocabulary, and failed the same way."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    _, directory, config = _exported(tmp_path, "eagle3")
+    original = json.dumps(config)
+    config.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                  rope_scaling={"rope_type": "linear", "factor": 4.0})
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecDecodeError, match="RoPE scaling .*linear.* is not supported"):
+        EagleHead.load(directory)
+    (directory / "config.json").write_text(json.dumps({**json.loads(original), "draft_vocab_size": 0}))
+    with pytest.raises(SpecDecodeError, match="draft_vocab_size must be an integer >= 1"):
+        EagleHead.load(directory)
+    (directory / "config.json").write_text(original)
+    tensors = load_file(str(directory / "model.safetensors"))
+    del tensors["t2d"]
+    tensors["d2t"] = tensors["d2t"][:59].clone()
+    save_file(tensors, str(directory / "model.safetensors"))
+    with pytest.raises(SpecDecodeError, match=r"d2t map has shape \(59,\), expected \(60,\)"):
+        EagleHead.load(directory)

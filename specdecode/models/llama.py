@@ -53,6 +53,17 @@ def not_positive_ints(config: dict, keys) -> list[str]:
 DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768}  # transformers' config defaults
 
 
+def rope_config(config: dict) -> tuple[str, dict]:
+    """(the key it was read from, a copy of) a config's RoPE settings: rope_scaling first, as
+    transformers standardises them (found in review: the other order read a default
+    rope_parameters over a linear rope_scaling; logits off by 7.2)."""
+    key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    rope = config.get(key) or {}
+    if not isinstance(rope, dict):  # (found in review: a TypeError from dict())
+        raise SpecDecodeError(f"config.json: {key} must be an object, got {rope!r}")
+    return key, dict(rope)
+
+
 def max_positions_of(config: dict) -> int:
     """A config's context: its max_position_embeddings, or transformers' default for its
     type where it leaves it out or sets null (found in review: 2,048 for every type refused
@@ -112,13 +123,7 @@ class LlamaConfig:
             raise NativeUnsupported(f"{model_type} with attention_bias (a bias on every attention projection, "
                                     "o_proj.bias too) is not supported by the native runtime; use --runtime hf")
         num_heads = config["num_attention_heads"]
-        # rope_scaling first, as transformers standardises them (found in review: the other
-        # order read a default rope_parameters over a linear rope_scaling; logits off by 7.2)
-        key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
-        rope = config.get(key) or {}
-        if not isinstance(rope, dict):  # (found in review: a TypeError from dict())
-            raise SpecDecodeError(f"config.json: {key} must be an object, got {rope!r}")
-        rope = dict(rope)
+        key, rope = rope_config(config)
         factor = rope.get("factor")
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
                                    or not 0 < factor < float("inf")):

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ..config import SpecDecodeError
+from ..models.llama import rope_config
 from ..models.loading import shared_mode
 
 FORMATS = ("eagle3", "speculators")
@@ -161,8 +162,10 @@ def import_head(directory: Path, raw: dict, fmt: str, target_layers: int | None 
             raise SpecDecodeError(f"{directory}: {flag} = true is a variant this head does not compute")
     if llama.get("num_hidden_layers", 1) != 1:
         raise SpecDecodeError(f"{directory}: {llama['num_hidden_layers']} decoder layers; heads with one are supported")
-    # RoPE as the target loader reads it: transformers 5 writes rope_parameters (theta inside)
-    rope = dict(llama.get("rope_parameters") or llama.get("rope_scaling") or {})
+    # RoPE as the target loader reads it: transformers 5 writes rope_parameters (theta inside);
+    # a non-empty rope_scaling comes first (found in a mutation audit: a linear rope_scaling
+    # beside a default rope_parameters loaded as default RoPE, where the target reads it linear)
+    rope = rope_config(llama)[1]
     rope_theta = rope.get("rope_theta", llama.get("rope_theta", 10000.0))
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise SpecDecodeError(f"{directory}: RoPE scaling {rope!r} is not supported by EAGLE heads here")
@@ -191,7 +194,8 @@ def import_head(directory: Path, raw: dict, fmt: str, target_layers: int | None 
         config = EagleConfig(hidden, llama["intermediate_size"], heads, llama.get("num_key_value_heads", heads),
                              llama.get("head_dim") or hidden // heads, llama.get("rms_norm_eps", 1e-6),
                              float(rope_theta), llama["vocab_size"],
-                             raw.get("draft_vocab_size") or llama["vocab_size"], tuple(int(i) for i in layers))
+                             llama["vocab_size"] if raw.get("draft_vocab_size") is None else raw["draft_vocab_size"],
+                             tuple(int(i) for i in layers))
     except KeyError as missing:
         raise SpecDecodeError(f"{directory}/config.json lacks {missing}") from None
     check_sizes(config, directory)
@@ -225,6 +229,10 @@ def import_head(directory: Path, raw: dict, fmt: str, target_layers: int | None 
         raise SpecDecodeError(f"{directory}/model.safetensors has no d2t map, but its draft vocabulary "
                               f"({config.draft_vocab_size} tokens) is smaller than the target's "
                               f"({config.target_vocab_size}): which target token each draft id stands for is unknown")
+    if offsets is not None and tuple(offsets.shape) != (config.draft_vocab_size,):
+        # (found in a mutation audit: a RuntimeError from torch's broadcasting)
+        raise SpecDecodeError(f"{directory}/model.safetensors: its d2t map has shape {tuple(offsets.shape)}, "
+                              f"expected ({config.draft_vocab_size},) for a draft vocabulary of that size")
     state["d2t"] = torch.arange(config.draft_vocab_size) + (0 if offsets is None else offsets.to(torch.int64))
     load_checked(head, state, directory)
     t2d = tensors.get("t2d")
