@@ -913,3 +913,18 @@ def test_selected_and_fused_layers_keep_their_biases():
         plain = PackedLinear.quantize(weight[:8], fmt)
         fused = PackedLinear.concat([layer, plain])
         assert torch.allclose(fused(x), torch.cat([layer(x), plain(x)], dim=1), rtol=1e-5, atol=1e-5), fmt
+
+
+@pytest.mark.parametrize("types, int4_load", [
+    ({}, 0),  # every tensor carried as its Q4_1 blocks: nothing passes through fp32
+    ({"attn_v": "Q8_0"}, 4 * 64 * 64),  # q and k quantized again to 8 bits beside it: the q projection's fp32
+    ({"output": "F16"}, 4 * 97 * 64),  # an F16 head quantized to 8 bits; the 4-bit embedding is carried
+])
+def test_memory_counts_the_fp32_pass_of_a_tensor_int4_quantizes_again(tmp_path, types, int4_load):
+    """Under int4, a 4-bit tensor of a fused group with an 8-bit part is quantized again (it
+    passes through fp32), and a 4-bit embedding or head is carried as it is (it does not).
+    Found by a mutation audit: only int8's loading transient was checked."""
+    from specdecode.analysis.memory import deployment_memory
+
+    path, _ = _tiny_gguf("llama", tmp_path / "gguf", "Q4_1", types=types, tokenizer=True)
+    assert deployment_memory(str(path), None, "bf16", 1, 64, 0, None, "int4")["models"]["target"]["load"] == int4_load

@@ -489,3 +489,18 @@ def test_a_head_drafter_on_a_target_that_cannot_give_its_states_is_refused_up_fr
     with pytest.raises(SpecDecodeError, match="but the target has 3 layers"):
         engine.add([5, 6, 7], GREEDY, proposer=MedusaProposer(heads, 5, kernels=False), policy=2)
     assert not engine.waiting and not engine.running
+
+
+def test_serve_takes_a_k_of_as_many_heads_as_there_are(targets, tmp_path, monkeypatch):
+    """num_speculative_tokens equal to the heads (one draft per head) is served, one more is
+    refused. Found by a mutation audit: only k above the heads was tried."""
+    from specdecode import factory
+    from specdecode.serve.server import drafter_entry
+
+    target = targets[1]
+    random_heads(target, 4).save(tmp_path / "heads")
+    draft = str(tmp_path / "heads")
+    monkeypatch.setattr(factory, "build_policy", lambda *args, **kwargs: None)  # no calibration
+    make_proposer, make_policy, _ = drafter_entry(SpeculativeConfig(method="medusa", k=3, draft=draft), target,
+                                                  EngineConfig(dtype="fp32"))
+    assert make_policy(None).k == 3 and make_policy(2).k == 2 and make_proposer().max_drafts == 3

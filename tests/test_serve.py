@@ -1772,3 +1772,153 @@ def test_server_metrics_record_what_they_are_given():
     assert value("request_queue_time_seconds_sum") == 1.0 and value("request_prefill_time_seconds_sum") == 1.0
     metrics.queue(running=2, waiting=5)
     assert value("num_requests_running") == 2 and value("num_requests_waiting") == 5
+
+
+def test_speculative_config_bounds_are_inclusive_and_sizes_start_at_1():
+    """n-gram sizes up to MAX_NGRAM and a fixed k up to MAX_SERVED_K are taken; a size of 0
+    is refused by name; "tree" is refused as "draft_model" is; an unset k_policy is the
+    cost model's. Found by a mutation audit: no test gave a bound itself, nor a 0."""
+    from specdecode.config import MAX_NGRAM, MAX_SERVED_K
+
+    spec, _ = parse_speculative_config(json.dumps({"method": "ngram", "prompt_lookup_min": MAX_NGRAM,
+                                                   "prompt_lookup_max": MAX_NGRAM}))
+    assert spec.ngram_sizes == (MAX_NGRAM,)
+    spec, _ = parse_speculative_config(json.dumps({"method": "ngram", "num_speculative_tokens": MAX_SERVED_K}))
+    assert spec.k == MAX_SERVED_K and spec.k_policy == "cost"
+    for key in ("prompt_lookup_min", "prompt_lookup_max"):
+        with pytest.raises(ConfigError, match=f"{key} must be an integer >= 1, got 0"):
+            parse_speculative_config(json.dumps({"method": "ngram", key: 0}))
+    with pytest.raises(ConfigError, match="'tree' is not served by the batched engine"):
+        parse_speculative_config('{"method": "tree"}')
+
+
+def test_a_directory_of_medusa_heads_by_model_type_implies_medusa(tmp_path):
+    """A config.json saying model_type "medusa" (the Medusa project's own heads) implies the
+    method, as vLLM infers it. Found by a mutation audit: only our own architecture name
+    was tried."""
+    (tmp_path / "heads").mkdir()
+    (tmp_path / "heads" / "config.json").write_text(json.dumps({"model_type": "medusa", "medusa_num_heads": 3}))
+    spec, _ = parse_speculative_config(json.dumps({"model": str(tmp_path / "heads")}))
+    assert spec.method == "medusa" and spec.draft == str(tmp_path / "heads")
+
+
+def test_serve_options_refuse_an_unknown_schedule():
+    """Found by a mutation audit: no test gave --schedule a bad value."""
+    from specdecode.serve.server import check_serve_options
+
+    with pytest.raises(ConfigError, match="--schedule must be one of"):
+        check_serve_options(4, 8, schedule="lifo")
+    check_serve_options(1, 0, 1.0, "task")  # the bounds themselves are taken
+
+
+def test_replicas_options_reach_the_deployment(monkeypatch):
+    """--replicas 0 is refused before Ray starts; a replica is routed at most one request
+    more than it holds, Ray's proxy queues without a limit of its own, and
+    --shutdown-timeout is the replicas' graceful shutdown; replicas share the cores. Found
+    by a mutation audit: none of these reached a test outside a real Ray cluster."""
+    import os
+
+    import torch
+
+    from specdecode.config import EngineConfig
+    from specdecode.serve import server
+
+    ray_serve = pytest.importorskip("ray.serve")
+    with pytest.raises(ConfigError, match="--replicas must be >= 1, got 0"):
+        server.ray_application(EngineConfig(model="default"), None, 0, 4, 8)
+    builders, real_ingress = [], ray_serve.ingress
+    monkeypatch.setattr(ray_serve, "ingress", lambda builder: builders.append(builder) or real_ingress(builder))
+    application = server.ray_application(EngineConfig(model="default"), '{"method": "none"}', 2, 4, 8,
+                                         shutdown_timeout=12.5)
+    deployment = application._bound_deployment
+    assert deployment.num_replicas == 2 and deployment.max_ongoing_requests == 4 + 8 + 1
+    assert deployment.max_queued_requests == -1
+    assert deployment._deployment_config.graceful_shutdown_timeout_s == 12.5
+    # each replica's kernel threads: its share of the cores, or --threads
+    threads = []
+
+    class Built(Exception):
+        pass
+
+    def no_state(*args, **kwargs):
+        raise Built
+
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(server, "build_state", no_state)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    for config, replicas in ((EngineConfig(model="default"), 2), (EngineConfig(model="default", num_threads=3), 2),
+                             (EngineConfig(model="default"), 16)):
+        builders.clear()
+        server.ray_application(config, '{"method": "none"}', replicas, 4, 8)
+        with pytest.raises(Built):
+            builders[0]()
+    assert threads == [4, 3, 1]
+
+
+def test_serve_passes_the_shutdown_timeout_and_stops_accepting_on_a_signal(model_dir, monkeypatch):
+    """--shutdown-timeout is uvicorn's graceful shutdown, and from the signal on the state
+    refuses new requests while in-flight ones drain. Found by a mutation audit: neither
+    was tested without a real server."""
+    import signal
+
+    import uvicorn
+
+    from specdecode.serve.server import serve
+
+    state = tiny_server_state(model_dir, '{"method": "none"}')
+    seen = {}
+
+    def run(self):
+        seen["timeout"], seen["host"], seen["port"] = (self.config.timeout_graceful_shutdown, self.config.host,
+                                                       self.config.port)
+        seen["before"] = state.accepting
+        self.handle_exit(signal.SIGTERM, None)
+        seen["after"], seen["exiting"] = state.accepting, self.should_exit
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    serve(state, "127.0.0.1", 8123, 7.5)
+    assert seen == {"timeout": 7.5, "host": "127.0.0.1", "port": 8123, "before": True, "after": False,
+                    "exiting": True}
+
+
+def test_serving_threads_leave_one_core_to_the_event_loop(monkeypatch):
+    """Found by a mutation audit: no test held the count."""
+    from specdecode.serve.server import serving_threads
+
+    for cores, expected in ((8, 7), (2, 1), (1, 1)):
+        monkeypatch.setattr(torch, "get_num_threads", lambda: cores)
+        assert serving_threads() == expected
+
+
+def test_the_servers_name_metrics_positions_and_auditor_follow_its_flags(model_dir):
+    """The default model is served under its name, any other under its path; a fixed k has
+    that many per-position series, "auto" k_max's; no auditor at --audit-rate 0; one
+    decode thread count leaves nothing to choose. Found by a mutation audit."""
+    from prometheus_client import generate_latest
+
+    from specdecode.config import EngineConfig
+    from specdecode.serve.server import build_state
+
+    target = load_model(str(model_dir), torch.float32, backend="torch")
+    for model, name in (("default", "SmolLM2-135M-Instruct"), (str(model_dir), str(model_dir))):
+        state = build_state(EngineConfig(model=model, dtype="fp32", backend="torch"), '{"method": "none"}',
+                            target=target, decode_threads=(2,))
+        assert state.metrics.model_name == name and state.auditor is None
+        assert state.engine.decode_threads is None
+
+    def positions(state):
+        text = generate_latest(state.metrics.registry).decode()
+        return sum(line.startswith("specdecode:spec_decode_num_accepted_tokens_per_pos_total{") for line in text.splitlines())
+
+    fixed = tiny_server_state(model_dir, '{"method": "ngram", "num_speculative_tokens": 3, "k_max": 6}')
+    auto = tiny_server_state(model_dir, '{"method": "ngram", "k_max": 6}')
+    assert positions(fixed) == 3 and positions(auto) == 6
+
+
+def test_a_negative_top_k_in_generation_config_is_off(tmp_path):
+    """vLLM's and older configs' top_k -1 means no top-k: a default of 0 (off), not a
+    config refused at start. Found by a mutation audit: no test gave a negative top_k."""
+    from specdecode.serve.server import sampling_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_k": -1}))
+    assert sampling_defaults(tmp_path) == {"temperature": 0.7, "top_k": 0}
