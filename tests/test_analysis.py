@@ -805,3 +805,165 @@ def test_check_verdict_says_plain_decoding_wins_where_the_best_k_is_0():
                          "(plain decoding wins)")
     text = format_check(CheckResult("t", "d"), {**calibration, "best_k": 1, "expected_speedup_best_k": 1.25})
     assert text.endswith("verdict: COMPATIBLE - expected 1.25x at k=1 on this machine")
+
+
+def test_memory_activations_count_a_chunk_per_sequence_the_partials_per_kv_group_and_k_plus_1_logits():
+    """The scratch is one prefill chunk of rows per sequence, the attention partials hold a
+    KV head's group of query heads, and the fp32 logits are those of k + 1 tokens per
+    sequence. Found by a mutation audit: no test failed with batch, the group or the +1
+    left out."""
+    from specdecode.analysis.memory import PARTIAL_ITEMS, Shape, model_memory
+
+    def activations(shape, batch=1, k=0, chunk=1):
+        return model_memory(shape, "bf16", "bf16", batch, 16, k, prefill_chunk=chunk)["activations"]
+
+    shape = resolve_shape("135M")  # 9 query heads on 3 KV heads of 64 dims
+    per_row = activations(shape, chunk=2) - activations(shape, chunk=1)
+    assert per_row > 0
+    # one more sequence: a chunk's rows of scratch and one more row of logits per verified token
+    assert activations(shape, batch=3, k=2, chunk=8) - activations(shape, batch=2, k=2, chunk=8) == \
+        8 * per_row + 3 * shape.vocab * 4
+    assert activations(shape) - per_row - shape.vocab * 4 == PARTIAL_ITEMS * 3 * (64 + 2) * 4  # the partials
+    # each vocabulary entry adds batch x (k + 1) fp32 logits, k = 0 too
+    small, large = (Shape("v", 64, 2, 4, 2, 128, vocab, True) for vocab in (100, 101))
+    for batch, k in ((1, 0), (2, 3)):
+        assert activations(large, batch, k) - activations(small, batch, k) == batch * (k + 1) * 4
+
+
+def test_memory_refuses_a_batch_or_budget_of_zero():
+    """--batch 0 would size no caches at all and "fit"; a budget of 0 GiB cannot be met.
+    Found by a mutation audit: no test gave either."""
+    with pytest.raises(ConfigError, match="--batch must be at least 1, got 0"):
+        deployment_memory("135M", None, batch=0, budget_gib=100)
+    with pytest.raises(ConfigError, match="--budget must be a finite number > 0 GiB, got 0"):
+        deployment_memory("135M", None, budget_gib=0.0)
+    assert deployment_memory("135M", None, batch=1, budget_gib=1e-9)["fits"] is False
+
+
+def test_memory_context_defaults_to_the_models_limit_and_takes_it_whole(tmp_path):
+    """With no --context a model of fewer than 2,048 positions is sized at its own limit, and
+    a context equal to the limit is taken. Found by a mutation audit."""
+    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 97, "max_position_embeddings": 512}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    short = deployment_memory(str(path), None, "fp32")
+    assert short["context"] == 512 and short["models"]["target"]["kv_cache"] == 2 * 2 * 2 * 16 * 512 * 4
+    assert deployment_memory(str(path), None, "fp32", context=512)["context"] == 512
+    assert deployment_memory("135M", None)["context"] == 2048  # 8,192 positions: 2,048 by default
+
+
+def test_memory_of_a_layer_skip_drafter_is_its_layers_cache():
+    """A self:L drafter keeps a cache of its own L layers (not the target's all), and no
+    weights or loading of its own. Found by a mutation audit: the layer count was untested."""
+    report = deployment_memory("135M", "self:6", "bf16", batch=2, context=1000, budget_gib=100)
+    target, draft = report["models"]["target"], report["models"]["draft"]
+    assert draft["kv_cache"] * 30 == target["kv_cache"] * 6  # 6 of the 30 layers
+    assert draft["kv_cache"] == 2 * 6 * 3 * 64 * 1000 * 2 * 2
+    assert draft["weights"] == draft["load"] == 0
+
+
+def test_memory_total_is_the_weights_plus_the_larger_of_running_and_loading(monkeypatch):
+    """Loading peaks before the caches exist: the total is the resident weights plus the
+    larger of the running phase (both caches and scratches) and the larger model's loading
+    transient, plus the process when asked; the budget is in GiB (2**30 bytes). A named
+    size is assumed a bf16 checkpoint, memory-mapped while it loads. Found by a mutation
+    audit: sums in place of maxima and a budget in 10**9 bytes passed every test."""
+    from specdecode.analysis import memory
+
+    for batch, context in ((1, 16), (16, 8192)):  # loading the larger phase, then running
+        report = deployment_memory("8B", "1B", "bf16", batch=batch, context=context, k=4, budget_gib=64)
+        rows = report["models"]
+        assert rows["target"]["load"] == resolve_shape("8B").parameters * 2
+        assert rows["draft"]["load"] == resolve_shape("1B").parameters * 2
+        assert report["loading"] == rows["target"]["load"]
+        assert report["running"] == sum(r["kv_cache"] + r["activations"] for r in rows.values())
+        resident = rows["target"]["weights"] + rows["draft"]["weights"]
+        assert report["total"] == resident + max(report["running"], report["loading"])
+        assert report["budget"] == 64 * 2**30 and report["process"] == 0
+    assert deployment_memory("8B", "1B", context=16)["running"] < report["loading"] < report["running"]
+    monkeypatch.setattr(memory, "process_baseline", lambda: 2.0 * 2**30)
+    measured = deployment_memory("8B", "1B", "bf16", batch=16, context=8192, k=4, budget_gib=64, process=True)
+    assert measured["process"] == 2.0 * 2**30 and measured["total"] == report["total"] + 2.0 * 2**30
+
+
+def test_memory_report_names_the_peak_phase_and_the_process(monkeypatch):
+    """The report's last line names the phase at the peak (loading for a short context,
+    running for a long one) and a measured process has its own row. Found by a mutation
+    audit: neither was checked."""
+    from specdecode.analysis import memory
+    from specdecode.analysis.memory import format_report
+
+    monkeypatch.setattr(memory, "process_baseline", lambda: 0.5 * 2**30)
+    short = format_report(deployment_memory("8B", None, "bf16", context=16, budget_gib=64))
+    assert "peak (while loading)" in short and "\nprocess " not in short
+    long = format_report(deployment_memory("8B", None, "bf16", context=8192, batch=16, budget_gib=64, process=True))
+    assert "peak (while running)" in long
+    assert "\nprocess         0.500   (Python, torch and the tokenizer, measured here)" in long
+
+
+def test_memory_reads_head_dim_and_an_untied_head_from_a_config(tmp_path):
+    """A config's own head_dim (wider than hidden / heads, as Qwen3's and Gemma's) sizes the
+    KV cache and the projections, and a config without tie_word_embeddings has its own head,
+    as the runtime reads it. Found by a mutation audit: neither key was read in a test."""
+    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 97, "max_position_embeddings": 256,
+              "head_dim": 32}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    shape = resolve_shape(str(path))
+    assert shape.head_dim == 32 and not shape.tied
+    assert shape.parameters == 2 * (64 * 4 * 32 * 2 + 2 * 64 * 2 * 32 + 3 * 64 * 128 + 2 * 64) + 2 * 97 * 64 + 64
+    report = deployment_memory(str(path), None, "fp32", context=100)
+    assert report["models"]["target"]["kv_cache"] == 2 * 2 * 2 * 32 * 100 * 4
+
+
+def test_memory_loads_a_checkpoint_at_its_files_size(tiny_llama_dir):
+    """A real checkpoint's loading transient is its safetensors files' size (memory-mapped
+    while converted), not an assumed bf16 copy. Found by a mutation audit."""
+    size = sum(f.stat().st_size for f in tiny_llama_dir.glob("*.safetensors"))
+    assert size > 0
+    report = deployment_memory(str(tiny_llama_dir), None, "bf16", context=16, budget_gib=1)
+    assert report["models"]["target"]["load"] == size
+
+
+def test_memory_takes_its_shorthands_and_bounds():
+    """A named size in any case; --dtype int8 (or int4) is those weights on a bf16 cache
+    unless --weights names others; k up to MAX_K; a drafter of "none" or "ngram" holds
+    nothing and says why. Found by a mutation audit: none of these was in a test."""
+    from specdecode.config import MAX_K
+
+    assert resolve_shape("135m").name == "135M" and resolve_shape("8b").parameters == resolve_shape("8B").parameters
+    report = deployment_memory("135M", None, "int8", weights="int4", budget_gib=100)
+    assert (report["weights"], report["dtype"]) == ("int4", "bf16")
+    assert deployment_memory("135M", None, "int4", budget_gib=100)["weights"] == "int4"
+    assert deployment_memory("135M", None, k=MAX_K, budget_gib=100)["k"] == MAX_K
+    with pytest.raises(ConfigError, match=f"--k must be in 0..{MAX_K}"):
+        deployment_memory("135M", None, k=MAX_K + 1, budget_gib=100)
+    for draft, note in (("none", "no drafter"), ("ngram", "prompt lookup needs no model"), (None, "no drafter")):
+        report = deployment_memory("135M", draft, budget_gib=100)
+        assert report["draft_note"] == note and not any(report["models"]["draft"].values()), draft
+
+
+def test_memory_sizes_the_scratch_as_the_runtime_does_when_the_heads_are_widest():
+    """A model whose heads x head_dim (256) is wider than its MLP (128) and hidden size (64):
+    the estimate's scratch per row is the runtime's buffers per row (attach_scratch), plus
+    the two hidden-size rows it counts besides. It took the widest input as max(hidden,
+    intermediate), 672 bytes a row short of the runtime (found in a mutation audit)."""
+    from types import SimpleNamespace
+
+    from specdecode.analysis.memory import Shape, model_memory
+    from specdecode.models.cpu_runtime import attach_scratch
+
+    cfg = SimpleNamespace(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=64)
+
+    def runtime_bytes(rows):
+        buffers = attach_scratch(SimpleNamespace(), cfg, rows, cfg.hidden_size)
+        return sum(t.numel() * t.element_size() for name, t in buffers.items() if name != "partial")
+
+    shape = Shape("wide heads", 64, 2, 4, 2, 128, 97, True, head_dim=64)
+
+    def estimate(chunk):
+        return model_memory(shape, "bf16", "bf16", 1, 16, 0, prefill_chunk=chunk)["activations"]
+
+    assert estimate(2) - estimate(1) == runtime_bytes(2) - runtime_bytes(1) + 4 * 2 * 64

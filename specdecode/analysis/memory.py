@@ -225,7 +225,7 @@ def model_memory(shape: Shape, weights: str, kv_dtype: str, batch: int, context:
     weight_bytes = 0.0 if shares_weights else stored + rope
     kv = 2 * layers * shape.kv_heads * shape.head_dim * context * batch * BYTES[kv_dtype]
     rows = batch * prefill_chunk
-    widest = max(shape.hidden, shape.intermediate)
+    widest = max(shape.hidden, shape.intermediate, shape.heads * shape.head_dim)  # as attach_scratch sizes it
     qkv = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
     scratch = rows * (4 * (2 * shape.hidden + widest + qkv + shape.heads * shape.head_dim + 2 * shape.intermediate)
                       + widest + 8 * (widest // 32 + 1))
