@@ -2154,3 +2154,22 @@ def test_thread_choice_is_not_moved_by_one_implausibly_short_pass():
         choice.observe(2, 1, 1, 100, 1.2)
     choice.observe(2, 1, 1, 100, 1e-6)
     assert choice.best("alone") == 1 and choice.ratios["alone", 2] == pytest.approx(0.8 * 1.2 + 0.2 * 0.3)
+
+
+def test_calibration_runs_fit_a_small_context(tmp_path):
+    """On a model of 32 positions the calibration's budget shrinks to half of what is left
+    after k (13 new tokens, 13 prompt tokens), so every built-in prompt still calibrates
+    rather than none (a 32-token budget leaves no room for a prompt)."""
+    import json
+
+    from conftest import save_char_tokenizer
+    from specdecode.factory import CALIBRATION_PROMPTS, calibration_runs
+
+    path = save_tiny_model(tmp_path / "short", seed=3, num_layers=1)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32}))
+    save_char_tokenizer(path)
+    target = load_model(str(path), torch.float32, backend="torch")
+    runs = calibration_runs(target, NgramProposer(), k=4)
+    assert len(runs) == len(CALIBRATION_PROMPTS)
+    assert all(1 <= stats.new_tokens <= 13 for stats in runs)

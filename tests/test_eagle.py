@@ -1290,3 +1290,52 @@ def test_an_imported_head_reads_rope_and_its_maps_as_the_target_loader_does(tmp_
     save_file(tensors, str(directory / "model.safetensors"))
     with pytest.raises(SpecDecodeError, match=r"d2t map has shape \(59,\), expected \(60,\)"):
         EagleHead.load(directory)
+
+
+def test_a_heads_stored_embedding_is_the_targets_up_to_rounding_only():
+    """Which embedding an imported head drafts with: its stored copy is the target's when it
+    differs by rounding alone (bf16 here), and its own otherwise (another embedding, or
+    another shape), which the head then drafts with, as vLLM does."""
+    from specdecode.factory import same_embedding
+
+    embedding = torch.randn(97, 64, generator=torch.Generator().manual_seed(0))
+    assert same_embedding(embedding.to(torch.bfloat16), embedding)
+    assert same_embedding(embedding.clone(), embedding)
+    other = torch.randn(97, 64, generator=torch.Generator().manual_seed(1))
+    assert not same_embedding(other, embedding)
+    assert not same_embedding(embedding[:96], embedding)
+    assert not same_embedding(embedding * 1.05, embedding)  # 5% off: beyond rounding
+
+
+def test_a_head_for_another_hidden_size_or_a_deeper_target_is_refused_when_built(targets, tmp_path):
+    """build_proposer refuses a saved head trained on states of another width, and one that
+    reads a layer the target does not have, before any request runs."""
+    from specdecode.config import EngineConfig, VocabularyMismatchError
+
+    target = targets[0]
+    cfg = target.runtime.cfg
+    narrow = EagleHead(dataclasses.replace(EagleConfig.for_target(cfg, 60), hidden_size=cfg.hidden_size // 2))
+    narrow.save(tmp_path / "narrow")
+    with pytest.raises(VocabularyMismatchError, match="trained for a target with 97 tokens and hidden size 32"):
+        build_proposer(SpeculativeConfig(method="eagle", draft=str(tmp_path / "narrow")), target,
+                       EngineConfig(dtype="fp32"))
+    deep = EagleHead(dataclasses.replace(EagleConfig.for_target(cfg, 60), capture_layers=(0, 1, 3)))
+    deep.save(tmp_path / "deep")
+    with pytest.raises(ConfigError, match="reads layer 3; the target has 3"):
+        build_proposer(SpeculativeConfig(method="eagle", draft=str(tmp_path / "deep")), target,
+                       EngineConfig(dtype="fp32"))
+
+
+def test_build_proposer_gives_eagle_and_tree_drafters_the_configs_width_and_ngram_sizes(targets, tmp_path):
+    """--tree-width reaches the head's drafter (eagle and tree) and --ngram-sizes the merged
+    tree's prompt lookup."""
+    from specdecode.config import EngineConfig
+
+    target = targets[0]
+    random_head(target, 2).save(tmp_path / "head")
+    engine, draft = EngineConfig(dtype="fp32"), str(tmp_path / "head")
+    assert build_proposer(SpeculativeConfig(method="eagle", draft=draft, tree_width=2), target, engine).tree_width == 2
+    assert build_proposer(SpeculativeConfig(method="eagle", draft=draft), target, engine).tree_width == 3
+    merged = build_proposer(SpeculativeConfig(method="tree", draft=draft, ngram_sizes=(4, 2), tree_width=2), target,
+                            engine)
+    assert merged.ngram.ngram_sizes == (4, 2) and merged.eagle.tree_width == 2

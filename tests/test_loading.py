@@ -928,3 +928,28 @@ def test_memory_counts_the_fp32_pass_of_a_tensor_int4_quantizes_again(tmp_path, 
 
     path, _ = _tiny_gguf("llama", tmp_path / "gguf", "Q4_1", types=types, tokenizer=True)
     assert deployment_memory(str(path), None, "bf16", 1, 64, 0, None, "int4")["models"]["target"]["load"] == int4_load
+
+
+def test_a_shape_the_kernels_cannot_take_refuses_a_weight_format_torch_would_not_store(tmp_path):
+    """On torch the weights are stored in --dtype: --weights bf16 under --dtype fp32 for a
+    model the kernels cannot run is refused (naming --backend torch), not run in fp32."""
+    import torch
+
+    from conftest import save_tiny_model
+    from specdecode.config import ConfigError
+    from specdecode.factory import load_model
+
+    path = save_tiny_model(tmp_path / "m", seed=1, num_layers=1, hidden_size=48, num_heads=4, num_kv_heads=2)
+    with pytest.raises(ConfigError, match="use --backend torch"):
+        load_model(str(path), torch.float32, weights="bf16")
+    assert load_model(str(path), torch.float32, weights="fp32").runtime.backend == "torch"
+
+
+def test_weights_auto_never_offers_int4_for_a_checkpoint_that_is_not_a_gguf(tmp_path):
+    """A safetensors checkpoint is never cut below 8 bits unasked: --weights auto times
+    q8_0 and bf16 only."""
+    from conftest import save_tiny_model
+    from specdecode.factory import auto_candidates
+    from specdecode.models.loading import resolve_model
+
+    assert auto_candidates(resolve_model(str(save_tiny_model(tmp_path / "m", seed=1, num_layers=1)))) == ["q8_0", "bf16"]
