@@ -34,6 +34,12 @@ VLLM_METHODS = {"ngram": "ngram", "[ngram]": "ngram", "eagle": "eagle", "eagle3"
 K_POLICIES = ("cost", "threshold")
 
 
+def is_count(value) -> bool:
+    """An integer, and not a bool (True passed ``isinstance(value, int)`` as a k of 1, and
+    2.5 passed a range check; found in a mutation audit)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def parse_k(text: str | int) -> int | str:
     """'auto' or a positive integer, from a flag or a config file."""
     if isinstance(text, int) or text == "auto":
@@ -148,23 +154,24 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"method must be one of {METHODS}, got {self.method!r}")
-        if self.k != "auto" and not (isinstance(self.k, int) and 1 <= self.k <= MAX_K):
+        if self.k != "auto" and not (is_count(self.k) and 1 <= self.k <= MAX_K):
             # the most rows one pass scores, as k_max (found in review: --k 100000 ran, labelled so)
             raise ConfigError(f"k (draft tokens per step) must be 'auto' or an integer in 1..{MAX_K}, got {self.k!r}")
         if self.k_policy not in K_POLICIES:
             raise ConfigError(f"k_policy must be one of {K_POLICIES}, got {self.k_policy!r}")
         if self.tree_width is None:
             object.__setattr__(self, "tree_width", DEFAULT_TREE_WIDTH if self.method in ("eagle", "tree") else 1)
-        if not isinstance(self.tree_width, int) or not 1 <= self.tree_width <= MAX_TREE_WIDTH:
+        if not is_count(self.tree_width) or not 1 <= self.tree_width <= MAX_TREE_WIDTH:
             # a head pass scores the expanded nodes in one masked pass of at most 256 rows
             raise ConfigError(f"tree width (--tree-width, children per expanded node) must be an integer in "
                               f"1..{MAX_TREE_WIDTH}, got {self.tree_width!r}")
-        if not 1 <= self.k_max <= MAX_K:  # each step weighs every k up to it: 10**8 hung generation
-            raise ConfigError(f"k_max must be in 1..{MAX_K}, got {self.k_max}")
+        # each step weighs every k up to it: 10**8 hung generation
+        if not is_count(self.k_max) or not 1 <= self.k_max <= MAX_K:
+            raise ConfigError(f"k_max must be an integer in 1..{MAX_K}, got {self.k_max!r}")
         if self.method == "draft" and not self.draft:
             raise ConfigError("method 'draft' needs a draft model: --draft PATH or --draft self:L")
         if (not self.ngram_sizes or len(self.ngram_sizes) > MAX_NGRAM
-                or any(not 1 <= n <= MAX_NGRAM for n in self.ngram_sizes)):
+                or any(not is_count(n) or not 1 <= n <= MAX_NGRAM for n in self.ngram_sizes)):
             # each size is a lookup on every step: 10**10 of them ran out of memory (found in review)
             raise ConfigError(f"ngram_sizes must be at most {MAX_NGRAM} integers in 1..{MAX_NGRAM}, "
                               f"got {self.ngram_sizes}")
@@ -204,8 +211,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ConfigError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.num_threads is not None and (not is_count(self.num_threads) or self.num_threads < 1):
+            raise ConfigError(f"num_threads must be an integer >= 1, got {self.num_threads!r}")
         most = 4 * (os.cpu_count() or 1)
         if self.num_threads is not None and self.num_threads > most:  # 100000 crashed in the tokenizer's pool
             raise ConfigError(f"num_threads {self.num_threads} is more than 4x this machine's {os.cpu_count()} cores")
@@ -215,8 +222,8 @@ class EngineConfig:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.device not in DEVICES:
             raise ConfigError(f"device must be one of {DEVICES}, got {self.device!r}")
-        if not 1 <= self.prefill_chunk <= MAX_PREFILL_CHUNK:
-            raise ConfigError(f"prefill_chunk must be in 1..{MAX_PREFILL_CHUNK}, got {self.prefill_chunk}")
+        if not is_count(self.prefill_chunk) or not 1 <= self.prefill_chunk <= MAX_PREFILL_CHUNK:
+            raise ConfigError(f"prefill_chunk must be an integer in 1..{MAX_PREFILL_CHUNK}, got {self.prefill_chunk!r}")
         if self.exact and self.backend == "torch":
             raise ConfigError("exact mode needs the kernels backend (backend 'torch' is not batch invariant)")
         if self.exact and self.device != "cpu":

@@ -683,3 +683,211 @@ def test_a_draft_model_feeds_only_what_its_cache_lacks(tmp_path):
     fed.clear()
     proposer.propose(tokens, 3, greedy, None)
     assert fed == [1, 1, 1]
+
+
+@pytest.mark.parametrize("fields, problem", [
+    ({"method": "bogus"}, "method must be one of"),
+    ({"k": 513}, r"k \(draft tokens per step\) must be 'auto' or an integer in 1..512, got 513"),
+    ({"k": 2.5}, r"k \(draft tokens per step\) must be 'auto' or an integer in 1..512, got 2.5"),
+    ({"k": "3"}, r"k \(draft tokens per step\) must be 'auto' or an integer in 1..512, got '3'"),
+    ({"method": "eagle", "tree_width": 0}, "tree width .* must be an integer in 1..64, got 0"),
+    ({"method": "eagle", "tree_width": 65}, "tree width .* must be an integer in 1..64, got 65"),
+    ({"ngram_sizes": ()}, r"ngram_sizes must be at most 64 integers in 1..64, got \(\)"),
+    ({"ngram_sizes": (3, 0)}, r"ngram_sizes must be at most 64 integers in 1..64, got \(3, 0\)"),
+    ({"ngram_sizes": tuple(range(1, 65)) + (1,)}, "ngram_sizes must be at most 64 integers"),
+])
+def test_speculative_config_refuses_fields_no_drafter_can_take(fields, problem):
+    """A drafter name, k, tree width or n-gram sizes no drafter can run is a ConfigError
+    naming the field, not a config that fails (or runs as something else) later."""
+    with pytest.raises(ConfigError, match=problem):
+        SpeculativeConfig(**fields)
+
+
+def test_speculative_config_takes_its_bounds_and_defaults_tree_widths_by_method():
+    """The largest k, k_max, tree width and n-gram list are taken; an unset tree width is 3
+    for the drafters that build trees from the head (eagle, tree) and 1 (chains) otherwise."""
+    assert SpeculativeConfig(k=512, k_max=512).k == 512 and SpeculativeConfig(k=1).k == 1
+    assert SpeculativeConfig(method="eagle", tree_width=64).tree_width == 64
+    assert SpeculativeConfig(ngram_sizes=tuple(range(1, 65))).ngram_sizes[-1] == 64
+    widths = {method: SpeculativeConfig(method=method, draft="self:1").tree_width
+              for method in ("none", "ngram", "suffix", "draft", "eagle", "tree", "medusa")}
+    assert widths == {"none": 1, "ngram": 1, "suffix": 1, "draft": 1, "eagle": 3, "tree": 3, "medusa": 1}
+
+
+@pytest.mark.parametrize("fields, problem", [
+    ({"top_k": -1}, r"top_k must be >= 0 \(0 disables it\), got -1"),
+    ({"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
+    ({"stop": ("ok", "")}, "stop strings must be non-empty"),
+    ({"top_p": 1.01}, r"top_p must be in \(0, 1\]"),
+])
+def test_sampling_params_refuse_a_negative_top_k_an_empty_budget_or_stop_string(fields, problem):
+    """Values no request can mean are refused by field, while the boundaries are taken: top_k 0
+    (off), one new token, top_p 1, and the signed 64-bit seed range's ends."""
+    with pytest.raises(ConfigError, match=problem):
+        SamplingParams(**fields)
+    edges = SamplingParams(top_k=0, max_new_tokens=1, top_p=1.0, stop=("a",), seed=2**63 - 1)
+    assert (edges.top_k, edges.max_new_tokens, edges.seed) == (0, 1, 2**63 - 1)
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+
+
+def test_greedy_is_below_the_sampling_epsilon_only():
+    """A temperature below GREEDY_BELOW (vLLM's 1e-5) is greedy; that temperature itself samples."""
+    from specdecode.config import GREEDY_BELOW
+
+    assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=GREEDY_BELOW / 2).greedy
+    assert not SamplingParams(temperature=GREEDY_BELOW).greedy
+
+
+@pytest.mark.parametrize("fields, problem", [
+    ({"num_threads": 0}, "num_threads must be an integer >= 1, got 0"),
+    ({"exact": True, "backend": "torch"}, "exact mode needs the kernels backend"),
+    ({"exact": True, "device": "cuda"}, "exact mode needs specdecode's CPU kernels; device 'cuda'"),
+    ({"prefill_chunk": 513}, "prefill_chunk must be an integer in 1..512, got 513"),
+    ({"weights": "int3"}, "weights must be one of"),
+    ({"dtype": "fp16"}, "dtype must be one of"),
+    ({"backend": "cuda"}, "backend must be one of"),
+    ({"device": "tpu"}, "device must be one of"),
+])
+def test_engine_config_refuses_settings_no_runtime_can_take(fields, problem):
+    """Before anything loads: no threads, exact mode off the CPU kernels, a chunk over the
+    kernels' rows, an unknown weight format or dtype. Their neighbours are taken."""
+    with pytest.raises(ConfigError, match=problem):
+        EngineConfig(**fields)
+    assert EngineConfig(num_threads=1, prefill_chunk=512, exact=True, backend="kernels").prefill_chunk == 512
+    assert EngineConfig(exact=False, backend="torch", device="cuda").device == "cuda"
+
+
+def test_a_draft_model_of_the_same_vocabulary_size_but_another_tokenizer_is_refused(tmp_path, tiny_text_model_dir):
+    """Sizes alike are not enough: a draft whose tokenizer maps the characters to other ids
+    (here in reverse order) would draft tokens that mean something else to the target."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    target = load_model(tiny_text_model_dir, torch.float32)
+    draft = save_tiny_model(tmp_path / "reversed", seed=2, num_layers=1)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({chr(c): 3 + i for i, c in enumerate(reversed(range(33, 127)))})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(draft)
+    with pytest.raises(VocabularyMismatchError, match="map tokens to different ids"):
+        build_proposer(SpeculativeConfig(method="draft", draft=str(draft)), target, EngineConfig(dtype="fp32"))
+
+
+def test_a_draft_model_of_a_larger_vocabulary_is_refused_when_the_proposer_is_built(tmp_path, tiny_llama_dir):
+    """A draft with more tokens than the target (and no tokenizer showing the extra rows are
+    padding) is refused by build_proposer, naming both sizes, as a smaller one is."""
+    target = load_model(tiny_llama_dir, torch.float32)
+    large = save_tiny_model(tmp_path / "large-vocab", seed=2, num_layers=1, vocab_size=120)
+    with pytest.raises(VocabularyMismatchError, match="vocabulary mismatch: target .* has 97 tokens, draft .* has 120"):
+        build_proposer(SpeculativeConfig(method="draft", draft=str(large)), target, EngineConfig(dtype="fp32"))
+
+
+def test_a_draft_too_small_for_the_shared_tokenizers_ids_is_refused(tmp_path, tiny_text_model_dir):
+    """Embeddings padded to other sizes pass only where every tokenizer id fits in both
+    models: a draft of 90 rows under the target's 97-token tokenizer has no row for ids
+    90..96, so it is a vocabulary mismatch, not padding."""
+    from conftest import save_char_tokenizer
+
+    target = load_model(tiny_text_model_dir, torch.float32)
+    small = save_tiny_model(tmp_path / "small", seed=2, num_layers=1, vocab_size=90)
+    save_char_tokenizer(small)
+    with pytest.raises(VocabularyMismatchError, match="target .* has 97 tokens, draft .* has 90"):
+        build_proposer(SpeculativeConfig(method="draft", draft=str(small)), target, EngineConfig(dtype="fp32"))
+
+
+def test_the_torch_backend_refuses_exact_mode_and_quantized_weights_it_would_ignore(tiny_llama_dir):
+    """load_model takes the flags EngineConfig does not cross-check: on the torch backend the
+    weights are stored in --dtype, so --weights int8 would run dense and --exact would not be
+    batch invariant; both are refused rather than ignored."""
+    with pytest.raises(ConfigError, match="--exact needs specdecode's CPU kernels; backend 'torch'"):
+        load_model(tiny_llama_dir, torch.float32, backend="torch", exact=True)
+    with pytest.raises(ConfigError, match=r"--weights int8 needs specdecode's CPU kernels; .* stored in --dtype \(fp32\)"):
+        load_model(tiny_llama_dir, torch.float32, backend="torch", weights="int8")
+
+
+@needs_kernels
+def test_fp32_with_auto_weights_is_full_precision_on_the_kernels(tiny_llama_dir):
+    """--dtype fp32 means full precision: its 'auto' weights are fp32 on the kernels, not a
+    format measured among q8_0 and bf16; bf16's stay 'auto' (measured)."""
+    from specdecode.factory import choose_backend
+    from specdecode.models.loading import resolve_model
+
+    source = resolve_model(str(tiny_llama_dir))
+    assert choose_backend(source, torch.float32, "auto", "auto", None, "cpu") == ("kernels", "fp32")
+    assert choose_backend(source, torch.bfloat16, "auto", "auto", None, "cpu") == ("kernels", "auto")
+    assert choose_backend(source, torch.float32, "int8", "auto", None, "cpu") == ("kernels", "q8_0")
+
+
+def test_a_layer_skip_draft_on_the_transformers_runtime_is_refused_by_name(tiny_llama_dir):
+    """self:L drafts with the target's own first layers, which only the native runtime can
+    run alone: on transformers it is a ConfigError saying so, not an attribute error."""
+    target = load_model(tiny_llama_dir, torch.float32, runtime="hf")
+    with pytest.raises(ConfigError, match="--draft self:L needs the native runtime"):
+        build_proposer(SpeculativeConfig(method="draft", draft="self:1"), target, EngineConfig(dtype="fp32"))
+
+
+def test_load_target_sets_the_thread_count_before_loading(monkeypatch):
+    """--threads applies before the target loads, so that --weights auto measures (and
+    caches) the formats at the count the run uses."""
+    from specdecode import factory
+
+    events = []
+    monkeypatch.setattr(factory.torch, "set_num_threads", lambda n: events.append(("threads", n)))
+    monkeypatch.setattr(factory, "load_model", lambda name, *args: events.append(("load", name)) or "loaded")
+    assert factory.load_target(EngineConfig(model="m", num_threads=2)) == "loaded"
+    assert events == [("threads", 2), ("load", "m")]
+
+
+def test_the_transformers_runtime_takes_weights_in_its_own_dtype_and_refuses_others(tiny_llama_dir):
+    """--runtime hf stores the weights in --dtype: --weights naming that format is taken,
+    another is refused."""
+    assert load_model(tiny_llama_dir, torch.float32, runtime="hf", weights="fp32").runtime is not None
+    with pytest.raises(ConfigError, match="runs through transformers, which takes neither --weights"):
+        load_model(tiny_llama_dir, torch.float32, runtime="hf", weights="bf16")
+
+
+def test_an_explicit_native_runtime_is_not_swapped_for_transformers(tmp_path):
+    """--runtime auto sends a Llama-family model the native runtime cannot compute (here a
+    sliding window) to transformers; --runtime native refuses it instead of switching."""
+    import json
+
+    from specdecode.config import SpecDecodeError
+    from specdecode.models.hf import HFRuntime
+
+    mistral = save_tiny_model(tmp_path / "mistral", "mistral", seed=5, num_layers=1)
+    config = json.loads((mistral / "config.json").read_text())
+    (mistral / "config.json").write_text(json.dumps({**config, "sliding_window": 8}))
+    assert isinstance(load_model(str(mistral), torch.float32).runtime, HFRuntime)
+    with pytest.raises(SpecDecodeError, match="sliding attention window"):
+        load_model(str(mistral), torch.float32, runtime="native")
+
+
+def test_build_proposer_passes_on_the_configs_ngram_sizes_and_self_draft_layers(tiny_llama_dir):
+    """The drafter built is the one configured: --ngram-sizes reach prompt lookup and suffix
+    lookup, and self:L drafts with the target's first L layers (not its default or L - 1)."""
+    target = load_model(tiny_llama_dir, torch.float32)
+    engine = EngineConfig(dtype="fp32")
+    assert build_proposer(SpeculativeConfig(method="ngram", ngram_sizes=(4, 2)), target, engine).ngram_sizes == (4, 2)
+    suffix = build_proposer(SpeculativeConfig(method="suffix", ngram_sizes=(5,)), target, engine)
+    assert suffix.ngram_sizes == (5,)
+    assert build_proposer(SpeculativeConfig(method="draft", draft="self:1"), target, engine).runtime.num_layers == 1
+
+
+@pytest.mark.parametrize("fields", [{"k": True}, {"k": 2.5}, {"k_max": 2.5}, {"k_max": True}, {"ngram_sizes": (2.5,)},
+                                    {"ngram_sizes": (3, True)}, {"tree_width": True, "method": "eagle"}])
+def test_speculative_config_refuses_counts_that_are_not_integers(fields):
+    """A bool or a float is no count of drafts (k=True ran as k = 1, k_max=2.5 and a size of
+    2.5 passed their range checks; found in a mutation audit): the Python API refuses them
+    as the CLI, which parses integers, never lets them through."""
+    with pytest.raises(ConfigError):
+        SpeculativeConfig(**{"method": "ngram", **fields})
+
+
+@pytest.mark.parametrize("fields, problem", [({"num_threads": 1.5}, "num_threads must be an integer >= 1, got 1.5"),
+                                             ({"num_threads": True}, "num_threads must be an integer >= 1, got True"),
+                                             ({"prefill_chunk": 2.5}, "prefill_chunk must be an integer in 1..512, got 2.5")])
+def test_engine_config_refuses_counts_that_are_not_integers(fields, problem):
+    with pytest.raises(ConfigError, match=problem):
+        EngineConfig(**fields)

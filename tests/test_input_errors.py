@@ -73,8 +73,8 @@ def test_memory_refuses_bad_drafters_and_chunks_and_takes_good_ones(capsys):
     memory = ("memory", "--target", "135M", "--no-process", "--budget", "100")
     for flags, problem in [(["--draft", "self:x"], "draft self:L needs an integer layer count, got 'self:x'"),
                            (["--draft", "self:30"], "draft self:L needs 1 <= L < 30 (the target's layers), got 30"),
-                           (["--prefill-chunk", "0"], "prefill_chunk must be in 1..512, got 0"),
-                           (["--prefill-chunk", "100000"], "prefill_chunk must be in 1..512, got 100000")]:
+                           (["--prefill-chunk", "0"], "prefill_chunk must be an integer in 1..512, got 0"),
+                           (["--prefill-chunk", "100000"], "prefill_chunk must be an integer in 1..512, got 100000")]:
         code, err = run(capsys, *memory, *flags)
         assert code == 2 and problem in err, (flags, err)
     assert main([*memory, "--draft", "self:29", "--prefill-chunk", "512"]) == 0
@@ -247,7 +247,7 @@ def test_a_transformers_draft_model_does_not_take_the_targets_flags(tmp_path, ti
     (["generate", "hi", "--method", "draft", "--ngram-sizes", "7"], "--ngram-sizes is read by method ngram or suffix "
                                                                      "or tree only; draft would ignore it"),
     (["generate", "hi", "--method", "eagle", "--k", "6x2", "--tree-width", "4"], "give two tree widths"),
-    (["generate", "hi", "--k-max", "100000000"], "k_max must be in 1..512, got 100000000"),
+    (["generate", "hi", "--k-max", "100000000"], "k_max must be an integer in 1..512, got 100000000"),
     (["generate", "hi", "--method", "ngram", "--ngram-sizes", "10000000000000000000000"],
      "ngram_sizes must be at most 64 integers in 1..64"),
     (["analyze", "--temperature", "0.9"], "--temperature 0.9: analyze runs every temperature --temperatures lists"),
@@ -712,3 +712,35 @@ def test_a_json_array_after_blank_space_loads_and_a_blank_system_prompt_is_left_
     loaded = load_prompts(str(path))
     assert [(p["question_id"], p["turns"]) for p in loaded] == [("c1", ["Hi"]), ("c2", ["Yo"])]
     assert "system" not in loaded[0] and loaded[1]["system"] == "Be brief."
+
+
+@pytest.mark.parametrize("spec, problem", [
+    ("bogus@3", "unknown bench method 'bogus'"),
+    ("hf@3", "'hf@3': hf takes no k"),
+    ("llamacpp@auto", "llamacpp takes no k"),
+    ("none@2", "none takes no k"),
+    ("ngram@0", "k is an integer, auto or threshold"),
+    ("eagle@6x0", "k is an integer, auto or threshold"),
+    ("ngram@3x2", "a tree width is for eagle and tree; ngram drafts chains"),
+    ("draft@4x2", "a tree width is for eagle and tree; draft drafts chains"),
+])
+def test_bench_specs_that_name_no_method_or_no_k_it_takes_are_refused(spec, problem):
+    """parse_method refuses, before anything loads: an unknown method, a k for plain
+    decoding or a peer, a k of 0 (or a width of 0), and a tree width for a chain drafter."""
+    from specdecode.bench.runner import parse_method
+
+    with pytest.raises(SpecDecodeError, match=problem):
+        parse_method(spec)
+    assert parse_method("hf") == ("hf", None) and parse_method("ngram@10") == ("ngram", "10")
+    assert parse_method("tree@4x2") == ("tree", "4x2")
+
+
+def test_int_list_flags_take_spaces_and_a_trailing_comma_and_refuse_other_text():
+    """--ngram-sizes and preset values: "4, 3,2," is (4, 3, 2); a part that is no integer
+    is refused by the flag's name."""
+    from specdecode.config import ConfigError, parse_int_list
+
+    assert parse_int_list("4, 3,2,", "--ngram-sizes") == (4, 3, 2)
+    assert parse_int_list(5, "--ngram-sizes") == (5,)
+    with pytest.raises(ConfigError, match="--ngram-sizes takes comma-separated integers, got '3,x'"):
+        parse_int_list("3,x", "--ngram-sizes")
