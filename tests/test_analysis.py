@@ -967,3 +967,22 @@ def test_memory_sizes_the_scratch_as_the_runtime_does_when_the_heads_are_widest(
         return model_memory(shape, "bf16", "bf16", 1, 16, 0, prefill_chunk=chunk)["activations"]
 
     assert estimate(2) - estimate(1) == runtime_bytes(2) - runtime_bytes(1) + 4 * 2 * 64
+
+
+def test_profile_table_shows_the_listed_sizes_v_limits_and_drafters():
+    """format_profile (what `profile` prints): a row per measured size among PROFILE_SIZES
+    (T = 3 is measured but not shown), each with its ms and v(T) = ms / ms at T = 1; the
+    bandwidth lines where the bytes read are known; one line per drafter's c. A mutation
+    audit dropped the size filter and the drafter lines unnoticed."""
+    from specdecode.cli import format_profile
+    from specdecode.cost.profile import CostProfile
+
+    profile = CostProfile("m", "fp32", "cpu-x", 2, contexts=[100], sizes=[1, 2, 3, 4],
+                          step_ms=[[10.0, 12.0, 13.0, 15.0]], drafters={"ngram": 0.05}, bandwidth_gbs=30.0,
+                          weight_bytes=3_000_000, kv_bytes_per_token=1000)
+    text = format_profile(profile, "tiny")
+    rows = [line.split() for line in text.splitlines() if line.split() and line.split()[0].isdigit()]
+    assert rows == [["1", "10.00", "1.00"], ["2", "12.00", "1.20"], ["4", "15.00", "1.50"]]
+    assert "reads 3.0 MB of weights and 1.0 kB of keys and values per cached token" in text
+    assert "step  10.00 ms = 100.00x | 96.77x" in text  # limits 0.100 ms | 0.103 ms at 30 GB/s
+    assert "drafter ngram: c = 0.050 of a target step per draft token" in text

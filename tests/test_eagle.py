@@ -1339,3 +1339,26 @@ def test_build_proposer_gives_eagle_and_tree_drafters_the_configs_width_and_ngra
     merged = build_proposer(SpeculativeConfig(method="tree", draft=draft, ngram_sizes=(4, 2), tree_width=2), target,
                             engine)
     assert merged.ngram.ngram_sizes == (4, 2) and merged.eagle.tree_width == 2
+
+
+def test_train_export_cli_writes_both_layouts_with_k_and_the_targets_name(targets, tmp_path, capsys):
+    """`specdecode train export`: the eagle3 layout's vLLM command line carries --k as
+    num_speculative_tokens; the speculators config names the --target given as its verifier
+    (the default model's Hugging Face name only for 'default') and proposes --k tokens."""
+    import json
+
+    from specdecode.cli import main
+
+    target = targets[0]
+    random_head(target, 4).save(tmp_path / "head")
+    common = ["train", "export", "--head", str(tmp_path / "head"), "--model", str(target.source.path), "--k", "4",
+              "--dtype", "fp32", "--weights", "fp32", "--backend", "torch"]
+    assert main([*common, "--out", str(tmp_path / "e3")]) == 0
+    out = capsys.readouterr().out
+    assert f'"model": "{tmp_path / "e3"}", "num_speculative_tokens": 4' in out, out
+    assert (tmp_path / "e3" / "model.safetensors").is_file()
+    assert main([*common, "--out", str(tmp_path / "sp"), "--format", "speculators"]) == 0
+    assert f"the speculators config names the verifier {target.source.path}" in capsys.readouterr().out
+    config = json.loads((tmp_path / "sp" / "config.json").read_text())["speculators_config"]
+    assert config["verifier"]["name_or_path"] == str(target.source.path)
+    assert config["proposal_methods"][0]["speculative_tokens"] == 4

@@ -744,3 +744,169 @@ def test_int_list_flags_take_spaces_and_a_trailing_comma_and_refuse_other_text()
     assert parse_int_list(5, "--ngram-sizes") == (5,)
     with pytest.raises(ConfigError, match="--ngram-sizes takes comma-separated integers, got '3,x'"):
         parse_int_list("3,x", "--ngram-sizes")
+
+
+def test_check_refuses_a_k_of_zero(capsys):
+    """check --k 0 means no calibration k at all: refused as -2 is (a mutation audit: a bound
+    of `< 0` passed every test)."""
+    code, err = run(capsys, "check", "a", "b", "--no-calibration", "--k", "0")
+    assert code == 2 and "--k must be >= 1, got 0" in err, err
+
+
+def test_bounds_at_their_edges_are_taken_or_refused(capsys):
+    """The edges of the CLI's bounds (each moved by a mutation audit unnoticed): --temperatures
+    inf is refused like nan, an analyze --budget of 0 GiB too; serve --shutdown-timeout 0 (no grace) and --prefill-threads 0 are
+    judged by their own bounds (0 seconds is taken: the run goes on to the next check, the
+    empty --api-key; 0 threads is refused); a --temperature of GREEDY_BELOW samples, so
+    --top-k beside it is taken."""
+    from specdecode.config import GREEDY_BELOW
+
+    code, err = run(capsys, "analyze", "--temperatures", "0,inf", "--out", "", "--model", "/nowhere/model")
+    assert code == 2 and "--temperatures needs at least one value, each a finite number >= 0" in err, err
+    code, err = run(capsys, "analyze", "--budget", "0", "--out", "", "--model", "/nowhere/model")  # --out: next
+    assert code == 2 and "--budget must be a finite number > 0 GiB, got 0.0" in err, err
+    code, err = run(capsys, "serve", "--shutdown-timeout", "0", "--api-key", "")
+    assert code == 2 and "--shutdown-timeout" not in err and "--api-key is empty" in err, err
+    code, err = run(capsys, "serve", "--prefill-threads", "0", "--api-key", "")  # the key: refused next
+    assert code == 2 and "--prefill-threads must be in 1.." in err, err
+    code, err = run(capsys, "generate", "hi", "--temperature", repr(GREEDY_BELOW), "--top-k", "40",
+                    "--model", "/nowhere/model")
+    assert code == 2 and "shapes sampling" not in err and "/nowhere/model" in err, err
+
+
+def test_a_bench_plot_whose_place_is_a_directory_is_refused_first(tmp_path, capsys):
+    """bench --out r.json draws its plot beside it as r.png: a directory there failed at the
+    end of the run (a mutation audit dropped the check unnoticed)."""
+    (tmp_path / "r.png").mkdir()
+    code, err = run(capsys, "bench", "--methods", "none,ngram", "--out", str(tmp_path / "r.json"),
+                    "--model", "/nowhere/model")
+    assert code == 2 and "the plot goes beside it as" in err and "which is a directory" in err, err
+
+
+def test_k_max_beside_a_bench_spec_of_k_auto_or_threshold_is_taken(capsys):
+    """ngram@auto and ngram@threshold choose k per step, so --k-max bounds them: taken (the
+    run gets to the model path), where beside ngram@3 alone it is refused."""
+    for spec in ("ngram@auto", "ngram@threshold", "eagle@autox2"):
+        code, err = run(capsys, "bench", "--methods", f"none,{spec}", "--k-max", "5", "--model", "/nowhere/model")
+        assert code == 2 and "would be ignored" not in err and "/nowhere/model" in err, (spec, err)
+
+
+def test_spec_config_takes_each_methods_own_drafter_flag_and_the_threshold_policy():
+    """_spec_config: --head goes to eagle, tree and medusa, --store to suffix, --draft to draft;
+    a bench spec's k 'threshold' is k auto under the threshold policy, whatever --k-policy says."""
+    from specdecode.cli import _spec_config, build_parser
+
+    args = build_parser().parse_args(["bench", "--methods", "none", "--head", "/h", "--store", "/s",
+                                      "--draft", "self:1"])
+    for method in ("eagle", "tree", "medusa"):
+        assert _spec_config(args, method).draft == "/h", method
+    assert _spec_config(args, "suffix").draft == "/s" and _spec_config(args, "draft").draft == "self:1"
+    threshold = _spec_config(args, "ngram", "threshold")
+    assert threshold.k_policy == "threshold" and threshold.k == "auto"
+    tree = _spec_config(args, "eagle", "thresholdx3")
+    assert tree.k_policy == "threshold" and tree.tree_width == 3
+    assert _spec_config(args, "ngram", "auto").k_policy == "cost" and _spec_config(args, "ngram", "2").k == 2
+
+
+def test_generate_compare_reports_identity_and_speedup_against_plain(capsys, tiny_text_model_dir):
+    """generate --compare --json: greedy n-gram drafting decodes plain decoding's tokens, so
+    identical_to_plain is true with no divergence, and the speedup is this run's tok/s over
+    plain's. Sampled, a --seed given is the one both runs use (not replaced by a random one);
+    without one, a seed is drawn and said."""
+    common = ["--model", str(tiny_text_model_dir), "--method", "ngram", "--k", "3", "--compare", "--json",
+              "--no-chat-template", "--dtype", "fp32", "--max-new-tokens", "8", "--threads", "1"]
+    code = main(["generate", "abcabcabcabc", *common])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    record = json.loads(captured.out)
+    assert record["identical_to_plain"] is True and "first_divergence" not in record
+    assert record["plain"]["new_tokens"] == record["stats"]["new_tokens"] > 0
+    assert record["speedup"] == pytest.approx(record["stats"]["tokens_per_s"] / record["plain"]["tokens_per_s"])
+    code = main(["generate", "abcabcabcabc", *common, "--temperature", "0.8", "--seed", "5"])
+    err = capsys.readouterr().err
+    assert code == 0 and "both runs use seed" not in err, err
+    code = main(["generate", "abcabcabcabc", *common, "--temperature", "0.8"])
+    err = capsys.readouterr().err
+    assert code == 0 and "both runs use seed" in err, err
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--concurrency", "0,2"], "--concurrency needs positive integers"),
+    (["--rounds", "0"], "--rounds must be at least 1, got 0"),
+    (["--request-rate", "0"], "--request-rate must be a finite number > 0, got 0.0"),
+    (["--modes", "spec,bogus"], "--modes takes a comma list of"),
+])
+def test_bench_serve_refuses_a_level_round_or_rate_of_zero_or_an_unknown_mode(capsys, flags, problem):
+    """Each bound at 0, and a mode it has not (each let through unnoticed by a mutation
+    audit). --max-tokens 0 beside it is refused by a later check, so a value let through
+    shows as that error instead."""
+    code, err = run(capsys, "bench-serve", "--url", "http://127.0.0.1:9", *flags, "--max-tokens", "0")
+    assert code == 2 and problem in err, err
+
+
+def test_train_export_refuses_a_k_below_one_before_loading(tmp_path, capsys):
+    """train export --k 0 would write a speculators config proposing no tokens."""
+    code, err = run(capsys, "train", "export", "--out", str(tmp_path / "x"), "--k", "0", "--model", "/nowhere/model")
+    assert code == 2 and "--k must be >= 1, got 0" in err, err
+
+
+def test_a_preset_setting_what_the_verb_does_not_take_is_refused(capsys, monkeypatch):
+    """A preset's keys become the verb's defaults: one the verb has no flag for is named,
+    not set silently on the parser."""
+    from specdecode import config
+
+    monkeypatch.setattr(config, "preset", lambda name: {"k_max": 3, "bogus": 1})
+    code, err = run(capsys, "generate", "hi", "--preset", "x", "--model", "/nowhere/model")
+    assert code == 2 and "preset 'x' sets ['bogus'], which generate does not take" in err, err
+
+
+def test_analyze_takes_none_beside_a_drafter_and_runs_each_temperature_once(tmp_path, capsys, monkeypatch):
+    """--methods none,ngram names a drafter (as the error for --methods none suggests): taken;
+    --temperatures 0,0.7,0 runs 0 once. The analysis itself is replaced here: what the CLI
+    hands it is checked, and the summary it writes is printed."""
+    from specdecode.analysis import analyzer
+
+    seen = {}
+
+    def fake_analyze(args, engine_config, spec_config, params, temperatures, methods, out):
+        seen.update(temperatures=temperatures, methods=methods)
+        (out / "summary.md").write_text("fake summary")
+
+    monkeypatch.setattr(analyzer, "analyze", fake_analyze)
+    code = main(["analyze", "--methods", "none,ngram", "--temperatures", "0,0.7,0", "--out", str(tmp_path / "a"),
+                 "--model", "/nowhere/model"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert seen == {"temperatures": [0.0, 0.7], "methods": ["none", "ngram"]}
+    assert "fake summary" in captured.out
+
+
+def test_profile_costs_a_given_draft_and_leaves_out_the_default_only_where_it_cannot_fit(tmp_path, capsys):
+    """The default draft self:4 is left out on a target of 4 layers or fewer (4 included: self:4
+    needs more); a --draft given is costed on such a target, not left out with it."""
+    from conftest import save_tiny_model
+
+    common = ("--backend", "torch", "--dtype", "fp32", "--json")
+    code, err = run(capsys, "profile", "--model", str(save_tiny_model(tmp_path / "four", seed=2, num_layers=4,
+                                                                        hidden_size=32)), *common)
+    assert code == 0 and "not costing the default draft self:4: the target has 4 layers" in err, err
+    code = main(["profile", "--model", str(tmp_path / "four"), *common, "--draft", "self:1"])
+    captured = capsys.readouterr()
+    assert code == 0 and "not costing" not in captured.err, captured.err
+    assert any("self:1" in name for name in json.loads(captured.out)["drafters"]), captured.out
+
+
+def test_generate_prints_the_text_or_one_json_record_with_the_k_it_chose(capsys, tiny_text_model_dir):
+    """generate streams the generated text to stdout and its stats line to stderr; with --json,
+    stdout is one JSON record of the same text, and under --k auto the k each step chose. A
+    mutation audit dropped the stream and k_per_step unnoticed."""
+    common = ["generate", "abcabcabcabc", "--model", str(tiny_text_model_dir), "--method", "ngram",
+              "--no-chat-template", "--dtype", "fp32", "--weights", "fp32", "--max-new-tokens", "6", "--threads", "1"]
+    assert main([*common, "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["text"] and record["k"].startswith("auto") and record["stats"]["new_tokens"] == 6
+    assert isinstance(record["k_per_step"], list) and record["k_per_step"], record
+    assert main(common) == 0
+    captured = capsys.readouterr()
+    assert captured.out == record["text"] + "\n", captured.out
+    assert f"[ngram k={record['k']}] 6 tokens in" in captured.err, captured.err

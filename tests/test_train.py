@@ -1233,3 +1233,23 @@ def test_held_out_ids_of_another_form_are_not_held_out_and_passages_keep_their_b
                                             "custom-code-016", "heldout-code-002"))
     passages = local_passages()  # (one fixed passage, shorter, where Python has no sources)
     assert len(passages) == 1 or all(300 <= len(p) <= 1200 for p in passages)
+
+
+def test_train_data_cli_names_the_files_it_wrote(tmp_path, capsys, monkeypatch, tiny_text_model_dir):
+    """`train data` ends by naming what it wrote: corpus.jsonl only where --corpus-tokens
+    kept some (a mutation audit inverted the choice unnoticed). The corpus is read from one
+    small source file here, not the whole standard library."""
+    from specdecode import cli
+    from specdecode.train import data
+
+    source = tmp_path / "source.py"
+    source.write_text("def add(a, b):\n    return a + b\n" * 8)
+    monkeypatch.setattr(data, "stdlib_sources", lambda: [source])
+    common = ["train", "data", "--model", str(tiny_text_model_dir), "--dtype", "fp32", "--prompts", "1",
+              "--samples", "0", "--max-new-tokens", "2", "--threads", "1", "--weights", "fp32", "--backend", "torch"]
+    assert cli.main([*common, "--out", str(tmp_path / "a"), "--corpus-tokens", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "(answers.jsonl, summary.json)" in out and "corpus.jsonl" not in out, out
+    assert cli.main([*common, "--out", str(tmp_path / "b"), "--corpus-tokens", "40", "--chunk-tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "(answers.jsonl, corpus.jsonl, summary.json)" in out and (tmp_path / "b" / "corpus.jsonl").exists(), out
