@@ -1173,3 +1173,21 @@ def test_the_audit_samples_requests_at_its_rate(model_dir):
     for _ in range(400):
         auditor.offer(original)
     assert 60 <= len(auditor.backlog) <= 140
+
+
+def test_a_plain_forward_on_the_engines_cache_makes_it_stop_trusting_its_prefixes(model_dir):
+    """Found by a mutation audit: a cache that someone else reset is not trusted (above),
+    but no test wrote one with a plain forward, which marks it as no longer the engine's
+    (its rows' slots were overwritten: a prefix reused from them would be wrong)."""
+    runtime = runtime_for(model_dir, "torch")
+    prompt = list(range(5, 30))
+    engine = BatchEngine(runtime, max_num_seqs=2, max_model_len=96)
+    for _ in range(2):
+        engine.add(prompt, SamplingParams(max_new_tokens=2), speculate=False)
+        engine.run()
+    hits = engine.prefix_hits
+    assert hits > 0  # the second request reused the first one's prompt
+    runtime(torch.tensor([[3, 4, 5]] * 2))  # a forward outside the engine's bookkeeping (both rows)
+    engine.add(prompt, SamplingParams(max_new_tokens=2), speculate=False)
+    engine.run()
+    assert engine.prefix_hits == hits

@@ -910,3 +910,20 @@ def test_generate_prints_the_text_or_one_json_record_with_the_k_it_chose(capsys,
     captured = capsys.readouterr()
     assert captured.out == record["text"] + "\n", captured.out
     assert f"[ngram k={record['k']}] 6 tokens in" in captured.err, captured.err
+
+
+def test_a_size_of_zero_or_a_json_true_for_one_is_named():
+    """Found by a mutation audit: a required size of 0 (a ZeroDivisionError inside, for the
+    heads) and a JSON true for an optional size (Python's True is the int 1: a one-position
+    context, one KV head of width 1) need their own refusals; no test held either."""
+    from specdecode.models.llama import LlamaConfig
+
+    config = {"model_type": "llama", "vocab_size": 97, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    assert LlamaConfig.from_hf(config).num_kv_heads == 2
+    for field in ("num_attention_heads", "hidden_size"):
+        with pytest.raises(SpecDecodeError, match=f"config.json has no positive integer for {field},"):
+            LlamaConfig.from_hf({**config, field: 0})
+    for field in ("max_position_embeddings", "num_key_value_heads", "head_dim"):
+        with pytest.raises(SpecDecodeError, match=f"config.json holds {field} True"):
+            LlamaConfig.from_hf({**config, field: True})

@@ -953,3 +953,57 @@ def test_weights_auto_never_offers_int4_for_a_checkpoint_that_is_not_a_gguf(tmp_
     from specdecode.models.loading import resolve_model
 
     assert auto_candidates(resolve_model(str(save_tiny_model(tmp_path / "m", seed=1, num_layers=1)))) == ["q8_0", "bf16"]
+
+
+def test_a_ggufs_carried_qkv_keep_the_checkpoints_biases_and_a_mistral_conversion_has_its_rows_put_back(tmp_path):
+    """Found by a mutation audit: transformers initialises a Qwen2's q/k/v biases at zero,
+    so the carried test above passed with the biases dropped from the fused q/k/v read from
+    the GGUF; and no test loaded a GGUF whose conversion is a Mistral (written by llama.cpp
+    as its llama architecture, q/k rows reordered), so undoing the reorder for llama only
+    went unnoticed."""
+    import torch
+
+    from specdecode.models.llama import load_native
+
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(1))
+    path, reference = _tiny_gguf("qwen2", tmp_path / "qwen2", "Q8_0")
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if name.endswith("_proj.bias"):
+                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
+        expected = reference(ids).logits
+    runtime = load_native(_converted(reference, tmp_path / "qwen2-converted"), torch.float32, "q8_0", "torch", path)
+    assert runtime.weights.carried["blk.0.attn_q.weight"] == "exact (q8_0)"
+    runtime.reset(40)
+    assert (runtime(ids) - expected).abs().max() < 1e-3
+
+    path, reference = _tiny_gguf("llama", tmp_path / "mistral", "Q8_0")
+    with torch.no_grad():
+        expected = reference(ids).logits
+    converted = _converted(reference, tmp_path / "mistral-converted")
+    config = json.loads((converted / "config.json").read_text())
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None)
+    (converted / "config.json").write_text(json.dumps(config))
+    runtime = load_native(converted, torch.float32, "q8_0", "torch", path)
+    assert runtime.cfg.model_type == "mistral" and runtime.weights.carried["blk.0.attn_k.weight"] == "exact (q8_0)"
+    runtime.reset(40)
+    assert (runtime(ids) - expected).abs().max() < 1e-3
+
+
+def test_a_gguf_tensor_unlike_what_config_json_implies_is_refused(tmp_path):
+    """Found by a mutation audit: tensors carried from a GGUF are checked against the
+    config's shapes as safetensors ones are, but no test gave a config that does not
+    describe the GGUF's tensors (the kernels would read past them)."""
+    import torch
+
+    from specdecode.config import SpecDecodeError
+    from specdecode.models.llama import load_native
+
+    path, reference = _tiny_gguf("llama", tmp_path / "gguf", "Q8_0")
+    converted = _converted(reference, tmp_path / "converted")
+    config = json.loads((converted / "config.json").read_text())
+    (converted / "config.json").write_text(json.dumps({**config, "intermediate_size": 256}))
+    with pytest.raises(SpecDecodeError, match=r"'model\.layers\.0\.mlp\.gate_proj\.weight' has shape \[128, 64\], "
+                                              r"but config\.json implies \[256, 64\]"):
+        load_native(converted, torch.float32, "q8_0", "torch", path)
