@@ -634,3 +634,256 @@ def test_a_config_naming_fewer_layers_than_the_checkpoint_holds_says_so(tmp_path
     (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
     with pytest.raises(SpecDecodeError, match="holds layers up to 2 but its config.json names num_hidden_layers 2"):
         load_native(path, torch.float32)
+
+
+def test_config_options_transformers_ignores_or_defaults_are_read_as_it_reads_them():
+    """Found by a mutation audit: a Qwen2 window with use_sliding_window false (every real
+    Qwen2 config) and a Mistral attention_bias (transformers' Mistral has no attention
+    biases) load; an activation other than SiLU, or a top-level partial_rotary_factor, is
+    refused; a config that leaves out rms_norm_eps, tie_word_embeddings or its RoPE
+    parameters gets transformers' defaults for them."""
+    from transformers import AutoConfig
+
+    from specdecode.models.llama import LlamaConfig, NativeUnsupported
+
+    def config(model_type, **extra):
+        return {**AutoConfig.for_model(model_type, vocab_size=97, hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                       sliding_window=None).to_dict(), **extra}
+
+    qwen2 = LlamaConfig.from_hf(config("qwen2", sliding_window=4096, use_sliding_window=False))
+    assert qwen2.qkv_bias
+    with pytest.raises(NativeUnsupported, match=r"sliding attention window \(4096\)"):
+        LlamaConfig.from_hf(config("qwen2", sliding_window=4096, use_sliding_window=True))
+    assert not LlamaConfig.from_hf(config("mistral", attention_bias=True)).qkv_bias
+    with pytest.raises(NativeUnsupported, match="hidden_act 'silu' only, got 'gelu'"):
+        LlamaConfig.from_hf(config("llama", hidden_act="gelu"))
+    # transformers moves a top-level partial_rotary_factor into the RoPE parameters
+    with pytest.raises(NativeUnsupported, match="partial_rotary_factor 0.5"):
+        LlamaConfig.from_hf(config("llama", partial_rotary_factor=0.5))
+    for model_type in ("llama", "mistral", "qwen2"):
+        defaults = AutoConfig.for_model(model_type)
+        bare = config(model_type)
+        for key in ("rms_norm_eps", "tie_word_embeddings", "rope_parameters", "rope_theta"):
+            bare.pop(key, None)
+        cfg = LlamaConfig.from_hf(bare)
+        assert (cfg.rms_norm_eps, cfg.tie_word_embeddings, cfg.rope) == (
+            defaults.rms_norm_eps, defaults.tie_word_embeddings, defaults.rope_parameters), model_type
+
+
+def _edited_tiny_model(path, seed, **config_changes):
+    """A tiny Llama checkpoint whose config.json is then edited (None: the key removed)."""
+    save_tiny_model(path, seed=seed)
+    config = json.loads((path / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    for key, value in config_changes.items():
+        config.pop(key, None)
+        if value is not None:
+            config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("changes", [
+    # the older key "type" for the RoPE type
+    {"rope_scaling": {"type": "linear", "factor": 4.0}},
+    # yarn scales cos and sin by its attention factor (0.1 ln(factor) + 1)
+    {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
+    # longrope up to (not past) its original context: its short factors throughout
+    {"rope_scaling": {"rope_type": "longrope", "original_max_position_embeddings": 256, "short_factor": [1.5] * 8,
+                      "long_factor": [3.0] * 8}},
+    # an eps large enough to move the logits, the final norm's too
+    {"rms_norm_eps": 0.5},
+], ids=["legacy-type-key", "yarn", "longrope-at-its-original-context", "rms-norm-eps"])
+def test_rope_variants_and_norm_eps_compute_what_transformers_computes(tmp_path, changes):
+    """Found by a mutation audit: each of these loaded, but nothing compared its logits
+    with transformers' (a legacy "type" key read as default RoPE, yarn's cos/sin scaling
+    dropped, a longrope model exactly at its original context refused, or the final norm
+    given another eps all went unnoticed)."""
+    path = _edited_tiny_model(tmp_path / "model", seed=12, **changes)
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(3))
+    runtime = load_native(path, torch.float32, backend="torch")
+    runtime.reset(64)
+    torch.testing.assert_close(runtime(ids), hf_logits(path, ids), atol=LOGITS_ATOL, rtol=0)
+
+
+def test_a_head_dim_other_than_hidden_over_heads_is_read_and_computed(tmp_path):
+    """Found by a mutation audit: every tiny model had head_dim = hidden_size / heads, so a
+    config's own head_dim (Qwen3-style wide heads) went unchecked, as did the o_proj shape
+    ([hidden, heads * head_dim]) that the loader expects."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                  max_position_embeddings=64, initializer_range=0.2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(4))
+    runtime = load_native(tmp_path, torch.float32, backend="torch")
+    assert runtime.cfg.head_dim == 32 and runtime.k_cache is None
+    runtime.reset(16)
+    assert runtime.k_cache.shape[-1] == 32
+    torch.testing.assert_close(runtime(ids), hf_logits(tmp_path, ids), atol=LOGITS_ATOL, rtol=0)
+
+
+def test_a_stored_rotary_inv_freq_buffer_is_skipped(tmp_path, tiny_llama_dir):
+    """Found by a mutation audit: older checkpoints store each layer's
+    rotary_emb.inv_freq buffer; it is not a parameter, and the load takes no notice of it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_llama_dir, tmp_path / "m")
+    state = load_file(tmp_path / "m" / "model.safetensors")
+    for i in range(2):
+        state[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(state, tmp_path / "m" / "model.safetensors")
+    ids = torch.tensor([[3, 4, 5, 6]])
+    runtime, reference = load_native(tmp_path / "m", torch.float32), load_native(tiny_llama_dir, torch.float32)
+    runtime.reset(8)
+    reference.reset(8)
+    assert torch.equal(runtime(ids), reference(ids))
+
+
+def test_a_two_token_pass_is_causal_and_a_pass_may_fill_the_cache_to_its_last_slot(tiny_llama_dir):
+    """Found by a mutation audit: no test scored exactly two new tokens in one pass (a
+    one-draft verification), whose first token must not see the second; nor filled a cache
+    to its last slot; nor asked reset() for more slots than the model has positions."""
+    runtime = load_native(tiny_llama_dir, torch.float32, backend="torch")
+    ids = torch.randint(0, 97, (1, 16), generator=torch.Generator().manual_seed(8))
+    runtime.reset(16)
+    full = runtime(ids)  # all 16 slots
+    assert runtime.length == runtime.capacity == 16
+    runtime.reset(16)
+    runtime(ids[:, :5])
+    torch.testing.assert_close(runtime(ids[:, 5:7]), full[:, 5:7], atol=LOGITS_ATOL, rtol=0)
+    runtime.reset(1000)
+    assert runtime.capacity == runtime.max_positions == 256
+
+
+def test_a_layer_skip_view_needs_at_least_one_layer(tiny_llama_dir):
+    """Found by a mutation audit: NativeRuntime's own check of the layer count (the CLI
+    refuses self:0 before it) was untested; a view of no layers would score the embedding."""
+    runtime = load_native(tiny_llama_dir, torch.float32, backend="torch")
+    for layers in (0, 3):
+        with pytest.raises(SpecDecodeError, match=rf"layer count must be in 1..2, got {layers}"):
+            runtime.layer_skip_view(layers)
+
+
+def test_a_token_tree_wider_than_a_prefill_chunk_is_refused_by_name(tiny_llama_dir):
+    """Found by a mutation audit: a tree is one pass under one [T, T] mask and cannot be cut
+    into chunks; without the refusal the torch backend failed inside with a shape error."""
+    runtime = load_native(tiny_llama_dir, torch.float32, backend="torch", prefill_chunk=2)
+    runtime.reset(16)
+    runtime(torch.tensor([[3, 4, 5]]))  # a chain longer than a chunk runs in chunks
+    tree_mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    with pytest.raises(SpecDecodeError, match="a token tree of 3 nodes exceeds prefill_chunk = 2"):
+        runtime(torch.tensor([[6, 7, 8]]), positions=torch.tensor([3, 4, 4]), tree_mask=tree_mask)
+    assert runtime.length == 3
+
+
+def test_one_token_steps_of_a_qwen2_add_its_qkv_biases(tmp_path):
+    """Found by a mutation audit: a single new token goes through torch.mv (not F.linear),
+    which adds the bias itself; every Qwen2 test scored several tokens at once, so a decode
+    step without the q/k/v biases went unnoticed."""
+    model_dir = save_tiny_model(tmp_path / "qwen2", "qwen2", seed=4)
+    _randomize_norms(model_dir)
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(9))
+    runtime = load_native(model_dir, torch.float32, backend="torch")
+    runtime.reset(16)
+    steps = torch.cat([runtime(ids[:, i : i + 1]) for i in range(ids.shape[1])], dim=1)
+    torch.testing.assert_close(steps, hf_logits(model_dir, ids), atol=LOGITS_ATOL, rtol=0)
+
+
+def test_bf16_weights_packed_for_the_cpu_keep_their_biases(tmp_path):
+    """Found by a mutation audit: the oneDNN-packed bf16 projections (pack_for_cpu) take the
+    bias in their own call; only Llama was run packed, so a Qwen2's q/k/v biases could be
+    dropped there unnoticed. Packed and plain bf16 weights compute the same logits."""
+    from specdecode.models.llama import LlamaWeights, NativeRuntime
+
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU's oneDNN takes no bf16: nothing is packed")
+    model_dir = save_tiny_model(tmp_path / "qwen2", "qwen2", seed=4)
+    _randomize_norms(model_dir)
+    ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(9))
+    packed = load_native(model_dir, torch.bfloat16)
+    assert packed.weights.layers[0].qkv.packed_weight is not None and packed.weights.layers[0].qkv.bias is not None
+    config = json.loads((model_dir / "config.json").read_text())
+    plain = NativeRuntime(LlamaWeights.from_pretrained(model_dir, config, torch.bfloat16))
+    assert getattr(plain.weights.layers[0].qkv, "packed_weight", None) is None
+    for runtime in (packed, plain):
+        runtime.reset(16)
+    # identical here; a few bf16 steps apart at most elsewhere (a dropped bias moved them by 1.8)
+    torch.testing.assert_close(packed(ids).float(), plain(ids).float(), atol=0.25, rtol=0)
+
+
+def test_explicit_positions_over_several_prefill_chunks_are_cut_with_the_tokens(tiny_llama_dir):
+    """Found by a mutation audit: positions given for a pass longer than a prefill chunk
+    (no tree) were never run; each chunk takes its own slice of them."""
+    runtime = load_native(tiny_llama_dir, torch.float32, backend="torch", prefill_chunk=2)
+    ids = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(10))
+    runtime.reset(8)
+    implicit = runtime(ids)
+    runtime.reset(8)
+    torch.testing.assert_close(runtime(ids, positions=torch.arange(5)), implicit, atol=0, rtol=0)
+
+
+def test_a_reset_to_another_batch_size_makes_a_cache_of_that_many_rows(tiny_llama_dir):
+    """Found by a mutation audit: a runtime reset to more rows at the same capacity (a
+    single-sequence engine's runtime then taken by a batched one) kept its one-row cache."""
+    runtime = load_native(tiny_llama_dir, torch.float32, backend="torch")
+    ids = torch.randint(0, 97, (2, 4), generator=torch.Generator().manual_seed(11))
+    runtime.reset(16)
+    single = runtime(ids[:1])
+    runtime.reset(16, batch=2)
+    assert runtime.k_cache.shape[1] == runtime.v_cache.shape[1] == 2
+    both = runtime(ids)
+    torch.testing.assert_close(both[:1], single, atol=LOGITS_ATOL, rtol=0)
+
+
+def test_a_prefill_chunk_of_zero_and_a_row_starting_before_slot_zero_are_refused(tiny_llama_dir):
+    """Found by a mutation audit: neither refusal was tested; without them a chunk of 0
+    failed inside range(), and a negative start wrapped round to the cache's last slots and
+    the RoPE table's last positions, computing logits without an error."""
+    from specdecode.config import ConfigError
+    from specdecode.models.llama import NativeRuntime
+
+    runtime = load_native(tiny_llama_dir, torch.float32, backend="torch")
+    with pytest.raises(ConfigError, match="prefill_chunk must be >= 1, got 0"):
+        NativeRuntime(runtime.weights, prefill_chunk=0)
+    runtime.reset(16, batch=2)
+    with pytest.raises(SpecDecodeError, match="exceeds the KV cache capacity"):
+        runtime.forward_rows(torch.tensor([[3, 4]]), [1], [-1])
+    with pytest.raises(ValueError, match="cannot roll back to -1"):
+        runtime.rollback(-1)
+
+
+def test_a_whole_row_may_be_copied_and_a_negative_capture_layer_is_refused(tiny_llama_dir):
+    """Found by a mutation audit: copy_prefix of a row's every slot (length = capacity)
+    and the lower bound of the capture layers were untested."""
+    runtime = load_native(tiny_llama_dir, torch.float32, backend="torch")
+    runtime.reset(8, batch=2)
+    runtime.forward_rows(torch.arange(3, 11)[None], [0], [0])
+    runtime.copy_prefix(0, 1, 8)
+    assert torch.equal(runtime.k_cache[:, 1], runtime.k_cache[:, 0])
+    assert torch.equal(runtime.v_cache[:, 1], runtime.v_cache[:, 0])
+    with pytest.raises(SpecDecodeError, match="cannot copy 9 slots"):
+        runtime.copy_prefix(0, 1, 9)
+    runtime.reset(8)
+    with pytest.raises(SpecDecodeError, match=r"capture layers must lie in 0..2, got \(-1,\)"):
+        runtime(torch.tensor([[3, 4]]), capture=(-1,))
+
+
+def test_a_qwen2_that_slides_with_no_window_named_is_refused_as_transformers_gives_it_one(tmp_path):
+    """Qwen2Config gives use_sliding_window = true without a sliding_window a 4,096-token
+    window on its upper layers; the native runtime read it as full attention and loaded it
+    (the runtimes would part beyond 4,096 tokens; found in a mutation audit). Without
+    use_sliding_window the absent window stays off, as in transformers."""
+    qwen = save_tiny_model(tmp_path / "qwen2", "qwen2", seed=3)
+    config = json.loads((qwen / "config.json").read_text())
+    config.pop("sliding_window", None)
+    (qwen / "config.json").write_text(json.dumps({**config, "use_sliding_window": False}))
+    load_native(qwen, torch.float32, backend="torch")
+    (qwen / "config.json").write_text(json.dumps({**config, "use_sliding_window": True}))
+    with pytest.raises(SpecDecodeError, match="sliding attention window"):
+        load_native(qwen, torch.float32)

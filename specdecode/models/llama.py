@@ -107,8 +107,9 @@ class LlamaConfig:
             raise NativeUnsupported("mlp_bias=True (biases on the MLP projections) is not supported by the native "
                                   "runtime; use --runtime hf")
         # transformers' MistralConfig reads an absent key as a 4,096-token window (found in
-        # review: loaded here as full attention, the runtimes parted beyond 4,096 tokens)
-        window = config.get("sliding_window", 4096 if model_type == "mistral" else None)
+        # review: loaded here as full attention, the runtimes parted beyond 4,096 tokens), and
+        # so does Qwen2Config where use_sliding_window is true (found in a mutation audit)
+        window = config.get("sliding_window", 4096 if model_type in ("mistral", "qwen2") else None)
         # transformers' Mistral slides whatever use_sliding_window says (it reads the key for
         # Qwen2 only): a Mistral config with the key false loaded as full attention (found
         # in review: logits off by 7.6)
