@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .config import (DEFAULT_NGRAM_SIZES, ConfigError, EngineConfig, SpecDecodeError, SpeculativeConfig,
-                     VocabularyMismatchError, self_draft_layers)
+                     VocabularyMismatchError, is_count, self_draft_layers)
 from .control.policies import CostAwareK, CostModel, FixedK, ThresholdK, TreeBudget
 from .cost.theory import best_k, tau_conditional
 from .engine import SpeculativeEngine
@@ -51,7 +51,7 @@ class LoadedModel:
                     raise SpecDecodeError(f"{path} is not valid JSON ({error})") from None
                 eos = data.get("eos_token_id") if isinstance(data, dict) else None
                 eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
-                if any(isinstance(i, bool) or not isinstance(i, int) for i in eos):
+                if not all(is_count(i) for i in eos):
                     raise SpecDecodeError(f"{path}: eos_token_id must be an integer or a list of them, got {eos!r}")
                 ids.update(eos)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

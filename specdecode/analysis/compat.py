@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import ConfigError, SpecDecodeError, self_draft_layers
+from ..config import ConfigError, SpecDecodeError, is_count, self_draft_layers
 from ..models.loading import load_tokenizer, resolve_model
 
 TEST_TEXT = (
@@ -56,7 +56,7 @@ def config_value(config: dict, key: str):
     for both models and passed, and a GPT-2 target read 0 layers."""
     for where in (config, config.get("text_config") if isinstance(config.get("text_config"), dict) else {}):
         for name in (key, *CONFIG_ALIASES.get(key, ())):
-            if isinstance(where.get(name), int) and not isinstance(where.get(name), bool):
+            if is_count(where.get(name)):
                 return where[name]
     return None
 
@@ -143,7 +143,7 @@ def context_of(source) -> int:
     config = source.config
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     return next((value for key in CONTEXT_KEYS for where in (text, config)
-                 if isinstance(value := where.get(key), int) and not isinstance(value, bool) and value > 0), 2048)
+                 if is_count(value := where.get(key)) and value > 0), 2048)
 
 
 def head_kind(draft: str) -> str | None:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ConfigError, SpecDecodeError
+from ..config import ConfigError, SpecDecodeError, is_count
 from . import device_label
 from .quant import PackedLinear, check_block_shape
 
@@ -46,8 +46,7 @@ OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 def not_positive_ints(config: dict, keys) -> list[str]:
     """The ``keys`` that ``config`` holds with something other than a positive integer (a
     JSON ``true`` is not one, nor is ``"256"``)."""
-    return [key for key in keys if config.get(key) is not None and (
-        isinstance(config[key], bool) or not isinstance(config[key], int) or config[key] < 1)]
+    return [key for key in keys if config.get(key) is not None and (not is_count(config[key]) or config[key] < 1)]
 
 
 DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768}  # transformers' config defaults

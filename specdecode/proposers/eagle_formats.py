@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import SpecDecodeError
+from ..config import SpecDecodeError, is_count
 from ..models.llama import rope_config
 from ..models.loading import shared_mode
 
@@ -253,7 +253,7 @@ def check_sizes(config, directory) -> None:
     draft_vocab_size given as a string failed deep in torch; found in review)."""
     for name in SIZE_FIELDS:
         value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_count(value) or value < 1:
             raise SpecDecodeError(f"{directory}/config.json: {name} must be an integer >= 1, got {value!r}")
 
 

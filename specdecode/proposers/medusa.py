@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import ConfigError, SamplingParams, SpecDecodeError
+from ..config import ConfigError, SamplingParams, SpecDecodeError, is_count
 from ..models.loading import shared_mode
 from .base import DraftVocabulary, Proposal
 
@@ -174,7 +174,7 @@ class MedusaHeads(DraftVocabulary, nn.Module):
         eps = config.rms_norm_eps
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
             raise SpecDecodeError(f"{directory}/config.json: rms_norm_eps must be a number in (0, 1), got {eps!r}")
-        if not all(isinstance(size, int) and not isinstance(size, bool) for size in sizes) or not (
+        if not all(is_count(size) for size in sizes) or not (
                 config.hidden_size >= 1 and config.num_heads >= 1 and 1 <= config.draft_vocab_size <= config.target_vocab_size):
             raise SpecDecodeError(f"{directory}/config.json does not describe Medusa heads: needs hidden_size >= 1, "
                                   f"num_heads >= 1 and 1 <= draft_vocab_size <= target_vocab_size, got {sizes}")

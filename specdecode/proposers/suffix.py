@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from safetensors.numpy import load_file, save_file
 
-from ..config import ConfigError, SamplingParams
+from ..config import ConfigError, SamplingParams, is_count
 from ..models.loading import shared_mode
 from .base import Proposal
 from .ngram import NgramProposer, lookup
@@ -176,7 +176,7 @@ class TokenStore:
         except (ValueError, KeyError, TypeError) as error:
             raise ConfigError(f"{info_path} is not a token store's description (valid JSON with vocab_size): "
                               f"{error}") from None
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        if not is_count(vocab_size):
             raise ConfigError(f"{info_path}: vocab_size must be an integer, got {vocab_size!r}")
         try:
             tokens = load_file(str(path))["tokens"]

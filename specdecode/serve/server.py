@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config import (MAX_NGRAM, MAX_SERVED_K, VLLM_METHODS, ConfigError, EngineConfig, SamplingParams,
-                      SpecDecodeError, SpeculativeConfig, parse_int_list, parse_k)
+                      SpecDecodeError, SpeculativeConfig, is_count, parse_int_list, parse_k)
 from .app import FINGERPRINT, ServerState, SpeculationChoices, create_app
 from .batch import BatchEngine, clone_policy
 from .metrics import ServerMetrics
@@ -31,7 +31,7 @@ PRESET_PER_REQUEST = {"temperature", "top_p", "top_k", "max_new_tokens"}
 def _spec_int(data: dict, key: str, default: int) -> int:
     # JSON integers only: int() would take "3", truncate 2.5 and read true as 1
     value = data.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_count(value) or value < 1:
         raise ConfigError(f"--speculative-config {key} must be an integer >= 1, got {value!r}")
     return value
 
