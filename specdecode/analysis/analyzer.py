@@ -107,7 +107,8 @@ def summarize_group(rows: list[dict], profile, c: float, serving: str, batch: in
     shared = [(r["plain_steps_share"], n) for r, n in zip(rows, steps) if r.get("plain_steps_share") is not None]
     # None where no run has the figure (a fixed k), 0.0 where adaptive k never went plain: as
     # bench's summary pools it (found in a mutation audit: analyze wrote None for 0%)
-    plain_share = sum(x * n for x, n in shared) / sum(n for _, n in shared) if shared and sum(n for _, n in shared) else None
+    weight = sum(n for _, n in shared)
+    plain_share = sum(x * n for x, n in shared) / weight if weight else None
 
     balance = (f"tau = {tau:.2f} tokens per pass {'exceeds' if tau > step_cost else 'does not exceed'} the mean step "
                f"cost v + k c = {step_cost:.2f} (mean {k_mean:.1f} drafts or tree nodes per pass)")
