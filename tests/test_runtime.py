@@ -654,7 +654,8 @@ def test_config_options_transformers_ignores_or_defaults_are_read_as_it_reads_th
     qwen2 = LlamaConfig.from_hf(config("qwen2", sliding_window=4096, use_sliding_window=False))
     assert qwen2.qkv_bias
     with pytest.raises(NativeUnsupported, match=r"sliding attention window \(4096\)"):
-        LlamaConfig.from_hf(config("qwen2", sliding_window=4096, use_sliding_window=True))
+        LlamaConfig.from_hf(config("qwen2", sliding_window=4096, use_sliding_window=True,
+                                   layer_types=["full_attention", "sliding_attention"]))
     assert not LlamaConfig.from_hf(config("mistral", attention_bias=True)).qkv_bias
     with pytest.raises(NativeUnsupported, match="hidden_act 'silu' only, got 'gelu'"):
         LlamaConfig.from_hf(config("llama", hidden_act="gelu"))
@@ -884,6 +885,30 @@ def test_a_qwen2_that_slides_with_no_window_named_is_refused_as_transformers_giv
     config.pop("sliding_window", None)
     (qwen / "config.json").write_text(json.dumps({**config, "use_sliding_window": False}))
     load_native(qwen, torch.float32, backend="torch")
-    (qwen / "config.json").write_text(json.dumps({**config, "use_sliding_window": True}))
-    with pytest.raises(SpecDecodeError, match="sliding attention window"):
+    config.pop("layer_types", None)  # Qwen2Config computes them from max_window_layers
+    (qwen / "config.json").write_text(json.dumps({**config, "use_sliding_window": True, "max_window_layers": 1}))
+    with pytest.raises(SpecDecodeError, match=r"sliding attention window \(4096\)"):
+        load_native(qwen, torch.float32)
+
+
+@pytest.mark.parametrize("layers", [{"max_window_layers": 2}, {"layer_types": ["full_attention"] * 2}])
+def test_a_qwen2_whose_window_reaches_no_layer_loads_as_full_attention(tmp_path, layers):
+    """Qwen2 slides only the layers from max_window_layers (default 28) up, or those its
+    layer_types name: with use_sliding_window and a window of 4 over 2 layers of full
+    attention, transformers attends to all 13 tokens, and so must the native runtime (it
+    refused every Qwen2 with use_sliding_window). One sliding layer is still refused."""
+    qwen = save_tiny_model(tmp_path / "qwen2", "qwen2", seed=3)
+    config = json.loads((qwen / "config.json").read_text())
+    config.pop("layer_types", None)
+    (qwen / "config.json").write_text(json.dumps({**config, "use_sliding_window": True, "sliding_window": 4,
+                                                  **layers}))
+    ids = torch.randint(0, 97, (1, 13), generator=torch.Generator().manual_seed(4))
+    runtime = load_native(qwen, torch.float32, backend="torch")
+    runtime.reset(64)
+    torch.testing.assert_close(runtime(ids), hf_logits(qwen, ids), atol=LOGITS_ATOL, rtol=0)
+    sliding = {"max_window_layers": 1} if "max_window_layers" in layers else {
+        "layer_types": ["full_attention", "sliding_attention"]}
+    (qwen / "config.json").write_text(json.dumps({**config, "use_sliding_window": True, "sliding_window": 4,
+                                                  **sliding}))
+    with pytest.raises(SpecDecodeError, match=r"sliding attention window \(4\)"):
         load_native(qwen, torch.float32)

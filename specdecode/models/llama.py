@@ -70,6 +70,33 @@ def max_positions_of(config: dict) -> int:
     return config.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS.get(config.get("model_type"), 2048)
 
 
+def sliding_window(config: dict) -> int | None:
+    """The attention window some layer of this config slides, as transformers reads it,
+    or None where every layer attends to the whole context."""
+    model_type = config.get("model_type")
+    # transformers' MistralConfig reads an absent key as a 4,096-token window (found in
+    # review: loaded here as full attention, the runtimes parted beyond 4,096 tokens), and
+    # so does Qwen2Config where use_sliding_window is true (found in a mutation audit)
+    window = config.get("sliding_window", 4096 if model_type in ("mistral", "qwen2") else None)
+    if model_type == "mistral":
+        # transformers' Mistral slides whatever use_sliding_window says (it reads the key for
+        # Qwen2 only): a Mistral config with the key false loaded as full attention (found
+        # in review: logits off by 7.6)
+        return window or None
+    if not window or not config.get("use_sliding_window", False):
+        return None
+    if model_type == "qwen2":
+        # Qwen2 slides only the layers its layer_types name, by default those from
+        # max_window_layers (28) up: a 24-layer Qwen2 with use_sliding_window attends to
+        # everything in every layer (it was refused)
+        layer_types = config.get("layer_types")
+        if isinstance(layer_types, list):
+            return window if "sliding_attention" in layer_types else None
+        first = config.get("max_window_layers", 28)
+        return window if not is_count(first) or first < config.get("num_hidden_layers", 0) else None
+    return window
+
+
 class NativeUnsupported(SpecDecodeError):
     """A checkpoint whose config the native runtime cannot compute exactly, but transformers
     can: with ``--runtime auto`` and no native-only flag, the model goes through transformers
@@ -105,15 +132,8 @@ class LlamaConfig:
         if config.get("mlp_bias"):
             raise NativeUnsupported("mlp_bias=True (biases on the MLP projections) is not supported by the native "
                                   "runtime; use --runtime hf")
-        # transformers' MistralConfig reads an absent key as a 4,096-token window (found in
-        # review: loaded here as full attention, the runtimes parted beyond 4,096 tokens), and
-        # so does Qwen2Config where use_sliding_window is true (found in a mutation audit)
-        window = config.get("sliding_window", 4096 if model_type in ("mistral", "qwen2") else None)
-        # transformers' Mistral slides whatever use_sliding_window says (it reads the key for
-        # Qwen2 only): a Mistral config with the key false loaded as full attention (found
-        # in review: logits off by 7.6)
-        slides = True if model_type == "mistral" else config.get("use_sliding_window", False)
-        if window and slides:
+        window = sliding_window(config)
+        if window:
             raise NativeUnsupported(
                 f"{model_type} with a sliding attention window ({window}) is not supported by the "
                 "native runtime; use --runtime hf"
