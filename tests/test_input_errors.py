@@ -924,6 +924,10 @@ def test_a_size_of_zero_or_a_json_true_for_one_is_named():
     for field in ("num_attention_heads", "hidden_size"):
         with pytest.raises(SpecDecodeError, match=f"config.json has no positive integer for {field},"):
             LlamaConfig.from_hf({**config, field: 0})
+    # a JSON true for a required size too (it read as 1: one layer, or one attention head)
+    for field in ("num_hidden_layers", "num_attention_heads", "vocab_size"):
+        with pytest.raises(SpecDecodeError, match=f"config.json has no positive integer for {field},"):
+            LlamaConfig.from_hf({**config, field: True})
     for field in ("max_position_embeddings", "num_key_value_heads", "head_dim"):
         with pytest.raises(SpecDecodeError, match=f"config.json holds {field} True"):
             LlamaConfig.from_hf({**config, field: True})

@@ -122,7 +122,7 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, config: dict) -> "LlamaConfig":
         missing = [key for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                   "num_attention_heads") if not isinstance(config.get(key), int) or config[key] < 1]
+                                   "num_attention_heads") if not is_count(config.get(key)) or config[key] < 1]
         if missing:
             raise SpecDecodeError(f"config.json has no positive integer for {', '.join(missing)}, which the native "
                                   "runtime needs to read the checkpoint")
