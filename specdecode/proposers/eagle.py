@@ -200,7 +200,7 @@ class EagleProposer:
         self._flush()
         if self.last_logits is None or self.length != len(tokens) - 1 or budget < 1:
             return empty
-        head, width = self.head, self.tree_width
+        width = self.tree_width
         committed = self.length
         # candidate nodes: (score, token, parent candidate index or -1, depth); entry slot once expanded
         scores, tokens_of, parent_of, depth_of, g_of, slot_of = [], [], [], [], {}, {}

@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config import (MAX_NGRAM, MAX_SERVED_K, VLLM_METHODS, ConfigError, EngineConfig, SamplingParams,
-                      SpecDecodeError, SpeculativeConfig, is_count, parse_int_list, parse_k)
+                      SpecDecodeError, SpeculativeConfig, is_count, parse_int_list)
 from .app import FINGERPRINT, ServerState, SpeculationChoices, create_app
 from .batch import BatchEngine, clone_policy
 from .metrics import ServerMetrics
