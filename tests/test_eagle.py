@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import re
+
 import pytest
 import torch
 
@@ -1279,6 +1281,10 @@ def test_an_imported_head_reads_rope_and_its_maps_as_the_target_loader_does(tmp_
                   rope_scaling={"rope_type": "linear", "factor": 4.0})
     (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(SpecDecodeError, match="RoPE scaling .*linear.* is not supported"):
+        EagleHead.load(directory)
+    # a malformed RoPE entry names the head's config.json, not a bare one (read as the target's)
+    (directory / "config.json").write_text(json.dumps({**json.loads(original), "rope_scaling": [1, 2]}))
+    with pytest.raises(SpecDecodeError, match=f"^{re.escape(str(directory))}/config.json: rope_scaling must be an object"):
         EagleHead.load(directory)
     (directory / "config.json").write_text(json.dumps({**json.loads(original), "draft_vocab_size": 0}))
     with pytest.raises(SpecDecodeError, match="draft_vocab_size must be an integer >= 1"):

@@ -165,7 +165,10 @@ def import_head(directory: Path, raw: dict, fmt: str, target_layers: int | None 
     # RoPE as the target loader reads it: transformers 5 writes rope_parameters (theta inside);
     # a non-empty rope_scaling comes first (found in a mutation audit: a linear rope_scaling
     # beside a default rope_parameters loaded as default RoPE, where the target reads it linear)
-    rope = rope_config(llama)[1]
+    try:
+        rope = rope_config(llama)[1]
+    except SpecDecodeError as error:  # it says "config.json": the head's, not the target's
+        raise SpecDecodeError(f"{directory}/{error}") from None
     rope_theta = rope.get("rope_theta", llama.get("rope_theta", 10000.0))
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise SpecDecodeError(f"{directory}: RoPE scaling {rope!r} is not supported by EAGLE heads here")
