@@ -842,6 +842,23 @@ def test_a_reset_to_another_batch_size_makes_a_cache_of_that_many_rows(tiny_llam
     torch.testing.assert_close(both[:1], single, atol=LOGITS_ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+def test_a_pass_with_another_row_count_than_the_cache_is_refused_by_name(tiny_llama_dir, backend):
+    """Found in review: one row through a cache reset for two failed in the torch backend
+    with a matmul shape error (the kernels refused it by name); and two rows through a
+    one-row cache."""
+    runtime = load_native(tiny_llama_dir, torch.float32, backend=backend)
+    runtime.reset(16, batch=2)
+    with pytest.raises(SpecDecodeError, match="batch of 1 rows, but the cache was reset for 2"):
+        runtime(torch.tensor([[3, 4]]))
+    runtime.reset(16)
+    with pytest.raises(SpecDecodeError, match="batch of 2 rows, but the cache was reset for 1"):
+        runtime(torch.tensor([[3, 4], [5, 6]]))
+    assert runtime.length == 0
+    runtime(torch.tensor([[3, 4]]))
+    assert runtime.length == 2
+
+
 def test_a_prefill_chunk_of_zero_and_a_row_starting_before_slot_zero_are_refused(tiny_llama_dir):
     """Found by a mutation audit: neither refusal was tested; without them a chunk of 0
     failed inside range(), and a negative start wrapped round to the cache's last slots and

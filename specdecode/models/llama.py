@@ -828,6 +828,8 @@ class NativeRuntime:
                 f"sequence of {end} tokens exceeds the KV cache capacity {self.capacity} "
                 f"(context limit {self.cfg.max_positions})"
             )
+        if self.k_cache is not None and batch != self.k_cache.shape[1]:  # (found in review: a torch shape error)
+            raise SpecDecodeError(f"batch of {batch} rows, but the cache was reset for {self.k_cache.shape[1]}")
         if tree_mask is not None and num_new > self.prefill_chunk:
             raise SpecDecodeError(f"a token tree of {num_new} nodes exceeds prefill_chunk = {self.prefill_chunk}")
         if tree_mask is not None and (tuple(tree_mask.shape) != (num_new, num_new)
