@@ -3,9 +3,9 @@ alternated, over one-second windows (median per window and size, and v(T) agains
 
     python scripts/step_phases.py [--seconds 45] [--context 200] [--sizes 1,2,4]
 
-On the shared Zen 4 of docs/performance.md ("Two states of one machine") the windows fall
-into two groups a few seconds long: one where T = 1 is the slower and scoring several
-tokens is nearly free, and one where T = 1 is faster and several tokens cost more. The k
+On the shared Zen 4 of docs/performance.md ("two states of one machine") the windows fall
+into two groups a few seconds long: one where T = 1 is the slower and scoring 4 tokens
+costs about 1.2 single steps, and one where T = 1 is faster and 4 tokens cost about 1.65. The k
 policies learn v from the steps for that reason (``StepTimes``, docs/adaptive.md).
 """
 
