@@ -929,3 +929,35 @@ def test_a_qwen2_whose_window_reaches_no_layer_loads_as_full_attention(tmp_path,
                                                   **sliding}))
     with pytest.raises(SpecDecodeError, match=r"sliding attention window \(4\)"):
         load_native(qwen, torch.float32)
+
+
+def test_the_transformers_runtime_keeps_the_native_runtimes_interface(tiny_llama_dir):
+    """Found in a mutation audit, untested: the transformers adapter's own guards and output
+    shapes. ``last_only`` gives one row of logits (and of hidden states), the cache holds at
+    most the model's context whatever capacity is asked, a pass past it and a rollback past
+    the length are refused, and so are explicit positions (chains only); a rollback cuts the
+    cache so the next pass continues from the kept tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from specdecode.models.hf import HFRuntime
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    runtime = HFRuntime(model)
+    assert runtime.max_positions == 256
+    runtime.reset(10_000)
+    assert runtime.capacity == 256
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(5))
+    logits, hidden = runtime(ids[:, :8], last_only=True, return_hidden=True)
+    assert logits.shape == (1, 1, 97) and hidden.shape == (1, 1, 64) and runtime.length == 8
+    full = hf_logits(tiny_llama_dir, ids)
+    torch.testing.assert_close(logits[0, 0], full[0, 7], atol=LOGITS_ATOL, rtol=0)
+    with pytest.raises(ValueError, match="cannot roll back to 9; cache holds 8"):
+        runtime.rollback(9)
+    with pytest.raises(SpecDecodeError, match="chain drafts only"):
+        runtime(ids[:, 8:9], positions=torch.tensor([8]))
+    assert runtime.length == 8
+    runtime(ids[:, 8:11])  # three drafts, then two of them rejected
+    runtime.rollback(9)
+    torch.testing.assert_close(runtime(ids[:, 9:12]), full[:, 9:12], atol=LOGITS_ATOL, rtol=0)
+    with pytest.raises(SpecDecodeError, match="sequence of 257 tokens exceeds the context 256"):
+        runtime(torch.zeros(1, 245, dtype=torch.int64))
