@@ -986,3 +986,68 @@ def test_profile_table_shows_the_listed_sizes_v_limits_and_drafters():
     assert "reads 3.0 MB of weights and 1.0 kB of keys and values per cached token" in text
     assert "step  10.00 ms = 100.00x | 96.77x" in text  # limits 0.100 ms | 0.103 ms at 30 GB/s
     assert "drafter ngram: c = 0.050 of a target step per draft token" in text
+
+
+def test_the_analysis_plots_draw_the_results_figures(monkeypatch, tmp_path):
+    """Found in a mutation audit: the analyzer's five figures were drawn in a smoke test only.
+    Each panel must show its method's own figures: acceptance per position per category,
+    measured speedups as bars from 1.0 with the predicted ones as markers (per temperature),
+    the categories whose prompts drafted, alpha against temperature, and the k sweep's best
+    fixed k against each adaptive policy."""
+    import math
+
+    import matplotlib.figure
+    import numpy as np
+
+    from specdecode.analysis.plots import plot_analysis
+
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda figure, *args, **kwargs: figures.append(figure))
+    temperatures = [0.0, 1.0]
+
+    def row(t, category, accept, measured, predicted, alpha):
+        return {"temperature": t, "method": "ngram", "category": category, "acceptance_per_position": accept,
+                "measured_speedup": measured, "predicted_speedup": predicted, "alpha_mean": alpha}
+
+    result = {
+        "config": {"methods": ["none", "ngram"], "temperatures": temperatures, "k": "auto"},
+        "categories": [row(0.0, "code", [0.6, 0.3], 1.4, 1.5, 0.45), row(0.0, "overall", [0.5], 1.2, None, 0.4),
+                       row(1.0, "code", [0.2], 0.9, 1.1, 0.2), row(1.0, "overall", [0.1], 0.95, 1.0, 0.15),
+                       row(0.0, "json", [], 1.0, 1.0, 0.3), row(1.0, "json", [], 1.0, 1.0, None)],
+        "records": [{"method": "ngram", "temperature": 0.0, "category": "code", "draft_tokens": 5, "alpha": 0.4},
+                    {"method": "ngram", "temperature": 0.0, "category": "code", "draft_tokens": 5, "alpha": 0.6},
+                    {"method": "ngram", "temperature": 0.0, "category": "json", "draft_tokens": 0, "alpha": None},
+                    {"method": "ngram", "temperature": 1.0, "category": "code", "draft_tokens": 5, "alpha": 0.1}],
+        "k_sweep": {"0.0": {"ngram": {
+            "code": {"best_fixed": "ngram@3", "best_fixed_speedup": 1.6, "ngram@auto": {"speedup": 1.5, "vs_best_fixed": 0.94}},
+            "overall": {"best_fixed": "ngram@2", "best_fixed_speedup": 1.3, "ngram@auto": {"speedup": None, "vs_best_fixed": None}}}}},
+    }
+    paths = plot_analysis(result, tmp_path)
+    assert [p.name for p in paths] == ["acceptance_by_position.png", "speedup_by_category.png", "alpha_distribution.png",
+                                      "alpha_vs_temperature.png", "k_sweep.png"]
+    by_position, speedups, alphas, by_temperature, sweep = (figure.axes[0] for figure in figures)
+
+    lines = {line.get_label(): line for line in by_position.lines}
+    assert list(lines["code"].get_xdata()) == [1, 2] and list(lines["code"].get_ydata()) == [0.6, 0.3]
+    assert list(lines["overall"].get_ydata()) == [0.5]  # the first temperature's
+    assert by_position.get_title() == "ngram, T=0\n(position i: steps that drafted at least i)"
+
+    # categories code, json, overall; each temperature's bars beside the last's
+    bars = [(patch.get_x() + patch.get_width() / 2, patch.get_y(), patch.get_height()) for patch in speedups.patches]
+    assert bars[0] == pytest.approx((0.0, 1.0, 0.4)) and bars[2] == pytest.approx((2.0, 1.0, 0.2))  # T=0
+    assert bars[3] == pytest.approx((0.4, 1.0, -0.1)) and bars[5] == pytest.approx((2.4, 1.0, -0.05))  # T=1
+    # scatter keeps a NaN as a masked point
+    predicted = [list(np.ma.filled(points.get_offsets(), math.nan)[:, 1]) for points in speedups.collections]
+    assert predicted[0][0] == pytest.approx(1.5) and math.isnan(predicted[0][2])
+    assert predicted[1] == pytest.approx([1.1, 1.0, 1.0])
+
+    assert [label.get_text() for label in alphas.get_xticklabels()] == ["code"]  # json never drafted
+
+    lines = {line.get_label(): line for line in by_temperature.lines}
+    assert list(lines["code"].get_xdata()) == temperatures and list(lines["code"].get_ydata()) == [0.45, 0.2]
+    assert lines["json"].get_ydata()[0] == 0.3 and math.isnan(lines["json"].get_ydata()[1])  # nothing drafted: no point
+
+    heights = [patch.get_height() for patch in sweep.patches]
+    assert heights[:2] == pytest.approx([0.6, 0.3])  # best fixed k: code, overall
+    assert heights[2] == pytest.approx(0.5) and math.isnan(heights[3])  # ngram@auto; untimed: no bar
+    assert [text.get_text() for text in sweep.texts] == ["3", "2"]

@@ -954,3 +954,41 @@ def test_categories_take_turns_to_the_last_prompt_of_the_largest():
                [("a", 1), ("a", 2), ("a", 3), ("b", 1), ("c", 1), ("c", 2)]] + [{"prompt": "g1"}]
     assert [p["prompt"] for p in categories_in_turn(prompts)] == ["a1", "b1", "c1", "g1", "a2", "c2", "a3"]
     assert categories_in_turn([]) == []
+
+
+def test_the_bench_plot_draws_each_methods_speedups_and_mean_acceptance_per_position(monkeypatch, tmp_path):
+    """Found in a mutation audit: the bench plot was tested only for writing a file. Its left
+    panel has one bar per category and method (plain decoding left out) at the summary's
+    speedup, none where nothing was timed; its right panel one line per method, the mean
+    over prompts of each prompt's acceptance at draft positions 1, 2, ..."""
+    import math
+
+    import matplotlib.figure
+
+    from specdecode.bench.plots import plot_bench
+
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda figure, *args, **kwargs: figures.append(figure))
+    summary = {"json": {"none": {"speedup": 1.0}, "ngram": {"speedup": 1.5}, "suffix": {"speedup": None}},
+               "code": {"none": {"speedup": 1.0}, "ngram": {"speedup": 0.9}, "suffix": {"speedup": 1.25}},
+               "overall": {"none": {"speedup": 1.0}, "ngram": {"speedup": 1.2}, "suffix": {"speedup": 1.3}},
+               "translation": {"none": {"speedup": 1.0}, "ngram": {"speedup": 2.0}, "suffix": {"speedup": 1.1}}}
+    records = [{"method": "ngram", "acceptance_per_position": [0.5, 0.25]},
+               {"method": "ngram", "acceptance_per_position": [1.0]},
+               {"method": "suffix", "acceptance_per_position": [0.2, 0.4, 0.6]},
+               {"method": "none", "acceptance_per_position": [0.9]}]
+    plot_bench(summary, records, tmp_path / "bench.png")
+    (figure,) = figures
+    left, right = figure.axes
+    heights = [patch.get_height() for patch in left.patches]
+    assert heights[:4] == [0.9, 1.5, 2.0, 1.2]  # ngram: code, json, translation, overall last
+    assert heights[4] == 1.25 and math.isnan(heights[5]) and heights[6:] == [1.1, 1.3]  # suffix
+    centres = [patch.get_x() + patch.get_width() / 2 for patch in left.patches]
+    assert centres == pytest.approx([0, 1, 2, 3, 0.4, 1.4, 2.4, 3.4])  # each method's bars beside the last's
+    assert [label.get_text() for label in left.get_xticklabels()] == ["code", "json", "translation", "overall"]
+    lines = {line.get_label(): line for line in right.lines}
+    assert set(lines) == {"ngram", "suffix"}
+    assert list(lines["ngram"].get_xdata()) == [1, 2] and list(lines["ngram"].get_ydata()) == [0.75, 0.25]
+    assert list(lines["suffix"].get_xdata()) == [1, 2, 3]
+    assert list(lines["suffix"].get_ydata()) == pytest.approx([0.2, 0.4, 0.6])
+    assert right.get_xlim() == (0.5, 3.5)
