@@ -355,9 +355,7 @@ class KernelStack:
         runtime, cfg, lib, model = self.runtime, self.runtime.cfg, self.lib, self.model
         batch, num_new = input_ids.shape
         shared = starts is None
-        if shared:
-            if batch != model.batch:
-                raise SpecDecodeError(f"batch of {batch} rows, but the cache was reset for {model.batch}")
+        if shared:  # NativeRuntime.forward refused a row count other than the cache's
             starts, cache_rows = [runtime.length] * batch, list(range(batch))
         model.num_threads = threads or torch.get_num_threads()
         # the small per-call arrays are numpy's: each torch op costs ~10-20 µs of dispatch
