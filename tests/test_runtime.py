@@ -465,8 +465,9 @@ def test_the_transformers_runtime_reads_the_vocabulary_and_context_where_configs
                          mm_tokens_per_image=4, image_token_index=96, boi_token_index=94, eoi_token_index=95)
     runtime = HFRuntime(AutoModelForCausalLM.from_config(gemma))
     assert (runtime.vocab_size, runtime.max_positions) == (97, 128)
+    # a context key set to 0 (here one MPT does not read) says nothing: the next key is taken
     mpt = AutoConfig.for_model("mpt", vocab_size=97, d_model=32, n_heads=2, n_layers=1, max_seq_len=32,
-                               expansion_ratio=2)
+                               expansion_ratio=2, max_position_embeddings=0)
     runtime = HFRuntime(AutoModelForCausalLM.from_config(mpt))
     assert runtime.max_positions == 32
     with pytest.raises(ContextLengthError, match="context is 32 tokens"):
@@ -520,6 +521,12 @@ def test_the_transformers_runtime_refuses_a_checkpoint_that_does_not_match_its_c
     del tensors["model.layers.1.mlp.down_proj.weight"]
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelNotFoundError, match=r"missing keys: model\.layers\.1\.mlp\.down_proj\.weight"):
+        load_model(str(path), torch.float32, "hf")
+    for name in [name for name in tensors if name.startswith("model.layers.0.")][:5]:  # 6 missing: 4 named
+        del tensors[name]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelNotFoundError, match=r"missing keys: (model\.layers\.[01]\.[a-z_.]+, ){3}"
+                                                 r"model\.layers\.[01]\.[a-z_.]+ \(\+2 more\)\)$"):
         load_model(str(path), torch.float32, "hf")
     path = save_tiny_model(tmp_path / "extra")
     tensors = load_file(path / "model.safetensors")
