@@ -1051,3 +1051,91 @@ def test_the_analysis_plots_draw_the_results_figures(monkeypatch, tmp_path):
     assert heights[:2] == pytest.approx([0.6, 0.3])  # best fixed k: code, overall
     assert heights[2] == pytest.approx(0.5) and math.isnan(heights[3])  # ngram@auto; untimed: no bar
     assert [text.get_text() for text in sweep.texts] == ["3", "2"]
+
+
+def test_the_analysis_plots_lay_out_one_visible_panel_per_method(monkeypatch, tmp_path):
+    """Found in a mutation audit: the panel grid was exercised with one method only. Panels
+    wrap into rows of three, every method keeps its panel (a fourth opens a second row),
+    the grid's spare cells are hidden, and one method is one panel wide; the k sweep has a
+    panel per drafter."""
+    import matplotlib.figure
+
+    from specdecode.analysis.plots import plot_analysis
+
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda figure, *args, **kwargs: figures.append(figure))
+    methods = ["ngram", "suffix", "draft", "eagle"]
+    rows = [{"temperature": 0.0, "method": m, "category": c, "acceptance_per_position": [0.5], "measured_speedup": 1.1,
+             "predicted_speedup": 1.2, "alpha_mean": 0.5} for m in methods for c in ("code", "overall")]
+    sweep = {"best_fixed": "x@2", "best_fixed_speedup": 1.3, "x@auto": {"speedup": 1.2, "vs_best_fixed": 0.9}}
+    result = {"config": {"methods": ["none", *methods], "temperatures": [0.0], "k": 3}, "categories": rows,
+              "records": [], "k_sweep": {"0.0": {"ngram": {"code": sweep}, "suffix": {"code": sweep}}}}
+    plot_analysis(result, tmp_path)
+    by_position = figures[0]
+    assert [axis.get_title() for axis in by_position.axes if axis.get_visible()] == [f"{m}, T=0" for m in methods]
+    assert len(by_position.axes) == 6 and tuple(by_position.get_size_inches()) == pytest.approx((18.0, 8.4))
+    assert [axis.get_title().split(",")[0] for axis in figures[-1].axes] == ["ngram", "suffix"]  # the k sweep
+
+    figures.clear()
+    plot_analysis({**result, "config": {**result["config"], "methods": ["ngram"]}, "k_sweep": {}}, tmp_path)
+    assert [len(figure.axes) for figure in figures] == [1, 1, 1, 1]
+    assert tuple(figures[0].get_size_inches()) == pytest.approx((6.0, 4.2))
+
+
+def test_the_analysis_plots_show_each_panels_values_on_its_scales(monkeypatch, tmp_path):
+    """Found in a mutation audit: the analyzer's figures were checked for their data, not for
+    where it lands. Acceptance spans 0-1 and every drafted position, a method that never
+    drafted says so; the speedup panel's y range takes in every measured bar and predicted
+    marker with room to spare, its ticks sit under each category's group, one legend entry
+    per temperature and one for the predictions; the alpha box plots hold the first
+    temperature's prompts only; alpha is drawn at each temperature's value; each best fixed k
+    is labelled at its bar's top."""
+    import matplotlib.figure
+
+    from specdecode.analysis.plots import plot_analysis
+
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda figure, *args, **kwargs: figures.append(figure))
+
+    def row(t, method, category, accept, measured, predicted, alpha):
+        return {"temperature": t, "method": method, "category": category, "acceptance_per_position": accept,
+                "measured_speedup": measured, "predicted_speedup": predicted, "alpha_mean": alpha}
+
+    temperatures = [0.0, 0.7]
+    result = {
+        "config": {"methods": ["none", "ngram", "suffix"], "temperatures": temperatures, "k": 3},
+        "categories": [row(0.0, "ngram", "code", [0.7, 0.5, 0.3], 1.4, 2.0, 0.45),
+                       row(0.0, "ngram", "overall", [0.6], 0.97, 1.1, 0.4),
+                       row(0.7, "ngram", "code", [0.2], 1.1, 1.0, 0.2), row(0.7, "ngram", "overall", [0.1], 0.95, 1.0, 0.15),
+                       row(0.0, "suffix", "overall", [], 1.0, None, None), row(0.7, "suffix", "overall", [], 1.0, None, None)],
+        "records": [{"method": "ngram", "temperature": 0.0, "category": "code", "draft_tokens": 5, "alpha": 0.4},
+                    {"method": "ngram", "temperature": 0.0, "category": "code", "draft_tokens": 5, "alpha": 0.6},
+                    {"method": "ngram", "temperature": 0.7, "category": "code", "draft_tokens": 5, "alpha": 0.95}],
+        "k_sweep": {"0.0": {"ngram": {"code": {"best_fixed": "ngram@3", "best_fixed_speedup": 1.6,
+                                               "ngram@auto": {"speedup": 1.5, "vs_best_fixed": 0.94}}}}},
+    }
+    plot_analysis(result, tmp_path)
+    (by_position, never), (speedups, _), (alphas, _), (by_temperature, _), (sweep,) = (
+        [axis for axis in figure.axes if axis.get_visible()] for figure in figures)
+
+    assert by_position.get_ylim() == (0, 1) and by_position.get_xlim() == (0.5, 3.5)
+    assert list(by_position.get_xticks()) == [1, 2, 3]
+    lines = {line.get_label(): line for line in by_position.lines}
+    assert lines["overall"].get_color() == "black" and lines["overall"].get_linewidth() == 2.5
+    assert [text.get_text() for text in never.texts] == ["no drafted tokens"]
+
+    low, high = speedups.get_ylim()
+    assert low <= 0.97 - 0.05 and high >= 2.0 + 0.05  # the lowest bar, the highest predicted marker
+    assert list(speedups.get_xticks()) == pytest.approx([0.2, 1.2])  # bars at 0 and 0.4, 1 and 1.4
+    assert speedups.get_ylabel() == "median tokens/s ratio"
+    assert sorted(text.get_text() for text in speedups.get_legend().get_texts()) == ["measured T=0", "measured T=0.7",
+                                                                                      "predicted"]
+
+    assert alphas.get_ylim() == (0, 1)
+    assert max(y for line in alphas.lines for y in line.get_ydata()) == pytest.approx(0.6)  # not the T=0.7 prompt's 0.95
+
+    lines = {line.get_label(): line for line in by_temperature.lines}
+    assert list(lines["code"].get_xdata()) == temperatures and list(lines["code"].get_ydata()) == [0.45, 0.2]
+
+    (label,) = sweep.texts
+    assert label.get_text() == "3" and label.xy == (0, 1.6)

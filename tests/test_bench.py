@@ -992,3 +992,35 @@ def test_the_bench_plot_draws_each_methods_speedups_and_mean_acceptance_per_posi
     assert list(lines["suffix"].get_xdata()) == [1, 2, 3]
     assert list(lines["suffix"].get_ydata()) == pytest.approx([0.2, 0.4, 0.6])
     assert right.get_xlim() == (0.5, 3.5)
+
+
+def test_the_bench_plot_labels_its_axes_and_marks_plain_decoding_at_1(monkeypatch, tmp_path):
+    """Found in a mutation audit: the bench plot's axes were not checked. The speedup panel
+    has a dashed line at plain decoding's 1.0, a tick under the middle of each category's
+    group of bars, a legend naming the methods; the acceptance panel spans 0-1 with a tick
+    at each drafted position. With no acceptance at all it shows position 1 alone, no legend."""
+    import matplotlib.figure
+
+    from specdecode.bench.plots import plot_bench
+
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda figure, *args, **kwargs: figures.append(figure))
+    summary = {"code": {"none": {"speedup": 1.0}, "ngram": {"speedup": 1.5}, "suffix": {"speedup": 0.9}},
+               "overall": {"none": {"speedup": 1.0}, "ngram": {"speedup": 1.2}, "suffix": {"speedup": 1.3}}}
+    records = [{"method": "ngram", "acceptance_per_position": [0.5, 0.25]},
+               {"method": "suffix", "acceptance_per_position": [0.2, 0.4, 0.6]}]
+    plot_bench(summary, records, tmp_path / "bench.png")
+    left, right = figures[-1].axes
+    (reference,) = left.lines
+    assert list(reference.get_ydata()) == [1.0, 1.0] and reference.get_linestyle() == "--"
+    assert list(left.get_xticks()) == pytest.approx([0.2, 1.2])  # bars at 0, 0.4 and 1, 1.4
+    assert [text.get_text() for text in left.get_legend().get_texts()] == ["ngram", "suffix"]
+    assert left.get_ylabel() == "median speedup vs plain (tokens/s ratio)"
+    assert right.get_xlabel() == "draft position" and right.get_ylabel() == "acceptance rate (mean over prompts)"
+    assert right.get_ylim() == (0, 1) and list(right.get_xticks()) == [1, 2, 3]
+    assert [text.get_text() for text in right.get_legend().get_texts()] == ["ngram", "suffix"]
+
+    plot_bench(summary, [{"method": "ngram", "acceptance_per_position": []}], tmp_path / "bench.png")
+    left, right = figures[-1].axes
+    assert not right.lines and right.get_legend() is None
+    assert right.get_xlim() == (0.5, 1.5) and list(right.get_xticks()) == [1]

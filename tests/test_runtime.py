@@ -968,3 +968,122 @@ def test_the_transformers_runtime_keeps_the_native_runtimes_interface(tiny_llama
     torch.testing.assert_close(runtime(ids[:, 9:12]), full[:, 9:12], atol=LOGITS_ATOL, rtol=0)
     with pytest.raises(SpecDecodeError, match="sequence of 257 tokens exceeds the context 256"):
         runtime(torch.zeros(1, 245, dtype=torch.int64))
+
+
+def _tiny_gpt2():
+    """A GPT-2: learned absolute positions, so a wrong position changes the logits (rope
+    models see only relative positions, and a shift of all of them changes nothing)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("gpt2", vocab_size=97, n_embd=32, n_layer=1, n_head=2, n_positions=64,
+                                  initializer_range=0.2, bos_token_id=1, eos_token_id=1)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_the_transformers_runtime_reads_a_missing_context_as_2048_and_refuses_a_missing_vocabulary():
+    """Found in a mutation audit, untested: a config that names no context length is taken
+    as 2,048 tokens, and one that names no vocabulary size is refused by name (not a
+    None vocabulary that fails later)."""
+    from specdecode.models.hf import HFRuntime
+
+    model = _tiny_gpt2()
+    # past the config's own checks (a None is refused when set): no context key at all
+    # (max_position_embeddings is n_positions' alias), then no vocabulary either
+    model.config.__dict__["n_positions"] = None
+    assert HFRuntime(model).max_positions == 2048
+    model.config.__dict__["vocab_size"] = None
+    with pytest.raises(SpecDecodeError, match="gpt2's config names no vocabulary size"):
+        HFRuntime(model)
+
+
+def test_the_transformers_runtime_passes_each_token_its_absolute_position():
+    """Found in a mutation audit: the positions given to the model were checked only on a
+    rope model (Llama), where shifting all of them by one changes no logit. On GPT-2 the
+    logits of a prompt fed in parts, with a rolled-back draft between, are those of the
+    whole sequence in one uncached pass."""
+    from specdecode.models.hf import HFRuntime
+
+    model = _tiny_gpt2()
+    ids = torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        full = model(input_ids=ids, use_cache=False).logits
+    runtime = HFRuntime(model)
+    runtime.reset(64)
+    torch.testing.assert_close(runtime(ids[:, :6]), full[:, :6], atol=LOGITS_ATOL, rtol=0)
+    runtime(torch.tensor([[1, 2]]))  # drafts, rejected
+    runtime.rollback(6)
+    torch.testing.assert_close(runtime(ids[:, 6:]), full[:, 6:], atol=LOGITS_ATOL, rtol=0)
+
+
+def test_the_transformers_runtime_fills_its_context_exactly_and_refuses_a_tree_mask():
+    """Found in a mutation audit, untested: a sequence of exactly the capacity fits (the
+    next token does not), and a tree mask is refused as explicit positions are (the
+    adapter runs chain drafts only)."""
+    from specdecode.models.hf import HFRuntime
+
+    runtime = HFRuntime(_tiny_gpt2())
+    runtime.reset(8)
+    with pytest.raises(SpecDecodeError, match="chain drafts only"):
+        runtime(torch.tensor([[1, 2]]), tree_mask=torch.ones(2, 2, dtype=torch.bool))
+    assert runtime.length == 0
+    runtime(torch.arange(1, 9)[None])
+    assert runtime.length == 8
+    with pytest.raises(SpecDecodeError, match="sequence of 9 tokens exceeds the context 8"):
+        runtime(torch.tensor([[3]]))
+
+
+def test_the_transformers_runtime_returns_the_same_hidden_states_as_the_native_runtime(tiny_llama_dir):
+    """Found in a mutation audit: only the shape of the hidden states was checked. They are
+    the last layer's, normalised, as the native runtime returns them: for every token, and
+    for the last one alone with ``last_only``."""
+    from transformers import AutoModelForCausalLM
+
+    from specdecode.models.hf import HFRuntime
+
+    runtime = HFRuntime(AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32))
+    native = load_native(tiny_llama_dir, torch.float32)
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(11))
+    runtime.reset(16)
+    native.reset(16)
+    _, hidden = runtime(ids[:, :4], return_hidden=True)
+    _, expected = native(ids[:, :4], return_hidden=True)
+    assert hidden.shape == (1, 4, 64)
+    torch.testing.assert_close(hidden, expected, atol=LOGITS_ATOL, rtol=0)
+    _, hidden = runtime(ids[:, 4:], last_only=True, return_hidden=True)
+    _, expected = native(ids[:, 4:], return_hidden=True)
+    torch.testing.assert_close(hidden, expected[:, -1:], atol=LOGITS_ATOL, rtol=0)
+
+
+def test_the_transformers_runtime_refuses_a_rollback_into_a_recurrent_state():
+    """Found in a mutation audit, untested: the runtime itself refuses to cut a recurrent
+    state back (not only the engine, before it drafts); a rollback to the current length
+    cuts nothing and is taken."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdecode.models.hf import HFRuntime
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("bamba", vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                  attn_layer_indices=[1], mamba_d_state=8, mamba_n_heads=8, mamba_d_head=16,
+                                  mamba_n_groups=1, mamba_chunk_size=16)
+    runtime = HFRuntime(AutoModelForCausalLM.from_config(config).eval())
+    runtime.reset(32)
+    runtime(torch.tensor([[5, 9, 14, 3, 7]]))
+    runtime.rollback(5)
+    with pytest.raises(SpecDecodeError, match="bamba keeps a recurrent state that cannot be rolled back"):
+        runtime.rollback(3)
+    assert runtime.length == 5
+
+
+def test_the_transformers_runtime_loads_the_weights_in_the_dtype_asked(tiny_llama_dir):
+    """Found in a mutation audit, untested: --runtime hf loads the checkpoint in --dtype (the
+    tiny checkpoint is stored in fp32), names it bare in the profile key, and does not claim
+    batch invariance (``exact``: repeats under adaptive k may differ)."""
+    from specdecode.factory import load_model
+
+    runtime = load_model(tiny_llama_dir, torch.bfloat16, runtime="hf").runtime
+    assert runtime.dtype == torch.bfloat16 and next(runtime.model.parameters()).dtype == torch.bfloat16
+    assert runtime.weight_format == "bfloat16" and runtime.describe() == "transformers, bfloat16"
+    assert runtime.exact is False
