@@ -162,19 +162,21 @@ def test_weights_auto_times_a_short_context_model_within_its_context(tiny_llama_
     assert model.runtime.max_positions <= 256 and model.runtime(torch.tensor([[1, 2, 3]])).shape[-2] == 3
 
 
-def _tiny_gguf(arch: str, root, qtype: str = "Q8_0", types: dict[str, str] | None = None, tokenizer: bool = False):
+def _tiny_gguf(arch: str, root, qtype: str = "Q8_0", types: dict[str, str] | None = None, tokenizer: bool = False,
+               intermediate: int = 128):
     """A 2-layer ``arch`` model written as llama.cpp writes it (q/k rows reordered for its
     llama architecture only), every linear in ``qtype`` (the embedding and the untied head
     too, as llama.cpp's Q4_1 file type leaves them) unless ``types`` names another for a
     tensor (its GGUF name without .weight and block: "attn_v"); returns (path, transformers
-    model). ``tokenizer``: with a byte tokenizer's metadata, so the file loads as a model."""
+    model). ``tokenizer``: with a byte tokenizer's metadata, so the file loads as a model;
+    ``intermediate``: the MLP's width (the input width of ffn_down)."""
     import gguf
     import numpy as np
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model(arch, vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = AutoConfig.for_model(arch, vocab_size=97, hidden_size=64, intermediate_size=intermediate, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                   initializer_range=0.2, tie_word_embeddings=False)
     state = {k: v.numpy() for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
@@ -183,7 +185,7 @@ def _tiny_gguf(arch: str, root, qtype: str = "Q8_0", types: dict[str, str] | Non
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(256)
     writer.add_block_count(2)
-    writer.add_feed_forward_length(128)
+    writer.add_feed_forward_length(intermediate)
     writer.add_embedding_length(64)
     writer.add_head_count(4)
     writer.add_head_count_kv(2)
@@ -859,6 +861,36 @@ def test_int8_and_int4_quantize_each_block_of_32_as_llama_cpp_does():
         PackedLinear.quantize(torch.randn(8, 96), "q4_1")
     with pytest.raises(ConfigError, match="q8_0 needs an input width that is a multiple of 32, got 48"):
         PackedLinear.quantize(torch.randn(8, 48), "q8_0")
+
+
+def test_int4_holds_a_layer_of_an_odd_number_of_blocks_in_8_bits(tmp_path):
+    """Found in review: --weights int4 refused any model with an input width that is no
+    multiple of 64 (the kernels read Q4_1 blocks in pairs), even for a tensor the GGUF stores
+    in Q8_0, which needs 32. Such a layer (here ffn_down, 96 wide) is held in Q8_0 instead,
+    from the GGUF's values or the checkpoint's, and the load log says so; the rest stays 4-bit."""
+    import torch
+
+    from specdecode import kernels
+    from specdecode.models.llama import load_native
+
+    path, reference = _tiny_gguf("llama", tmp_path / "gguf", "Q4_1", intermediate=96)
+    converted = _converted(reference, tmp_path / "converted")
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(ids).logits
+    for gguf_path in (path, None):
+        backends = ("torch", "kernels") if kernels.available() else ("torch",)
+        for backend in backends:
+            runtime = load_native(converted, torch.float32, "q4_1", backend, gguf_path)
+            layer = runtime.weights.layers[0]
+            assert (layer.down.fmt, layer.gate_up.fmt, layer.qkv.fmt) == ("q8_0", "q4_1", "q4_1")
+            if gguf_path is not None:
+                carried = runtime.weights.carried
+                assert carried["blk.0.ffn_down.weight"] == "requantized (q8_0)"
+                assert carried["blk.0.ffn_up.weight"] == "exact (q4_1)"
+            runtime.reset(40)
+            # the GGUF's 4-bit values (or the checkpoint's own) to 8 bits: close to the reference
+            assert (runtime(ids) - expected).abs().max() < 0.3 * expected.abs().max(), (gguf_path, backend)
 
 
 def test_gguf_blocks_are_carried_with_the_values_the_gguf_library_reads(tmp_path):

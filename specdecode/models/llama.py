@@ -33,7 +33,7 @@ from torch import nn
 
 from ..config import ConfigError, SpecDecodeError, is_count
 from . import device_label
-from .quant import PackedLinear, check_block_shape
+from .quant import PackedLinear, check_block_shape, format_for_width
 
 BACKENDS = ("kernels", "torch")
 DEFAULT_PREFILL_CHUNK = 256
@@ -296,7 +296,7 @@ class LlamaWeights(nn.Module):
         fmt = weights or {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
         if fmt in ("q8_0", "q4_1"):
             for cols in (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size):
-                check_block_shape(fmt, cols)
+                check_block_shape(format_for_width(fmt, cols), cols)
         files = checkpoint_files(Path(model_dir))
         handles = {}
         for file in files:
@@ -417,7 +417,7 @@ class _CheckpointReader:
         if fmt in ("fp32", "bf16"):
             dense_dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
             return PackedLinear.dense(weight, bias, dense_dtype)
-        return PackedLinear.quantize(weight, fmt, bias)
+        return PackedLinear.quantize(weight, format_for_width(fmt, weight.shape[1]), bias)
 
     def _carried(self, name: str, fmt: str) -> PackedLinear:
         layer = self.gguf.linear(name, fmt)

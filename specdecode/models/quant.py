@@ -273,6 +273,13 @@ class PackedLinear(nn.Module):
         return f"rows={self.rows}, cols={self.cols}, fmt={self.fmt}"
 
 
+def format_for_width(fmt: str, cols: int) -> str:
+    """The format a layer of input width ``cols`` is held in when ``fmt`` is asked for: the
+    kernels read Q4_1 in pairs of blocks (64 columns), so under int4 a layer whose width is an
+    odd number of blocks keeps 8 bits (Q8_0) instead of being refused."""
+    return "q8_0" if fmt == "q4_1" and cols % 64 and not cols % BLOCK else fmt
+
+
 def check_block_shape(fmt: str, cols: int) -> None:
     multiple = 64 if fmt == "q4_1" else BLOCK
     if cols % multiple:
@@ -316,6 +323,7 @@ def from_gguf(tensor: GGUFTensor, path, fmt: str, bias: torch.Tensor | None = No
     (de-quantized by the gguf library, then quantized to ``fmt``: a second quantization)."""
     kind = tensor.tensor_type
     rows, cols = tensor.shape[1], tensor.shape[0]  # GGUF lists dims fastest first
+    fmt = format_for_width(fmt, cols)
     raw = tensor.read(path)
     if kind == GGML_Q4_1 and fmt == "q4_1":
         blocks = raw.reshape(rows, cols // BLOCK, 20)
