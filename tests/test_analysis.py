@@ -988,6 +988,30 @@ def test_profile_table_shows_the_listed_sizes_v_limits_and_drafters():
     assert "drafter ngram: c = 0.050 of a target step per draft token" in text
 
 
+def test_alpha_against_temperature_without_a_full_series_says_so_instead_of_an_empty_legend(monkeypatch, tmp_path):
+    """Found in review: a method measured at only some of the temperatures drew no line in
+    the alpha-against-temperature panel and still asked for a legend (matplotlib's "No
+    artists with labels found" warning in the output). The panel says why it is empty."""
+    import warnings
+
+    import matplotlib.figure
+
+    from specdecode.analysis.plots import plot_analysis
+
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda figure, *args, **kwargs: figures.append(figure))
+    rows = [{"temperature": 0.0, "method": "ngram", "category": category, "acceptance_per_position": [0.5],
+             "measured_speedup": 1.2, "predicted_speedup": 1.1, "alpha_mean": 0.4} for category in ("code", "overall")]
+    result = {"config": {"methods": ["ngram"], "temperatures": [0.0, 1.0], "k": "auto"}, "categories": rows,
+              "records": [{"method": "ngram", "temperature": 0.0, "category": "code", "draft_tokens": 4, "alpha": 0.4}]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        paths = plot_analysis(result, tmp_path)
+    by_temperature = figures[[p.name for p in paths].index("alpha_vs_temperature.png")].axes[0]
+    assert not by_temperature.lines and by_temperature.get_legend() is None
+    assert [text.get_text() for text in by_temperature.texts] == ["no category measured at every temperature"]
+
+
 def test_the_analysis_plots_draw_the_results_figures(monkeypatch, tmp_path):
     """Found in a mutation audit: the analyzer's five figures were drawn in a smoke test only.
     Each panel must show its method's own figures: acceptance per position per category,

@@ -114,14 +114,20 @@ def plot_analysis(result: dict, out_dir: Path) -> list[Path]:
     # 4. alpha against temperature
     figure, axes = _grid(plt, len(methods))
     for axis, method in zip(axes, methods):
+        plotted = False
         for category in categories:
             values = [by_key[(t, method, category)]["alpha_mean"] for t in temperatures if (t, method, category) in by_key]
             values = [float("nan") if v is None else v for v in values]  # nothing drafted: no point
             if len(values) == len(temperatures):
                 style = dict(color="black", linewidth=2.5) if category == "overall" else {}
                 axis.plot(temperatures, values, marker="o", label=category, **style)
+                plotted = True
         axis.set(title=f"{method}: alpha against temperature", xlabel="temperature", ylabel="mean alpha", ylim=(0, 1))
-        axis.legend(fontsize=7)
+        if plotted:
+            axis.legend(fontsize=7)
+        else:  # found in review: legend() over no lines, and matplotlib's warning in the output
+            axis.text(0.5, 0.5, "no category measured at every temperature", ha="center", va="center",
+                      transform=axis.transAxes)
     paths.append(_save(plt, figure, out_dir / "alpha_vs_temperature.png"))
 
     # 5. adaptive k against the best fixed k, per drafter, at the first temperature
