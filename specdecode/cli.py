@@ -580,8 +580,11 @@ def cmd_profile(args) -> int:
     log(f"loading {args.model} ({args.dtype})")
     target = load_target(engine_config, args.runtime)
     layers = getattr(getattr(target.runtime, "cfg", None), "num_layers", 0)
-    if args.methods == PROFILE_DEFAULT_METHODS and args.draft is None and \
-            layers <= int(DEFAULT_SELF_DRAFT.split(":")[1]):  # found in review: the default failed on such a model
+    # found in review: the default methods failed on such a model; then "draft,ngram" still did, where
+    # "ngram,draft" did not. With another method beside it the implied self:4 is skipped with a word; asked
+    # for alone, build_proposer refuses it, naming the default
+    if "draft" in methods and len(set(methods)) > 1 and args.draft is None and \
+            layers <= int(DEFAULT_SELF_DRAFT.split(":")[1]):
         log(f"not costing the default draft {DEFAULT_SELF_DRAFT}: the target has {layers or 'no native'} layers "
             "(give --draft, or --methods ngram)")
         specs = [spec for spec in specs if spec.method != "draft"]

@@ -566,6 +566,14 @@ def test_profile_with_its_default_methods_runs_on_a_target_too_small_for_self_4(
     on any target of 4 layers or fewer (its default methods cost the self:4 draft)."""
     code, err = run(capsys, "profile", "--model", str(tiny_llama_dir), "--backend", "torch", "--dtype", "fp32")
     assert code == 0 and "not costing the default draft self:4" in err
+    # found in review: the same two methods in the other order refused the model
+    code, err = run(capsys, "profile", "--model", str(tiny_llama_dir), "--backend", "torch", "--dtype", "fp32",
+                    "--methods", "draft,ngram")
+    assert code == 0 and "not costing the default draft self:4" in err
+    # the draft alone, asked for by name: refused, naming the default the user did not type
+    code, err = run(capsys, "profile", "--model", str(tiny_llama_dir), "--backend", "torch", "--dtype", "fp32",
+                    "--methods", "draft")
+    assert code == 2 and "self:4 is --method draft's drafter when --draft is not given" in err
 
 
 def test_more_bad_input_is_one_clear_line_before_anything_loads(tmp_path, capsys, tiny_llama_dir, monkeypatch):
