@@ -193,6 +193,18 @@ def test_tree_reusing_a_uniform_would_be_caught():
     assert p_value < 1e-6, p_value
 
 
+def test_a_tree_child_its_own_distribution_gives_zero_is_refused():
+    """Found in review: as in the chain verifier, a child whose draft distribution gives its
+    own token probability 0 was accepted wherever the target allows it."""
+    from specdecode.config import SpecDecodeError
+
+    t = tree([0, 1], [0, 0])
+    target_probs = torch.tensor([[0.5, 0.5, 0.0]] * 3)
+    draft_probs = torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]])  # child 1's token 0 "drawn" from [0, 1, 0]
+    with pytest.raises(SpecDecodeError, match="probability 0 in the distribution it was said to be drawn from"):
+        tree_rejection_sample(t, target_probs, draft_probs, torch.Generator().manual_seed(0))
+
+
 def forgetful_verifier(t, target_probs, draft_probs, generator):
     """A plausible mistake: after the children of a node are all rejected, draw the bonus
     from the target's distribution there instead of the residual."""

@@ -99,6 +99,18 @@ def test_a_draft_the_target_never_draws_is_rejected_even_at_a_zero_uniform(monke
     assert accepted.tolist() == [0] and output[0, 0].item() in (1, 2)
 
 
+def test_a_draft_token_its_own_distribution_gives_zero_is_refused():
+    """Found in review: a proposal whose draft_probs give its own token probability 0 (not
+    the distribution it sampled) had that token accepted wherever the target allows it (u *
+    0 < p): the first token came out [1, 0] where the target says [0.5, 0.5]. Refused by name."""
+    from specdecode.config import SpecDecodeError
+
+    target = torch.tensor([[[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]]])
+    wrong = torch.tensor([[[0.0, 1.0, 0.0]]])  # token 0 was "drawn" from a distribution without it
+    with pytest.raises(SpecDecodeError, match="probability 0 in the distribution it was said to be drawn from"):
+        rejection_sample(torch.tensor([[0]]), wrong, target, torch.Generator().manual_seed(0))
+
+
 def test_rejection_sample_is_seeded():
     probs = torch.softmax(torch.randn(8, 4, 10, generator=torch.Generator().manual_seed(1)), -1)
     drafts = torch.randint(0, 10, (8, 3), generator=torch.Generator().manual_seed(2))

@@ -18,7 +18,14 @@ from typing import Callable
 
 import torch
 
+from ..config import SpecDecodeError
 from .sampling import argmax_ids, inverse_cdf, sample
+
+# a proposal's draft distribution must be the one its tokens were drawn from: a drawn token
+# has probability > 0 there
+DRAWN_AT_ZERO = ("a draft token has probability 0 in the distribution it was said to be drawn from: the "
+                 "proposer's draft_probs are not the distribution it sampled (the verifier would accept it "
+                 "wherever the target allows it, biasing the output)")
 
 PAD_ID = -1
 
@@ -118,6 +125,8 @@ def rejection_sample(
     index = draft_ids[..., None]
     target_at_draft = target_probs[:, :k].gather(-1, index).squeeze(-1)  # [B, k]
     draft_at_draft = draft_probs.gather(-1, index).squeeze(-1)  # [B, k]
+    if bool((draft_at_draft <= 0).any()):  # u * 0 < p would accept it whenever p > 0 (found in review)
+        raise SpecDecodeError(DRAWN_AT_ZERO)
     uniform = torch.rand(batch, k, generator=generator, dtype=target_probs.dtype, device=target_probs.device)
     # u < target/draft, written without the division (draft_at_draft > 0 for drawn tokens)
     accepted = uniform * draft_at_draft < target_at_draft

@@ -33,6 +33,8 @@ from typing import Callable
 
 import torch
 
+from ..config import SpecDecodeError
+from .chain import DRAWN_AT_ZERO
 from .sampling import argmax_ids, inverse_cdf, sample
 
 
@@ -170,6 +172,8 @@ def tree_rejection_sample(
                 residual[token] = 0.0
             else:
                 q = draft_probs[child - 1]
+                if float(q[token]) <= 0.0:
+                    raise SpecDecodeError(DRAWN_AT_ZERO)
                 if u * float(q[token]) < float(residual[token]):
                     accepted = child
                     break
