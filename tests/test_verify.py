@@ -195,7 +195,6 @@ def test_wrong_verifier_would_be_caught():
     """The statistical test itself has power: the same harness run on a verifier that
     draws corrections from the target instead of the residual rejects it."""
     observed, expected, accepted = three_token_joint(residual_bug_verifier, SamplingParams(temperature=1.0))
-    support = expected > 0
     assert (accepted < 2).float().mean() > 0.2  # enough rejections for the bug to show
     p_value = pooled_chisquare(observed, expected)
     assert p_value < 1e-6, p_value
@@ -246,7 +245,6 @@ def one_uniform_for_all_positions(draft_ids, draft_probs, target_probs, generato
 
 def test_reused_uniform_would_be_caught():
     observed, expected, _ = three_token_joint(one_uniform_for_all_positions, SamplingParams(temperature=1.0))
-    support = expected > 0
     p_value = pooled_chisquare(observed, expected)
     assert p_value < 1e-6, p_value
 
