@@ -24,7 +24,7 @@ from .control.policies import FixedK, KPolicy
 from .metrics import GenerationStats
 from .models import synchronize
 from .proposers.base import Proposal, Proposer, check_capture, check_drafter, drafts_in_vocab, hidden_size_of
-from .text import TextTracker
+from .text import TextTracker, not_utf8
 from .verify.chain import coupled_verify, greedy_tokens, greedy_verify_rows, rejection_sample
 from .verify.tree import coupled_tree_verify, greedy_tree_verify, tree_rejection_sample
 from .verify.sampling import PositionUniforms, argmax_ids, logits_to_probs, seeded_generator, token_probabilities
@@ -219,11 +219,8 @@ class SpeculativeEngine:
         if self.tokenizer is None:
             raise SpecDecodeError("this model has no tokenizer; pass token ids instead of text")
         for message in messages:  # bytes that are not UTF-8 (argv) arrive as lone surrogates: the tokenizer's TypeError
-            try:
-                str(message["content"]).encode("utf-8")
-            except UnicodeEncodeError as error:
-                bad = str(message["content"])[error.start].encode("utf-8", "surrogateescape")
-                raise PromptError(f"the prompt is not valid UTF-8 text (byte {bad!r} at character {error.start})") from None
+            if (problem := not_utf8(str(message["content"]))) is not None:
+                raise PromptError(f"the prompt is not valid UTF-8 text ({problem})")
         if chat_template and self.tokenizer.chat_template:
             encoded = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True, return_dict=True

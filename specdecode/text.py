@@ -27,6 +27,22 @@ REPLACEMENT = "\ufffd"  # what decoding shows for an incomplete UTF-8 sequence
 CONTEXT_TOKENS = 5  # prompt tokens decoded before the first new ones (vLLM's initial offset)
 
 
+def not_utf8(text: str) -> str | None:
+    """Where ``text`` cannot be written as UTF-8, which tokenizers need: a lone surrogate,
+    from bytes that were not UTF-8 on a command line (shown as that byte) or a JSON
+    ``\\ud800`` escape (shown as its code point), named with its character index; else None."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as error:
+        char = text[error.start]
+        try:
+            shown = f"byte {char.encode('utf-8', 'surrogateescape')!r}"
+        except UnicodeEncodeError:
+            shown = f"lone surrogate U+{ord(char):04X}"
+        return f"{shown} at character {error.start}"
+
+
 def decode(tokenizer, ids, skip_special_tokens: bool = True) -> str:
     """``ids`` as text, without the tokenizer's clean-up of spaces (" ." -> "."), which
     Llama 3's tokenizers turn on: text decoded piece by piece must equal the whole decoded

@@ -212,7 +212,7 @@ def test_concurrent_greedy_requests_equal_their_outputs_alone(served):
     ({"prompt": "hi", "structured_outputs": {"choice": ["a"]}}, 400, "structured_outputs"),
     ({"prompt": "hi", "functions": [{"name": "f"}]}, 400, "functions"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "only allowed when stream is true"),
-    ({"prompt": "\ud800 hi"}, 400, "could not be tokenized"),  # a lone surrogate: was a 500
+    ({"prompt": "\ud800 hi"}, 400, "not valid UTF-8 text (lone surrogate U+D800 at character 0)"),  # was a 500
     ({"prompt": "hi", "priority": 5}, 400, "priority"),  # found in review: these four were accepted and ignored
     ({"prompt": "hi", "prompt_embeds": "AAAA"}, 400, "prompt_embeds"),
     ({"prompt": "hi", "modalities": ["text", "audio"]}, 400, "modalities"),
@@ -770,6 +770,76 @@ def test_an_error_while_failing_a_step_leaves_the_engine_serving(model_dir, monk
         assert failed.status_code == 500 and trouble == {"step": 0, "finish": 0}
         assert state.thread.is_alive()
         assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_reporting_that_fails_after_a_step_leaves_the_engine_serving_and_a_dead_engine_answers(model_dir,
+                                                                                               monkeypatch):
+    """Found in review: the /metrics bookkeeping after each step sat outside the step's guard;
+    when it raised, the engine thread died and the request in flight (plain or streamed)
+    waited for as long as its client stayed. Such a failure is logged and serving goes on;
+    and should the thread die all the same, a waiting request gets a 500 (a stream, an
+    error event) instead of waiting forever."""
+    import threading
+
+    from specdecode.serve.app import ServerState
+
+    report = ServerState._report_queue
+    trouble = {"left": 2}
+
+    def bad_report(self):  # in the engine thread's loop (a submission counts the queue too)
+        if trouble["left"] and threading.current_thread() is self.thread:
+            trouble["left"] -= 1
+            raise RuntimeError("counting for /metrics fails")
+        return report(self)
+
+    monkeypatch.setattr(ServerState, "_report_queue", bad_report)
+    client, state = make_client(model_dir)
+    with client:
+        assert client.post("/v1/completions", json={"prompt": "abcabc", "max_tokens": 4}).status_code == 200
+        assert trouble["left"] == 0 and state.thread.is_alive()
+        # the engine thread dies just after a request is queued, as a fault below ours could leave it
+        state.stopped = True
+        state.wakeup.set()
+        state.thread.join(timeout=10)
+        calls = {"n": 0}
+
+        def stopped_after_submission(self):
+            calls["n"] += 1
+            return calls["n"] > 1  # alive when submit asks, dead from then on
+
+        monkeypatch.setattr(ServerState, "engine_stopped", stopped_after_submission)
+        response = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2})
+        assert response.status_code == 500 and response.json()["error"]["code"] == "engine_stopped", response.text
+        calls["n"] = 0
+        streamed = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2, "stream": True})
+        events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+        assert events[-1]["error"]["code"] == "engine_stopped", streamed.text
+
+
+def test_bodies_a_review_found_answered_unclearly(served):
+    """Found in review: a prompt with a lone surrogate (a legal JSON escape) was refused with
+    the tokenizer's TypeError text; NaN (which Python's JSON parser takes) was refused as "less
+    than or equal to 2"; an empty list of content parts ran as an empty turn; and an unknown
+    key with a "-" in it was named by its parent only."""
+    client, _, _ = served
+    for path, body, param, fragment in (
+            ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt",
+             "not valid UTF-8 text (lone surrogate U+D800 at character 1)"),
+            ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "ok"}, {"role": "assistant", '
+                                     '"content": "x\\udfffy"}], "max_tokens": 2}', "messages",
+             "messages[1].content is not valid UTF-8 text (lone surrogate U+DFFF at character 1)"),
+            ("/v1/completions", '{"prompt": "ab", "temperature": NaN}', "temperature", "finite number"),
+            ("/v1/completions", '{"prompt": "ab", "top_p": Infinity}', "top_p", "finite number"),
+            ("/v1/chat/completions", '{"messages": [{"role": "user", "content": []}], "max_tokens": 2}', "messages.0",
+             "content parts are empty"),
+            ("/v1/completions", '{"prompt": "ab", "stream": true, "stream_options": {"include-usage": true}}',
+             "stream_options.include-usage", "stream_options.include-usage"),
+            ("/v1/completions", '{"prompt": "ab", "speculative": {"num-speculative-tokens": 3}}',
+             "speculative.num-speculative-tokens", "speculative.num-speculative-tokens")):
+        response = client.post(path, content=body, headers={"Content-Type": "application/json"})
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == param and fragment in error["message"], response.text
+        assert "TextEncodeInput" not in error["message"]
 
 
 def test_a_model_whose_logits_overflow_answers_500_naming_it(tmp_path):

@@ -15,6 +15,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -33,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..config import MAX_SERVED_K, VLLM_METHODS, ConfigError, SamplingParams, SpecDecodeError
 from ..engine import ContextLengthError, PromptError
 from ..metrics import GenerationStats
-from ..text import decode
+from ..text import decode, not_utf8
 from .batch import BatchEngine, Sequence, StepOutput
 from .metrics import LabelledRegistry, ServerMetrics
 
@@ -151,8 +152,9 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")  # kept in model_extra: UNSUPPORTED_DEFAULTS reads them
     model: str | None = None
     # JSON numbers only (found in review: false and "0" were read as greedy, true as 1.0)
-    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
+    # NaN and Infinity, which Python's JSON parser takes, are named as such (found in review: "should be <= 2")
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: StrictInt | None = Field(default=None, ge=-1)
     stop: str | list[str] | None = None
     seed: StrictInt | None = Field(default=None, ge=-(2 ** 63), le=2 ** 63 - 1)
@@ -262,6 +264,8 @@ class ChatMessage(BaseModel):
         # as OpenAI: only an assistant message that calls tools (or refused) may come without content
         if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal is not None)):
             raise ValueError(f"a {self.role} message needs content")
+        if isinstance(self.content, list) and not self.content:  # found in review: read as an empty turn
+            raise ValueError(f"a {self.role} message's content parts are empty (give at least one)")
         return self
 
     def for_template(self) -> dict:
@@ -327,6 +331,10 @@ class ServerState:
         self.thread = threading.Thread(target=self._loop, name="specdecode-engine", daemon=True)
         self.thread.start()
 
+    def engine_stopped(self) -> bool:
+        """Whether the engine thread has died (it never should: it catches a step's errors)."""
+        return self.thread is not None and not self.thread.is_alive()
+
     def stop(self) -> None:
         self.stopped = True
         self.wakeup.set()
@@ -358,13 +366,23 @@ class ServerState:
                 # our own errors name their cause (NaN logits from an overflowing model):
                 # the clients are told it; anything else stays an internal error
                 finished = self._fail_all(str(error) if isinstance(error, SpecDecodeError) else None)
-            self._report_queue()
-            self._count_tokens(list(engine.running) + finished)
-            if engine.decode_threads is not None:
-                self.metrics.kernel_threads(engine.decode_threads.preferred)
+            # found in review: a failure from here on ended the thread, and requests in flight waited forever
+            try:
+                self._report_queue()
+                self._count_tokens(list(engine.running) + finished)
+                if engine.decode_threads is not None:
+                    self.metrics.kernel_threads(engine.decode_threads.preferred)
+            except Exception:
+                logger.exception("counting an engine step for /metrics failed")
             for sequence in finished:  # those whose listener has not reported them (audits, failures)
-                self._report(sequence)
-            self._report_audits()
+                try:
+                    self._report(sequence)
+                except Exception:
+                    logger.exception("reporting a finished request failed")
+            try:
+                self._report_audits()
+            except Exception:
+                logger.exception("reporting the audits failed")
 
     def _report_audits(self) -> None:
         """Audits waiting or re-running, for /metrics (bench-serve waits for none before it
@@ -483,7 +501,7 @@ class ServerState:
         if not self.accepting:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down",
                            headers={"Retry-After": "5"})
-        if self.thread is not None and not self.thread.is_alive():  # nothing would ever answer it
+        if self.engine_stopped():  # nothing would ever answer it
             raise APIError(503, "the server's engine has stopped; restart the server", "server_error",
                            code="engine_stopped")
         # a request that a free row takes at the next step is not queued: only those beyond
@@ -683,12 +701,20 @@ class SpeculationChoices:
 
 
 # -- responses ---------------------------------------------------------------------------
+ENGINE_STOPPED = "the server's engine stopped before this request finished; restart the server"
+
+
+_UNION_TAG = re.compile(r"[a-z][a-z0-9-]*\[.*\]")  # list[int], function-after[...], tagged-union[...]
+
+
 def _field_path(location) -> list[str]:
     """A pydantic error location as the client's field path: the body's fields and list
-    indices, without the union member tags pydantic adds (``str``, ``list[int]``)."""
+    indices, without the union member tags pydantic adds (``str``, ``list[int]``,
+    ``function-after[...]``). A key of the client's with a "-" in it stays (found in review:
+    ``stream_options.include-usage`` was named as ``stream_options``)."""
     return [str(part) for part in location if part != "body" and not (
         isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list", "none")
-                                   or "[" in part or "-" in part))]
+                                   or _UNION_TAG.fullmatch(part)))]
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
@@ -873,6 +899,8 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send the prompt as token ids", param="prompt")
         add_special = body.add_special_tokens is not False
+        if (problem := not_utf8(prompt)) is not None:  # found in review: the tokenizer's TypeError text reached the client
+            raise APIError(400, f"the prompt is not valid UTF-8 text ({problem})", param="prompt")
         try:
             return list(tokenizer(prompt, add_special_tokens=add_special)["input_ids"]), prompt
         except (TypeError, ValueError, UnicodeError) as error:  # e.g. a lone surrogate, which UTF-8 cannot hold
@@ -885,6 +913,9 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
         messages = [m.for_template() for m in body.messages]
+        for index, message in enumerate(messages):
+            if (problem := not_utf8(message["content"])) is not None:
+                raise APIError(400, f"messages[{index}].content is not valid UTF-8 text ({problem})", param="messages")
         try:
             encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                     return_dict=True)
@@ -959,6 +990,9 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
                     if await request.is_disconnected():
                         abort_all()
                         return Response(status_code=499)
+                    if state.engine_stopped():  # found in review: the request waited forever
+                        abort_all()
+                        raise APIError(500, ENGINE_STOPPED, "server_error", code="engine_stopped")
                 if output is None:
                     continue
                 texts[index].append(output.text)
@@ -1030,7 +1064,14 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
                     yield _sse(chunk(index, echo, None))
             done = 0
             while done < len(sequences):
-                index, output = await queue.get()
+                try:
+                    index, output = await asyncio.wait_for(queue.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if not state.engine_stopped():
+                        continue
+                    yield _sse({"error": {"message": ENGINE_STOPPED, "type": "server_error", "param": None,
+                                          "code": "engine_stopped"}})
+                    break
                 sequence = sequences[index]
                 if output.finish_reason is None:
                     if output.text or (token_ids and output.token_ids):
@@ -1087,7 +1128,7 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if state.thread is not None and not state.thread.is_alive():
+        if state.engine_stopped():
             return error_response(503, "the engine thread has stopped", "server_error")
         return Response(status_code=200)
 
