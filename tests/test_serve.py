@@ -816,6 +816,24 @@ def test_reporting_that_fails_after_a_step_leaves_the_engine_serving_and_a_dead_
         assert events[-1]["error"]["code"] == "engine_stopped", streamed.text
 
 
+def test_a_clients_request_id_names_the_response_as_vllm_does(served):
+    """Found in review: the body's request_id and the X-Request-Id header were accepted and
+    ignored; vLLM builds the response id from them (the header first)."""
+    client, _, _ = served
+    body = {"prompt": "ab", "max_tokens": 2}
+    assert client.post("/v1/completions", json={**body, "request_id": "mine-1"}).json()["id"] == "cmpl-mine-1"
+    response = client.post("/v1/completions", json={**body, "request_id": "mine-1"}, headers={"X-Request-Id": "hdr-2"})
+    assert response.json()["id"] == "cmpl-hdr-2"
+    chat = {"messages": [{"role": "user", "content": "ab"}], "max_tokens": 2, "request_id": "c-3", "stream": True}
+    events = [json.loads(line[6:]) for line in client.post("/v1/chat/completions", json=chat).text.splitlines()
+              if line.startswith("data: {")]
+    assert events and {event["id"] for event in events} == {"chatcmpl-c-3"}
+    assert client.post("/v1/completions", json={**body, "request_id": ""}).json()["id"].startswith("cmpl-")
+    for bad in (7, "a\nb", "x" * 257):
+        response = client.post("/v1/completions", json={**body, "request_id": bad})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "request_id", response.text
+
+
 def test_bodies_a_review_found_answered_unclearly(served):
     """Found in review: a prompt with a lone surrogate (a legal JSON escape) was refused with
     the tokenizer's TypeError text; NaN (which Python's JSON parser takes) was refused as "less

@@ -136,6 +136,19 @@ IGNORED_KEYS = {"user", "metadata", "store", "service_tier", "parallel_tool_call
                 "include_reasoning", "return_tokens_as_token_ids"}
 
 
+def client_request_id(request: Request, body) -> str:
+    """The response id's base as vLLM makes it: the X-Request-Id header, else the body's
+    ``request_id``, else a random one (found in review: both were ignored). It also names the
+    request in the server's log lines, so it must be printable text of at most 256 characters."""
+    given = request.headers.get("X-Request-Id") or (body.model_extra or {}).get("request_id")
+    if given is None or given == "":
+        return uuid.uuid4().hex[:24]
+    if not isinstance(given, str) or not given.isprintable() or not 0 < len(given) <= 256:
+        raise APIError(400, "request_id (or the X-Request-Id header) must be printable text of 1 to 256 characters",
+                       param="request_id")
+    return given
+
+
 def _is_default(value, defaults: tuple) -> bool:
     """``value`` is one of ``defaults``, a bool only where a bool is: ``logprobs: 0`` asks
     for the chosen tokens' logprobs in OpenAI's completions, yet ``0 == False``."""
@@ -943,7 +956,7 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
         if getattr(body, "echo", False):
             echo = prompt_text or (decode(tokenizer, prompt_ids, skip_special_tokens=False) if tokenizer is not None
                                    else "")
-        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        request_id = ("chatcmpl-" if chat else "cmpl-") + client_request_id(request, body)
         room = state.engine.max_num_seqs + state.max_queued_requests
         if body.n > room:  # the choices are admitted together
             raise APIError(400, f"n = {body.n} exceeds what the server holds at once (--max-num-seqs "
