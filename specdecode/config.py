@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .text import not_utf8
+
 
 class SpecDecodeError(Exception):
     """Base class of every error specdecode raises on purpose (bad input, bad model)."""
@@ -97,10 +99,8 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must be non-empty")
         for string in self.stop:  # a lone surrogate (bytes that were not UTF-8) could never match the text
-            try:
-                string.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ConfigError(f"stop string {string!r} is not valid UTF-8 text") from None
+            if not_utf8(string) is not None:
+                raise ConfigError(f"stop string {string!r} is not valid UTF-8 text")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise ConfigError(f"seed must be a signed 64-bit integer ({SEED_RANGE[0]} to {SEED_RANGE[1]}), got {self.seed}")
 

@@ -916,7 +916,7 @@ def create_app(state: ServerState, tokenizer) -> FastAPI:
             raise APIError(400, f"the prompt is not valid UTF-8 text ({problem})", param="prompt")
         try:
             return list(tokenizer(prompt, add_special_tokens=add_special)["input_ids"]), prompt
-        except (TypeError, ValueError, UnicodeError) as error:  # e.g. a lone surrogate, which UTF-8 cannot hold
+        except (TypeError, ValueError, UnicodeError) as error:  # what else a tokenizer refuses (not_utf8 came first)
             raise APIError(400, f"the prompt could not be tokenized: {error}", param="prompt") from None
 
     def encode_chat(body: ChatRequest) -> tuple[list[int], str]:
