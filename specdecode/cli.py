@@ -131,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("target", help="model name, HF directory or .gguf")
     check.add_argument("draft", help="model name, HF directory, .gguf, self:L, ngram, or heads: eagle / medusa (the shipped ones), eagle:DIR, medusa:DIR or DIR")
     check.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    check.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"], help="the target's layer weight format for the calibration and the cost profile, as generate takes it")
     check.add_argument("--k", type=int, default=None, help="k for the calibration (default 5, or as many as the drafter drafts if fewer: Medusa's heads)")
     check.add_argument("--no-calibration", action="store_true", help="tokenizer and architecture checks only")
 
@@ -707,7 +708,7 @@ def cmd_check(args) -> int:
     calibration = None
     if result.compatible and not args.no_calibration:
         try:
-            calibration = calibrate(args.target, args.draft, args.dtype, args.k)
+            calibration = calibrate(args.target, args.draft, args.dtype, args.k, args.weights)
         except SpecDecodeError:  # the static checks still hold: shown before the error (found in review)
             print(format_check(result, None))
             raise

@@ -772,6 +772,8 @@ def test_context_of_skips_a_context_key_that_is_not_positive(tmp_path):
 
 
 class _FlatProfile:  # every scoring costs one step whatever its size, drafting is free
+    runtime = "a flat cost model"
+
     def v(self, k, context):
         return 1.0
 

@@ -231,11 +231,12 @@ def check_head(result: CheckResult, target_source, directory: Path, kind: str = 
 DEFAULT_CHECK_K = 5
 
 
-def calibrate(target: str, draft: str, dtype: str = "bf16", k: int | None = None) -> dict:
+def calibrate(target: str, draft: str, dtype: str = "bf16", k: int | None = None, weights: str = "auto") -> dict:
     """Greedy acceptance of the drafter on the built-in calibration prompts, and the
     speedup the cost profile predicts from it (at this k and at the best k). ``k`` None:
     ``DEFAULT_CHECK_K``, or as many as the drafter drafts if fewer (found in review: the
-    default 5 refused the shipped Medusa heads, which draft 3)."""
+    default 5 refused the shipped Medusa heads, which draft 3). ``weights``: the target's
+    weight format, as ``generate --weights`` takes it (the costs depend on it)."""
     given, k = k, DEFAULT_CHECK_K if k is None else k
     from ..cost.theory import tau_from_positions, tau_two_rates
     from ..metrics import acceptance_rates, tau_of
@@ -247,7 +248,7 @@ def calibrate(target: str, draft: str, dtype: str = "bf16", k: int | None = None
     else:
         method = "ngram" if draft == "ngram" else "draft"
         spec = SpeculativeConfig(method=method, k=k, draft=None if method == "ngram" else draft)
-    config = EngineConfig(model=target, dtype=dtype)
+    config = EngineConfig(model=target, dtype=dtype, weights=weights)
     loaded = load_target(config)
     proposer = build_proposer(spec, loaded, config)
     most = getattr(proposer, "max_drafts", None)  # Medusa heads draft one token each; others any k
@@ -295,7 +296,7 @@ def calibrate(target: str, draft: str, dtype: str = "bf16", k: int | None = None
             "acceptance_per_position": positions, "tau": tau,
             "mean_acceptance_length": tau_from_positions(positions), "drafted_share": share, "c": c,
             "v_k": profile.v(k, 256), "k": k, "expected_speedup_fixed_k": tau * passes / cost if cost else 1.0,
-            "best_k": k_best, "expected_speedup_best_k": best}
+            "best_k": k_best, "expected_speedup_best_k": best, "runtime": profile.runtime}
 
 
 def format_check(result: CheckResult, calibration: dict | None) -> str:
@@ -311,7 +312,8 @@ def format_check(result: CheckResult, calibration: dict | None) -> str:
                      f"acceptance by position {per_position}, tau {c['tau']:.2f} tokens per target pass at "
                      f"k={c['k']} ({c['drafted_share']:.0%} of the steps drafted; mean acceptance length of those "
                      f"{c['mean_acceptance_length']:.2f})")
-        lines.append(f"  cost profile: c = {c['c']:.3f}, v(T={c['k'] + 1}) = {c['v_k']:.2f} (k={c['k']} drafts and "
+        runs_as = f" ({c['runtime']})" if c.get("runtime") else ""  # the target's backend, weights and KV cache
+        lines.append(f"  cost profile{runs_as}: c = {c['c']:.3f}, v(T={c['k'] + 1}) = {c['v_k']:.2f} (k={c['k']} drafts and "
                      f"the last token, as `specdecode profile` labels T) -> expected speedup "
                      f"{c['expected_speedup_fixed_k']:.2f}x at k={c['k']}; best k = {c['best_k']} "
                      f"({c['expected_speedup_best_k']:.2f}x{', plain decoding wins' if c['best_k'] == 0 else ''})")
