@@ -713,6 +713,31 @@ def test_the_router_learns_only_from_turns_decoded_on_plain_decodings_prompt(mon
     assert observed == [("code", "ngram:3,2,1", 0.5, 1.2, 10)]
 
 
+def test_the_router_learns_from_the_adaptive_k_a_routed_request_runs_not_from_a_k_sweep(monkeypatch):
+    """Found in review: analyze taught the router from every k of a sweep, so fixed points
+    chosen to lose (ngram@8) turned a task to plain decoding where ngram@auto gained. A
+    drafter run only at fixed k still teaches."""
+    from specdecode.analysis.analyzer import learn
+    from specdecode.control import router as router_module
+    from specdecode.control.router import Router
+
+    learnt = Router()
+    monkeypatch.setattr(router_module, "router_state_path", lambda model, config=None: "unused")
+    monkeypatch.setattr(router_module, "update_saved", lambda path, change, warn=None: change(learnt))
+    records = [{"method": method, "task": "code", "draft_tokens": 4, "first_alpha": 0.3, "decode_speedup": speedup,
+                "new_tokens": 64} for method, speedup in (("ngram@2", 0.8), ("ngram@8", 0.7), ("ngram@auto", 1.1))
+               for _ in range(3)]
+    names = {"ngram@2": "ngram:3,2,1", "ngram@8": "ngram:3,2,1", "ngram@auto": "ngram:3,2,1", "draft@3": "draft:self:2"}
+    learn(records + [{**records[0], "method": "draft@3", "decode_speedup": 0.6}], names)
+    assert learnt.records["code/ngram:3,2,1"].speedup == pytest.approx(1.1)
+    assert learnt.records["code/draft:self:2"].speedup == pytest.approx(0.6)  # its only k
+    assert learnt.route("def f(x): return x", drafter="ngram:3,2,1", task="code").method == "ngram"
+    fixed = Router()
+    monkeypatch.setattr(router_module, "update_saved", lambda path, change, warn=None: change(fixed))
+    learn(records, {**names, "ngram": "ngram:3,2,1"}, default_k=4)  # a bare method under --k 4 is fixed too
+    assert fixed.records["code/ngram:3,2,1"].speedup == pytest.approx(1.1)
+
+
 def test_same_column_shows_the_largest_divergence_margin():
     from specdecode.analysis.analyzer import _same
 

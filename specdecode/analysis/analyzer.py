@@ -254,7 +254,7 @@ def analyze(args, engine_config, spec_config, params, temperatures: list[float],
         "records": records,
     }
     write_reports(result, out_dir)
-    learn(records, drafter_names, args.model, engine_config)
+    learn(records, drafter_names, args.model, engine_config, args.k)
     return result
 
 
@@ -279,17 +279,25 @@ def add_predicted_sweep(sweeps: dict, table: list[dict], default_k: object = "au
                         entry[m]["predicted_vs_best_fixed"] = predicted[(temperature, m, category)] / fixed[best] - 1.0
 
 
-def learn(records: list[dict], drafter_names: dict[str, str], model: str = "default", engine_config=None) -> None:
+def learn(records: list[dict], drafter_names: dict[str, str], model: str = "default", engine_config=None,
+          default_k: object = "auto") -> None:
     """Hand what was measured to ``model``'s router (run as ``engine_config`` says), so later
-    requests start from it."""
+    requests start from it. Of the ways a drafter ran, only those a routed request runs
+    teach: its adaptive k (method@auto, @threshold, or a bare method under ``default_k``
+    auto) where the run had one, else its fixed k. A k sweep's fixed points, some of them
+    chosen to lose, sent a task to plain decoding where the adaptive policy gained (found
+    in review: 0.88x learnt from ngram@2 0.8x, ngram@8 0.7x and ngram@auto 1.1x)."""
     from ..control.router import router_state_path, update_saved
 
     from ..factory import log
 
+    adaptive = {drafter_names[m] for m in drafter_names if not is_fixed_k(m, default_k)}
+    teaches = {m for m, name in drafter_names.items() if name not in adaptive or not is_fixed_k(m, default_k)}
+
     def observe_all(router) -> None:
         for r in records:
             # a turn decoded after a reply other than plain's is not compared on the same request
-            if (r["method"] != "none" and r.get("draft_tokens") and r.get("decode_speedup") is not None
+            if (r["method"] in teaches and r.get("draft_tokens") and r.get("decode_speedup") is not None
                     and not r.get("context_differs")):
                 router.observe(r["task"], drafter_names[r["method"]], r["first_alpha"], r["decode_speedup"],
                                r["new_tokens"])
