@@ -18,46 +18,11 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-def test_two_replicas_serve_the_same_answers(tmp_path):
-    from ray import serve
-
-    from specdecode.serve.server import ray_application
-
-    path = save_chat_model(tmp_path / "m", seed=12)
-    port = free_port()
-    config = EngineConfig(model=str(path), dtype="fp32", backend="torch", num_threads=1)
-    application = ray_application(config, '{"method": "ngram", "num_speculative_tokens": 2}', replicas=2,
-                                  max_num_seqs=4, max_queued_requests=16, served_model_name="tiny")
-    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(application, name="specdecode", route_prefix="/", blocking=False)
-        prompts = [f"{'abcdefgh'[i % 8] * (2 + i % 4)}x{i}" for i in range(24)]
-
-        def ask(prompt):
-            response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
-                                  json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
-            assert response.status_code == 200, response.text
-            body = response.json()
-            return body["choices"][0]["text"], body["system_fingerprint"]
-
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(ask, prompts))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-    reference = load_model(str(path), torch.float32, backend="torch")
-    plain = SpeculativeEngine(reference.runtime, reference.tokenizer)
-    expected = [plain.generate(reference.tokenizer(p)["input_ids"],
-                               SamplingParams(max_new_tokens=8, ignore_eos=True)).text for p in prompts]
-    assert [text for text, _ in answers] == expected
-    assert len({replica for _, replica in answers}) == 2  # both replicas answered
-
-
 def test_sigterm_lets_a_stream_in_flight_finish(tmp_path):
     """Found in review: under --replicas the driver blocked in Ray's wait, which takes
     Ctrl-C only; SIGTERM killed it and cut every stream in flight, and --shutdown-timeout
-    never reached the deployment. Now the replicas drain behind the proxy."""
+    never reached the deployment. Now the replicas drain behind the proxy. First in the
+    module: its server starts a Ray of its own, before ray_session's is up."""
     import os
     import signal
     import subprocess
@@ -113,7 +78,49 @@ def test_sigterm_lets_a_stream_in_flight_finish(tmp_path):
     assert received and received[-1] == "[DONE]" and len(received) > 100
 
 
-def test_overload_is_the_replicas_own_json_503(tmp_path):
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local Ray for the in-process tests (starting it took about 10 s a test)."""
+    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_two_replicas_serve_the_same_answers(tmp_path, ray_session):
+    from ray import serve
+
+    from specdecode.serve.server import ray_application
+
+    path = save_chat_model(tmp_path / "m", seed=12)
+    port = free_port()
+    config = EngineConfig(model=str(path), dtype="fp32", backend="torch", num_threads=1)
+    application = ray_application(config, '{"method": "ngram", "num_speculative_tokens": 2}', replicas=2,
+                                  max_num_seqs=4, max_queued_requests=16, served_model_name="tiny")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(application, name="specdecode", route_prefix="/", blocking=False)
+        prompts = [f"{'abcdefgh'[i % 8] * (2 + i % 4)}x{i}" for i in range(24)]
+
+        def ask(prompt):
+            response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                                  json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+            assert response.status_code == 200, response.text
+            body = response.json()
+            return body["choices"][0]["text"], body["system_fingerprint"]
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, prompts))
+    finally:
+        serve.shutdown()
+    reference = load_model(str(path), torch.float32, backend="torch")
+    plain = SpeculativeEngine(reference.runtime, reference.tokenizer)
+    expected = [plain.generate(reference.tokenizer(p)["input_ids"],
+                               SamplingParams(max_new_tokens=8, ignore_eos=True)).text for p in prompts]
+    assert [text for text, _ in answers] == expected
+    assert len({replica for _, replica in answers}) == 2  # both replicas answered
+
+
+def test_overload_is_the_replicas_own_json_503(tmp_path, ray_session):
     """Found in review: Ray's own queue limit answered part of a burst's 503s in plain text,
     without Retry-After, and let one request more than --max-queued-requests 0 through to
     wait. Each replica now answers overload itself, as the single server does."""
@@ -126,7 +133,6 @@ def test_overload_is_the_replicas_own_json_503(tmp_path):
     config = EngineConfig(model=str(path), dtype="fp32", backend="torch", num_threads=1)
     application = ray_application(config, '{"method": "none"}', replicas=1, max_num_seqs=1, max_queued_requests=0,
                                   served_model_name="tiny")
-    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(application, name="specdecode", route_prefix="/", blocking=False)
@@ -141,7 +147,6 @@ def test_overload_is_the_replicas_own_json_503(tmp_path):
             replies = list(pool.map(ask, range(8)))
     finally:
         serve.shutdown()
-        ray.shutdown()
     refused = [reply for reply in replies if reply[0] != 200]
     assert refused and len(refused) < len(replies), [reply[:3] for reply in replies]
     for status, kind, retry_after, text in refused:
