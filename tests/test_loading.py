@@ -163,13 +163,14 @@ def test_weights_auto_times_a_short_context_model_within_its_context(tiny_llama_
 
 
 def _tiny_gguf(arch: str, root, qtype: str = "Q8_0", types: dict[str, str] | None = None, tokenizer: bool = False,
-               intermediate: int = 128):
+               intermediate: int = 128, drop: str | None = None, extra: dict | None = None):
     """A 2-layer ``arch`` model written as llama.cpp writes it (q/k rows reordered for its
     llama architecture only), every linear in ``qtype`` (the embedding and the untied head
     too, as llama.cpp's Q4_1 file type leaves them) unless ``types`` names another for a
     tensor (its GGUF name without .weight and block: "attn_v"); returns (path, transformers
     model). ``tokenizer``: with a byte tokenizer's metadata, so the file loads as a model;
-    ``intermediate``: the MLP's width (the input width of ffn_down)."""
+    ``intermediate``: the MLP's width (the input width of ffn_down); ``drop``: a tensor
+    left out (its GGUF name); ``extra``: GGUF name -> array, tensors written besides."""
     import gguf
     import numpy as np
     import torch
@@ -201,6 +202,8 @@ def _tiny_gguf(arch: str, root, qtype: str = "Q8_0", types: dict[str, str] | Non
         writer.add_eos_token_id(2)
 
     def linear(name, array):
+        if name == drop:
+            return
         kind = getattr(gguf.GGMLQuantizationType, (types or {}).get(name.split(".")[-2], qtype))
         writer.add_tensor(name, gguf.quants.quantize(array.astype(np.float32), kind), raw_dtype=kind)
 
@@ -226,6 +229,8 @@ def _tiny_gguf(arch: str, root, qtype: str = "Q8_0", types: dict[str, str] | Non
                 writer.add_tensor(theirs + f"attn_{part}.bias", state[ours + f"self_attn.{part}_proj.bias"])
         writer.add_tensor(theirs + "attn_norm.weight", state[ours + "input_layernorm.weight"])
         writer.add_tensor(theirs + "ffn_norm.weight", state[ours + "post_attention_layernorm.weight"])
+    for name, array in (extra or {}).items():
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -539,6 +544,27 @@ def test_a_gguf_conversion_parses_the_file_once(tmp_path, monkeypatch):
     assert loading.GGUF_INDEX in manifest["files"]
     assert set(loading.gguf_tensor_index(path, source.path)) == {t.name for t in real_reader(str(path)).tensors}
     assert len(parses) == 1  # the index was read from the conversion, not from the file again
+
+
+@pytest.mark.parametrize("fault", ["missing", "unmapped"])
+def test_a_gguf_whose_tensors_do_not_match_its_model_is_refused_by_name(tmp_path, monkeypatch, fault):
+    """Found in review: transformers converted a GGUF that lacks a tensor with that tensor
+    initialised at random, and dropped a tensor it does not map (a llama file's attn_q.bias,
+    which llama.cpp applies), each with a line on stderr only: the conversion was cached
+    and every later load computed wrong logits. Both are refused, naming the tensor."""
+    import numpy as np
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    if fault == "missing":
+        path, _ = _tiny_gguf("llama", tmp_path / "gguf", "Q8_0", tokenizer=True, drop="blk.1.ffn_down.weight")
+        named = "missing keys: model.layers.1.mlp.down_proj.weight"
+    else:
+        bias = np.full(64, 3.0, dtype=np.float32)
+        path, _ = _tiny_gguf("llama", tmp_path / "gguf", "Q8_0", tokenizer=True, extra={"blk.0.attn_q.bias": bias})
+        named = "tensors the model does not use: blk.0.attn_q.bias"
+    with pytest.raises(ModelNotFoundError, match=f"does not match the model its metadata describes.*{named}"):
+        resolve_model(str(path))
+    assert not list((tmp_path / "cache" / "models").glob("tiny-llama-*/config.json"))  # nothing cached
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])

@@ -118,7 +118,7 @@ class HFRuntime:
 def load_hf(model_dir, dtype: torch.dtype, device: str = "cpu") -> HFRuntime:
     from transformers import AutoModelForCausalLM
 
-    from .loading import ModelNotFoundError
+    from .loading import ModelNotFoundError, checkpoint_problems
 
     try:  # found in review: a config.json without a known model_type ended in a ValueError traceback
         model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, output_loading_info=True)
@@ -128,12 +128,7 @@ def load_hf(model_dir, dtype: torch.dtype, device: str = "cpu") -> HFRuntime:
     # transformers initialises a missing tensor at random and drops an unexpected one, with a
     # line on stderr: the logits are then wrong (found in review: a checkpoint whose config
     # had lost its attention bias loaded and differed by 6.9 in a logit). Refused by name.
-    problems = []
-    for what in ("missing_keys", "unexpected_keys", "mismatched_keys"):
-        keys = sorted(str(key) for key in info.get(what) or ())
-        if keys:
-            more = f" (+{len(keys) - 4} more)" if len(keys) > 4 else ""
-            problems.append(f"{what.replace('_', ' ')}: {', '.join(keys[:4])}{more}")
+    problems = checkpoint_problems(info)
     if problems:
         raise ModelNotFoundError(f"model {str(model_dir)!r}: its checkpoint does not match its config "
                                  f"({'; '.join(problems)})")

