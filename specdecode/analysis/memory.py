@@ -165,10 +165,13 @@ def gguf_formats(shape: Shape, tensors: dict) -> None:
     fused group with an 8-bit part is 8-bit whole; the embedding and the head stay 4-bit
     only where the file's are, else 8-bit; under int8 every tensor but a Q8_0 is quantized
     again."""
-    from ..models.quant import GGML_Q4_0, GGML_Q4_1, GGML_Q8_0
+    from ..models.quant import GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, format_for_width
 
     four_bit = (GGML_Q4_0, GGML_Q4_1)
     size = {name: math.prod(t.shape) for name, t in tensors.items()}
+    # a group whose input width (a GGUF shape lists it first) is an odd number of 32-blocks
+    # is held in Q8_0 under int4 whatever its blocks (found in review: priced at 4 bits)
+    narrow = {name: format_for_width("q4_1", t.shape[0]) == "q8_0" for name, t in tensors.items()}
     eight = total = 0
     requantized = {"int4": 0, "int8": 0}
 
@@ -182,7 +185,7 @@ def gguf_formats(shape: Shape, tensors: dict) -> None:
             kinds = [tensors[n].tensor_type for n in present]
             params = sum(size[n] for n in present)
             total += params
-            group_8bit = GGML_Q8_0 in kinds
+            group_8bit = GGML_Q8_0 in kinds or any(narrow[n] for n in present)
             eight += params if group_8bit else 0
             for name, kind in zip(present, kinds):
                 if kind not in four_bit + (GGML_Q8_0,) or (group_8bit and kind != GGML_Q8_0):
@@ -192,14 +195,29 @@ def gguf_formats(shape: Shape, tensors: dict) -> None:
     shape.gguf_8bit_share = eight / max(total, 1)
     embedding, head = tensors.get("token_embd.weight"), tensors.get("output.weight")
     head = head if head is not None and not shape.tied else embedding
-    shape.gguf_4bit_embedding = embedding is not None and embedding.tensor_type in four_bit
-    shape.gguf_4bit_head = head is not None and head.tensor_type in four_bit
+    shape.gguf_4bit_embedding = embedding is not None and embedding.tensor_type in four_bit and not narrow["token_embd.weight"]
+    shape.gguf_4bit_head = head is not None and head.tensor_type in four_bit and not narrow[head.name]
     for tensor, carried in ((embedding, shape.gguf_4bit_embedding), (head, shape.gguf_4bit_head)):
         if tensor is not None and tensor.tensor_type != GGML_Q8_0:
             if not carried:
                 passes_fp32("int4", math.prod(tensor.shape))
             passes_fp32("int8", math.prod(tensor.shape))
     shape.gguf_requantized = requantized
+
+
+def _layer_bytes(shape: Shape, weights: str, layers: int) -> float:
+    """``layers`` layers (and the final norm) stored in ``weights``. Under int4 a projection
+    whose input width is an odd number of 32-blocks is held in Q8_0, as the loader holds it
+    (``models.quant.format_for_width``; found in review: priced at 4 bits, 31% low)."""
+    from ..models.quant import format_for_width
+
+    h, d, inner = shape.hidden, shape.head_dim, shape.intermediate
+    q = shape.heads * d
+    by_width = ((h, h * (q + 2 * shape.kv_heads * d)), (h, 2 * h * inner), (q, q * h), (inner, inner * h))
+    per_layer = sum(params * BYTES["int8" if weights == "int4" and format_for_width("q4_1", cols) == "q8_0"
+                                  else weights] for cols, params in by_width)
+    norms = (2 * layers + 1) * h * BYTES[weights]
+    return layers * per_layer + norms
 
 
 def model_memory(shape: Shape, weights: str, kv_dtype: str, batch: int, context: int, k: int,
@@ -213,14 +231,15 @@ def model_memory(shape: Shape, weights: str, kv_dtype: str, batch: int, context:
         raise ConfigError(f"KV dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
     layers = shape.layers if layers is None else layers
     embedding_format = head_format = "int8" if weights == "int4" else weights
-    layer_bytes = BYTES[weights]
+    table = shape.vocab * shape.hidden
     if weights == "int4" and shape.gguf:  # as the loader carries a GGUF's blocks (gguf_formats)
         layer_bytes = shape.gguf_8bit_share * BYTES["int8"] + (1 - shape.gguf_8bit_share) * BYTES["int4"]
         embedding_format = "int4" if shape.gguf_4bit_embedding else "int8"
         head_format = "int4" if shape.gguf_4bit_head else "int8"
-    table = shape.vocab * shape.hidden
-    stored = ((shape.layer_parameters(layers) + shape.hidden) * layer_bytes
-              + table * BYTES[embedding_format] + (0 if shape.tied else table * BYTES[head_format]))
+        stored_layers = (shape.layer_parameters(layers) + shape.hidden) * layer_bytes
+    else:
+        stored_layers = _layer_bytes(shape, weights, layers)
+    stored = stored_layers + table * BYTES[embedding_format] + (0 if shape.tied else table * BYTES[head_format])
     rope = 2 * shape.max_positions * shape.head_dim * 4
     weight_bytes = 0.0 if shares_weights else stored + rope
     kv = 2 * layers * shape.kv_heads * shape.head_dim * context * batch * BYTES[kv_dtype]
