@@ -635,6 +635,64 @@ def test_memory_prices_int4_layers_of_an_odd_number_of_blocks_at_8_bits(tmp_path
     assert abs(estimate - loaded) < 0.03 * loaded, (estimate, loaded)
 
 
+def _one_tensor_gguf(path, rows: int, cols: int, kind_name: str):
+    import gguf
+    import numpy as np
+
+    from specdecode.models.quant import GGUFTensor
+
+    kind = getattr(gguf.GGMLQuantizationType, kind_name)
+    values = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("x.weight", gguf.quants.quantize(values, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    (t,) = gguf.GGUFReader(str(path)).tensors
+    return GGUFTensor(t.name, int(t.tensor_type), tuple(int(n) for n in t.shape), int(t.data_offset), int(t.n_bytes))
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "fp32", "bf16"])
+def test_a_gguf_tensor_quantized_again_a_few_rows_at_a_time_is_the_same_bits(tmp_path, monkeypatch, fmt):
+    """A tensor quantized again from a GGUF goes a few rows at a time (found in review: the
+    whole tensor at once held about 12 bytes a parameter); each row is quantized alone, so
+    the bits are those of the whole tensor at once."""
+    from specdecode.models import quant
+
+    tensor = _one_tensor_gguf(tmp_path / "t.gguf", 40, 128, "Q5_0")
+    whole, how = quant.from_gguf(tensor, tmp_path / "t.gguf", fmt)
+    monkeypatch.setattr(quant, "REQUANTIZE_VALUES", 3 * 128)  # 3 rows a time: 14 parts, the last of 1 row
+    parts, _ = quant.from_gguf(tensor, tmp_path / "t.gguf", fmt)
+    assert how == "requantized" and parts.fmt == whole.fmt == fmt
+    for name in ("weight", "qweight", "scales", "mins"):
+        a, b = getattr(whole, name, None), getattr(parts, name, None)
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's peak-RSS reset")
+def test_quantizing_a_gguf_tensor_again_holds_less_than_its_fp32_size(tmp_path):
+    """`specdecode memory` counts a tensor quantized again at its fp32 size while loading;
+    the load held three times that (a second fp32 copy, the gguf library's and the
+    quantizer's temporaries). Measured as the peak RSS above the start (Linux)."""
+    from specdecode.models.loading import transients_mapped
+    from specdecode.models.quant import from_gguf
+
+    rows, cols = 4096, 2048
+    tensor = _one_tensor_gguf(tmp_path / "t.gguf", rows, cols, "Q5_0")
+
+    def status(field):
+        return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field))
+
+    with transients_mapped():
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")  # VmHWM back to VmRSS
+        start = status("VmRSS:")
+        layer, _ = from_gguf(tensor, tmp_path / "t.gguf", "q8_0")
+        peak = status("VmHWM:") - start
+    assert layer.fmt == "q8_0" and peak < 4 * rows * cols, peak / 2**20
+
+
 def test_a_quantized_gguf_loaded_as_bf16_says_its_values_were_rounded(tmp_path, capsys):
     """Found in review: --weights bf16 rounded a Q4_1 file's values (79% of them) without a
     word, where every other second quantization is logged."""
