@@ -645,6 +645,17 @@ def test_a_cache_that_cannot_be_written_means_no_kernels_not_a_crash(tmp_path, m
         kernels.build(force=True)
 
 
+def test_a_compiler_that_fails_without_a_word_is_named_with_its_status(tmp_path, monkeypatch):
+    """Found in review: a compiler that failed and printed nothing gave "building the CPU
+    kernels failed:" and an empty reason."""
+    from specdecode import kernels
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", "/bin/false")
+    with pytest.raises(kernels.KernelsUnavailable, match="failed:\nfalse exited with status 1 and printed nothing"):
+        kernels.build(force=True)
+
+
 def test_the_kernels_refuse_what_they_would_read_or_write_out_of_bounds(tmp_path):
     """Found in review, through the Python API (the command line checks both earlier): a
     prefill chunk over 512 rows overflowed the attention's key lists (a segfault with 600),

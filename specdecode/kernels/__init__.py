@@ -146,7 +146,10 @@ def build(force: bool = False, march: str | None = None) -> Path:
             result = subprocess.run([compiler, *FLAGS, *options, str(SOURCE), "-o", staging],
                                     capture_output=True, text=True)
             if result.returncode != 0:
-                raise KernelsUnavailable(f"building the CPU kernels failed:\n{result.stderr.strip()[-2000:]}")
+                # a compiler that fails without a word (found in review: an empty reason)
+                said = (result.stderr.strip() or result.stdout.strip())[-2000:] or \
+                    f"{Path(compiler).name} exited with status {result.returncode} and printed nothing"
+                raise KernelsUnavailable(f"building the CPU kernels failed:\n{said}")
             shared_mode(staging, 0o777)  # a library others may load from a shared cache
             os.replace(staging, target)
         finally:  # a failed or interrupted build leaves no half-written library behind
