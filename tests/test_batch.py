@@ -269,19 +269,24 @@ def test_listener_sees_every_token_once(model_dir):
 
 
 @needs_kernels
+@pytest.mark.parametrize("vocab", [97, 6])
 @pytest.mark.parametrize("plain_steps", [False, True])
-def test_eagle_rows_draft_exactly_what_they_draft_alone(model_dir, plain_steps):
+def test_eagle_rows_draft_exactly_what_they_draft_alone(model_dir, tmp_path, plain_steps, vocab):
     """Each row's EAGLE drafter is fed its own rows of the target's captured features
     (prefill chunks included): its drafts, acceptance per position and output equal the
     single-sequence engine's for the same head and k, whatever runs beside it. With plain
     steps between the drafted ones, the head is fed on those too (found in review: no test
-    would notice if it were not; it would draft nothing after its first plain step)."""
+    would notice if it were not; it would draft nothing after its first plain step). Over
+    6 tokens a random head's drafts are often accepted, several deep: over 97 none were, and
+    the accepted path's states handed to the head in another order passed (a mutation audit)."""
     from test_eagle import Alternating, random_head
     from specdecode.factory import load_model
     from specdecode.proposers.eagle import EagleProposer
 
+    if vocab != 97:
+        model_dir = save_tiny_model(tmp_path / "peaked", seed=33, vocab_size=vocab, num_layers=2, init_std=0.3)
     target = load_model(str(model_dir), torch.float32, backend="kernels")
-    head = random_head(target, 3, draft_vocab=90)
+    head = random_head(target, 3, draft_vocab=min(90, vocab))
     weights = target.runtime.weights
 
     class Recording(EagleProposer):
@@ -296,7 +301,7 @@ def test_eagle_rows_draft_exactly_what_they_draft_alone(model_dir, plain_steps):
         return proposer
 
     rng = random.Random(9)
-    prompts = [random_prompt(rng) for _ in range(6)]
+    prompts = [random_prompt(rng, vocab) for _ in range(6)]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     alone = []
     for prompt in prompts:
@@ -313,6 +318,9 @@ def test_eagle_rows_draft_exactly_what_they_draft_alone(model_dir, plain_steps):
     drafted = [len(d) for _, log, _ in alone for d in log]
     assert sum(drafted) >= 50 * (1 if plain_steps else 2)  # the drafters did draft
     assert sum(n > 0 for n in drafted) >= 0.9 * len(drafted)  # on (nearly) every step they were asked to
+    if vocab < 90:
+        deep = sum(n for _, _, positions in alone for n in positions[1:])
+        assert deep > 5, [positions for _, _, positions in alone]
 
 
 def test_an_eagle_row_that_drafts_nothing_keeps_only_its_own_states(tmp_path):

@@ -28,6 +28,16 @@ def targets(tmp_path_factory):
             for s, backend in ((30, "torch"), (31, "kernels"))]
 
 
+@pytest.fixture(scope="module")
+def peaked_targets(tmp_path_factory):
+    """Targets of 6 tokens, on both backends: a random head's drafts are often accepted,
+    several deep (with 97 tokens almost none are, and the steps after an acceptance go
+    untested: found in a mutation audit)."""
+    root = tmp_path_factory.mktemp("eagle-peaked")
+    return [load_model(save_tiny_model(root / f"t{backend}", seed=33, vocab_size=6, num_layers=2, init_std=0.3),
+                       torch.float32, backend=backend) for backend in ("torch", "kernels")]
+
+
 def random_head(target, seed: int, draft_vocab: int = 60) -> EagleHead:
     torch.manual_seed(seed)
     head = EagleHead(EagleConfig.for_target(target.runtime.cfg, draft_vocab))
@@ -42,21 +52,26 @@ def proposer_for(target, head) -> EagleProposer:
     return EagleProposer(head, lambda ids: weights.embed_rows(ids).float())
 
 
-def test_eagle_greedy_equals_plain_with_random_heads(targets):
+def test_eagle_greedy_equals_plain_with_random_heads(targets, peaked_targets):
+    """Chains of 1, 3 and 6: over 97 tokens nearly every draft is rejected; over 6 many are
+    accepted, some several deep, so accepting and rolling back are both exercised."""
     rng = random.Random(0)
-    checked = drafted = 0
-    for target in targets:
+    checked, drafted, accepted, deep = 0, 0, {97: 0, 6: 0}, 0
+    for target in [*targets, *peaked_targets]:
+        vocab = target.runtime.vocab_size
         plain = SpeculativeEngine(target.runtime)
         for seed in range(3):
-            proposer = proposer_for(target, random_head(target, seed))
+            proposer = proposer_for(target, random_head(target, seed, draft_vocab=min(60, vocab)))
             for k in (1, 3, 6):
                 engine = SpeculativeEngine(target.runtime, proposer=proposer, k=k)
-                prompt = [rng.randrange(3, 97) for _ in range(rng.randint(1, 12))]
+                prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 12))]
                 result = engine.generate(prompt, GREEDY)
                 assert result.token_ids == plain.generate(prompt, GREEDY).token_ids, (seed, k, prompt)
                 checked += 1
                 drafted += result.stats.draft_tokens
-    assert checked == 18 and drafted > 0
+                accepted[vocab] += result.stats.accepted_tokens
+                deep += sum(result.stats.accepted_per_position[2:])
+    assert checked == 36 and drafted > 0 and accepted[6] > 15 and deep > 3, (accepted, deep)
 
 
 def fresh_proposal(target, head, committed: list[int], k: int) -> list[int]:
@@ -90,17 +105,26 @@ class Recording(EagleProposer):
         return proposal
 
 
-def test_incremental_proposals_equal_a_fresh_pass_over_the_committed_sequence(targets):
+@pytest.mark.parametrize("which", ["97 tokens", "6 tokens, torch", "6 tokens, kernels"])
+def test_incremental_proposals_equal_a_fresh_pass_over_the_committed_sequence(targets, peaked_targets, which):
     """A stale or misplaced head cache keeps the output lossless but ruins acceptance; this
-    checks the drafts themselves, step by step, after accepted and rejected drafts."""
-    target = targets[0]
-    head = random_head(target, 7)
+    checks the drafts themselves, step by step, after accepted and rejected drafts. Over 97
+    tokens a random head's drafts are all rejected; over 6 many are accepted, several deep
+    (found in a mutation audit: the accepted path's states handed to the head in another
+    order passed every test)."""
+    target = {"97 tokens": targets[0], "6 tokens, torch": peaked_targets[0],
+              "6 tokens, kernels": peaked_targets[1]}[which]
+    vocab = target.runtime.vocab_size
+    head = random_head(target, 7, draft_vocab=min(60, vocab))
     weights = target.runtime.weights
     proposer = Recording(head, lambda ids: weights.embed_rows(ids).float())
     engine = SpeculativeEngine(target.runtime, proposer=proposer, k=3)
-    engine.generate([5, 9, 14, 22, 5, 9], GREEDY)
+    prompt = [5, 9, 14, 22, 5, 9] if vocab > 22 else [5, 1, 4, 2, 5, 1]
+    stats = engine.generate(prompt, GREEDY).stats
     assert len(proposer.seen) > 5
-    for tokens, k, drafts in proposer.seen[:12]:
+    if vocab < 22:
+        assert stats.accepted_tokens > 5 and stats.accepted_per_position[1] > 0, stats.accepted_per_position
+    for tokens, k, drafts in proposer.seen[:16]:
         assert drafts == fresh_proposal(target, head, tokens, k), tokens
 
 
