@@ -87,11 +87,15 @@ class Shape:
     def parameters(self) -> int:
         return self.layer_parameters(self.layers) + self.embedding_parameters + self.hidden
 
+    def projections(self) -> tuple[tuple[int, int], ...]:
+        """One layer's projections as (input width, parameters): q/k/v and gate/up read the
+        hidden state, o the heads, down the MLP (the width decides an int4 layer's format)."""
+        h, q, inner = self.hidden, self.heads * self.head_dim, self.intermediate
+        return (h, h * (q + 2 * self.kv_heads * self.head_dim)), (h, 2 * h * inner), (q, q * h), (inner, inner * h)
+
     def layer_parameters(self, layers: int) -> int:
         """Parameters of ``layers`` transformer layers (projections and norms)."""
-        h, d = self.hidden, self.head_dim
-        attention = h * self.heads * d + 2 * h * self.kv_heads * d + self.heads * d * h
-        return layers * (attention + 3 * h * self.intermediate + 2 * h)
+        return layers * (sum(params for _, params in self.projections()) + 2 * self.hidden)
 
     @property
     def embedding_parameters(self) -> int:
@@ -211,13 +215,9 @@ def _layer_bytes(shape: Shape, weights: str, layers: int) -> float:
     (``models.quant.format_for_width``; found in review: priced at 4 bits, 31% low)."""
     from ..models.quant import format_for_width
 
-    h, d, inner = shape.hidden, shape.head_dim, shape.intermediate
-    q = shape.heads * d
-    by_width = ((h, h * (q + 2 * shape.kv_heads * d)), (h, 2 * h * inner), (q, q * h), (inner, inner * h))
     per_layer = sum(params * BYTES["int8" if weights == "int4" and format_for_width("q4_1", cols) == "q8_0"
-                                  else weights] for cols, params in by_width)
-    norms = (2 * layers + 1) * h * BYTES[weights]
-    return layers * per_layer + norms
+                                  else weights] for cols, params in shape.projections())
+    return layers * per_layer + (2 * layers + 1) * shape.hidden * BYTES[weights]  # and the norms
 
 
 def model_memory(shape: Shape, weights: str, kv_dtype: str, batch: int, context: int, k: int,

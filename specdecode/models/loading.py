@@ -450,14 +450,14 @@ def _convert_gguf(gguf_path: Path, source_sha: str, target: Path) -> None:
         # at random (a line on stderr, once), and one that holds a tensor transformers does not
         # map (a llama file's attn_q.bias, which llama.cpp applies) lost it; every later load
         # of the conversion then computed wrong logits without a word
+        state = model.state_dict()
         problems = checkpoint_problems(info)
-        unused = unused_gguf_tensors(gguf_path, model.state_dict())
+        unused = unused_gguf_tensors(gguf_path, state)
         if unused:
             problems.append(f"tensors the model does not use: {_some(unused)}")
         if problems:
             raise ModelNotFoundError(f"model {str(gguf_path)!r}: the GGUF does not match the model its metadata "
                                      f"describes ({'; '.join(problems)}), so its conversion would compute wrong logits")
-        state = model.state_dict()
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         save_file({k: v.contiguous() for k, v in state.items()}, staging / "model.safetensors")
