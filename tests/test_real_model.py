@@ -173,9 +173,10 @@ def test_bench_writes_records(tmp_path, capsys):
         + json.dumps({"prompt": "Repeat exactly: alpha beta gamma alpha beta gamma", "category": "copy"}) + "\n"
     )
     out = tmp_path / "r.json"
-    # one weight format: timing the formats (--weights auto) took about two of this test's three minutes
+    # one weight format: timing the formats (--weights auto) took about two of this test's three minutes;
+    # the default dtype's: the cost profile of the default-dtype tests serves here, measured once
     assert main(["bench", "--prompts", str(prompts), "--methods", "none,ngram", "--max-new-tokens", "16", "--out", str(out),
-                 "--dtype", "fp32", "--weights", "int4"]) == 0
+                 "--dtype", "bf16", "--weights", "int4"]) == 0
     payload = json.loads(out.read_text())
     assert len(payload["records"]) == 6  # both turns of the conversation, and the prompt
     turns = {r.get("turn") for r in payload["records"] if r["question_id"] == 1}
@@ -224,12 +225,12 @@ def test_real_model_memory_counts_its_parameters(real_fp32):
 def test_real_model_check(capsys):
     from specdecode.cli import main
 
-    # the bench test's runtime: its cost profile serves here too (a profile of its own, and
-    # --weights auto's timing of the formats, took 36 of this test's 60 s on a Zen 3)
-    assert main(["check", "default", "self:4", "--dtype", "fp32", "--weights", "int4"]) == 0
+    # the runtime of the bench test and the default-dtype tests: one cost profile serves them
+    # all (--weights auto's timing of the formats took 12 s more)
+    assert main(["check", "default", "self:4", "--dtype", "bf16", "--weights", "int4"]) == 0
     out = capsys.readouterr().out
     assert "verdict: COMPATIBLE" in out and "calibration (greedy, 9 prompts): per-trial alpha" in out
-    assert "cost profile (kernels backend, q4_1 weights, float32 KV cache)" in out  # --weights reached the target
+    assert "cost profile (kernels backend, q4_1 weights, bfloat16 KV cache)" in out  # --weights reached the target
     # the untrained first-4-layer drafter accepts ~1% of drafts: plain decoding must win
     assert "speculation does not pay with this pair on this machine" in out
 
