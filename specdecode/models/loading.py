@@ -279,6 +279,17 @@ def _write_memo(memo_file: Path, memo: dict) -> None:
         log.debug("could not remember file digests in %s: %s", memo_file, error)
 
 
+def _field_value(field):
+    """A GGUF metadata field's (first) value: text for a string, else the number; None for
+    a field that is absent or holds nothing."""
+    import gguf
+
+    if field is None or not field.data:
+        return None
+    value = field.parts[field.data[0]]
+    return bytes(value).decode(errors="replace") if field.types[0] == gguf.GGUFValueType.STRING else value[0]
+
+
 def _refuse_scaled_rope(gguf_path: Path) -> None:
     """transformers' GGUF reader drops a Llama GGUF's RoPE scaling (the ``*.rope.scaling.*``
     keys, and the ``rope_freqs`` factors llama.cpp writes for Llama 3.1 and later), so the
@@ -293,11 +304,10 @@ def _refuse_scaled_rope(gguf_path: Path) -> None:
     found = []
     for key, field in reader.fields.items():
         # rope.scale_linear: the older key, which llama.cpp still reads (found in review)
-        if not key.endswith((".rope.scaling.type", ".rope.scaling.factor", ".rope.scale_linear")) or not field.data:
+        if not key.endswith((".rope.scaling.type", ".rope.scaling.factor", ".rope.scale_linear")):
             continue
-        value = field.parts[field.data[0]]
-        value = bytes(value).decode(errors="replace") if field.types[0] == gguf.GGUFValueType.STRING else value[0]
-        if value not in ("none", 0.0, 1.0):  # "none", or a factor of 1 (0: unset): no scaling
+        value = _field_value(field)
+        if value is not None and value not in ("none", 0.0, 1.0):  # "none", or a factor of 1 (0: unset): no scaling
             found.append(f"{key} = {value}")
     if any(tensor.name == "rope_freqs.weight" for tensor in reader.tensors):
         found.append("the rope_freqs tensor")
@@ -514,13 +524,12 @@ def unused_gguf_tensors(gguf_path: Path, state: dict) -> list[str]:
     import gguf
 
     reader = gguf.GGUFReader(str(gguf_path))
-    field = reader.fields.get("general.architecture")
-    arch_name = bytes(field.parts[field.data[0]]).decode(errors="replace") if field and field.data else None
+    arch_name = _field_value(reader.fields.get("general.architecture"))
     arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}.get(arch_name)
-    blocks = reader.fields.get(f"{arch_name}.block_count")
-    if arch is None or blocks is None or not blocks.data:
+    blocks = _field_value(reader.fields.get(f"{arch_name}.block_count"))
+    if arch is None or blocks is None:
         return []
-    name_map = gguf.get_tensor_name_map(arch, int(blocks.parts[blocks.data[0]][0]))
+    name_map = gguf.get_tensor_name_map(arch, int(blocks))
     used = set()
     for key in state:
         base, _, suffix = key.rpartition(".")
