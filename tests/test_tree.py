@@ -335,6 +335,20 @@ def test_the_engines_tree_steps_count_rejections_and_depths_as_the_walk_went(tin
             rejections, [1, 1], accepted), name
 
 
+def test_a_tree_rejection_with_nothing_left_in_the_residual_draws_from_the_target(monkeypatch):
+    """As the chain's test: a drawn child rejected where max(p - q, 0) has no mass; the bonus
+    must come from the target's distribution, not from all zeros (token 0)."""
+    from test_verify import NEAR_TIE_DRAFT, NEAR_TIE_TARGET, forced_rejection
+
+    from specdecode.verify import tree as tree_module
+
+    forced_rejection(monkeypatch, tree_module)
+    path, bonus = tree_rejection_sample(Tree(torch.tensor([1]), torch.tensor([0])),
+                                        torch.tensor([NEAR_TIE_TARGET, [0.0, 0.5, 0.5]]),
+                                        torch.tensor([NEAR_TIE_DRAFT]), torch.Generator().manual_seed(0))
+    assert path == [] and bonus in (1, 2)
+
+
 def test_a_second_sibling_the_target_wants_is_accepted():
     """Where the first child is rejected, the next sibling is tried against the residual:
     the target wants only the second child's token, so that child is accepted on every

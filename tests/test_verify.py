@@ -99,6 +99,51 @@ def test_a_draft_the_target_never_draws_is_rejected_even_at_a_zero_uniform(monke
     assert accepted.tolist() == [0] and output[0, 0].item() in (1, 2)
 
 
+def test_acceptance_uniforms_have_float64_resolution(monkeypatch):
+    """Found in review: the uniforms were float32, multiples of 2^-24 with 0 among them, so a
+    draft with target/draft below 2^-24 was accepted about 2^-24 of the time instead of
+    target/draft. The uniforms the acceptance test reads must be finer than that."""
+    from specdecode.verify import chain
+
+    drawn, real_rand = [], torch.rand
+
+    def recording_rand(*args, **kwargs):
+        values = real_rand(*args, **kwargs)
+        drawn.append(values)
+        return values
+
+    monkeypatch.setattr(chain.torch, "rand", recording_rand)
+    probs = torch.softmax(torch.randn(64, 5, 7, generator=torch.Generator().manual_seed(2)), -1)
+    drafts = torch.zeros(64, 4, dtype=torch.long)
+    rejection_sample(drafts, probs[:, :4], probs, torch.Generator().manual_seed(3))
+    scaled = torch.cat([u.flatten() for u in drawn]).double() * 2**24
+    assert bool((scaled != scaled.floor()).any())
+
+
+def forced_rejection(monkeypatch, module) -> None:
+    """Every uniform just below 1: a draft with target/draft just below 1 is rejected."""
+    monkeypatch.setattr(module.torch, "rand", lambda *args, **kwargs: torch.full(
+        tuple(a for a in args if isinstance(a, int)), 1 - 1e-8, dtype=kwargs.get("dtype")))
+
+
+# p <= q everywhere after float rounding: a rejection here leaves a residual of mass 0
+NEAR_TIE_TARGET = [0.0, 0.49999997, 0.49999997]
+NEAR_TIE_DRAFT = [0.0, 0.5, 0.5000001]
+
+
+def test_a_rejection_with_nothing_left_in_the_residual_draws_from_the_target(monkeypatch):
+    """A mutation audit: without the fallback to the target's distribution where the
+    residual max(p - q, 0) has no mass (float rounding only), the bonus came from all zeros,
+    token 0, which the target gives probability 0; no test noticed."""
+    from specdecode.verify import chain
+
+    forced_rejection(monkeypatch, chain)
+    target = torch.tensor([[NEAR_TIE_TARGET, [0.0, 0.5, 0.5]]])
+    output, accepted = rejection_sample(torch.tensor([[1]]), torch.tensor([[NEAR_TIE_DRAFT]]), target,
+                                        torch.Generator().manual_seed(0))
+    assert accepted.tolist() == [0] and output[0, 0].item() in (1, 2)
+
+
 def test_a_draft_token_its_own_distribution_gives_zero_is_refused():
     """Found in review: a proposal whose draft_probs give its own token probability 0 (not
     the distribution it sampled) had that token accepted wherever the target allows it (u *
@@ -305,6 +350,10 @@ def test_request_generators_use_every_bit_of_the_seed():
 def test_top_k_and_top_p_truncate():
     logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
     assert (logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2)) > 0).tolist() == [True, True, False, False]
+    # top-k keeps every token tied with the k-th (as transformers' TopKLogitsWarper, and as the
+    # nucleus search assumes); keeping the first k by index passed every other test
+    tied = torch.tensor([2.0, 1.0, 1.0, 0.0])
+    assert (logits_to_probs(tied, SamplingParams(temperature=1.0, top_k=2)) > 0).tolist() == [True, True, True, False]
     probs = logits.softmax(-1)  # ~[0.64, 0.24, 0.09, 0.03]
     kept = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.8)) > 0
     assert kept.tolist() == [True, True, False, False]

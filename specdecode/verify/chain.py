@@ -127,9 +127,12 @@ def rejection_sample(
     draft_at_draft = draft_probs.gather(-1, index).squeeze(-1)  # [B, k]
     if bool((draft_at_draft <= 0).any()):  # u * 0 < p would accept it whenever p > 0 (found in review)
         raise SpecDecodeError(DRAWN_AT_ZERO)
-    uniform = torch.rand(batch, k, generator=generator, dtype=target_probs.dtype, device=target_probs.device)
+    # float64: a float32 uniform is a multiple of 2^-24, 0 among them, so a token with
+    # target/draft below 2^-24 would be accepted about 2^-24 of the time, not target/draft
+    # (found in review)
+    uniform = torch.rand(batch, k, generator=generator, dtype=torch.float64, device=target_probs.device)
     # u < target/draft, written without the division (draft_at_draft > 0 for drawn tokens)
-    accepted = uniform * draft_at_draft < target_at_draft
+    accepted = uniform * draft_at_draft.double() < target_at_draft.double()
     num_accepted = _accepted_prefix_length(accepted)  # [B]
 
     rows = torch.arange(batch, device=target_probs.device)

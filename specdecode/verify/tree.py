@@ -164,7 +164,7 @@ def tree_rejection_sample(
         accepted = None
         for child in children[node]:
             token = tokens[child - 1]
-            u = float(torch.rand((), generator=generator, dtype=residual.dtype, device=residual.device))
+            u = float(torch.rand((), generator=generator, dtype=torch.float64, device=residual.device))  # as rejection_sample's
             if draft_probs is None:  # a point mass at the token
                 if u < float(residual[token]):
                     accepted = child
