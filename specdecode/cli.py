@@ -50,11 +50,21 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 
 
+def _top_k(text: str) -> int:
+    """--top-k: -1 disables it as 0 does, as the server and vLLM read it (found in review: the
+    server took -1 and the CLI refused it)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    return 0 if value == -1 else value
+
+
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-k", type=_top_k, default=0, help="0 (or -1, as vLLM and our server take it) disables it")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
 
@@ -951,8 +961,21 @@ def cmd_bench_serve(args) -> int:
     return 0
 
 
+def _replace_what_stdout_cannot_encode() -> None:
+    """Generated text on a console that is not UTF-8 (a Windows code page, PYTHONIOENCODING=ascii)
+    comes out with "?" for what it cannot encode (found in review: a UnicodeEncodeError traceback
+    from the streamed text); stderr already escapes such characters."""
+    encoding = (getattr(sys.stdout, "encoding", None) or "").lower().replace("-", "")
+    if encoding != "utf8" and hasattr(sys.stdout, "reconfigure"):
+        try:
+            sys.stdout.reconfigure(errors="replace")
+        except (ValueError, OSError):  # a stream that cannot be changed: left as it is
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="specdecode: %(message)s")
+    _replace_what_stdout_cannot_encode()
     try:
         args = parse_args(argv)
         return {"generate": cmd_generate, "bench": cmd_bench, "profile": cmd_profile, "presets": cmd_presets,

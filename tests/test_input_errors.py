@@ -4,6 +4,7 @@ traceback or a silently wrong answer."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -645,6 +646,33 @@ def test_sampling_flags_a_greedy_run_would_ignore_are_refused(capsys, verb):
     if verb[0] == "generate":  # bench takes no preset
         code, err = run(capsys, *verb, "--preset", "chat-assistant", "--temperature", "0", "--model", "/nowhere/model")
         assert code == 2 and "shapes sampling" not in err and "/nowhere/model" in err, err
+
+
+def test_text_stdout_cannot_encode_comes_out_replaced_not_as_a_traceback(monkeypatch):
+    """Found in review: `PYTHONIOENCODING=ascii specdecode generate "<Chinese>"` ended in a
+    UnicodeEncodeError traceback from the streamed text."""
+    import io
+
+    raw = io.BytesIO()
+    ascii_stdout = io.TextIOWrapper(raw, encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", ascii_stdout)
+    assert main(["generate", "hi", "--k", "0", "--model", "/nowhere/model"]) == 2
+    print("moon: \u6708", end="", flush=True)  # as cmd_generate streams text
+    assert raw.getvalue() == b"moon: ?"
+
+
+def test_top_k_of_minus_one_disables_it_as_the_server_takes_it(capsys):
+    """Found in review: the server took vLLM's top_k -1 (disabled) and `generate` refused it."""
+    from specdecode.cli import build_parser
+
+    assert build_parser().parse_args(["generate", "hi", "--top-k", "-1"]).top_k == 0
+    code, err = run(capsys, "generate", "hi", "--top-k", "-1", "--model", "/nowhere/model")  # greedy: nothing given
+    assert code == 2 and "shapes sampling" not in err and "/nowhere/model" in err, err
+    code, err = run(capsys, "generate", "hi", "--temperature", "1", "--top-k", "-2", "--model", "/nowhere/model")
+    assert code == 2 and "top_k must be >= 0" in err, err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "hi", "--top-k", "many"])
+    assert "--top-k: must be an integer, got 'many'" in capsys.readouterr().err
 
 
 def test_a_prompt_file_nested_too_deeply_is_refused_by_name(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import re
 import time
 
 import openai
@@ -187,6 +188,8 @@ def test_concurrent_greedy_requests_equal_their_outputs_alone(served):
     ({"prompt": "a" * 300}, 400, "context is 256 tokens"),
     ({"prompt": "hi", "max_tokens": 300}, 400, "maximum context length is 256 tokens"),  # was cut short silently
     ({"prompt": "hi", "speculative": {"method": "medusa"}}, 400, "not available"),
+    # named as the client sent it, not as our "draft" (found in review)
+    ({"prompt": "hi", "speculative": {"method": "draft_model"}}, 400, "method 'draft_model' is not available"),
     ({"prompt": "hi", "speculative": {"num_speculative_tokens": 0}}, 400, "num_speculative_tokens"),
     ({"prompt": "hi", "speculative": {"bogus": 1}}, 400, "bogus"),
     ({"prompt": "hi", "task_type": "poetry"}, 400, "task_type"),
@@ -971,6 +974,9 @@ def test_speculative_config_takes_vllm_keys():
     assert spec.method == "eagle" and spec.k == "auto" and spec.tree_width == 1
     spec, _ = parse_speculative_config('{"method": "medusa", "model": "heads/m", "num_speculative_tokens": 2}')
     assert spec.method == "medusa" and spec.k == 2 and spec.draft == "heads/m"
+    # the methods serve runs, not vLLM's "[ngram]" model alias nor the two it refuses (found in review)
+    with pytest.raises(ConfigError, match=re.escape("serve runs ['eagle', 'eagle3', 'medusa', 'ngram', 'none', 'suffix']")):
+        parse_speculative_config('{"method": "hydra"}')
     for bad, fragment in (('{"method": "hydra"}', "unknown speculative method"), ("{oops", "not valid JSON"),
                           ('{"methd": "ngram"}', "unknown keys"),
                           ('{"method": "ngram", "model": "heads/x"}', "method 'ngram' reads none"),

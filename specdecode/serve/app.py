@@ -608,7 +608,9 @@ class SpeculationChoices:
                                 "needs a method in the request's speculative options", param="speculative.method")
         if method != "none" and method not in self.drafters:
             known = sorted(set(self.drafters) | {"none"})
-            raise APIError(400, f"speculative method {method!r} is not available on this server; choose from {known}",
+            # the name the client sent (draft_model, not our "draft"; found in review)
+            asked = options.method if options is not None and options.method else self.default
+            raise APIError(400, f"speculative method {asked!r} is not available on this server; choose from {known}",
                            param="speculative.method", code="unknown_speculative_method")
 
     def plan(self, options: SpeculativeOptions | None, task_type: str | None, prompt_text: str,

@@ -19,6 +19,7 @@ from .batch import BatchEngine, clone_policy
 from .metrics import ServerMetrics
 
 SCHEDULES = ("fcfs", "task")
+UNSERVED = ("draft", "tree")  # our methods the batched engine does not run yet
 SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "preset",
              "router", "k_max", "k_policy"}
 # a preset's keys (the flags of `specdecode generate`) -> ours; ngram_sizes has no JSON key of its own
@@ -109,7 +110,10 @@ def parse_speculative_config(text: str | dict | None) -> tuple[SpeculativeConfig
             del data["model"]
     method = data.get("method", "suffix")
     if not isinstance(method, str) or method not in VLLM_METHODS:
-        raise ConfigError(f"unknown speculative method {method!r}; choose from {sorted(VLLM_METHODS)}")
+        # the methods serve runs (found in review: the list named vLLM's "[ngram]" model alias,
+        # and draft_model and tree, which serve refuses)
+        served = sorted(name for name, ours in VLLM_METHODS.items() if name.isidentifier() and ours not in UNSERVED)
+        raise ConfigError(f"unknown speculative method {method!r}; serve runs {served}")
     method = VLLM_METHODS[method]
     if "prompt_lookup_min" in data or "prompt_lookup_max" in data:
         # vLLM's reading: one bound given alone is the other bound too
@@ -142,7 +146,7 @@ def parse_speculative_config(text: str | dict | None) -> tuple[SpeculativeConfig
     router = data.get("router", True)
     if not isinstance(router, bool):  # bool("false") is True: take JSON true/false only
         raise ConfigError(f"--speculative-config router must be true or false, got {router!r}")
-    if method in ("draft", "tree"):  # before the config, whose own complaint names CLI flags serve lacks
+    if method in UNSERVED:  # before the config, whose own complaint names CLI flags serve lacks
         raise ConfigError(f"method {data.get('method')!r} is not served by the batched engine yet (a draft model keeps "
                           "one sequence's cache; trees need per-row masks); serve 'suffix', 'ngram', 'eagle' (chains) "
                           "or 'medusa'")
