@@ -779,6 +779,10 @@ def _damaged(source, target, how: str):
             tensors["d2t"][1] = tensors["d2t"][0]
     elif how == "t2d disagrees":
         tensors["t2d"] = ~tensors["t2d"]
+    elif how == "NaN weights":  # found in review: loaded, and `check` called the head compatible
+        key = layer + "mlp.up_proj.weight" if layer else "up_proj.weight"
+        tensors[key] = tensors[key].clone()
+        tensors[key][0, 0] = float("nan")
     else:  # cut short
         tensors_path.write_bytes(tensors_path.read_bytes()[:100])
         return target
@@ -794,6 +798,8 @@ def _damaged(source, target, how: str):
     ("ours", "d2t outside the vocabulary", "outside \\[0, 97\\)"),
     ("ours", "d2t twice", "names a target id twice"),
     ("ours", "cut short", "not a readable safetensors file"),
+    ("ours", "NaN weights", "tensor 'up_proj.weight' holds NaN or infinite values"),
+    ("eagle3", "NaN weights", "tensor 'midlayer.mlp.up_proj.weight' holds NaN or infinite values"),
     ("ours", "config not an object", "not a JSON object"),
     ("ours", "config not UTF-8", "config.json is not valid JSON"),
     ("ours", "size a string", "draft_vocab_size must be an integer >= 1, got '60'"),

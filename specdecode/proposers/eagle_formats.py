@@ -261,13 +261,20 @@ def check_sizes(config, directory) -> None:
 
 
 def read_tensors(path: Path) -> dict:
-    """A head's safetensors file, or an error naming it."""
+    """A head's safetensors file, or an error naming it. Weights that are NaN or infinite are
+    refused by tensor (found in review: a head of NaNs loaded, `check` called it compatible,
+    and it drafted nothing that was ever accepted, without a word)."""
     from safetensors.torch import load_file
 
     try:
-        return load_file(str(path))
+        tensors = load_file(str(path))
     except Exception as error:  # safetensors' own error type: a truncated or corrupt file
         raise SpecDecodeError(f"{path} is not a readable safetensors file ({error})") from None
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise SpecDecodeError(f"{path}: tensor {name!r} holds NaN or infinite values; the head is damaged "
+                                  "(train or copy it again)")
+    return tensors
 
 
 def load_checked(head, state: dict, directory: Path) -> None:
