@@ -180,6 +180,9 @@ class SpeculativeEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.drafter: str | None = None  # the drafter's name in profiles and router records
         self.last_lazy = False  # whether the last step computed its logits on demand
+        # kernel threads per decode pass, chosen by measuring the passes
+        # (control.threads.ThreadChoice, as the server's; None: torch's count, always)
+        self.threads = None
 
     @property
     def device(self) -> torch.device:
@@ -289,7 +292,7 @@ class SpeculativeEngine:
                 costs.lazy_head = self._can_lazy(params)
             self.policy.start(prior_alpha)
         if len(tokens) > 1:
-            _, features = self._score(torch.tensor([tokens[:-1]]), last_only=True)
+            _, features = self._score(torch.tensor([tokens[:-1]]), prefill=True, last_only=True)
             if features is not None:  # a head drafter reads the prompt's hidden states
                 self.proposer.observe(0, features[0], tokens)
         synchronize(self.device)  # a GPU's prefill is charged here, not to the first step
@@ -347,8 +350,21 @@ class SpeculativeEngine:
         self.last_lazy = bool(drafted and one_chunk and self._can_lazy(params) and (decide is None or decide(drafted)))
         return {"lazy_logits": True} if self.last_lazy else {}
 
-    def _score(self, inputs: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One target pass: logits, and the captured layer inputs a head drafter reads (else None)."""
+    def _score(self, inputs: torch.Tensor, prefill: bool = False, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One target pass: logits, and the captured layer inputs a head drafter reads (else None).
+        A decode pass (not ``prefill``) runs on the thread count ``self.threads`` chooses, and
+        tells it what the pass took."""
+        choice = None if prefill else self.threads
+        if choice is None:
+            return self._pass(inputs, **kwargs)
+        width, context = inputs.shape[1], getattr(self.target, "length", 0)
+        threads = choice.choose(1, width, context)
+        began = time.perf_counter()
+        out = self._pass(inputs, threads=threads, **kwargs)
+        choice.observe(threads, 1, width, context, (time.perf_counter() - began) * 1e3)
+        return out
+
+    def _pass(self, inputs: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.capture:
             return self.target(inputs, capture=self.capture, **kwargs)
         return self.target(inputs, **kwargs), None

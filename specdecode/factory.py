@@ -655,9 +655,30 @@ def build_engine(engine: EngineConfig, spec: SpeculativeConfig, runtime: str = "
         target = load_target(engine, runtime)
     proposer = build_proposer(spec, target, engine)
     policy = build_policy(spec, target, proposer, engine.dtype)
-    engine = SpeculativeEngine(target.runtime, target.tokenizer, proposer, policy, target.eos_token_ids)
-    engine.drafter = drafter_key(spec) if proposer is not None else None
-    return engine
+    speculative = SpeculativeEngine(target.runtime, target.tokenizer, proposer, policy, target.eos_token_ids)
+    speculative.drafter = drafter_key(spec) if proposer is not None else None
+    speculative.threads = decode_thread_choice(engine, target)
+    return speculative
+
+
+def decode_thread_choice(engine_config: EngineConfig, target: LoadedModel):
+    """Kernel threads for decode passes, chosen by measuring them, where --threads leaves the
+    count open and the CPU kernels run: every core, or one fewer. The kernels' threads meet
+    at a barrier in every layer, so a process that takes a core from one of them stalls
+    them all. On a 2-core Zen 3 with another process busy on one core, a 128-token plain
+    decode took 50-650 ms a token on two threads and 8 ms on one, against 5-6 ms on two with
+    the machine to itself (docs/performance.md, "Another process on the machine"). Every
+    core runs until a pass stalls; the other count is measured from then on. A row's logits
+    are the same bits at any count, so the choice changes timing only."""
+    cores = torch.get_num_threads()
+    if engine_config.num_threads or cores < 2 or getattr(target.runtime, "kernels", None) is None:
+        return None
+    from .control.threads import ThreadChoice
+    from .cost.profile import load_profile
+
+    profile = load_profile(model_key(target), engine_config.dtype)  # cached only: never measured here
+    predict = None if profile is None else (lambda rows, width, context: profile.time_ms(width, context))
+    return ThreadChoice((cores, cores - 1), predict, look_when_stalled=True)
 
 
 def log(message: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 from datetime import datetime, timezone
 
 import pytest
@@ -777,6 +778,51 @@ def test_thread_choice_prices_a_sequences_drafts_apart_from_its_single_tokens():
     assert choice.preferred == {"alone": 1, "drafts": 2}
     late = [t for k, t in chosen[300:] if k == "drafts"]
     assert late.count(2) > 0.95 * len(late)
+
+
+def test_a_choice_that_looks_when_stalled_runs_the_first_count_alone_until_a_pass_stalls():
+    """A single request's engine on a machine it has to itself pays nothing for the choice
+    (warming and looking at one thread cost a 128-token decode about 10% on a quiet Zen 3):
+    every pass runs on the first count, through noise up to STALLED times its mean. Once a
+    pass stalls (another process took a core) the counts are measured, and the one that is
+    faster now is kept."""
+    from specdecode.control.threads import STALLED, ThreadChoice
+
+    logged = []
+    choice = ThreadChoice((2, 1), explore_every=4, log=logged.append, look_when_stalled=True)
+    predicted = choice.predict(1, 1, 100)
+    for i in range(200):  # quiet, with noise short of a stall
+        threads = choice.choose(1, 1, 100)
+        assert threads == 2, i
+        choice.observe(threads, 1, 1, 100, predicted * (1.0 if i % 7 else 0.9 * STALLED))
+    assert not choice.engaged and not logged
+    busy = {2: 40.0, 1: 1.5}  # a process took a core: two threads stall at every barrier
+    chosen = []
+    for _ in range(60):
+        threads = choice.choose(1, 1, 100)
+        choice.observe(threads, 1, 1, 100, predicted * busy[threads])
+        chosen.append(threads)
+    assert choice.engaged and re.search(r"took \d+\.\dx its mean on 2 kernel thread\(s\)", logged[0]), logged
+    assert chosen[0] == 2 and chosen[-20:].count(1) >= 18, chosen
+
+    # busy from the first pass: measured against the cost profile's time, not a mean of stalls
+    logged.clear()
+    choice = ThreadChoice((2, 1), lambda rows, width, context: 4.0, explore_every=4, log=logged.append,
+                          look_when_stalled=True)
+    chosen = []
+    for _ in range(40):
+        threads = choice.choose(1, 1, 100)
+        choice.observe(threads, 1, 1, 100, 4.0 * busy[threads])
+        chosen.append(threads)
+    assert "took 40.0x the cost profile's time on 2 kernel thread(s)" in logged[0], logged
+    # the stalled pass prices two threads (no more warming of them); a look at them, 27x
+    # slower than one thread, waits 10 x 26.7 = 267 passes for the next
+    assert [i for i, n in enumerate(chosen) if n == 2] == [0, 7], chosen  # the stall, then one look
+    for _ in range(300):
+        threads = choice.choose(1, 1, 100)
+        choice.observe(threads, 1, 1, 100, 4.0 * busy[threads])
+        chosen.append(threads)
+    assert [i for i, n in enumerate(chosen) if n == 2] == [0, 7, 7 + 267], choice.interval
 
 
 def test_the_draft_cost_reads_a_lazy_steps_time_as_the_profile_prices_it():

@@ -891,3 +891,40 @@ def test_speculative_config_refuses_counts_that_are_not_integers(fields):
 def test_engine_config_refuses_counts_that_are_not_integers(fields, problem):
     with pytest.raises(ConfigError, match=problem):
         EngineConfig(**fields)
+
+
+@needs_kernels
+def test_decode_passes_run_on_the_thread_count_measured_faster_and_keep_their_output(tmp_path, monkeypatch):
+    """A process that takes a core from one of the kernels' threads stalls them all at every
+    layer's barrier (a 2-core Zen 3 with another process busy: 50-650 ms a token on two
+    threads, 8 ms on one). Decode passes run on a count chosen by measuring them; the output
+    is the same tokens whatever the counts, and a count measured slower is left."""
+    from specdecode.control.threads import ThreadChoice
+    from specdecode.factory import decode_thread_choice
+
+    torch.set_num_threads(2)
+    target = load_model(save_tiny_model(tmp_path / "m", seed=3, num_layers=2), torch.float32, backend="kernels")
+    assert decode_thread_choice(EngineConfig(), target).options == (2, 1)
+    assert decode_thread_choice(EngineConfig(num_threads=2), target) is None  # --threads fixes it
+    prompt, params = [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(max_new_tokens=40, ignore_eos=True)
+    expected = SpeculativeEngine(target.runtime, proposer=NgramProposer(), k=3).generate(prompt, params).token_ids
+
+    engine = SpeculativeEngine(target.runtime, proposer=NgramProposer(), k=3)
+    engine.threads = ThreadChoice((2, 1), explore_every=2)
+    ran = []
+    forward = target.runtime.kernels.forward
+
+    def slow_on_two(*args, threads=None, **kwargs):  # two threads stalled, as beside a busy process
+        ran.append(threads)
+        if threads == 2:
+            import time
+
+            time.sleep(0.02)
+        return forward(*args, threads=threads, **kwargs)
+
+    monkeypatch.setattr(target.runtime.kernels, "forward", slow_on_two)
+    assert engine.generate(prompt, params).token_ids == expected
+    assert ran[0] is None  # the prompt's pass: every thread
+    decode = ran[1:]
+    assert set(decode) == {1, 2}
+    assert decode[-8:].count(1) >= 6, decode  # after the first looks, one thread but for a look now and then

@@ -20,6 +20,7 @@ of the team that computes them), so the choice changes timing only, never an out
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Callable
 
@@ -33,12 +34,20 @@ def rough_cost(rows: int, width: int, context: int) -> float:
 
 WARM_UP = 3  # passes of each count, per kind, whose median starts its mean (one pass can be stalled)
 HIGH = 1.5  # a pass above this many times its count's mean is held to it, unless the one before was high too
+STALLED = 3.0  # a pass this many times its count's mean: another process has a core (``look_when_stalled``)
+LOOK_SHARE = 10  # after a look measured s times slower, the next waits at least LOOK_SHARE * s passes
 
 
 class ThreadChoice:
     def __init__(self, options: tuple[int, ...], predict: Callable[[int, int, int], float] | None = None,
                  explore_every: int = 16, max_explore_every: int = 512, decay: float = 0.8,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, look_when_stalled: bool = False):
+        """``look_when_stalled``: run the first option alone, looking at no other, until one
+        of its passes takes ``STALLED`` times its mean, or, with ``predict`` given (the cost
+        profile's milliseconds), ``STALLED`` times the prediction (a process has taken a core,
+        perhaps from the first pass on); from then on choose as above. A single request's engine pays nothing on a machine it has to
+        itself (warming the other counts and the looks cost a 128-token decode on a quiet
+        2-core Zen 3 about 10%), and leaves a stalled count within a few passes."""
         options = tuple(dict.fromkeys(options))
         if not options or any(not isinstance(n, int) or n < 1 for n in options):
             raise ConfigError(f"thread counts must be integers >= 1, got {options}")
@@ -47,6 +56,7 @@ class ThreadChoice:
         if not 0.0 < decay < 1.0:
             raise ConfigError(f"decay must be in (0, 1), got {decay}")
         self.options = options  # the first is the one tried first
+        self.absolute = predict is not None  # predictions in milliseconds, measured here with the cores free
         self.predict = predict or rough_cost
         # predictions by (rows, width, context rounded to 64): a profile's interpolation cost
         # about 3% of a served decode step's time when made for every pass
@@ -62,6 +72,7 @@ class ThreadChoice:
         self.preferred: dict[str, int] = {}
         self.counts: dict[tuple[str, int], int] = {}  # passes run per (kind, threads), for reports
         self.high: dict[tuple[str, int], bool] = {}  # whether that count's last pass measured above HIGH x its mean
+        self.engaged = not look_when_stalled  # False: the first option only, until a pass stalls
 
     @staticmethod
     def kind(rows: int, width: int = 1) -> str:
@@ -81,6 +92,8 @@ class ThreadChoice:
         return min(measured, key=lambda n: (self.ratios[kind, n], self.options.index(n)))
 
     def choose(self, rows: int, width: int, context: int) -> int:
+        if not self.engaged:
+            return self.options[0]
         kind = self.kind(rows, width)
         warming = [n for n in self.options if (kind, n) not in self.ratios]
         if warming:  # each count's first passes, taken in turn
@@ -111,6 +124,16 @@ class ThreadChoice:
             return
         ratio, key = ms / predicted, (kind, threads)
         self.counts[key] = self.counts.get(key, 0) + 1
+        reference = self.ratios.get(key, 1.0 if self.absolute else None)
+        if not self.engaged and reference is not None and ratio > STALLED * reference:
+            self.engaged = True
+            against = "its mean" if key in self.ratios else "the cost profile's time"
+            # the stalled count is priced by this pass: warming it twice more cost a 128-token
+            # decode on a Zen 3 beside a busy process 3.4 s (1.7 s a pass) of its 8
+            self.ratios.setdefault(key, ratio)
+            if self.log is not None:
+                self.log(f"a decode pass took {ratio / reference:.1f}x {against} on {threads} kernel thread(s): "
+                         f"measuring {', '.join(str(n) for n in self.options if n != threads)} beside it from now on")
         if key not in self.ratios:
             samples = self.warm.setdefault(key, [])
             samples.append(ratio)
@@ -133,7 +156,14 @@ class ThreadChoice:
             preferred = self.ratios.get((kind, look[1]))
             interval = self.interval.get(kind, self.explore_every)
             better = preferred is not None and ratio < preferred
-            self.interval[kind] = self.explore_every if better else min(2 * interval, self.max_explore_every)
+            # a look that stalled (two threads beside a busy process: 100-300x one thread)
+            # waits longer, past max_explore_every, so that looks take about 1 / LOOK_SHARE
+            # of the passes' time at most
+            slower = ratio / preferred if preferred else 1.0
+            wait = min(2 * interval, self.max_explore_every)
+            if slower > STALLED:
+                wait = max(wait, math.ceil(LOOK_SHARE * slower))
+            self.interval[kind] = self.explore_every if better else wait
             self.countdown[kind] = self.interval[kind]
         best = self.best(kind)
         if self.preferred.get(kind) != best and all((kind, n) in self.ratios for n in self.options):

@@ -807,6 +807,7 @@ class NativeRuntime:
         return_hidden: bool = False,
         capture: tuple[int, ...] = (),
         lazy_logits: bool = False,
+        threads: int | None = None,
     ):
         """Run T new tokens, write their KV at ``[length, length+T)``, advance the length.
 
@@ -818,7 +819,8 @@ class NativeRuntime:
         ``last_only`` (what an EAGLE head reads). ``lazy_logits``: where ``self.lazy_logits``
         holds (the CPU kernels), a ``cpu_runtime.LazyLogits`` in place of the logits, whose
         rows are computed when read (greedy verification reads them up to the first
-        rejection); elsewhere ignored.
+        rejection); elsewhere ignored. ``threads``: the CPU kernels' thread count for this
+        call (default torch's; a row's logits are the same bits at any count); elsewhere ignored.
         """
         batch, num_new = _new_tokens(input_ids)
         end = self.length + num_new
@@ -842,7 +844,7 @@ class NativeRuntime:
             raise SpecDecodeError(f"capture layers must lie in 0..{self.num_layers}, got {capture}")
         if self.kernels is not None:
             return self.kernels.forward(input_ids, positions, tree_mask, last_only, return_hidden, capture,
-                                        lazy_logits=lazy_logits)
+                                        lazy_logits=lazy_logits, threads=threads)
         if (self.graphs is not None and num_new <= self.prefill_chunk
                 and self.graphs.accepts(batch, num_new, False, last_only)):  # GPU
             out = self.graphs.run(input_ids, positions, tree_mask, last_only, return_hidden, tuple(capture))
