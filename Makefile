@@ -33,7 +33,7 @@ peers: install
 		$(BIN)/pip install --quiet 'llama-cpp-python==0.3.36'
 
 bench: install
-	$(BIN)/specdecode bench --methods none,ngram,hf --out results/bench.json
+	$(BIN)/specdecode bench --methods none,suffix,ngram --out results/bench.json
 
 # The shipped EAGLE head: the target's answers to all 2,884 training prompts (greedy plus one
 # sampled row each, 16 rows decoded together; the answers `make suffix-store` indexes), 60k

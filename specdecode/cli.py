@@ -1,7 +1,7 @@
 """One entry point: ``specdecode <verb>``.
 
     specdecode generate "PROMPT" [--method none|ngram|suffix|draft|eagle|tree|medusa] [--draft M|self:L] [--head DIR] [--k N] ...
-    specdecode bench [--prompts FILE.jsonl] [--methods none,ngram,ngram@3,...] [--out results.json]
+    specdecode bench [--prompts FILE.jsonl] [--methods none,suffix,ngram@3,...] [--out results.json]
     specdecode profile [--model M] [--draft D] [--dtype bf16|fp32] [--remeasure]
     specdecode train data [--target M] [--out DIR] [--prompts N] [--samples S]
     specdecode train store [--target M] [--data DIR] [--out DIR]
@@ -103,9 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", default=None, help="JSONL or a JSON array: Spec-Bench question.jsonl (every turn, "
                        "each after the model's own reply to the one before), {prompt, category}, GSM8K, Alpaca, "
                        "ShareGPT or chat messages; default: our suite")
-    bench.add_argument("--methods", default="none,ngram", help="comma list of none, ngram, suffix, draft, eagle, tree, medusa, hf (transformers generate), llamacpp")
+    bench.add_argument("--methods", default="none,suffix", help="comma list of none, ngram, suffix, draft, eagle, tree, medusa, hf (transformers generate), llamacpp; default: plain and the default method")
     bench.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
-    bench.add_argument("--out", default=None, help="write per-prompt records and the summary as JSON")
+    bench.add_argument("--out", default=None, help="write per-prompt records and the summary as JSON, and a plot beside it (.png)")
     bench.add_argument("--repeats", type=int, default=1, help=REPEATS_HELP)
     _add_model_args(bench)
     _add_sampling_args(bench)
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ana = verbs.add_parser("analyze", help="per prompt and category: acceptance, predicted and measured speedup, recommendations")
     ana.add_argument("--prompts", default=None, help="a prompt file as for bench; default: our suite")
-    ana.add_argument("--methods", default="ngram", help="comma list of method specs: ngram, draft, ngram@3, draft@auto ...")
+    ana.add_argument("--methods", default="suffix", help="comma list of method specs: suffix (the default method), ngram, draft, ngram@3, draft@auto ...")
     ana.add_argument("--temperatures", default="0,0.7,1.0", help="comma list; each runs plain and every method")
     ana.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
     ana.add_argument("--out", default="results/analysis", help="directory for summary.md, analysis.json, PNGs, report.html")

@@ -5,7 +5,7 @@ The classifier scores weighted features of the prompt, not single keywords: code
 (``def``, braces and semicolons, indented blocks, backticks), JSON and form structure
 (quoted keys, brackets, ``[placeholders]``), a long passage followed or preceded by a short
 instruction (summaries and answers drawn from a text, which copy it), creative verbs
-with creative nouns. ``docs/routing.md`` compares it with plain keyword matching on a
+with creative nouns. ``docs/adaptive.md`` (section 5) compares it with plain keyword matching on a
 labelled set written apart from the benchmark suite.
 
 Tasks: code, structured (JSON, templates, forms), summarization (summaries and extraction
