@@ -42,8 +42,8 @@ class ThreadChoice:
     def __init__(self, options: tuple[int, ...], predict: Callable[[int, int, int], float] | None = None,
                  explore_every: int = 16, max_explore_every: int = 512, decay: float = 0.8,
                  log: Callable[[str], None] | None = None, look_when_stalled: bool = False):
-        """``look_when_stalled``: run the first option alone, looking at no other, until one
-        of its passes takes ``STALLED`` times its mean, or, with ``predict`` given (the cost
+        """``look_when_stalled``: run the first option alone, looking at no other, until two
+        of its passes in a row (one can be the OS's hiccup) take ``STALLED`` times its mean, or, with ``predict`` given (the cost
         profile's milliseconds), ``STALLED`` times the prediction (a process has taken a core,
         perhaps from the first pass on); from then on choose as above. A single request's engine pays nothing on a machine it has to
         itself (warming the other counts and the looks cost a 128-token decode on a quiet
@@ -72,7 +72,8 @@ class ThreadChoice:
         self.preferred: dict[str, int] = {}
         self.counts: dict[tuple[str, int], int] = {}  # passes run per (kind, threads), for reports
         self.high: dict[tuple[str, int], bool] = {}  # whether that count's last pass measured above HIGH x its mean
-        self.engaged = not look_when_stalled  # False: the first option only, until a pass stalls
+        self.engaged = not look_when_stalled  # False: the first option only, until passes stall
+        self.stalled = False  # whether the last pass stalled (while not engaged)
 
     @staticmethod
     def kind(rows: int, width: int = 1) -> str:
@@ -125,14 +126,18 @@ class ThreadChoice:
         ratio, key = ms / predicted, (kind, threads)
         self.counts[key] = self.counts.get(key, 0) + 1
         reference = self.ratios.get(key, 1.0 if self.absolute else None)
-        if not self.engaged and reference is not None and ratio > STALLED * reference:
+        stall = not self.engaged and reference is not None and ratio > STALLED * reference
+        stalled_before, self.stalled = self.stalled, stall
+        if stall and not stalled_before:
+            return  # held out of the mean: a second stall in a row decides
+        if stall:
             self.engaged = True
             against = "its mean" if key in self.ratios else "the cost profile's time"
             # the stalled count is priced by this pass: warming it twice more cost a 128-token
             # decode on a Zen 3 beside a busy process 3.4 s (1.7 s a pass) of its 8
             self.ratios.setdefault(key, ratio)
             if self.log is not None:
-                self.log(f"a decode pass took {ratio / reference:.1f}x {against} on {threads} kernel thread(s): "
+                self.log(f"two decode passes in a row took {STALLED:g}x {against} or more on {threads} kernel thread(s), the second {ratio / reference:.1f}x: "
                          f"measuring {', '.join(str(n) for n in self.options if n != threads)} beside it from now on")
         if key not in self.ratios:
             samples = self.warm.setdefault(key, [])
