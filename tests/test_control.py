@@ -827,6 +827,46 @@ def test_a_choice_that_looks_when_stalled_runs_the_first_count_alone_until_a_pas
     assert [i for i, n in enumerate(chosen) if n == 2] == [0, 1, 8, 8 + 267], choice.interval
 
 
+def test_a_look_one_position_further_counts_what_drafting_it_costs():
+    """A mutation audit: the look past a full acceptance priced without its drafting cost
+    passed every test. Drafting that costs a whole step a pass never pays a second draft."""
+    profile = CostProfile("m", "fp32", "cpu", 2, contexts=[100], sizes=[1, 2, 3, 4],
+                          step_ms=[[10, 10, 10.1, 10.2]], drafters={"ngram": 1.0})
+    policy = CostAwareK(CostModel(profile, "ngram"), k_max=8, default_prior=0.9, default_later=0.9)
+    policy.start()
+    ks = []
+    for _ in range(3 * policy.base_probe_interval):
+        k = policy.choose(100)
+        ks.append(k)
+        policy.observe(k, k)
+    assert 1 in ks and max(ks) == 1, ks
+
+
+def test_what_drafting_cost_is_learnt_carries_into_the_next_request():
+    """A mutation audit: each request starting again from the profile's drafting cost passed
+    every test."""
+    chain = CostAwareK(CostModel(synthetic_profile(c=0.02), "ngram"), k_max=3, default_later=0.5)
+    chain.start(prior_alpha=0.5)
+    for step in range(20):  # drafting measures 0.6 steps a pass, not the profile's 0.02
+        k = chain.choose(100)
+        if k:
+            chain.observe_cost(k * 0.6 * 0.010, k, chain._v_table(100)[k] * 0.010, k)
+            chain.observe(k, step % 2)
+    assert chain.draft_cost.value > 0.25
+    chain.start(prior_alpha=0.5)  # next request: drafts that pay only at 0.02 a pass are not offered
+    assert chain.choose(100) == 0
+
+
+def test_tree_budget_charges_a_drafter_without_confidence_for_its_head_passes():
+    """A mutation audit: a tree's rate left its head passes uncharged and passed every test."""
+    policy = TreeBudget(CostModel(synthetic_profile(c=0.5), "ngram"), k_max=3, prior_rate=1.3)
+    for _ in range(10):  # 3 head passes at 0.5 steps each; only the first node is right
+        if policy.choose(100):
+            kept = policy.trim(TreeProposal(Tree.chain(torch.arange(10, 13)), passes=3), 100, passes=3)
+            policy.observe(kept.tree.size, 1)
+    assert policy.rate < 1.0 and policy.choose(100) == 0  # (1 + 1) / (v(3) + 3 x 0.5) = 0.65
+
+
 def test_the_draft_cost_reads_a_lazy_steps_time_as_the_profile_prices_it():
     """Found in review: a step whose logits were computed on demand took less than v(k)
     plain steps by the head it skipped, yet the draft cost divided its time by the full

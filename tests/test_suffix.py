@@ -342,3 +342,34 @@ def test_a_store_records_the_data_recipe_it_was_built_from(tmp_path):
     assert meta["data"] == {"summary": {"prompts": 2, "answers": 2},
                             "answers.settings": {"samples": 0, "target": "llama 0123|kernels"}}
     assert (meta["answers"], meta["command"], meta["tokens"]) == (2, "make it", 7)
+
+
+def test_a_two_token_sequence_that_repeats_its_token_drafts_it():
+    """A mutation audit: the index refusing matches shorter than 3 tokens passed every test."""
+    from specdecode.proposers.ngram import NgramIndex, NgramProposer, match
+
+    assert NgramProposer((1,)).propose([7, 7], 3, GREEDY, None).draft_ids.tolist() == [7]
+    index = NgramIndex((1,))
+    index.update([7, 7])
+    assert index.match((1,)) == match(np.array([7, 7]), (1,)) == (1, 1)
+
+
+def test_ngram_sizes_are_tried_longest_first_whatever_order_they_are_given_in():
+    """A mutation audit: sizes tried in the order given (--ngram-sizes 1,2) passed every test."""
+    from specdecode.proposers.ngram import NgramProposer
+
+    ngram = NgramProposer((1, 2))
+    assert ngram.ngram_sizes == (2, 1)
+    # "2 3" came before 9, "3" last before 7: the 2-gram wins
+    assert ngram.propose([1, 2, 3, 9, 5, 3, 7, 2, 3], 1, GREEDY, None).draft_ids.tolist() == [9]
+
+
+def test_a_store_draft_looks_its_match_up_once():
+    """A mutation audit: propose looking the store up again after the plan did passed every test."""
+    store = TokenStore([[1, 2, 3, 4, 5, 6]], 20)
+    proposer = SuffixProposer(store)
+    calls, real = [], store.longest_match
+    store.longest_match = lambda *a, **kw: calls.append(a) or real(*a, **kw)
+    assert proposer.draft_label([13, 1, 2]) == ("store", 2)
+    assert proposer.propose([13, 1, 2], 3, GREEDY, None).draft_ids.tolist() == [3, 4, 5]
+    assert len(calls) == 1  # the plan's lookup, reused by propose

@@ -353,3 +353,21 @@ def test_a_stop_string_that_is_an_added_special_token_matches_its_token():
     unk = tokenizer.convert_tokens_to_ids("<unk>")
     tracker = TextTracker(tokenizer, ("STOP",))
     assert not any(tracker.add(token) for token in encode(tokenizer, "go") + [unk] + encode(tokenizer, "on"))
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZERS))
+def test_each_token_decodes_a_bounded_window_not_the_whole_output(name, monkeypatch):
+    """A mutation audit: a prefix offset that never moved on decoded the whole output again
+    at every token (quadratic in the output), and every other test passed."""
+    import specdecode.text as text_module
+
+    tokenizer = TOKENIZERS[name]()
+    lengths, real = [], text_module.decode
+    monkeypatch.setattr(text_module, "decode", lambda tok, ids, **kw: lengths.append(len(ids)) or real(tok, ids, **kw))
+    text = "plain ascii text " * 20 + "caf\u00e9 \U0001F600 end"
+    ids = encode(tokenizer, text)
+    tracker = TextTracker(tokenizer, ("STOP",), context=encode(tokenizer, "prompt: "))
+    for token in ids:
+        assert not tracker.add(token)
+    assert tracker.delta(final=True) == text
+    assert max(lengths) <= text_module.CONTEXT_TOKENS + 8, max(lengths)  # a window, not the tokens so far
