@@ -678,7 +678,7 @@ def decode_thread_choice(engine_config: EngineConfig, target: LoadedModel):
 
     profile = load_profile(model_key(target), engine_config.dtype)  # cached only: never measured here
     predict = None if profile is None else (lambda rows, width, context: profile.time_ms(width, context))
-    return ThreadChoice((cores, cores - 1), predict, look_when_stalled=True)
+    return ThreadChoice((cores, cores - 1), predict, log=log, look_when_stalled=True)
 
 
 def log(message: str) -> None:
