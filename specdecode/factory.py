@@ -668,7 +668,7 @@ def decode_thread_choice(engine_config: EngineConfig, target: LoadedModel):
     them all. On a 2-core Zen 3 with another process busy on one core, a 128-token plain
     decode took 50-650 ms a token on two threads and 8 ms on one, against 5-6 ms on two with
     the machine to itself (docs/performance.md, "Another process on the machine"). Every
-    core runs until a pass stalls; the other count is measured from then on. A row's logits
+    core runs until two passes in a row stall; both counts are measured from then on. A row's logits
     are the same bits at any count, so the choice changes timing only."""
     cores = torch.get_num_threads()
     if engine_config.num_threads or cores < 2 or getattr(target.runtime, "kernels", None) is None:

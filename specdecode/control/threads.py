@@ -43,11 +43,12 @@ class ThreadChoice:
                  explore_every: int = 16, max_explore_every: int = 512, decay: float = 0.8,
                  log: Callable[[str], None] | None = None, look_when_stalled: bool = False):
         """``look_when_stalled``: run the first option alone, looking at no other, until two
-        of its passes in a row (one can be the OS's hiccup) take ``STALLED`` times its mean, or, with ``predict`` given (the cost
-        profile's milliseconds), ``STALLED`` times the prediction (a process has taken a core,
-        perhaps from the first pass on); from then on choose as above. A single request's engine pays nothing on a machine it has to
-        itself (warming the other counts and the looks cost a 128-token decode on a quiet
-        2-core Zen 3 about 10%), and leaves a stalled count within a few passes."""
+        of its passes in a row (one alone can be the OS's hiccup) take ``STALLED`` times its
+        mean or, with ``predict`` given (the cost profile's milliseconds), the prediction: a
+        process has taken a core, perhaps from the first pass on. From then on choose as
+        above. A single request's engine then pays nothing on a machine it has to itself
+        (warming the other counts and the looks cost a 128-token decode on a quiet 2-core
+        Zen 3 about 10%), and leaves a stalled count within a few passes."""
         options = tuple(dict.fromkeys(options))
         if not options or any(not isinstance(n, int) or n < 1 for n in options):
             raise ConfigError(f"thread counts must be integers >= 1, got {options}")
@@ -137,8 +138,9 @@ class ThreadChoice:
             # decode on a Zen 3 beside a busy process 3.4 s (1.7 s a pass) of its 8
             self.ratios.setdefault(key, ratio)
             if self.log is not None:
-                self.log(f"two decode passes in a row took {STALLED:g}x {against} or more on {threads} kernel thread(s), the second {ratio / reference:.1f}x: "
-                         f"measuring {', '.join(str(n) for n in self.options if n != threads)} beside it from now on")
+                others = ", ".join(str(n) for n in self.options if n != threads)
+                self.log(f"two decode passes in a row took {STALLED:g}x {against} or more on {threads} kernel "
+                         f"thread(s), the second {ratio / reference:.1f}x: measuring {others} beside it from now on")
         if key not in self.ratios:
             samples = self.warm.setdefault(key, [])
             samples.append(ratio)
