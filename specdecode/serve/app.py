@@ -533,6 +533,15 @@ class ServerState:
         loop = asyncio.get_running_loop()
 
         def listener(sequence: Sequence, output: StepOutput) -> None:
+            try:
+                count(sequence, output)
+            except Exception:  # the client gets its output all the same (found in the suite: a
+                # failure here, on a request's last step, left that request waiting forever:
+                # finished, it was no longer among the running requests a failed step aborts)
+                logger.exception("counting a request's step for /metrics failed")
+            loop.call_soon_threadsafe(queue.put_nowait, (index, output))
+
+        def count(sequence: Sequence, output: StepOutput) -> None:
             now = time.perf_counter()
             if output.finish_reason != "abort":
                 prior = self.speculation.calibrated_prior(sequence.method) if sequence.proposer is not None else None
@@ -549,7 +558,6 @@ class ServerState:
                 self._count_tokens([sequence])
                 self._report_queue()
                 self._report(sequence)
-            loop.call_soon_threadsafe(queue.put_nowait, (index, output))
 
         sequence = self.engine.add(prompt_ids, params, request_id, speculate=plan.speculate, proposer=plan.proposer,
                                    policy=plan.policy, listener=listener, prior_alpha=plan.prior,
