@@ -595,9 +595,13 @@ class SpeculationChoices:
         self.profile = profile
         self.lock = threading.Lock()
 
+    def _asked(self, options: SpeculativeOptions | None) -> str:
+        """The method a request names, as it names it (the server's default where it names none)."""
+        return options.method if options is not None and options.method else self.default
+
     def _method(self, options: SpeculativeOptions | None) -> str:
-        """The method a request asks for (the server's default where it names none)."""
-        method = options.method if options is not None and options.method else self.default
+        """The method a request asks for, as our name."""
+        method = self._asked(options)
         return VLLM_METHODS.get(method, method)
 
     def check(self, options: SpeculativeOptions | None, task_type: str | None) -> None:
@@ -617,8 +621,8 @@ class SpeculationChoices:
         if method != "none" and method not in self.drafters:
             known = sorted(set(self.drafters) | {"none"})
             # the name the client sent (draft_model, not our "draft"; found in review)
-            asked = options.method if options is not None and options.method else self.default
-            raise APIError(400, f"speculative method {asked!r} is not available on this server; choose from {known}",
+            raise APIError(400, f"speculative method {self._asked(options)!r} is not available on this server; "
+                                f"choose from {known}",
                            param="speculative.method", code="unknown_speculative_method")
 
     def plan(self, options: SpeculativeOptions | None, task_type: str | None, prompt_text: str,
